@@ -1,0 +1,284 @@
+// fastgate._C: CPU hot paths for the gates (SPEC §4 ops 3-4).
+//
+// Every function here has a pure-Python twin in fastgate/ops/_python.py that must give the same
+// result; tests/test_ops_parity.py holds them to it.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr uint32_t kReplacement = 0xFFFD;
+
+// Same predicate as Python's str.isalnum() on one character, so both backends agree on every code point.
+inline bool is_alnum(uint32_t cp) { return Py_UNICODE_ISALNUM(static_cast<Py_UCS4>(cp)); }
+
+inline bool in_range(uint8_t b, uint8_t lo, uint8_t hi) { return b >= lo && b <= hi; }
+
+// Decodes UTF-8 with "maximal subpart" replacement (Unicode §3.9, as CPython's errors="replace"), recording for
+// each character the index of the piece that holds its first byte.
+void decode_utf8(const std::vector<uint8_t>& bytes, const std::vector<int>& byte_owner, std::vector<uint32_t>& cps,
+                 std::vector<int>& owner) {
+  size_t i = 0, n = bytes.size();
+  while (i < n) {
+    uint8_t b = bytes[i];
+    int start_owner = byte_owner[i];
+    if (b < 0x80) {
+      cps.push_back(b);
+      owner.push_back(start_owner);
+      ++i;
+      continue;
+    }
+    int need;
+    uint8_t lo = 0x80, hi = 0xBF;
+    uint32_t cp;
+    if (in_range(b, 0xC2, 0xDF)) {
+      need = 1; cp = b & 0x1F;
+    } else if (b == 0xE0) {
+      need = 2; cp = b & 0x0F; lo = 0xA0;
+    } else if (in_range(b, 0xE1, 0xEC) || in_range(b, 0xEE, 0xEF)) {
+      need = 2; cp = b & 0x0F;
+    } else if (b == 0xED) {
+      need = 2; cp = b & 0x0F; hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3; cp = b & 0x07; lo = 0x90;
+    } else if (in_range(b, 0xF1, 0xF3)) {
+      need = 3; cp = b & 0x07;
+    } else if (b == 0xF4) {
+      need = 3; cp = b & 0x07; hi = 0x8F;
+    } else {
+      cps.push_back(kReplacement);
+      owner.push_back(start_owner);
+      ++i;
+      continue;
+    }
+    size_t j = i + 1;
+    bool ok = true;
+    for (int k = 0; k < need; ++k, ++j) {
+      uint8_t lo_k = k == 0 ? lo : 0x80, hi_k = k == 0 ? hi : 0xBF;
+      if (j >= n || !in_range(bytes[j], lo_k, hi_k)) {
+        ok = false;
+        break;
+      }
+      cp = (cp << 6) | (bytes[j] & 0x3F);
+    }
+    cps.push_back(ok ? cp : kReplacement);
+    owner.push_back(start_owner);
+    i = j;  // on failure j points at the offending byte, which starts the next character
+  }
+}
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+struct Alignment {
+  std::vector<std::string> words;
+  std::vector<int> word_ids;
+};
+
+// Core of align_words over decoded characters: `owner[c]` is the piece holding character c.
+Alignment align_codepoints(const std::vector<uint32_t>& cps, const std::vector<int>& owner, size_t n_pieces) {
+  const size_t n = cps.size();
+  std::vector<uint8_t> alnum(n);
+  for (size_t i = 0; i < n; ++i) alnum[i] = is_alnum(cps[i]);
+  std::vector<int> word_of(n, -1);
+  Alignment out;
+  out.word_ids.assign(n_pieces, -1);
+  int current = -1;
+  bool in_word = false;
+  for (size_t i = 0; i < n; ++i) {
+    bool joiner = (cps[i] == '\'' || cps[i] == '-') && i > 0 && i + 1 < n && alnum[i - 1] && alnum[i + 1];
+    bool word_char = alnum[i] || joiner;
+    if (!word_char) {
+      in_word = false;
+      continue;
+    }
+    if (!in_word) {
+      out.words.emplace_back();
+      current = static_cast<int>(out.words.size()) - 1;
+      in_word = true;
+    }
+    append_utf8(out.words.back(), cps[i]);
+    word_of[i] = current;
+    int t = owner[i];
+    if (out.word_ids[t] < 0) out.word_ids[t] = current;
+  }
+  return out;
+}
+
+py::tuple align_words(const py::list& pieces) {
+  const size_t n_pieces = pieces.size();
+  std::vector<uint32_t> cps;
+  std::vector<int> owner;
+  bool any_bytes = false, any_str = false;
+  for (auto item : pieces) {
+    if (PyBytes_Check(item.ptr())) any_bytes = true;
+    else if (PyUnicode_Check(item.ptr())) any_str = true;
+    else throw py::type_error("align_words: pieces must all be str or all be bytes, got " +
+                              std::string(py::str(py::type::of(item).attr("__name__"))));
+  }
+  if (any_bytes && any_str) throw py::type_error("align_words: pieces must all be str or all be bytes, not a mix");
+  if (any_bytes) {
+    std::vector<uint8_t> bytes;
+    std::vector<int> byte_owner;
+    for (size_t t = 0; t < n_pieces; ++t) {
+      char* buf;
+      Py_ssize_t len;
+      PyBytes_AsStringAndSize(pieces[t].ptr(), &buf, &len);
+      for (Py_ssize_t k = 0; k < len; ++k) {
+        bytes.push_back(static_cast<uint8_t>(buf[k]));
+        byte_owner.push_back(static_cast<int>(t));
+      }
+    }
+    decode_utf8(bytes, byte_owner, cps, owner);
+  } else {
+    for (size_t t = 0; t < n_pieces; ++t) {
+      PyObject* s = pieces[t].ptr();
+      Py_ssize_t len = PyUnicode_GET_LENGTH(s);
+      int kind = PyUnicode_KIND(s);
+      const void* data = PyUnicode_DATA(s);
+      for (Py_ssize_t k = 0; k < len; ++k) {
+        cps.push_back(PyUnicode_READ(kind, data, k));
+        owner.push_back(static_cast<int>(t));
+      }
+    }
+  }
+  Alignment a = align_codepoints(cps, owner, n_pieces);
+  py::list words;
+  for (auto& w : a.words) words.append(py::str(w));
+  return py::make_tuple(words, py::cast(a.word_ids));
+}
+
+py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::array::forcecast> logprobs,
+                                 py::array_t<int64_t, py::array::c_style | py::array::forcecast> word_ids,
+                                 int64_t n_words) {
+  if (logprobs.ndim() != 1 || word_ids.ndim() != 1)
+    throw std::invalid_argument("word_logprobs: token_logprobs and word_ids must be 1-D");
+  if (logprobs.shape(0) != word_ids.shape(0))
+    throw std::invalid_argument("word_logprobs: token_logprobs has " + std::to_string(logprobs.shape(0)) +
+                                " entries but word_ids has " + std::to_string(word_ids.shape(0)));
+  const auto T = logprobs.shape(0);
+  const double* lp = logprobs.data();
+  const int64_t* ids = word_ids.data();
+  int64_t W = n_words;
+  if (W < 0) {
+    W = 0;
+    for (ssize_t t = 0; t < T; ++t) W = std::max(W, ids[t] + 1);
+  }
+  std::vector<double> sum(W, 0.0);
+  std::vector<int64_t> cnt(W, 0);
+  for (ssize_t t = 0; t < T; ++t) {
+    if (ids[t] < 0) continue;
+    if (ids[t] >= W) throw std::invalid_argument("word_logprobs: word id " + std::to_string(ids[t]) + " >= n_words " +
+                                                 std::to_string(W));
+    sum[ids[t]] += lp[t];
+    cnt[ids[t]] += 1;
+  }
+  py::array_t<float> out(W);
+  auto o = out.mutable_unchecked<1>();
+  for (int64_t w = 0; w < W; ++w) o(w) = cnt[w] ? static_cast<float>(sum[w] / cnt[w]) : 0.0f;
+  return out;
+}
+
+enum class AisMode { kAngle, kSum };
+
+AisMode parse_mode(const std::string& mode) {
+  if (mode == "angle") return AisMode::kAngle;
+  if (mode == "sum") return AisMode::kSum;
+  throw std::invalid_argument("ais_scores: mode must be 'angle' or 'sum', got '" + mode + "'");
+}
+
+inline double clip1(double x) { return x < -1.0 ? -1.0 : (x > 1.0 ? 1.0 : x); }
+
+// out[j] = AIS(docs[j]; q, p) for n documents of dimension d.
+void ais_block(const float* q, const float* p, const float* docs, int64_t n, int64_t d, AisMode mode, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* x = docs + j * d;
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t k = 0; k < d; ++k) {
+      s1 += static_cast<double>(x[k]) * q[k];
+      s2 += static_cast<double>(x[k]) * p[k];
+    }
+    s1 = clip1(s1);
+    s2 = clip1(s2);
+    double v = mode == AisMode::kAngle ? s1 * s2 - std::sqrt(1.0 - s1 * s1) * std::sqrt(1.0 - s2 * s2) : s1 + s2;
+    out[j] = static_cast<float>(v);
+  }
+}
+
+using FArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+py::array_t<float> ais_scores(FArray q, FArray p, FArray docs, const std::string& mode) {
+  AisMode m = parse_mode(mode);
+  if (q.ndim() != 1 || p.ndim() != 1 || docs.ndim() != 2)
+    throw std::invalid_argument("ais_scores: expected q [d], p [d], docs [n, d]");
+  const int64_t d = q.shape(0), n = docs.shape(0);
+  if (p.shape(0) != d || docs.shape(1) != d)
+    throw std::invalid_argument("ais_scores: dimension mismatch: q has d=" + std::to_string(d) + ", p has d=" +
+                                std::to_string(p.shape(0)) + ", docs has d=" + std::to_string(docs.shape(1)));
+  py::array_t<float> out(n);
+  float* o = out.mutable_data();
+  const float *qd = q.data(), *pd = p.data(), *dd = docs.data();
+  {
+    py::gil_scoped_release release;
+    ais_block(qd, pd, dd, n, d, m, o);
+  }
+  return out;
+}
+
+py::array_t<float> ais_scores_batch(FArray Q, FArray P, FArray D, const std::string& mode) {
+  AisMode m = parse_mode(mode);
+  if (Q.ndim() != 2 || P.ndim() != 2 || D.ndim() != 3)
+    throw std::invalid_argument("ais_scores_batch: expected Q [B, d], P [B, d], D [B, n, d]");
+  const int64_t B = Q.shape(0), d = Q.shape(1), n = D.shape(1);
+  if (P.shape(0) != B || D.shape(0) != B)
+    throw std::invalid_argument("ais_scores_batch: batch mismatch: Q has B=" + std::to_string(B) + ", P has " +
+                                std::to_string(P.shape(0)) + ", D has " + std::to_string(D.shape(0)));
+  if (P.shape(1) != d || D.shape(2) != d)
+    throw std::invalid_argument("ais_scores_batch: dimension mismatch: Q has d=" + std::to_string(d) + ", P has " +
+                                std::to_string(P.shape(1)) + ", D has " + std::to_string(D.shape(2)));
+  py::array_t<float> out({B, n});
+  float* o = out.mutable_data();
+  const float *qd = Q.data(), *pd = P.data(), *dd = D.data();
+  {
+    py::gil_scoped_release release;
+    for (int64_t b = 0; b < B; ++b) ais_block(qd + b * d, pd + b * d, dd + b * n * d, n, d, m, o + b * n);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores";
+  m.def("align_words", &align_words, py::arg("pieces"),
+        "Group generated token pieces (all str or all bytes) into words; returns (words, word_ids).");
+  m.def("word_logprobs", &word_logprobs, py::arg("token_logprobs"), py::arg("word_ids"), py::arg("n_words") = -1,
+        "Mean token log-prob per word; words with no token get 0.");
+  m.def("ais_scores", &ais_scores, py::arg("q"), py::arg("p"), py::arg("docs"), py::arg("mode") = "angle");
+  m.def("ais_scores_batch", &ais_scores_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("mode") = "angle");
+}

@@ -1,0 +1,58 @@
+"""Typed configuration shared by the engine, retrievers and methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastgate.errors import InputError
+
+__all__ = ["GenerationConfig", "TapSpec"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How one call of :meth:`fastgate.engine.Engine.generate` decodes."""
+
+    max_new_tokens: int = 32  # short answers; methods raise it for rationales
+    do_sample: bool = False  # greedy by default: reproducible answers and gate scores
+    temperature: float = 1.0  # SeaKR samples at T=1.0
+    top_k: int = 0  # 0 disables; SeaKR uses 50
+    top_p: float = 1.0  # 1.0 disables; SeaKR uses 0.9
+    seed: int | None = None  # sampling seed; None draws from torch's global generator
+    stop: tuple[str, ...] = ()  # stop strings; the returned text ends before the first match
+    stop_at_eos: bool = True  # EOS ends a sequence (turn off to force max_new_tokens)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and self.temperature <= 0:
+            raise InputError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise InputError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class TapSpec:
+    """Which internal signals a gate needs captured during decoding; nothing else is recorded.
+
+    Layer index ``l`` means HF ``hidden_states[l]``: 0 = embeddings, ``n_layers`` = the final (normed) output.
+    """
+
+    layers: tuple[int, ...] = ()  # running sums of generated-token states at these layers (Probing-RAG)
+    pre_answer: bool = False  # mid-layer state of the last prompt token (CBDR), free from prefill
+    eos_state: bool = False  # mid-layer state at a forced EOS after each sequence stops (SeaKR)
+    mid_layer: int | None = None  # layer for pre_answer/eos_state; None = n_layers // 2
+    extra: tuple[str, ...] = field(default=())  # reserved for gate-specific taps
+
+    @property
+    def needs_flush(self) -> bool:
+        """Whether a finished sequence's last token must still be fed (to record its state)."""
+        return bool(self.layers) or self.eos_state
+
+    @property
+    def any(self) -> bool:
+        return bool(self.layers) or self.pre_answer or self.eos_state

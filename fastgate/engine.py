@@ -1,0 +1,365 @@
+"""The decoding engine: one batched decode loop over an HF causal LM with a KV cache, reading the gates' signals as
+it goes.
+
+Why our own loop instead of ``model.generate``: the gates need per-step hidden states of a few layers (summed on the
+fly, never stored per token), log-probs of the chosen tokens, a forced EOS step after a sample stops, and k samples
+that share one prefill. ``generate(output_hidden_states=True)`` materialises every layer at every step instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.errors import InputError
+from fastgate.models import LoadedModel
+
+__all__ = ["Engine", "Generation", "GenerationBatch", "accumulate_taps"]
+
+FinishReason = Literal["eos", "stop", "length"]
+
+# Per-sequence decode states.
+_ACTIVE, _FLUSH_LAST, _FLUSH_EOS, _DONE = 0, 1, 2, 3
+
+
+@dataclass
+class Generation:
+    """One generated sequence."""
+
+    text: str  # decoded continuation, cut before the first stop string
+    token_ids: list[int]  # every generated token, including EOS / stop-string tokens
+    token_logprobs: list[float]  # log p(token) under the model (temperature 1), one per token_ids entry
+    answer_tokens: int  # how many leading tokens make up `text` (excludes EOS and stop-string tokens)
+    finish_reason: FinishReason
+    prompt_tokens: int
+    truncated: bool  # the prompt was cut on the left to fit the context
+
+
+@dataclass
+class GenerationBatch:
+    """The result of :meth:`Engine.generate` for B prompts × k samples (prompt-major order)."""
+
+    sequences: list[Generation]
+    running_sum: torch.Tensor | None = None  # [N, L, d] float32, sum of generated-token states per tapped layer
+    count: torch.Tensor | None = None  # [N] float32, tokens in the running sums
+    pre_answer: torch.Tensor | None = None  # [N, d] float32
+    eos_state: torch.Tensor | None = None  # [N, d] float32
+    layers: tuple[int, ...] = ()
+    steps: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> None:
+    """``running_sum += states * weight`` in place: the per-step tap update (torch reference of the Triton kernel).
+
+    Args:
+        running_sum: ``[N, L, d]`` float32.
+        states: ``[N, L, d]`` hidden states of the current token at each tapped layer (any float dtype).
+        weight: ``[N]`` 1 for sequences whose current token counts, 0 otherwise.
+    """
+    running_sum.add_(states.to(torch.float32) * weight.to(torch.float32)[:, None, None])
+
+
+class _Taps:
+    """Forward hooks that keep the latest output of the tapped modules (only while a generate call runs)."""
+
+    def __init__(self, model, layers: tuple[int, ...]) -> None:
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._handles = []
+        inner = model.model
+        n = len(inner.layers)
+        for layer in layers:
+            if layer == 0:
+                module = inner.embed_tokens
+            elif layer == n:
+                module = inner.norm  # HF hidden_states[-1] is the normed final output
+            else:
+                module = inner.layers[layer - 1]
+            self._handles.append(module.register_forward_hook(self._hook(layer)))
+
+    def _hook(self, layer: int):
+        def fn(_module, _inputs, output):
+            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+
+        return fn
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _process_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, as HF's sampling processors do. ``logits [N, V]`` float32."""
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        k = min(cfg.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)  # [N, V]
+        remove_sorted = cum <= (1 - cfg.top_p)
+        remove_sorted[:, -1] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class Engine:
+    """Batched generation with taps on one loaded model.
+
+    Args:
+        model: a :class:`~fastgate.models.LoadedModel`.
+        backend: ``auto|triton|torch`` for the tap accumulation (``auto``: Triton on CUDA tensors once the kernels
+            exist, torch elsewhere). Chosen here, once.
+    """
+
+    def __init__(self, model: LoadedModel, backend: str = "auto") -> None:
+        if backend not in ("auto", "triton", "torch"):
+            raise InputError(f"unknown engine backend {backend!r}; choose auto, triton or torch")
+        self.lm = model
+        self.model = model.model
+        self.tokenizer = model.tokenizer
+        self.backend = "torch"  # the Triton accumulate kernel is selected here when available
+        self._accumulate = accumulate_taps
+        gen_cfg = getattr(self.model, "generation_config", None)
+        eos: set[int] = set()
+        for source in (getattr(gen_cfg, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source is not None:
+                eos.update(int(x) for x in source)
+        if not eos:
+            raise InputError(f"model {model.name} has no EOS token")
+        self.eos_ids = sorted(eos)
+        self.eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.n_layers = model.n_layers
+        self.device = model.device
+
+    # ------------------------------------------------------------------ helpers
+    def count_tokens(self, text: str) -> int:
+        """Number of tokens of ``text`` as a prompt (special tokens included)."""
+        return len(self.tokenizer(text)["input_ids"])
+
+    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        budget = self.lm.max_context - max_new_tokens - 1  # room for the forced EOS step
+        if budget < 1:
+            raise InputError(f"max_new_tokens={max_new_tokens} leaves no room in the {self.lm.max_context}-token context")
+        rows = [self.tokenizer(p)["input_ids"] for p in prompts]
+        truncated = [len(r) > budget for r in rows]
+        rows = [r[-budget:] if t else r for r, t in zip(rows, truncated)]  # keep the end: it holds the question
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding, so every sequence's next token sits in the last column
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+        return ids.to(self.device), mask.to(self.device), truncated
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache, n_new: int) -> torch.Tensor:
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -n_new:]  # [N, n_new]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].to(torch.float32)  # [N, V]
+
+    # ------------------------------------------------------------------ main entry
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[str],
+        config: GenerationConfig | None = None,
+        taps: TapSpec | None = None,
+        k: int = 1,
+    ) -> GenerationBatch:
+        """Generate for a batch of prompts.
+
+        Args:
+            prompts: B prompt strings (left-padded into one batch).
+            config: decoding settings.
+            taps: signals to capture; see :class:`~fastgate.config.TapSpec`.
+            k: samples per prompt; the k samples share the prompt's prefill (KV cache expanded after it).
+
+        Returns:
+            A :class:`GenerationBatch` with ``B*k`` sequences, prompt-major (sample j of prompt i at ``i*k + j``).
+        """
+        from transformers import DynamicCache
+
+        cfg = config or GenerationConfig()
+        taps = taps or TapSpec()
+        if not prompts:
+            raise InputError("generate: no prompts")
+        if k < 1:
+            raise InputError(f"k must be >= 1, got {k}")
+        mid = taps.mid_layer if taps.mid_layer is not None else self.n_layers // 2
+        for layer in (*taps.layers, mid):
+            if not 0 <= layer <= self.n_layers:
+                raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
+        t_start = time.perf_counter()
+        ids, mask, truncated = self._encode(prompts, cfg.max_new_tokens)
+        prompt_lens = mask.sum(-1).tolist()
+        tap_layers = tuple(sorted(set(taps.layers) | ({mid} if (taps.pre_answer or taps.eos_state) else set())))
+        hooks = _Taps(self.model, tap_layers) if tap_layers else None
+        generator = None
+        if cfg.do_sample and cfg.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        try:
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward(ids, mask, cache, ids.shape[1])  # [B, V]
+            t_prefill = time.perf_counter()
+            pre_answer = None
+            if taps.pre_answer:
+                pre_answer = hooks.outputs[mid][:, -1, :].to(torch.float32)  # [B, d]
+            if k > 1:
+                cache.batch_repeat_interleave(k)
+                logits = logits.repeat_interleave(k, dim=0)
+                mask = mask.repeat_interleave(k, dim=0)
+                pre_answer = pre_answer.repeat_interleave(k, dim=0) if pre_answer is not None else None
+            n = logits.shape[0]
+            seq_prompt = [prompt_lens[i // k] for i in range(n)]
+            seq_trunc = [truncated[i // k] for i in range(n)]
+            d = self.lm.hidden_size
+            running_sum = torch.zeros((n, len(taps.layers), d), dtype=torch.float32, device=self.device) if taps.layers else None
+            count = torch.zeros(n, dtype=torch.float32, device=self.device) if taps.layers else None
+            eos_state = torch.zeros((n, d), dtype=torch.float32, device=self.device) if taps.eos_state else None
+
+            state = [_ACTIVE] * n
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            logps: list[list[float]] = [[] for _ in range(n)]
+            texts = [""] * n
+            answer_len = [0] * n
+            reason: list[FinishReason] = ["length"] * n
+            eos_set = set(self.eos_ids)
+            steps = 0
+            while True:
+                # 1. choose the next token of every active sequence
+                active_rows = [i for i in range(n) if state[i] == _ACTIVE]
+                if active_rows:
+                    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+                    if cfg.do_sample:
+                        probs = _process_logits(logits, cfg).softmax(-1)
+                        chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+                    else:
+                        chosen = logits.argmax(-1)  # [N]
+                    chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [N]
+                    chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
+                    steps += 1
+                    for i in active_rows:
+                        tok = chosen_l[i]
+                        tokens[i].append(tok)
+                        logps[i].append(chosen_lp_l[i])
+                        self._update_finish(i, tok, tokens, texts, answer_len, reason, state, cfg, eos_set, taps)
+                # 2. decide what each row feeds next
+                feed = [self.pad_id] * n
+                attend = [0] * n
+                counts_now = [0.0] * n
+                capture_eos = [False] * n
+                for i in range(n):
+                    s = state[i]
+                    if s == _ACTIVE:
+                        feed[i], attend[i] = tokens[i][-1], 1
+                        counts_now[i] = 1.0
+                    elif s == _FLUSH_LAST:
+                        last = tokens[i][-1]
+                        feed[i], attend[i] = last, 1
+                        is_eos = last in eos_set
+                        counts_now[i] = 0.0 if is_eos else 1.0
+                        if taps.eos_state and is_eos:
+                            capture_eos[i] = True
+                            state[i] = _DONE
+                        else:
+                            state[i] = _FLUSH_EOS if taps.eos_state else _DONE
+                    elif s == _FLUSH_EOS:
+                        feed[i], attend[i] = self.eos_id, 1
+                        capture_eos[i] = True
+                        state[i] = _DONE
+                if not any(attend):
+                    break
+                feed_t = torch.tensor(feed, dtype=torch.long, device=self.device)[:, None]  # [N, 1]
+                attend_t = torch.tensor(attend, dtype=mask.dtype, device=self.device)[:, None]  # [N, 1]
+                mask = torch.cat([mask, attend_t], dim=1)
+                logits = self._forward(feed_t, mask, cache, 1)
+                if running_sum is not None:
+                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in taps.layers], dim=1)  # [N, L, d]
+                    weight = torch.tensor(counts_now, dtype=torch.float32, device=self.device)  # [N]
+                    self._accumulate(running_sum, states, weight)
+                    count += weight
+                if eos_state is not None and any(capture_eos):
+                    rows = torch.tensor([i for i in range(n) if capture_eos[i]], device=self.device)
+                    eos_state[rows] = hooks.outputs[mid][rows, -1, :].to(torch.float32)
+        finally:
+            if hooks is not None:
+                hooks.close()
+        t_end = time.perf_counter()
+        sequences = [
+            Generation(
+                text=texts[i],
+                token_ids=tokens[i],
+                token_logprobs=logps[i],
+                answer_tokens=answer_len[i],
+                finish_reason=reason[i],
+                prompt_tokens=int(seq_prompt[i]),
+                truncated=bool(seq_trunc[i]),
+            )
+            for i in range(n)
+        ]
+        return GenerationBatch(
+            sequences=sequences,
+            running_sum=running_sum,
+            count=count,
+            pre_answer=pre_answer,
+            eos_state=eos_state,
+            layers=tuple(taps.layers),
+            steps=steps,
+            timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start},
+        )
+
+    def _update_finish(self, i, tok, tokens, texts, answer_len, reason, state, cfg, eos_set, taps) -> None:
+        """Record token ``tok`` of sequence ``i`` and move it out of ACTIVE if it stops."""
+        finished: FinishReason | None = None
+        if cfg.stop_at_eos and tok in eos_set:
+            finished = "eos"
+            ans = tokens[i][:-1]
+            text = self.tokenizer.decode(ans, skip_special_tokens=True)
+            texts[i], answer_len[i] = text, len(ans)
+        else:
+            text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+            cut = -1
+            for s in cfg.stop:
+                pos = text.find(s)
+                if pos >= 0 and (cut < 0 or pos < cut):
+                    cut = pos
+            if cut >= 0:
+                finished = "stop"
+                texts[i] = text[:cut]
+                answer_len[i] = self._tokens_before(tokens[i], cut)
+            else:
+                texts[i], answer_len[i] = text, len(tokens[i])
+                if len(tokens[i]) >= cfg.max_new_tokens:
+                    finished = "length"
+        if finished is not None:
+            reason[i] = finished
+            state[i] = _FLUSH_LAST if taps.needs_flush else _DONE
+
+    def _tokens_before(self, token_ids: list[int], n_chars: int) -> int:
+        """Number of leading tokens whose text starts before character ``n_chars`` of the decoded continuation."""
+        for j in range(1, len(token_ids) + 1):
+            if len(self.tokenizer.decode(token_ids[:j], skip_special_tokens=True)) >= n_chars:
+                return j if n_chars > 0 else 0
+        return len(token_ids)

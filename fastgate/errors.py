@@ -1,0 +1,70 @@
+"""Exception types. Every error a user can cause derives from :class:`FastgateError`; the CLI prints its message on
+one line and exits non-zero, without a traceback."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CorpusError",
+    "FastgateError",
+    "IndexError_",
+    "InputError",
+    "MissingDependencyError",
+    "ModelError",
+    "ShapeError",
+    "UnknownNameError",
+]
+
+
+class FastgateError(Exception):
+    """Base class of errors caused by input, configuration or environment (not by a bug)."""
+
+
+class InputError(FastgateError, ValueError):
+    """A question, parameter or argument is invalid."""
+
+
+class UnknownNameError(InputError):
+    """A method, retriever, model or backend name is not known."""
+
+    def __init__(self, kind: str, name: str, choices: list[str] | tuple[str, ...]) -> None:
+        super().__init__(f"unknown {kind} {name!r}; choose one of: {', '.join(choices)}")
+        self.kind, self.name, self.choices = kind, name, tuple(choices)
+
+
+class ShapeError(FastgateError, ValueError):
+    """A tensor or array argument has the wrong shape or contents."""
+
+
+class ModelError(FastgateError):
+    """A model cannot be found, converted or loaded."""
+
+
+class CorpusError(FastgateError):
+    """A corpus file is missing or malformed."""
+
+
+class IndexError_(FastgateError):
+    """A retrieval index is missing, corrupt or built for something else."""
+
+
+class BackendUnavailableError(FastgateError):
+    """An explicitly requested backend (ext, triton, faiss-gpu...) is not available here."""
+
+
+class MissingDependencyError(FastgateError, ImportError):
+    """An optional dependency is not installed."""
+
+    def __init__(self, package: str, hint: str) -> None:
+        super().__init__(f"{package} is required for this feature: {hint}")
+        self.package = package
+
+
+def require(module: str, hint: str):
+    """Import an optional heavy dependency lazily, with an install hint on failure."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(module, hint) from exc

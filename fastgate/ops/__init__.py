@@ -1,0 +1,211 @@
+"""Functional ops of SPEC §4 with a selectable backend.
+
+``align_words``, ``word_logprobs``, ``ais_scores`` and ``ais_scores_batch`` run in the C++ extension ``fastgate._C``
+(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``answer_nll`` is a torch op.
+
+Pick the backend once, where the consumer is built::
+
+    ops = fastgate.ops.load("auto")     # ext if fastgate._C imports, else python
+    words, ids = ops.align_words(pieces)
+
+The module-level functions use the ``auto`` backend, resolved on first use (``FASTGATE_BACKEND=python`` or ``torch``
+forces the references).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+import torch
+
+from fastgate.errors import BackendUnavailableError, ShapeError
+from fastgate.ops import _python
+
+__all__ = [
+    "CpuOps",
+    "ais_scores",
+    "ais_scores_batch",
+    "align_words",
+    "answer_nll",
+    "ext_available",
+    "load",
+    "word_logprobs",
+]
+
+CpuBackend = Literal["auto", "ext", "python"]
+
+
+def _import_ext() -> ModuleType | None:
+    try:
+        return importlib.import_module("fastgate._C")
+    except ImportError:
+        return None
+
+
+def ext_available() -> bool:
+    """Whether the compiled extension ``fastgate._C`` can be imported."""
+    return _import_ext() is not None
+
+
+def _to_numpy_f32(x: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float32).numpy()
+    arr = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.all(np.isfinite(arr)):
+        raise ShapeError(f"{name} contains NaN or inf")
+    return arr
+
+
+@dataclass(frozen=True)
+class CpuOps:
+    """The CPU ops bound to one backend (``ext`` or ``python``); build it with :func:`load`."""
+
+    backend: Literal["ext", "python"]
+    _impl: ModuleType
+
+    def align_words(self, pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
+        """Group token pieces into words (SPEC §4 op 4).
+
+        Args:
+            pieces: text of each generated token, all ``str``, or all ``bytes`` for byte-level pieces that may split a
+                UTF-8 character (the concatenation is decoded once; a token owns the characters whose first byte
+                lies in it).
+
+        Returns:
+            ``(words, word_ids)``: the words in order, and per token the index of the word holding its first word
+            character, or -1 for a token without one.
+        """
+        return self._impl.align_words(list(pieces))
+
+    def word_logprobs(
+        self, token_logprobs: torch.Tensor | np.ndarray, word_ids: Sequence[int], n_words: int | None = None
+    ) -> torch.Tensor:
+        """Mean token log-prob per word (SCAAR eq. 5, the log of the geometric-mean probability).
+
+        Args:
+            token_logprobs: ``[T]`` log-probs of the generated tokens.
+            word_ids: ``[T]`` from :meth:`align_words`.
+            n_words: number of words; default ``max(word_ids) + 1``. A word that owns no token (all its characters
+                lie in a token that starts inside an earlier word) gets 0.
+
+        Returns:
+            ``[W]`` float32 tensor.
+        """
+        lp = np.asarray(
+            token_logprobs.detach().cpu().double().numpy() if isinstance(token_logprobs, torch.Tensor) else token_logprobs,
+            dtype=np.float64,
+        )
+        ids = np.asarray(word_ids, dtype=np.int64)
+        try:
+            out = self._impl.word_logprobs(lp, ids, -1 if n_words is None else n_words)
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+    def ais_scores(
+        self, q: torch.Tensor, p: torch.Tensor, docs: torch.Tensor, mode: Literal["angle", "sum"] = "angle"
+    ) -> torch.Tensor:
+        """Dual-path AIS of ``docs [n, d]`` for one question embedding ``q [d]`` and pseudo-context ``p [d]``.
+
+        Inputs are L2-normalised; ``s1 = docs@q``, ``s2 = docs@p`` are clipped to [-1, 1]. ``angle``:
+        ``s1*s2 - sqrt(1-s1²)*sqrt(1-s2²)`` = cos(θ1+θ2) (DTR eq. 7); ``sum``: ``s1 + s2`` (DTR's released code).
+        """
+        args = (_to_numpy_f32(q, "q"), _to_numpy_f32(p, "p"), _to_numpy_f32(docs, "docs"))
+        try:
+            out = self._impl.ais_scores(*args, mode)
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+    def ais_scores_batch(
+        self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, mode: Literal["angle", "sum"] = "angle"
+    ) -> torch.Tensor:
+        """Batched :meth:`ais_scores`: ``Q [B,d], P [B,d], D [B,n,d] -> [B,n]``."""
+        args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
+        try:
+            out = self._impl.ais_scores_batch(*args, mode)
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+
+def load(backend: CpuBackend = "auto") -> CpuOps:
+    """Bind the CPU ops to a backend, once.
+
+    Args:
+        backend: ``ext`` (C++; raises if the extension is not built), ``python``, or ``auto`` (``ext`` when importable;
+            ``FASTGATE_BACKEND=python|torch`` forces ``python``).
+    """
+    if backend not in ("auto", "ext", "python"):
+        raise ValueError(f"unknown CPU ops backend {backend!r}; choose auto, ext or python")
+    if backend == "auto" and os.environ.get("FASTGATE_BACKEND", "").lower() in ("python", "torch"):
+        backend = "python"
+    if backend in ("auto", "ext"):
+        ext = _import_ext()
+        if ext is not None:
+            return CpuOps("ext", ext)
+        if backend == "ext":
+            raise BackendUnavailableError(
+                "the C++ extension fastgate._C is not built; reinstall with `pip install -e .` (needs cmake and a C++ "
+                "compiler) or use backend='python'"
+            )
+    return CpuOps("python", _python)
+
+
+_DEFAULT: CpuOps | None = None
+
+
+def _default() -> CpuOps:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = load("auto")
+    return _DEFAULT
+
+
+def align_words(pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
+    """:meth:`CpuOps.align_words` on the default backend."""
+    return _default().align_words(pieces)
+
+
+def word_logprobs(
+    token_logprobs: torch.Tensor | np.ndarray, word_ids: Sequence[int], n_words: int | None = None
+) -> torch.Tensor:
+    """:meth:`CpuOps.word_logprobs` on the default backend."""
+    return _default().word_logprobs(token_logprobs, word_ids, n_words)
+
+
+def ais_scores(q: torch.Tensor, p: torch.Tensor, docs: torch.Tensor, mode: Literal["angle", "sum"] = "angle"):
+    """:meth:`CpuOps.ais_scores` on the default backend."""
+    return _default().ais_scores(q, p, docs, mode)
+
+
+def ais_scores_batch(Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, mode: Literal["angle", "sum"] = "angle"):
+    """:meth:`CpuOps.ais_scores_batch` on the default backend."""
+    return _default().ais_scores_batch(Q, P, D, mode)
+
+
+def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-prob over masked tokens (SPEC §4 op 5, DTR's uncertainty u).
+
+    Args:
+        token_logprobs: ``[B, T]`` log-probs of the chosen tokens.
+        mask: ``[B, T]`` bool/0-1; DTR excludes the final EOS token through it.
+
+    Returns:
+        ``[B]`` float32; a row with an empty mask gets +inf (no evidence of confidence).
+    """
+    if token_logprobs.ndim != 2 or mask.shape != token_logprobs.shape:
+        raise ShapeError(
+            f"answer_nll: expected token_logprobs [B, T] and mask of the same shape, got {tuple(token_logprobs.shape)} "
+            f"and {tuple(mask.shape)}"
+        )
+    m = mask.to(torch.float32)  # [B, T]
+    total = -(token_logprobs.to(torch.float32) * m).sum(-1)  # [B]
+    count = m.sum(-1)  # [B]
+    return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))

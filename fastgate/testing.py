@@ -1,0 +1,65 @@
+"""A tiny random Llama with an in-process BPE tokenizer, for fast tests and benchmarks (no downloads)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+from fastgate.models import LoadedModel
+
+__all__ = ["tiny_model", "TINY_CORPUS"]
+
+TINY_CORPUS = [
+    "Q: What is the capital of France?\nA: Paris",
+    "Q: Who wrote Hamlet?\nA: William Shakespeare",
+    "The quick brown fox jumps over the lazy dog. It's a well-known pangram!",
+    "Berlin is the capital of Germany; Tokyo is the capital of Japan. 1889, 2024, naïve café — Zürich.",
+    "Ouagadougou is the capital of Burkina Faso. Bishkek is the capital of Kyrgyzstan. 🙂 emoji ✓",
+]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: int = 384) -> LoadedModel:
+    """Build a tiny random Llama (fp32, CPU) and its BPE tokenizer; deterministic for a given seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger logits than the default init, so greedy choices are well separated
+        model.lm_head.weight.mul_(4.0)
+    fingerprint = hashlib.sha256(f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
+    return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
