@@ -1,0 +1,94 @@
+"""Retrieval: BM25 on tantivy and dense vectors on FAISS behind one :class:`Retriever` interface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastgate.corpus import DEFAULT_CORPUS, load_corpus
+from fastgate.errors import UnknownNameError
+from fastgate.paths import index_dir
+from fastgate.retrieval.base import Hit, Retriever
+
+__all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes", "open_retriever"]
+
+RETRIEVERS = ("bm25", "dense")
+
+
+def __getattr__(name: str):
+    if name == "BM25Retriever":
+        from fastgate.retrieval.bm25 import BM25Retriever
+
+        return BM25Retriever
+    if name == "DenseRetriever":
+        from fastgate.retrieval.dense import DenseRetriever
+
+        return DenseRetriever
+    raise AttributeError(name)
+
+
+def open_retriever(kind: str = "bm25", index_root: str | Path | None = None, *, build_default: bool = True,
+                   **kwargs) -> Retriever:
+    """Open the ``bm25`` or ``dense`` index under ``index_root`` (default: the default corpus's cached indexes).
+
+    With ``build_default`` the default corpus's index is built on first use (with progress bars); a custom
+    ``index_root`` must exist.
+    """
+    if kind not in RETRIEVERS:
+        raise UnknownNameError("retriever", kind, RETRIEVERS)
+    if index_root is None:
+        root = index_dir(DEFAULT_CORPUS)
+        if build_default and not (root / kind / "fastgate_index.json").is_file():
+            build_indexes(DEFAULT_CORPUS, root, kinds=(kind,), progress=True)
+    else:
+        root = Path(index_root)
+    if kind == "bm25":
+        from fastgate.retrieval.bm25 import BM25Retriever
+
+        return BM25Retriever(root / "bm25")
+    from fastgate.retrieval.dense import DenseRetriever
+
+    return DenseRetriever(root / "dense", **kwargs)
+
+
+def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | None = None,
+                  kinds: tuple[str, ...] = RETRIEVERS, *, hnsw: bool = False, progress: bool = True,
+                  force: bool = False) -> dict[str, Path]:
+    """Build the requested indexes of a corpus under ``out_root/<kind>``; up-to-date ones are kept unless ``force``."""
+    import json
+    import sys
+
+    from fastgate.corpus import corpus_fingerprint
+
+    for kind in kinds:
+        if kind not in RETRIEVERS:
+            raise UnknownNameError("retriever", kind, RETRIEVERS)
+    name, passages = load_corpus(corpus)
+    root = Path(out_root) if out_root is not None else index_dir(name)
+    fingerprint = corpus_fingerprint(passages)
+    built: dict[str, Path] = {}
+    for kind in kinds:
+        target = root / kind
+        manifest = target / "fastgate_index.json"
+        if not force and manifest.is_file():
+            try:
+                current = json.loads(manifest.read_text())
+            except (OSError, json.JSONDecodeError):
+                current = {}
+            if current.get("corpus_fingerprint") == fingerprint and (kind != "dense" or
+                                                                      current.get("index_type") == ("hnsw" if hnsw else "flat_ip")):
+                if progress:
+                    print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
+                built[kind] = target
+                continue
+        if progress:
+            print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}", file=sys.stderr)
+        if kind == "bm25":
+            from fastgate.retrieval.bm25 import build_bm25_index
+
+            build_bm25_index(passages, target, corpus_name=name, progress=progress)
+        else:
+            from fastgate.retrieval.dense import build_dense_index
+
+            build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress)
+        built[kind] = target
+    return built

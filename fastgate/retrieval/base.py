@@ -1,0 +1,106 @@
+"""The retriever interface, typed hits and atomic on-disk index directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from fastgate.corpus import Passage
+from fastgate.errors import IndexError_, InputError
+
+__all__ = ["Hit", "Retriever", "atomic_index_dir", "read_manifest"]
+
+MANIFEST = "fastgate_index.json"
+INDEX_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A retrieved passage with its retriever score (higher is better)."""
+
+    passage: Passage
+    score: float
+
+    @property
+    def id(self) -> str:
+        return self.passage.id
+
+    @property
+    def title(self) -> str:
+        return self.passage.title
+
+    @property
+    def text(self) -> str:
+        return self.passage.text
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """What every retriever offers."""
+
+    name: str
+
+    def search(self, query: str, k: int = 3) -> list[Hit]:
+        """Top-k hits for one query, best first."""
+        ...
+
+    def search_batch(self, queries: list[str], k: int = 3) -> list[list[Hit]]:
+        """Top-k hits for each query, in input order."""
+        ...
+
+
+def check_k(k: int) -> None:
+    if not isinstance(k, int) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}")
+
+
+@contextmanager
+def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[Path]:
+    """Build an index in a temporary sibling directory and move it into place only when complete.
+
+    The manifest is written last; a crash mid-build leaves the previous index (or none), never a half one.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    try:
+        yield tmp
+        manifest = {"kind": kind, "format": INDEX_FORMAT, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        trash = None
+        if target.exists():
+            trash = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.replace(target, trash)
+        os.replace(tmp, target)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_manifest(path: Path, kind: str) -> dict[str, Any]:
+    """Validate an index directory and return its manifest, or raise a clear :class:`IndexError_`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise IndexError_(f"no {kind} index at {path}; build it with `fastgate index`")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise IndexError_(f"{path} is not a complete {kind} index (no {MANIFEST}); rebuild it with `fastgate index`")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, OSError) as exc:
+        raise IndexError_(f"{manifest_file} is corrupt ({exc}); rebuild it with `fastgate index`") from None
+    if manifest.get("kind") != kind:
+        raise IndexError_(f"{path} holds a {manifest.get('kind')!r} index, not {kind!r}")
+    if manifest.get("format") != INDEX_FORMAT:
+        raise IndexError_(f"{path} has index format {manifest.get('format')}, expected {INDEX_FORMAT}; rebuild it")
+    return manifest

@@ -1,0 +1,95 @@
+"""BM25 retrieval on tantivy (on-disk index, English stemming on title and text)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from fastgate.corpus import Passage, corpus_fingerprint
+from fastgate.errors import IndexError_, require
+from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
+
+__all__ = ["BM25Retriever", "build_bm25_index", "query_terms"]
+
+_HINT = "pip install tantivy"
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def query_terms(query: str) -> str:
+    """Reduce free text to space-separated word terms, so no query-syntax character can break parsing."""
+    return " ".join(_WORD.findall(query.lower()))
+
+
+def _schema(tantivy):
+    sb = tantivy.SchemaBuilder()
+    sb.add_text_field("id", stored=True, tokenizer_name="raw")
+    sb.add_text_field("title", stored=True, tokenizer_name="en_stem")
+    sb.add_text_field("text", stored=True, tokenizer_name="en_stem")
+    return sb.build()
+
+
+def build_bm25_index(passages: Iterable[Passage], out_dir: str | Path, corpus_name: str = "",
+                     progress: bool = False, heap_mb: int = 256) -> Path:
+    """Build (atomically) a tantivy index of ``passages`` at ``out_dir``."""
+    tantivy = require("tantivy", _HINT)
+    passages = list(passages)
+    meta = {"corpus": corpus_name, "n_passages": len(passages), "corpus_fingerprint": corpus_fingerprint(passages)}
+    with atomic_index_dir(Path(out_dir), "bm25", meta) as tmp:
+        index = tantivy.Index(_schema(tantivy), path=str(tmp))
+        writer = index.writer(heap_size=heap_mb * 1_000_000, num_threads=1)
+        it = passages
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(passages, desc="bm25 index", unit="doc")
+        for p in it:
+            writer.add_document(tantivy.Document(id=p.id, title=p.title, text=p.text))
+        writer.commit()
+        writer.wait_merging_threads()
+    return Path(out_dir)
+
+
+class BM25Retriever:
+    """Top-k passages by BM25 over title + text.
+
+    Args:
+        index_dir: a directory built by :func:`build_bm25_index` (``fastgate index``).
+    """
+
+    name = "bm25"
+
+    def __init__(self, index_dir: str | Path) -> None:
+        tantivy = require("tantivy", _HINT)
+        self.index_dir = Path(index_dir)
+        self.manifest = read_manifest(self.index_dir, "bm25")
+        try:
+            self._index = tantivy.Index.open(str(self.index_dir))
+            self._index.reload()
+            self._searcher = self._index.searcher()
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
+        if self._searcher.num_docs != self.manifest.get("n_passages"):
+            raise IndexError_(
+                f"bm25 index at {self.index_dir} has {self._searcher.num_docs} documents but its manifest says "
+                f"{self.manifest.get('n_passages')}; rebuild it"
+            )
+
+    def __len__(self) -> int:
+        return int(self._searcher.num_docs)
+
+    def search(self, query: str, k: int = 3) -> list[Hit]:
+        check_k(k)
+        terms = query_terms(query)
+        if not terms:
+            return []
+        q = self._index.parse_query(terms, ["title", "text"])
+        hits = []
+        for score, address in self._searcher.search(q, k).hits:
+            doc = self._searcher.doc(address)
+            passage = Passage(id=doc["id"][0], title=doc["title"][0], text=doc["text"][0])
+            hits.append(Hit(passage, float(score)))
+        return hits
+
+    def search_batch(self, queries: list[str], k: int = 3) -> list[list[Hit]]:
+        return [self.search(q, k) for q in queries]
