@@ -30,11 +30,12 @@ class Embedder:
     Args:
         path: an HF encoder directory; default the packaged all-MiniLM-L6-v2.
         device: ``auto`` (CUDA if available) or a torch device string.
-        max_length: tokens per text; longer texts are truncated (the model was trained on 256).
+        max_length: tokens per text; longer texts are truncated (all-MiniLM-L6-v2 was trained on 128-token
+            inputs, and a Wikipedia lead's first 128 tokens hold its key facts).
         batch_size: texts per forward pass.
     """
 
-    def __init__(self, path: str | Path | None = None, device: str = "auto", max_length: int = 256,
+    def __init__(self, path: str | Path | None = None, device: str = "auto", max_length: int = 128,
                  batch_size: int = 64) -> None:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -60,18 +61,21 @@ class Embedder:
     def encode(self, texts: list[str], progress: bool = False, desc: str = "embedding") -> np.ndarray:
         """Embed texts: ``[n, dim]`` float32, rows of unit norm."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        # length-sorted batches waste little compute on padding; rows are written back in input order
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         starts = range(0, len(texts), self.batch_size)
         if progress:
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc=desc, unit="batch", total=(len(texts) + self.batch_size - 1) // self.batch_size)
         for start in starts:
-            batch = texts[start : start + self.batch_size]
+            rows = order[start : start + self.batch_size]
+            batch = [texts[i] for i in rows]
             enc = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
             enc = {k: v.to(self.device) for k, v in enc.items()}
             hidden = self.model(**enc).last_hidden_state  # [b, t, dim]
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, t, 1]
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)  # [b, dim]
             pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
-            out[start : start + len(batch)] = pooled.cpu().numpy()
+            out[rows] = pooled.cpu().numpy()
         return out

@@ -1,0 +1,65 @@
+"""Methods: the papers' pipelines on top of the engine, gates and retrievers."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from fastgate.errors import InputError, UnknownNameError
+from fastgate.methods.base import Method, MethodConfig, MethodResult
+from fastgate.methods.simple import AlwaysRetrieve, DtrConfig, DtrTrigger, NeverRetrieve
+
+__all__ = [
+    "METHODS",
+    "AlwaysRetrieve",
+    "DtrConfig",
+    "DtrTrigger",
+    "Method",
+    "MethodConfig",
+    "MethodResult",
+    "NeverRetrieve",
+    "build_method",
+    "make_config",
+]
+
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (NeverRetrieve, AlwaysRetrieve, DtrTrigger)}
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", str(annotation)),
+                                                                    None)
+    if kind is None:
+        return value
+    try:
+        if kind is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return kind(value)
+    except ValueError:
+        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}") from None
+
+
+def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConfig:
+    """Build a method's typed config from ``name=value`` parameters (strings are converted to the field's type)."""
+    if method not in METHODS:
+        raise UnknownNameError("method", method, list(METHODS))
+    cls = METHODS[method].config_class
+    hints = typing.get_type_hints(cls)
+    valid = {f.name for f in dataclasses.fields(cls)}
+    params = params or {}
+    unknown = sorted(set(params) - valid)
+    if unknown:
+        raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    return cls(**{k: _coerce(k, v, hints[k]) for k, v in params.items()})
+
+
+def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None) -> Method:
+    """Construct method ``name`` with its config built from ``params``."""
+    config = make_config(name, params)
+    return METHODS[name](engine, retriever, config)

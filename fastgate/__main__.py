@@ -1,0 +1,5 @@
+import sys
+
+from fastgate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,159 @@
+"""Method interface and typed results shared by every pipeline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from fastgate.config import GenerationConfig
+from fastgate.engine import Engine, GenerationBatch
+from fastgate.errors import InputError
+from fastgate.gates.base import GateStep
+from fastgate.prompts import ANSWER_STOP, closed_book_prompt, rag_prompt
+from fastgate.retrieval.base import Hit, Retriever
+
+__all__ = ["Method", "MethodConfig", "MethodResult"]
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Parameters every method has."""
+
+    k: int = 3  # passages used per retrieval (SPEC §5: k=3)
+    max_answer_tokens: int = 16  # short answers end at the first newline long before this
+    passage_words: int = 120  # words kept per passage in the prompt; keeps 3 passages within a small model's span
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise InputError(f"k must be >= 1, got {self.k}")
+        if self.max_answer_tokens < 1:
+            raise InputError(f"max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
+        if self.passage_words < 1:
+            raise InputError(f"passage_words must be >= 1, got {self.passage_words}")
+
+
+@dataclass
+class MethodResult:
+    """What a method returns for one question."""
+
+    question: str
+    answer: str
+    retrieved: bool
+    passages: list[Hit]
+    retrieval_calls: int
+    lm_calls: int
+    generated_tokens: int
+    gate_steps: list[GateStep] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds; phases of the batch this question ran in
+    truncated: bool = False  # a prompt was cut on the left to fit the context
+    method: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "question": self.question,
+            "answer": self.answer,
+            "retrieved": self.retrieved,
+            "passages": [{"id": h.id, "title": h.title, "score": h.score} for h in self.passages],
+            "retrieval_calls": self.retrieval_calls,
+            "lm_calls": self.lm_calls,
+            "generated_tokens": self.generated_tokens,
+            "gate_steps": [s.to_dict() for s in self.gate_steps],
+            "timings": self.timings,
+            "truncated": self.truncated,
+        }
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.spans: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans[name] = self.spans.get(name, 0.0) + seconds
+
+    class _Span:
+        def __init__(self, timer: _Timer, name: str) -> None:
+            self.timer, self.name = timer, name
+
+        def __enter__(self):
+            self.t0 = time.perf_counter()
+
+        def __exit__(self, *exc):
+            self.timer.add(self.name, time.perf_counter() - self.t0)
+
+    def span(self, name: str) -> _Timer._Span:
+        return _Timer._Span(self, name)
+
+
+class Method:
+    """Base class: question validation, prompt building and the batched generate / retrieve helpers.
+
+    Subclasses implement :meth:`answer_batch`; :meth:`answer` is the batch of one.
+    """
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    description: ClassVar[str] = ""
+    needs_retriever: ClassVar[bool] = True
+
+    def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
+        self.engine = engine
+        self.retriever = retriever
+        self.config = config or self.config_class()
+        if not isinstance(self.config, self.config_class):
+            raise InputError(f"{self.name} takes a {self.config_class.__name__}, got {type(self.config).__name__}")
+        if self.needs_retriever and retriever is None:
+            raise InputError(f"method {self.name} needs a retriever")
+
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """Parameter names and defaults of this method's config."""
+        return {f.name: f.default for f in fields(cls.config_class)}
+
+    # ------------------------------------------------------------------ helpers
+    def validate(self, questions: list[str]) -> list[str]:
+        """Strip questions and reject empty ones or ones that cannot fit the model context."""
+        if isinstance(questions, str):
+            raise InputError("answer_batch takes a list of questions, not a string")
+        if not questions:
+            raise InputError("no questions given")
+        limit = self.engine.lm.max_context - self.config.max_answer_tokens - 256
+        out = []
+        for q in questions:
+            if not isinstance(q, str):
+                raise InputError(f"a question must be a string, got {type(q).__name__}")
+            q = q.strip()
+            if not q:
+                raise InputError("the question is empty")
+            if len(q) > 8 * limit or self.engine.count_tokens(q) > limit:
+                raise InputError(
+                    f"the question is too long ({len(q)} characters); this model's context is "
+                    f"{self.engine.lm.max_context} tokens and leaves room for about {limit} question tokens"
+                )
+            out.append(q)
+        return out
+
+    def answer_config(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.config.max_answer_tokens, stop=ANSWER_STOP)
+
+    def generate_closed_book(self, questions: list[str], timer: _Timer) -> GenerationBatch:
+        with timer.span("generation_s"):
+            return self.engine.generate([closed_book_prompt(q) for q in questions], self.answer_config())
+
+    def retrieve(self, queries: list[str], timer: _Timer) -> list[list[Hit]]:
+        assert self.retriever is not None
+        with timer.span("retrieval_s"):
+            return self.retriever.search_batch(queries, self.config.k)
+
+    def generate_with_passages(self, questions: list[str], hits: list[list[Hit]], timer: _Timer) -> GenerationBatch:
+        prompts = [rag_prompt(q, [h.passage for h in hs], self.config.passage_words) for q, hs in zip(questions, hits)]
+        with timer.span("generation_s"):
+            return self.engine.generate(prompts, self.answer_config())
+
+    def answer(self, question: str) -> MethodResult:
+        """Answer one question."""
+        return self.answer_batch([question])[0]
+
+    def answer_batch(self, questions: list[str]) -> list[MethodResult]:  # pragma: no cover - abstract
+        raise NotImplementedError
