@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMALL_CORPUS = [
+    {"id": "p1", "title": "Paris", "text": "Paris is the capital and largest city of France, on the Seine."},
+    {"id": "p2", "title": "Berlin", "text": "Berlin is the capital of Germany and its largest city."},
+    {"id": "p3", "title": "Ouagadougou", "text": "Ouagadougou is the capital of Burkina Faso in West Africa."},
+    {"id": "p4", "title": "Bishkek", "text": "Bishkek is the capital and largest city of Kyrgyzstan."},
+    {"id": "p5", "title": "Hamlet", "text": "Hamlet is a tragedy written by William Shakespeare around 1600."},
+    {"id": "p6", "title": "Eiffel Tower", "text": "The Eiffel Tower in Paris was completed in 1889 by Gustave Eiffel."},
+    {"id": "p7", "title": "Jupiter", "text": "Jupiter is the fifth planet from the Sun and the largest planet."},
+]
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from fastgate.testing import tiny_model
+
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny):
+    from fastgate.engine import Engine
+
+    return Engine(tiny)
+
+
+@pytest.fixture(scope="session")
+def small_corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in SMALL_CORPUS))
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_index(tmp_path_factory, small_corpus_file):
+    """BM25 + dense indexes of the small corpus (dense uses the packaged MiniLM)."""
+    from fastgate.retrieval import build_indexes
+
+    root = tmp_path_factory.mktemp("index")
+    build_indexes(small_corpus_file, root, progress=False)
+    return root

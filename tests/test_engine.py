@@ -1,0 +1,195 @@
+"""The decode loop on a tiny random Llama: equivalence with HF generate, batching, sampling, taps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine import Engine, accumulate_taps
+from fastgate.errors import InputError
+
+PROMPTS = [
+    "Q: What is the capital of France?\nA:",
+    "Hi",
+    "The quick brown fox jumps over",
+    "Berlin is the capital of",
+    "🙂 naïve café",
+]
+
+
+def hf_greedy(lm, prompt, n):
+    enc = lm.tokenizer(prompt, return_tensors="pt")
+    out = lm.model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
+    return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+def test_greedy_equals_hf_generate_token_for_token(tiny, tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    batch = tiny_engine.generate(PROMPTS, cfg)
+    for prompt, seq in zip(PROMPTS, batch.sequences):
+        assert seq.token_ids == hf_greedy(tiny, prompt, 12)
+        assert seq.finish_reason == "length"
+        assert len(seq.token_logprobs) == 12
+
+
+def test_batch_equals_single(tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=10, stop_at_eos=False)
+    batch = tiny_engine.generate(PROMPTS, cfg)
+    for prompt, seq in zip(PROMPTS, batch.sequences):
+        single = tiny_engine.generate([prompt], cfg).sequences[0]
+        assert single.token_ids == seq.token_ids
+        assert single.token_logprobs == pytest.approx(seq.token_logprobs, abs=1e-4)
+
+
+def test_token_logprobs_match_model_distribution(tiny, tiny_engine):
+    seq = tiny_engine.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=6, stop_at_eos=False)).sequences[0]
+    ids = tiny.tokenizer(PROMPTS[0])["input_ids"] + seq.token_ids
+    logits = tiny.model(torch.tensor([ids])).logits[0].float()
+    start = len(ids) - len(seq.token_ids)
+    expected = [torch.log_softmax(logits[start - 1 + j], -1)[t].item() for j, t in enumerate(seq.token_ids)]
+    assert seq.token_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, top_k=50, top_p=0.9, seed=123,
+                           stop_at_eos=False)
+    a = tiny_engine.generate(PROMPTS[:2], cfg, k=4)
+    b = tiny_engine.generate(PROMPTS[:2], cfg, k=4)
+    assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+    assert len(a.sequences) == 8
+    other = tiny_engine.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=12, do_sample=True, seed=7,
+                                                               stop_at_eos=False), k=4)
+    assert [s.token_ids for s in other.sequences] != [s.token_ids for s in a.sequences]
+    assert len({tuple(s.token_ids) for s in a.sequences[:4]}) > 1  # the k samples differ
+
+
+def test_k_samples_share_prefill_greedy_equal_single(tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    batch = tiny_engine.generate(PROMPTS[:2], cfg, k=3)
+    singles = [tiny_engine.generate([p], cfg).sequences[0].token_ids for p in PROMPTS[:2]]
+    assert [s.token_ids for s in batch.sequences] == [singles[0]] * 3 + [singles[1]] * 3
+
+
+def test_stop_strings_cut_text_and_answer_tokens(tiny, tiny_engine):
+    free = tiny_engine.generate([PROMPTS[2]], GenerationConfig(max_new_tokens=12, stop_at_eos=False)).sequences[0]
+    text = free.text
+    stop = text[3:5]
+    assert stop.strip(), "pick a visible stop string"
+    cut = tiny_engine.generate([PROMPTS[2]], GenerationConfig(max_new_tokens=12, stop=(stop,), stop_at_eos=False))
+    seq = cut.sequences[0]
+    assert seq.finish_reason == "stop"
+    assert seq.text == text[: text.find(stop)]
+    assert seq.token_ids == free.token_ids[: len(seq.token_ids)]
+    assert tiny.tokenizer.decode(seq.token_ids[: seq.answer_tokens]).startswith(seq.text)
+    assert seq.answer_tokens <= len(seq.token_ids)
+
+
+def _with_eos_after(tiny, prompt, position):
+    """Make the tiny model emit EOS at greedy step `position` by copying that token's output row to EOS."""
+    ref = hf_greedy(tiny, prompt, position + 1)
+    target = ref[position]
+    assert target not in ref[:position], "pick a prompt whose target token does not occur earlier"
+    head = tiny.model.lm_head.weight
+    saved = head[tiny.tokenizer.eos_token_id].clone()
+    with torch.no_grad():
+        head[tiny.tokenizer.eos_token_id] = head[target] * 1.001
+    return saved, ref[:position]
+
+
+def test_eos_stops_and_hf_generate_agrees(tiny, tiny_engine):
+    prompt = PROMPTS[3]
+    saved, before = _with_eos_after(tiny, prompt, 3)
+    try:
+        seq = tiny_engine.generate([prompt], GenerationConfig(max_new_tokens=10)).sequences[0]
+        assert seq.finish_reason == "eos"
+        assert seq.token_ids == [*before, tiny.tokenizer.eos_token_id]
+        assert seq.answer_tokens == 3
+        assert hf_greedy(tiny, prompt, 10)[:4] == seq.token_ids
+    finally:
+        with torch.no_grad():
+            tiny.model.lm_head.weight[tiny.tokenizer.eos_token_id] = saved
+
+
+def _manual_states(tiny, prompt, token_ids):
+    """hidden_states of prompt + token_ids from one full forward pass (the taps' definition)."""
+    ids = tiny.tokenizer(prompt)["input_ids"]
+    out = tiny.model(torch.tensor([ids + token_ids]), output_hidden_states=True)
+    return len(ids), out.hidden_states
+
+
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_taps_equal_manual_hidden_states(tiny, tiny_engine, stop_at_eos):
+    layers = (0, 2, tiny.n_layers)
+    taps = TapSpec(layers=layers, pre_answer=True, eos_state=True)
+    cfg = GenerationConfig(max_new_tokens=7, stop_at_eos=stop_at_eos)
+    batch = tiny_engine.generate(PROMPTS, cfg, taps)
+    mid = tiny.n_layers // 2
+    eos = tiny.tokenizer.eos_token_id
+    for i, (prompt, seq) in enumerate(zip(PROMPTS, batch.sequences)):
+        counted = [t for t in seq.token_ids if t != eos]
+        forced = seq.token_ids if seq.token_ids[-1] == eos else [*seq.token_ids, eos]
+        n_prompt, hs = _manual_states(tiny, prompt, forced)
+        for j, layer in enumerate(layers):
+            expected = hs[layer][0, n_prompt : n_prompt + len(counted)].sum(0)
+            torch.testing.assert_close(batch.running_sum[i, j], expected, atol=1e-4, rtol=1e-4)
+        assert batch.count[i].item() == len(counted)
+        torch.testing.assert_close(batch.pre_answer[i], hs[mid][0, n_prompt - 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batch.eos_state[i], hs[mid][0, n_prompt + len(forced) - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_taps_finished_sequences_stop_accumulating(tiny, tiny_engine):
+    prompt = PROMPTS[3]
+    saved, before = _with_eos_after(tiny, prompt, 2)
+    try:
+        batch = tiny_engine.generate([prompt, PROMPTS[0]], GenerationConfig(max_new_tokens=9),
+                                     TapSpec(layers=(1,), eos_state=True))
+        short = batch.sequences[0]
+        assert short.finish_reason == "eos" and len(short.token_ids) == 3
+        n_prompt, hs = _manual_states(tiny, prompt, short.token_ids)
+        torch.testing.assert_close(batch.running_sum[0, 0], hs[1][0, n_prompt : n_prompt + 2].sum(0), atol=1e-4,
+                                   rtol=1e-4)
+        assert batch.count[0].item() == 2
+        torch.testing.assert_close(batch.eos_state[0], hs[tiny.n_layers // 2][0, n_prompt + 2], atol=1e-4, rtol=1e-4)
+    finally:
+        with torch.no_grad():
+            tiny.model.lm_head.weight[tiny.tokenizer.eos_token_id] = saved
+
+
+def test_no_taps_captures_nothing_and_hooks_are_removed(tiny_engine):
+    layers = tiny_engine.model.model.layers
+    before = [len(layer._forward_hooks) for layer in layers]
+    batch = tiny_engine.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=3))
+    assert batch.running_sum is None and batch.pre_answer is None and batch.eos_state is None
+    tiny_engine.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=3), TapSpec(layers=(1, 2), eos_state=True))
+    assert [len(layer._forward_hooks) for layer in layers] == before
+
+
+def test_accumulate_taps_reference():
+    rs = torch.zeros(3, 2, 5)
+    states = torch.randn(3, 2, 5)
+    accumulate_taps(rs, states, torch.tensor([1.0, 0.0, 1.0]))
+    torch.testing.assert_close(rs[0], states[0])
+    assert rs[1].abs().sum() == 0
+
+
+def test_prompt_truncation_is_reported(tiny, tiny_engine):
+    long_prompt = "capital " * 400  # > 256-token context of the tiny model
+    seq = tiny_engine.generate([long_prompt, "Hi"], GenerationConfig(max_new_tokens=4)).sequences
+    assert seq[0].truncated and not seq[1].truncated
+    assert seq[0].prompt_tokens <= tiny.max_context - 4
+
+
+def test_bad_arguments(tiny_engine):
+    with pytest.raises(InputError):
+        tiny_engine.generate([], GenerationConfig())
+    with pytest.raises(InputError):
+        tiny_engine.generate(["x"], GenerationConfig(), TapSpec(layers=(99,)))
+    with pytest.raises(InputError):
+        tiny_engine.generate(["x"], k=0)
+    with pytest.raises(InputError):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(InputError):
+        GenerationConfig(top_p=0.0)
+    with pytest.raises(InputError):
+        Engine(tiny_engine.lm, backend="cuda-magic")

@@ -1,0 +1,201 @@
+"""C++ extension vs pure-Python reference: identical results on awkward inputs, and known answers."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fastgate import ops
+from fastgate.errors import BackendUnavailableError, ShapeError
+
+PY = ops.load("python")
+BACKENDS = [PY]
+if ops.ext_available():
+    BACKENDS.append(ops.load("ext"))
+
+
+def both(fn_name, *args, **kwargs):
+    """Run an op on every backend and assert they agree exactly; return the python result."""
+    results = [getattr(b, fn_name)(*args, **kwargs) for b in BACKENDS]
+    for r in results[1:]:
+        if isinstance(r, torch.Tensor):
+            assert torch.equal(r, results[0]) or torch.allclose(r, results[0], rtol=0, atol=1e-6)
+        else:
+            assert r == results[0]
+    return results[0]
+
+
+def test_ext_is_built_in_ci():
+    # make test builds the extension; a missing build would silently test only the fallback
+    assert ops.ext_available(), "fastgate._C is not importable: the C++ extension did not build"
+    assert ops.load("auto").backend == "ext"
+
+
+ALIGN_CASES = [
+    ([], ([], [])),
+    (["Hello"], (["Hello"], [0])),
+    ([" ", "..."], ([], [-1, -1])),
+    (["Hel", "lo", " wor", "ld", "!"], (["Hello", "world"], [0, 0, 1, 1, -1])),
+    ([" don", "'t", " state", "-of", "-the", "-art"], (["don't", "state-of-the-art"], [0, 0, 1, 1, 1, 1])),
+    (["'", "quoted", "'", " --", "x"], (["quoted", "x"], [-1, 0, -1, -1, 1])),
+    (["a", "--", "b"], (["a", "b"], [0, -1, 1])),
+    (["naïve", " café", " Zürich", " 東京", " ١٢٣"], (["naïve", "café", "Zürich", "東京", "١٢٣"], [0, 1, 2, 3, 4])),
+    (["it", "'", "s"], (["it's"], [0, 0, 0])),
+    (["end-", " start"], (["end", "start"], [0, 1])),
+    # a token whose first word character continues the previous word belongs to that word
+    (["Hi", " there you", " go"], (["Hi", "there", "you", "go"], [0, 1, 3])),
+]
+
+
+@pytest.mark.parametrize("pieces,expected", ALIGN_CASES)
+def test_align_words_str(pieces, expected):
+    assert both("align_words", pieces) == expected
+
+
+def test_align_words_bytes_emoji_split_across_pieces():
+    emoji = "🙂".encode()  # 4 bytes
+    pieces = [b"ok", b" " + emoji[:2], emoji[2:] + b" go"]
+    words, ids = both("align_words", pieces)
+    assert words == ["ok", "go"]
+    assert ids == [0, -1, 1]
+
+
+def test_align_words_bytes_multibyte_letter_split():
+    pieces = [b"caf", "é".encode()[:1], "é".encode()[1:] + b" ok"]
+    words, ids = both("align_words", pieces)
+    assert words == ["café", "ok"]
+    assert ids == [0, 0, 1]  # the piece holding é's first byte owns it
+
+
+def test_align_words_invalid_utf8_does_not_swallow_valid_chars():
+    pieces = [b"ab\xe2\x82", b"cd", b"\xff", b"e\xc3"]
+    words, ids = both("align_words", pieces)
+    assert words == ["ab", "cd", "e"]
+    assert ids == [0, 1, -1, 2]
+
+
+def test_align_words_bytes_matches_str_on_valid_text():
+    rng = random.Random(0)
+    text = "The naïve café's owner — Zürich-based — paid 1,889€; 東京 🙂 don't-stop!"
+    data = text.encode()
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(data)), 12))
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        words, _ = both("align_words", pieces)
+        assert words == PY.align_words([text])[0]
+
+
+def test_align_words_random_fuzz():
+    rng = random.Random(1)
+    alphabet = ["a", "Z", "é", "'", "-", " ", ".", "9", "🙂", "東", "\u0301", "_", "ß", "Ⅻ"]
+    for _ in range(300):
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(0, 8))]
+        both("align_words", pieces)
+        raw = [bytes(rng.randrange(256) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(0, 6))]
+        both("align_words", raw)
+
+
+def test_align_words_rejects_mixed_and_bad_types():
+    for backend in BACKENDS:
+        with pytest.raises(TypeError):
+            backend.align_words(["a", b"b"])
+        with pytest.raises(TypeError):
+            backend.align_words(["a", 3])
+
+
+def test_word_logprobs_geometric_mean():
+    lp = torch.tensor([math.log(0.9), math.log(0.5), math.log(0.7), -1.0])
+    out = both("word_logprobs", lp, [0, 0, -1, 1])
+    assert out.dtype == torch.float32 and out.shape == (2,)
+    assert math.exp(out[0]) == pytest.approx(math.sqrt(0.45), rel=1e-6)
+    assert out[1].item() == pytest.approx(-1.0)
+
+
+def test_word_logprobs_edge_cases():
+    assert both("word_logprobs", torch.zeros(0), []).shape == (0,)
+    assert both("word_logprobs", torch.tensor([-0.5]), [0]).tolist() == [-0.5]
+    out = both("word_logprobs", torch.tensor([-0.5, -0.25]), [-1, 2], n_words=4)
+    assert out.tolist() == [0.0, 0.0, -0.25, 0.0]  # tokenless words get 0
+    for backend in BACKENDS:
+        with pytest.raises(ShapeError):
+            backend.word_logprobs(torch.zeros(3), [0, 1])
+        with pytest.raises(ShapeError):
+            backend.word_logprobs(torch.zeros(1), [5], n_words=2)
+
+
+def _unit(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("n,d", [(1, 1), (1, 7), (13, 384), (5, 769)])
+@pytest.mark.parametrize("mode", ["angle", "sum"])
+def test_ais_scores_parity_and_formula(n, d, mode):
+    rng = np.random.default_rng(n * 1000 + d)
+    q, p = _unit(rng.normal(size=d)).astype(np.float32), _unit(rng.normal(size=d)).astype(np.float32)
+    docs = _unit(rng.normal(size=(n, d))).astype(np.float32)
+    out = both("ais_scores", torch.from_numpy(q), torch.from_numpy(p), torch.from_numpy(docs), mode)
+    s1, s2 = np.clip(docs @ q, -1, 1), np.clip(docs @ p, -1, 1)
+    expected = np.cos(np.arccos(s1) + np.arccos(s2)) if mode == "angle" else s1 + s2
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+
+
+def test_ais_scores_clips_similarities_outside_unit_range():
+    q = torch.tensor([1.0, 0.0])
+    p = torch.tensor([0.0, 1.0])
+    docs = torch.tensor([[1.5, 0.0], [-2.0, 0.5], [0.0, 0.0]])  # s1 = 1.5 -> 1, s1 = -2 -> -1
+    out = both("ais_scores", q, p, docs, "angle")
+    assert out[0].item() == pytest.approx(0.0, abs=1e-7)  # s1=1: sqrt(1-s1²)=0, s2=0 -> 0
+    assert out[1].item() == pytest.approx(-0.5, abs=1e-6)  # s1=-1 -> -s2
+    assert torch.isfinite(out).all()
+    out_sum = both("ais_scores", q, p, docs, "sum")
+    assert out_sum.tolist() == pytest.approx([1.0, -0.5, 0.0])
+
+
+def test_ais_scores_batch_matches_single_and_noncontiguous():
+    rng = np.random.default_rng(7)
+    B, n, d = 3, 11, 769
+    Q = torch.from_numpy(_unit(rng.normal(size=(B, d))).astype(np.float32))
+    P = torch.from_numpy(_unit(rng.normal(size=(B, d))).astype(np.float32))
+    D = torch.from_numpy(_unit(rng.normal(size=(B, d, n))).astype(np.float32)).transpose(1, 2)  # non-contiguous
+    assert not D.is_contiguous()
+    out = both("ais_scores_batch", Q, P, D)
+    assert out.shape == (B, n)
+    for b in range(B):
+        torch.testing.assert_close(out[b], PY.ais_scores(Q[b], P[b], D[b]), atol=1e-6, rtol=0)
+
+
+def test_ais_shape_and_mode_errors():
+    for backend in BACKENDS:
+        with pytest.raises(ShapeError):
+            backend.ais_scores(torch.zeros(3), torch.zeros(4), torch.zeros(2, 3))
+        with pytest.raises(ShapeError):
+            backend.ais_scores_batch(torch.zeros(2, 3), torch.zeros(1, 3), torch.zeros(2, 4, 3))
+        with pytest.raises(ShapeError):
+            backend.ais_scores(torch.tensor([float("nan")]), torch.zeros(1), torch.zeros(1, 1))
+        with pytest.raises(ShapeError):
+            backend.ais_scores(torch.zeros(3), torch.zeros(3), torch.zeros(2, 3), "product")
+
+
+def test_backend_selection(monkeypatch):
+    assert ops.load("python").backend == "python"
+    with pytest.raises(ValueError):
+        ops.load("gpu")
+    monkeypatch.setenv("FASTGATE_BACKEND", "torch")
+    assert ops.load("auto").backend == "python"
+    monkeypatch.setattr(ops, "_import_ext", lambda: None)
+    with pytest.raises(BackendUnavailableError):
+        ops.load("ext")
+
+
+def test_answer_nll():
+    lp = torch.tensor([[-0.1, -0.3, -5.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    out = ops.answer_nll(lp, mask)
+    assert out[0].item() == pytest.approx(0.2)
+    assert math.isinf(out[1].item())
+    with pytest.raises(ShapeError):
+        ops.answer_nll(lp, mask[:, :2])
