@@ -50,7 +50,7 @@ def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: i
         num_hidden_layers=n_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -174,7 +174,7 @@ def test_accumulate_taps_reference():
 
 
 def test_prompt_truncation_is_reported(tiny, tiny_engine):
-    long_prompt = "capital " * 400  # > 256-token context of the tiny model
+    long_prompt = "capital " * 800  # > 512-token context of the tiny model
     seq = tiny_engine.generate([long_prompt, "Hi"], GenerationConfig(max_new_tokens=4)).sequences
     assert seq[0].truncated and not seq[1].truncated
     assert seq[0].prompt_tokens <= tiny.max_context - 4

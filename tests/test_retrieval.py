@@ -1,0 +1,113 @@
+"""Corpus loading, BM25 and dense retrieval on a small corpus, atomic builds and index errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from fastgate.corpus import Passage, read_jsonl_corpus
+from fastgate.errors import CorpusError, IndexError_, InputError, UnknownNameError
+from fastgate.retrieval import BM25Retriever, DenseRetriever, Retriever, build_indexes, open_retriever
+from fastgate.retrieval.base import atomic_index_dir, read_manifest
+from fastgate.retrieval.bm25 import build_bm25_index, query_terms
+
+
+def test_jsonl_corpus_reports_line_numbers(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "title": "A", "text": "x"}\n\n{"id": "b", "text": oops}\n')
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:3: not valid JSON"):
+        read_jsonl_corpus(path)
+    path.write_text('{"id": "a", "title": "A"}\n')
+    with pytest.raises(CorpusError, match=r":1: missing field\(s\) text"):
+        read_jsonl_corpus(path)
+    path.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
+    with pytest.raises(CorpusError, match="duplicate id"):
+        read_jsonl_corpus(path)
+    with pytest.raises(CorpusError, match="not found"):
+        read_jsonl_corpus(tmp_path / "nope.jsonl")
+
+
+def test_bm25_known_top_hit(small_index):
+    r = BM25Retriever(small_index / "bm25")
+    assert isinstance(r, Retriever)
+    assert len(r) == 7
+    hits = r.search("What is the capital of Burkina Faso?", k=3)
+    assert hits[0].id == "p3" and hits[0].title == "Ouagadougou"
+    assert hits[0].score >= hits[-1].score
+    assert r.search("Who wrote Hamlet?", k=1)[0].id == "p5"
+    batch = r.search_batch(["capital of Kyrgyzstan", "largest planet", "Eiffel 1889"], k=2)
+    assert [b[0].id for b in batch] == ["p4", "p7", "p6"]
+
+
+def test_bm25_query_syntax_cannot_break_search(small_index):
+    r = BM25Retriever(small_index / "bm25")
+    assert r.search('capital "of (Germany: AND OR -', k=1)[0].id == "p2"
+    assert r.search("?!...", k=3) == []
+    assert query_terms("Zürich's CAFÉ!") == "zürich s café"
+    with pytest.raises(InputError):
+        r.search("x", k=0)
+
+
+def test_dense_known_top_hit(small_index):
+    r = DenseRetriever(small_index / "dense", device="cpu")
+    assert r.search("Which city is the capital of Kyrgyzstan?", k=1)[0].id == "p4"
+    batch = r.search_batch(["the biggest planet of the solar system", "who wrote the tragedy Hamlet"], k=3)
+    assert [b[0].id for b in batch] == ["p7", "p5"]
+    assert all(len(b) == 3 for b in batch)
+    assert r.search("anything", k=50)[0] is not None  # k larger than the corpus is clipped
+    vec = np.load(small_index / "dense" / "vectors.npy")
+    np.testing.assert_allclose(np.linalg.norm(vec, axis=1), 1.0, atol=1e-5)
+
+
+def test_atomic_build_keeps_previous_index_on_crash(tmp_path):
+    passages = [Passage("a", "Alpha", "alpha text"), Passage("b", "Beta", "beta text")]
+    target = tmp_path / "bm25"
+    build_bm25_index(passages, target)
+    with pytest.raises(RuntimeError):
+        with atomic_index_dir(target, "bm25", {}) as tmp:
+            (tmp / "junk").write_text("half")
+            raise RuntimeError("crash mid-build")
+    assert BM25Retriever(target).search("beta", 1)[0].id == "b"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left behind
+
+
+def test_missing_and_corrupt_indexes_fail_clearly(tmp_path, small_index):
+    with pytest.raises(IndexError_, match="no bm25 index"):
+        BM25Retriever(tmp_path / "missing")
+    half = tmp_path / "half"
+    half.mkdir()
+    with pytest.raises(IndexError_, match="not a complete"):
+        BM25Retriever(half)
+    broken = tmp_path / "broken"
+    shutil.copytree(small_index / "dense", broken)
+    (broken / "fastgate_index.json").write_text("{not json")
+    with pytest.raises(IndexError_, match="corrupt"):
+        DenseRetriever(broken)
+    shutil.copytree(small_index / "dense", tmp_path / "dense2")
+    (tmp_path / "dense2" / "index.faiss").write_bytes(b"garbage")
+    with pytest.raises(IndexError_, match="cannot read"):
+        DenseRetriever(tmp_path / "dense2")
+    with pytest.raises(IndexError_, match="holds a 'dense' index"):
+        read_manifest(small_index / "dense", "bm25")
+    wrong = tmp_path / "wrong"
+    shutil.copytree(small_index / "bm25", wrong)
+    manifest = json.loads((wrong / "fastgate_index.json").read_text())
+    manifest["n_passages"] = 99
+    (wrong / "fastgate_index.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexError_, match="rebuild"):
+        BM25Retriever(wrong)
+
+
+def test_build_indexes_skips_up_to_date_and_rejects_unknown(tmp_path, small_corpus_file, capsys):
+    built = build_indexes(small_corpus_file, tmp_path, kinds=("bm25",), progress=True)
+    stamp = (built["bm25"] / "fastgate_index.json").stat().st_mtime_ns
+    build_indexes(small_corpus_file, tmp_path, kinds=("bm25",), progress=True)
+    assert (built["bm25"] / "fastgate_index.json").stat().st_mtime_ns == stamp
+    assert "up to date" in capsys.readouterr().err
+    with pytest.raises(UnknownNameError):
+        build_indexes(small_corpus_file, tmp_path, kinds=("sparse",))
+    with pytest.raises(UnknownNameError):
+        open_retriever("elastic", tmp_path)
