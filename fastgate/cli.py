@@ -29,15 +29,15 @@ def _parse_params(items: list[str] | None) -> dict[str, str]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="embedded model name (smollm2-135m, gemma3-270m) or a local HF directory (default: %(default)s)")
+                   help="embedded model (smollm2-135m, gemma3-270m) or a local HF directory (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
     from fastgate.calibration import calibrated_params
+    from fastgate.errors import UnknownNameError
     from fastgate.methods import METHODS, build_method, make_config
     from fastgate.retrieval import RETRIEVERS
-    from fastgate.errors import UnknownNameError
 
     # validate cheap things before loading anything heavy
     if args.method not in METHODS:
@@ -59,13 +59,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from fastgate.models import load
     from fastgate.retrieval import open_retriever
 
+    retriever = None
+    if METHODS[args.method].needs_retriever:  # before the model: a bad index fails fast
+        retriever = open_retriever(args.retriever, args.index)
     lm = load(args.model, device=args.device)
     if not args.paper_defaults:
         params = calibrated_params(lm.name, args.method, params)
     engine = Engine(lm)
-    retriever = None
-    if METHODS[args.method].needs_retriever:
-        retriever = open_retriever(args.retriever, args.index)
     method = build_method(args.method, engine, retriever, params)
     setup_s = time.perf_counter() - t0
     results = method.answer_batch(questions)
@@ -94,7 +94,8 @@ def _print_human(r: dict[str, Any]) -> None:
     t = r["timings"]
     print(f"   {r['lm_calls']} LM call(s), {r['retrieval_calls']} retrieval call(s), {r['generated_tokens']} generated "
           f"tokens; {t.get('total_s', 0):.2f} s answering (generation {t.get('generation_s', 0):.2f} s, retrieval "
-          f"{t.get('retrieval_s', 0):.3f} s, gate {t.get('gate_s', 0) * 1000:.2f} ms), setup {t.get('setup_s', 0):.1f} s"
+          f"{t.get('retrieval_s', 0):.3f} s, gate {t.get('gate_s', 0) * 1000:.2f} ms), "
+          f"setup {t.get('setup_s', 0):.1f} s"
           + (" · prompt truncated to fit the context" if r.get("truncated") else ""))
     print()
 

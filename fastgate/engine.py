@@ -155,7 +155,9 @@ class Engine:
     def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         budget = self.lm.max_context - max_new_tokens - 1  # room for the forced EOS step
         if budget < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens} leaves no room in the {self.lm.max_context}-token context")
+            raise InputError(
+                f"max_new_tokens={max_new_tokens} leaves no room in the {self.lm.max_context}-token context"
+            )
         rows = [self.tokenizer(p)["input_ids"] for p in prompts]
         truncated = [len(r) > budget for r in rows]
         rows = [r[-budget:] if t else r for r, t in zip(rows, truncated)]  # keep the end: it holds the question
@@ -235,8 +237,10 @@ class Engine:
             seq_prompt = [prompt_lens[i // k] for i in range(n)]
             seq_trunc = [truncated[i // k] for i in range(n)]
             d = self.lm.hidden_size
-            running_sum = torch.zeros((n, len(taps.layers), d), dtype=torch.float32, device=self.device) if taps.layers else None
-            count = torch.zeros(n, dtype=torch.float32, device=self.device) if taps.layers else None
+            running_sum = count = None
+            if taps.layers:
+                running_sum = torch.zeros((n, len(taps.layers), d), dtype=torch.float32, device=self.device)
+                count = torch.zeros(n, dtype=torch.float32, device=self.device)
             eos_state = torch.zeros((n, d), dtype=torch.float32, device=self.device) if taps.eos_state else None
 
             state = [_ACTIVE] * n

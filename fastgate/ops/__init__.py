@@ -1,7 +1,8 @@
 """Functional ops of SPEC §4 with a selectable backend.
 
 ``align_words``, ``word_logprobs``, ``ais_scores`` and ``ais_scores_batch`` run in the C++ extension ``fastgate._C``
-(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``answer_nll`` is a torch op.
+(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``answer_nll`` is a torch
+op.
 
 Pick the backend once, where the consumer is built::
 
@@ -97,10 +98,9 @@ class CpuOps:
         Returns:
             ``[W]`` float32 tensor.
         """
-        lp = np.asarray(
-            token_logprobs.detach().cpu().double().numpy() if isinstance(token_logprobs, torch.Tensor) else token_logprobs,
-            dtype=np.float64,
-        )
+        if isinstance(token_logprobs, torch.Tensor):
+            token_logprobs = token_logprobs.detach().cpu().double().numpy()
+        lp = np.asarray(token_logprobs, dtype=np.float64)
         ids = np.asarray(word_ids, dtype=np.int64)
         try:
             out = self._impl.word_logprobs(lp, ids, -1 if n_words is None else n_words)

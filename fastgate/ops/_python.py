@@ -33,7 +33,7 @@ def _lead_info(b: int) -> tuple[int, int, int] | None:
 
 
 def decode_utf8_owned(data: bytes, byte_owner: Sequence[int]) -> tuple[str, list[int]]:
-    """Decode UTF-8 with maximal-subpart replacement; return the text and, per character, the owner of its first byte."""
+    """Decode UTF-8 with maximal-subpart replacement; return the text and each character's first-byte owner."""
     chars: list[str] = []
     owner: list[int] = []
     i, n = 0, len(data)

@@ -74,14 +74,15 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
                 current = json.loads(manifest.read_text())
             except (OSError, json.JSONDecodeError):
                 current = {}
-            if current.get("corpus_fingerprint") == fingerprint and (kind != "dense" or
-                                                                      current.get("index_type") == ("hnsw" if hnsw else "flat_ip")):
+            same_type = kind != "dense" or current.get("index_type") == ("hnsw" if hnsw else "flat_ip")
+            if current.get("corpus_fingerprint") == fingerprint and same_type:
                 if progress:
                     print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
                 built[kind] = target
                 continue
         if progress:
-            print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}", file=sys.stderr)
+            print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}",
+                  file=sys.stderr)
         if kind == "bm25":
             from fastgate.retrieval.bm25 import build_bm25_index
 

@@ -1,0 +1,77 @@
+"""CLI errors: one clear line on stderr, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fastgate.cli import main
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["ask", "   "], "the question is empty"),
+        (["ask", "Who?", "--method", "magic"], "unknown method 'magic'"),
+        (["ask", "Who?", "--retriever", "elastic"], "unknown retriever 'elastic'"),
+        (["ask", "Who?", "--param", "tau"], "--param expects name=value"),
+        (["ask", "Who?", "--param", "theta=1"], "unknown parameter(s) for dtr: theta"),
+        (["ask", "Who?", "--method", "never", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    ],
+)
+def test_ask_bad_input(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fastgate: error: ")
+    assert "Traceback" not in err
+
+
+def test_ask_missing_and_corrupt_index(capsys, tmp_path, small_index):
+    code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path / "nope"))
+    assert code == 2 and "no bm25 index" in err
+    (tmp_path / "bm25").mkdir()
+    code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path))
+    assert code == 2 and "not a complete bm25 index" in err
+
+
+def test_index_reports_bad_corpus_line(capsys, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "title": "A", "text": "a"}\n{"id": "2", "title": "B", "text": "b"}\nnot json\n')
+    code, _, err = run_main(capsys, "index", "--corpus", str(corpus), "--out", str(tmp_path / "idx"))
+    assert code == 2 and "c.jsonl:3: not valid JSON" in err
+
+
+def test_index_builds_bm25(capsys, tmp_path, small_corpus_file):
+    code, out, _ = run_main(capsys, "index", "--corpus", str(small_corpus_file), "--out", str(tmp_path),
+                            "--retriever", "bm25")
+    assert code == 0 and "bm25:" in out
+    assert (tmp_path / "bm25" / "fastgate_index.json").is_file()
+
+
+def test_methods_lists_parameters(capsys):
+    code, out, _ = run_main(capsys, "methods")
+    assert code == 0
+    assert "dtr:" in out and "tau = 0.001" in out and "smollm2-135m: 0.5" in out
+
+
+def test_help_for_each_command():
+    for argv in (["--help"], ["ask", "--help"], ["index", "--help"], ["prepare", "--help"], ["methods", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "fastgate", *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "usage: fastgate" in proc.stdout
+
+
+def test_subprocess_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "fastgate", "ask", "", "--method", "never"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "fastgate: error: the question is empty"

@@ -1,0 +1,51 @@
+"""End to end with the real default model (SmolLM2-135M, converted once into $FASTGATE_HOME) and real corpus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def ask(*argv, timeout=900):
+    proc = subprocess.run([sys.executable, "-m", "fastgate", "ask", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc
+
+
+def test_gate_decides_differently_for_known_and_unknown_facts():
+    proc = ask("--json", "--method", "dtr", "--retriever", "bm25", "Who wrote Hamlet?",
+               "What is the capital of Burkina Faso?")
+    assert proc.returncode == 0, proc.stderr
+    known, unknown = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    for r in (known, unknown):
+        assert set(r) >= {"answer", "retrieved", "passages", "retrieval_calls", "lm_calls", "generated_tokens",
+                          "timings"}
+        assert r["timings"]["total_s"] > 0
+    assert "Shakespeare" in known["answer"]
+    assert known["retrieved"] is False and known["retrieval_calls"] == 0 and known["lm_calls"] == 1
+    assert unknown["retrieved"] is True and unknown["retrieval_calls"] == 1 and unknown["lm_calls"] == 2
+    assert "Burkina Faso" in [p["title"] for p in unknown["passages"]]
+    assert all(set(p) == {"id", "title", "score"} for p in unknown["passages"])
+    assert "Ouagadougou" in unknown["answer"]
+
+
+def test_dense_retriever_on_custom_index(small_index):
+    proc = ask("--json", "--method", "always", "--retriever", "dense", "--index", str(small_index), "--k", "2",
+               "What is the capital of Kyrgyzstan?")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["retriever"] == "dense" and r["retrieved"] is True
+    assert r["passages"][0]["id"] == "p4" and len(r["passages"]) == 2
+    assert r["answer"]  # the 135M model's answer quality is not under test here
+
+
+def test_question_longer_than_context_is_rejected():
+    proc = ask("--method", "never", "why " * 20000)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("fastgate: error: the question is too long")
+    assert "Traceback" not in proc.stderr
