@@ -111,3 +111,13 @@ def test_build_indexes_skips_up_to_date_and_rejects_unknown(tmp_path, small_corp
         build_indexes(small_corpus_file, tmp_path, kinds=("sparse",))
     with pytest.raises(UnknownNameError):
         open_retriever("elastic", tmp_path)
+
+
+def test_dense_hnsw_index(tmp_path, small_corpus_file):
+    from fastgate.corpus import read_jsonl_corpus
+    from fastgate.retrieval.dense import build_dense_index
+
+    target = build_dense_index(read_jsonl_corpus(small_corpus_file), tmp_path / "dense", hnsw=True, hnsw_m=8)
+    r = DenseRetriever(target, device="cpu")
+    assert r.manifest["index_type"] == "hnsw"
+    assert r.search("Which city is the capital of Kyrgyzstan?", k=1)[0].id == "p4"
