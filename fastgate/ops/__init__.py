@@ -70,6 +70,14 @@ class CpuOps:
     backend: Literal["ext", "python"]
     _impl: ModuleType
 
+    def _float_op(self, name: str, *args) -> torch.Tensor:
+        """Call a numeric op of the backend; its ValueErrors are shape errors. Returns a float32 tensor."""
+        try:
+            out = getattr(self._impl, name)(*args)
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
     def align_words(self, pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
         """Group token pieces into words (SPEC §4 op 4).
 
@@ -102,11 +110,7 @@ class CpuOps:
             token_logprobs = token_logprobs.detach().cpu().double().numpy()
         lp = np.asarray(token_logprobs, dtype=np.float64)
         ids = np.asarray(word_ids, dtype=np.int64)
-        try:
-            out = self._impl.word_logprobs(lp, ids, -1 if n_words is None else n_words)
-        except ValueError as exc:
-            raise ShapeError(str(exc)) from None
-        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+        return self._float_op("word_logprobs", lp, ids, -1 if n_words is None else n_words)
 
     def ais_scores(
         self, q: torch.Tensor, p: torch.Tensor, docs: torch.Tensor, mode: Literal["angle", "sum"] = "angle"
@@ -117,22 +121,14 @@ class CpuOps:
         ``s1*s2 - sqrt(1-s1²)*sqrt(1-s2²)`` = cos(θ1+θ2) (DTR eq. 7); ``sum``: ``s1 + s2`` (DTR's released code).
         """
         args = (_to_numpy_f32(q, "q"), _to_numpy_f32(p, "p"), _to_numpy_f32(docs, "docs"))
-        try:
-            out = self._impl.ais_scores(*args, mode)
-        except ValueError as exc:
-            raise ShapeError(str(exc)) from None
-        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+        return self._float_op("ais_scores", *args, mode)
 
     def ais_scores_batch(
         self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, mode: Literal["angle", "sum"] = "angle"
     ) -> torch.Tensor:
         """Batched :meth:`ais_scores`: ``Q [B,d], P [B,d], D [B,n,d] -> [B,n]``."""
         args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
-        try:
-            out = self._impl.ais_scores_batch(*args, mode)
-        except ValueError as exc:
-            raise ShapeError(str(exc)) from None
-        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+        return self._float_op("ais_scores_batch", *args, mode)
 
 
 def load(backend: CpuBackend = "auto") -> CpuOps:

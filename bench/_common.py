@@ -1,0 +1,81 @@
+"""Shared helpers for the benchmarks: timing, machine description, CSV rows."""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_time(fn: Callable[[], Any], repeat: int = 7, min_time: float = 0.05) -> float:
+    """Median seconds per call over `repeat` rounds, each round looping until `min_time` has passed."""
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeat):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_time:
+                break
+        samples.append(elapsed / n)
+    return statistics.median(samples)
+
+
+def machine() -> dict[str, str]:
+    import numpy
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return {
+        "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def append_rows(name: str, rows: list[dict[str, Any]]) -> Path:
+    """Append rows (plus machine info) to bench/results/<name>.csv, writing the header for a new file."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.csv"
+    info = machine()
+    full = [{**r, **info} for r in rows]
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(full[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(full)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
