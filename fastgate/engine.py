@@ -159,6 +159,9 @@ class Engine:
                 f"max_new_tokens={max_new_tokens} leaves no room in the {self.lm.max_context}-token context"
             )
         rows = [self.tokenizer(p)["input_ids"] for p in prompts]
+        empty = [i for i, r in enumerate(rows) if not r]
+        if empty:
+            raise InputError(f"prompt {empty[0]} is empty after tokenisation")
         truncated = [len(r) > budget for r in rows]
         rows = [r[-budget:] if t else r for r, t in zip(rows, truncated)]  # keep the end: it holds the question
         width = max(len(r) for r in rows)

@@ -187,6 +187,8 @@ def test_bad_arguments(tiny_engine):
         tiny_engine.generate(["x"], GenerationConfig(), TapSpec(layers=(99,)))
     with pytest.raises(InputError):
         tiny_engine.generate(["x"], k=0)
+    with pytest.raises(InputError, match="empty"):
+        tiny_engine.generate(["Hi", ""])
     with pytest.raises(InputError):
         GenerationConfig(max_new_tokens=0)
     with pytest.raises(InputError):
