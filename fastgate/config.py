@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastgate.errors import InputError
 
@@ -46,13 +46,8 @@ class TapSpec:
     pre_answer: bool = False  # mid-layer state of the last prompt token (CBDR), free from prefill
     eos_state: bool = False  # mid-layer state at a forced EOS after each sequence stops (SeaKR)
     mid_layer: int | None = None  # layer for pre_answer/eos_state; None = n_layers // 2
-    extra: tuple[str, ...] = field(default=())  # reserved for gate-specific taps
 
     @property
     def needs_flush(self) -> bool:
         """Whether a finished sequence's last token must still be fed (to record its state)."""
         return bool(self.layers) or self.eos_state
-
-    @property
-    def any(self) -> bool:
-        return bool(self.layers) or self.pre_answer or self.eos_state
