@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.errors import InputError
+from fastgate.errors import BackendUnavailableError, InputError
 from fastgate.models import LoadedModel
 
 __all__ = ["Engine", "Generation", "GenerationBatch", "accumulate_taps"]
@@ -130,7 +130,11 @@ class Engine:
         self.lm = model
         self.model = model.model
         self.tokenizer = model.tokenizer
-        self.backend = "torch"  # the Triton accumulate kernel is selected here when available
+        if backend == "triton":
+            raise BackendUnavailableError(
+                "the Triton tap-accumulate kernel is not available yet; use backend='auto' or 'torch'"
+            )
+        self.backend = "torch"  # `auto` selects the Triton accumulate kernel here once it exists
         self._accumulate = accumulate_taps
         gen_cfg = getattr(self.model, "generation_config", None)
         eos: set[int] = set()

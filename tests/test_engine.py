@@ -7,7 +7,7 @@ import torch
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine import Engine, accumulate_taps
-from fastgate.errors import InputError
+from fastgate.errors import BackendUnavailableError, InputError
 
 PROMPTS = [
     "Q: What is the capital of France?\nA:",
@@ -195,3 +195,5 @@ def test_bad_arguments(tiny_engine):
         GenerationConfig(top_p=0.0)
     with pytest.raises(InputError):
         Engine(tiny_engine.lm, backend="cuda-magic")
+    with pytest.raises(BackendUnavailableError):
+        Engine(tiny_engine.lm, backend="triton")
