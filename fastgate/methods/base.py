@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -66,24 +68,18 @@ class MethodResult:
 
 
 class _Timer:
+    """Accumulates seconds per named phase."""
+
     def __init__(self) -> None:
         self.spans: dict[str, float] = {}
 
-    def add(self, name: str, seconds: float) -> None:
-        self.spans[name] = self.spans.get(name, 0.0) + seconds
-
-    class _Span:
-        def __init__(self, timer: _Timer, name: str) -> None:
-            self.timer, self.name = timer, name
-
-        def __enter__(self):
-            self.t0 = time.perf_counter()
-
-        def __exit__(self, *exc):
-            self.timer.add(self.name, time.perf_counter() - self.t0)
-
-    def span(self, name: str) -> _Timer._Span:
-        return _Timer._Span(self, name)
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans[name] = self.spans.get(name, 0.0) + time.perf_counter() - t0
 
 
 class Method:

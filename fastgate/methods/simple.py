@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from fastgate.errors import InputError
@@ -22,9 +21,8 @@ class NeverRetrieve(Method):
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:
         questions = self.validate(questions)
         timer = _Timer()
-        t0 = time.perf_counter()
-        batch = self.generate_closed_book(questions, timer)
-        timer.add("total_s", time.perf_counter() - t0)
+        with timer.span("total_s"):
+            batch = self.generate_closed_book(questions, timer)
         return [
             MethodResult(q, s.text.strip(), False, [], 0, 1, len(s.token_ids), [], dict(timer.spans), s.truncated,
                          self.name)
@@ -41,10 +39,9 @@ class AlwaysRetrieve(Method):
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:
         questions = self.validate(questions)
         timer = _Timer()
-        t0 = time.perf_counter()
-        hits = self.retrieve(questions, timer)
-        batch = self.generate_with_passages(questions, hits, timer)
-        timer.add("total_s", time.perf_counter() - t0)
+        with timer.span("total_s"):
+            hits = self.retrieve(questions, timer)
+            batch = self.generate_with_passages(questions, hits, timer)
         return [
             MethodResult(q, s.text.strip(), True, hs, 1, 1, len(s.token_ids), [], dict(timer.spans), s.truncated,
                          self.name)
@@ -82,21 +79,20 @@ class DtrTrigger(Method):
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:
         questions = self.validate(questions)
         timer = _Timer()
-        t0 = time.perf_counter()
-        first = self.generate_closed_book(questions, timer)
-        with timer.span("gate_s"):
-            decision = self.gate.decide(first)
-        # batch by decision: only the questions the gate sends to retrieval go through the second pass, together
-        todo = [i for i, r in enumerate(decision.retrieve) if r]
         second = {}
         hits_by_index = {}
-        if todo:
-            sub = [questions[i] for i in todo]
-            hits = self.retrieve(sub, timer)
-            batch = self.generate_with_passages(sub, hits, timer)
-            for i, hs, s in zip(todo, hits, batch.sequences):
-                second[i], hits_by_index[i] = s, hs
-        timer.add("total_s", time.perf_counter() - t0)
+        with timer.span("total_s"):
+            first = self.generate_closed_book(questions, timer)
+            with timer.span("gate_s"):
+                decision = self.gate.decide(first)
+            # batch by decision: only the questions the gate sends to retrieval go through the second pass, together
+            todo = [i for i, r in enumerate(decision.retrieve) if r]
+            if todo:
+                sub = [questions[i] for i in todo]
+                hits = self.retrieve(sub, timer)
+                batch = self.generate_with_passages(sub, hits, timer)
+                for i, hs, s in zip(todo, hits, batch.sequences):
+                    second[i], hits_by_index[i] = s, hs
         results = []
         for i, (q, s) in enumerate(zip(questions, first.sequences)):
             step = decision.step(i)
