@@ -42,6 +42,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     # validate cheap things before loading anything heavy
     if args.method not in METHODS:
         raise UnknownNameError("method", args.method, list(METHODS))
+    if args.retriever is None:
+        args.retriever = METHODS[args.method].default_retriever
     if args.retriever not in RETRIEVERS:
         raise UnknownNameError("retriever", args.retriever, RETRIEVERS)
     questions = [q.strip() for q in args.question]
@@ -83,12 +85,11 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 def _print_human(r: dict[str, Any]) -> None:
     print(f"Q: {r['question']}")
     print(f"A: {r['answer'] or '(empty answer)'}")
-    decision = "yes" if r["retrieved"] else "no"
-    why = ""
-    for step in r["gate_steps"]:
-        op = ">=" if step["retrieve"] else "<"
-        why = f" ({step['gate']} {step['score']:.3f} {op} threshold {step['threshold']:g})"
-    print(f"   method {r['method']} · retrieved: {decision}{why}")
+    decision = f"yes ({r['retrieval_calls']}×)" if r["retrieved"] else "no"
+    print(f"   method {r['method']} · retrieved: {decision}")
+    for n, step in enumerate(r["gate_steps"], 1):
+        action = "retrieve" if step["retrieve"] else "skip"
+        print(f"   gate {n}: {step['gate']} {step['score']:.3f} vs threshold {step['threshold']:.3g} -> {action}")
     for i, p in enumerate(r["passages"], 1):
         print(f"   [{i}] {p['title']} (score {p['score']:.3f}, id {p['id']})")
     t = r["timings"]
@@ -145,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer one or more questions with gated retrieval",
                          description="Answer questions; several questions run as one batch.")
     ask.add_argument("question", nargs="+", help="the question(s)")
-    ask.add_argument("--method", default="dtr", help="never | always | dtr (default: %(default)s)")
-    ask.add_argument("--retriever", default="bm25", help="bm25 | dense (default: %(default)s)")
+    ask.add_argument("--method", default="dtr",
+                     help="never | always | flare | probing | dtr | seakr | scaar | cbdr (default: %(default)s)")
+    ask.add_argument("--retriever", default=None,
+                     help="bm25 | dense (default: the method's: dense for dtr, bm25 for the others)")
     ask.add_argument("--k", type=int, default=None, help="passages per retrieval (default: the method's, 3)")
     ask.add_argument("--index", default=None,
                      help="index root holding bm25/ and dense/ (default: the default corpus, built on first use)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from fastgate.errors import ModelError
 
-__all__ = ["Embedder", "default_embedder_path"]
+__all__ = ["Embedder", "default_embedder_path", "shared_embedder"]
 
 
 def default_embedder_path() -> Path:
@@ -79,3 +80,9 @@ class Embedder:
             pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
             out[rows] = pooled.cpu().numpy()
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def shared_embedder(device: str = "auto") -> Embedder:
+    """The packaged MiniLM, loaded once per process and device (retrievers, DTR and SCAAR share it)."""
+    return Embedder(device=device)

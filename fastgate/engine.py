@@ -37,6 +37,7 @@ class Generation:
     finish_reason: FinishReason
     prompt_tokens: int
     truncated: bool  # the prompt was cut on the left to fit the context
+    stop_string: str | None = None  # the stop string that ended the sequence (finish_reason "stop")
 
 
 @dataclass
@@ -68,10 +69,19 @@ def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: tor
     running_sum.add_(states.to(torch.float32) * weight.to(torch.float32)[:, None, None])
 
 
-class _Taps:
-    """Forward hooks that keep the latest output of the tapped modules (only while a generate call runs)."""
+class _EarlyExit(Exception):
+    """Raised by a tap hook to stop a prefill once the deepest needed layer has run."""
 
-    def __init__(self, model, layers: tuple[int, ...]) -> None:
+
+class _Taps:
+    """Forward hooks that keep the latest output of the tapped modules (only while a generate call runs).
+
+    With ``stop_after`` set, the hook of that layer raises :class:`_EarlyExit` once it has stored its output, so a
+    prefill that only needs a middle layer skips the rest of the network.
+    """
+
+    def __init__(self, model, layers: tuple[int, ...], stop_after: int | None = None) -> None:
+        self.stop_after = stop_after
         self.outputs: dict[int, torch.Tensor] = {}
         self._handles = []
         inner = model.model
@@ -88,6 +98,8 @@ class _Taps:
     def _hook(self, layer: int):
         def fn(_module, _inputs, output):
             self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+            if layer == self.stop_after:
+                raise _EarlyExit
 
         return fn
 
@@ -95,6 +107,54 @@ class _Taps:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode``: the printable stand-in character of each byte -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _piece_decoder(tokenizer):
+    """A function ``ids -> list[bytes]`` giving each token's raw bytes, chosen once per tokenizer.
+
+    Byte-level BPE (GPT-2, SmolLM2) maps its printable stand-ins back to bytes; SentencePiece (Gemma) maps ``▁`` to a
+    space and ``<0xHH>`` byte-fallback tokens to their byte; anything else decodes token by token.
+    """
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    kind = type(decoder).__name__ if decoder is not None else ""
+    desc = repr(decoder)
+    special = set(tokenizer.all_special_ids)
+    if "ByteLevel" in kind or "ByteLevel" in desc:
+        table = _byte_level_decoder()
+
+        def pieces(ids: list[int]) -> list[bytes]:
+            toks = tokenizer.convert_ids_to_tokens(ids)
+            return [b"" if i in special else bytes(table[c] for c in t if c in table) for i, t in zip(ids, toks)]
+
+        return pieces
+    if "Metaspace" in desc or "ByteFallback" in desc or "Replace" in desc:
+
+        def pieces(ids: list[int]) -> list[bytes]:
+            out = []
+            for i, t in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+                if i in special:
+                    out.append(b"")
+                elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                    out.append(bytes([int(t[3:5], 16)]))
+                else:
+                    out.append(t.replace("\u2581", " ").encode("utf-8"))
+            return out
+
+        return pieces
+    return lambda ids: [tokenizer.decode([i], skip_special_tokens=True).encode("utf-8") for i in ids]
 
 
 def _process_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
@@ -150,6 +210,7 @@ class Engine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.n_layers = model.n_layers
         self.device = model.device
+        self._pieces = _piece_decoder(self.tokenizer)
 
     # ------------------------------------------------------------------ helpers
     def count_tokens(self, text: str) -> int:
@@ -188,6 +249,40 @@ class Engine:
         )
         return out.logits[:, -1, :].to(torch.float32)  # [N, V]
 
+    def token_pieces(self, token_ids: list[int]) -> list[bytes]:
+        """Raw bytes of each token (special tokens give ``b""``), the input of :func:`fastgate.ops.align_words`."""
+        return self._pieces(list(token_ids))
+
+    @torch.inference_mode()
+    def prompt_states(self, prompts: list[str], layer: int | None = None, batch_size: int = 16) -> torch.Tensor:
+        """Hidden state at ``layer`` of each prompt's last token, from a prefill only (no decoding).
+
+        This is CBDR's pre-answer state: one batched prefill per group of prompts, stopped right after ``layer``
+        (default ``n_layers // 2``), so the layers above it never run.
+
+        Returns:
+            ``[B, d]`` float32 on the engine's device.
+        """
+        if not prompts:
+            raise InputError("prompt_states: no prompts")
+        layer = self.n_layers // 2 if layer is None else layer
+        if not 0 <= layer <= self.n_layers:
+            raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
+        out = []
+        for start in range(0, len(prompts), batch_size):
+            ids, mask, _ = self._encode(prompts[start:start + batch_size], 1)
+            hooks = _Taps(self.model, (layer,), stop_after=layer)
+            try:
+                positions = (mask.cumsum(-1) - 1).clamp_min(0)
+                self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                           logits_to_keep=1)
+            except _EarlyExit:
+                pass
+            finally:
+                hooks.close()
+            out.append(hooks.outputs[layer][:, -1, :].to(torch.float32))  # [b, d]; left padding puts it last
+        return torch.cat(out)
+
     # ------------------------------------------------------------------ main entry
     @torch.inference_mode()
     def generate(
@@ -196,6 +291,7 @@ class Engine:
         config: GenerationConfig | None = None,
         taps: TapSpec | None = None,
         k: int = 1,
+        seeds: list[int] | None = None,
     ) -> GenerationBatch:
         """Generate for a batch of prompts.
 
@@ -204,6 +300,9 @@ class Engine:
             config: decoding settings.
             taps: signals to capture; see :class:`~fastgate.config.TapSpec`.
             k: samples per prompt; the k samples share the prompt's prefill (KV cache expanded after it).
+            seeds: one sampling seed per prompt. Sample j of prompt i then draws from its own generator seeded with
+                ``(seeds[i], j)``, so its tokens do not depend on what else is in the batch (``config.seed`` seeds
+                one generator shared by the whole batch instead).
 
         Returns:
             A :class:`GenerationBatch` with ``B*k`` sequences, prompt-major (sample j of prompt i at ``i*k + j``).
@@ -225,8 +324,15 @@ class Engine:
         prompt_lens = mask.sum(-1).tolist()
         tap_layers = tuple(sorted(set(taps.layers) | ({mid} if (taps.pre_answer or taps.eos_state) else set())))
         hooks = _Taps(self.model, tap_layers) if tap_layers else None
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InputError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         generator = None
-        if cfg.do_sample and cfg.seed is not None:
+        row_generators = None
+        if cfg.do_sample and seeds is not None:
+            row_generators = [torch.Generator(device=self.device).manual_seed((int(seeds[i // k]) * 1_000_003 + i % k)
+                                                                              % (2**63))
+                              for i in range(len(prompts) * k)]
+        elif cfg.do_sample and cfg.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         try:
             cache = DynamicCache(config=self.model.config)
@@ -256,6 +362,7 @@ class Engine:
             texts = [""] * n
             answer_len = [0] * n
             reason: list[FinishReason] = ["length"] * n
+            stops: list[str | None] = [None] * n
             eos_set = set(self.eos_ids)
             steps = 0
             while True:
@@ -265,7 +372,12 @@ class Engine:
                     logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
                     if cfg.do_sample:
                         probs = _process_logits(logits, cfg).softmax(-1)
-                        chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+                        if row_generators is None:
+                            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+                        else:
+                            chosen = torch.zeros(n, dtype=torch.long, device=self.device)  # [N]
+                            for i in active_rows:
+                                chosen[i] = torch.multinomial(probs[i], 1, generator=row_generators[i])[0]
                     else:
                         chosen = logits.argmax(-1)  # [N]
                     chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [N]
@@ -275,7 +387,8 @@ class Engine:
                         tok = chosen_l[i]
                         tokens[i].append(tok)
                         logps[i].append(chosen_lp_l[i])
-                        self._update_finish(i, tok, tokens, texts, answer_len, reason, state, cfg, eos_set, taps)
+                        self._update_finish(i, tok, tokens, texts, answer_len, reason, stops, state, cfg, eos_set,
+                                            taps)
                 # 2. decide what each row feeds next
                 feed = [self.pad_id] * n
                 attend = [0] * n
@@ -327,6 +440,7 @@ class Engine:
                 finish_reason=reason[i],
                 prompt_tokens=int(seq_prompt[i]),
                 truncated=bool(seq_trunc[i]),
+                stop_string=stops[i],
             )
             for i in range(n)
         ]
@@ -341,9 +455,10 @@ class Engine:
             timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start},
         )
 
-    def _update_finish(self, i, tok, tokens, texts, answer_len, reason, state, cfg, eos_set, taps) -> None:
+    def _update_finish(self, i, tok, tokens, texts, answer_len, reason, stops, state, cfg, eos_set, taps) -> None:
         """Record token ``tok`` of sequence ``i`` and move it out of ACTIVE if it stops."""
         finished: FinishReason | None = None
+        matched: str | None = None
         if cfg.stop_at_eos and tok in eos_set:
             finished = "eos"
             ans = tokens[i][:-1]
@@ -355,9 +470,10 @@ class Engine:
             for s in cfg.stop:
                 pos = text.find(s)
                 if pos >= 0 and (cut < 0 or pos < cut):
-                    cut = pos
+                    cut, matched = pos, s
             if cut >= 0:
                 finished = "stop"
+                stops[i] = matched
                 texts[i] = text[:cut]
                 answer_len[i] = self._tokens_before(tokens[i], cut)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "CorpusError",
     "FastgateError",
     "IndexError_",
@@ -38,6 +39,10 @@ class ShapeError(FastgateError, ValueError):
 
 class ModelError(FastgateError):
     """A model cannot be found, converted or loaded."""
+
+
+class CheckpointError(FastgateError):
+    """A prober / confidence checkpoint is missing, corrupt, or was trained for another model."""
 
 
 class CorpusError(FastgateError):

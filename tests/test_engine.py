@@ -197,3 +197,45 @@ def test_bad_arguments(tiny_engine):
         Engine(tiny_engine.lm, backend="cuda-magic")
     with pytest.raises(BackendUnavailableError):
         Engine(tiny_engine.lm, backend="triton")
+
+
+# ---------------------------------------------------------------- additions for the methods (issue 3)
+def test_prompt_states_equal_pre_answer_and_full_forward(tiny_engine):
+    prompts = ["Q: short?\nA:", "Q: a much longer question about the capital of somewhere?\nA:", "x"]
+    states = tiny_engine.prompt_states(prompts, layer=2, batch_size=2)  # [3, d], two prefill groups
+    batch = tiny_engine.generate(prompts, GenerationConfig(max_new_tokens=1), taps=TapSpec(pre_answer=True,
+                                                                                          mid_layer=2))
+    torch.testing.assert_close(states, batch.pre_answer, rtol=1e-4, atol=1e-5)
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([tiny_engine.tokenizer(p)["input_ids"]])
+        hs = tiny_engine.model(input_ids=ids, output_hidden_states=True).hidden_states[2][0, -1]
+        torch.testing.assert_close(states[i], hs.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_per_prompt_seeds_make_samples_independent_of_the_batch(tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=50)
+    alone = tiny_engine.generate(["Q: b?\nA:"], cfg, k=3, seeds=[11])
+    mixed = tiny_engine.generate(["Q: a?\nA:", "Q: b?\nA:"], cfg, k=3, seeds=[5, 11])
+    assert [s.token_ids for s in alone.sequences] == [s.token_ids for s in mixed.sequences[3:]]
+    assert len({tuple(s.token_ids) for s in alone.sequences}) > 1  # k samples differ from each other
+    with pytest.raises(InputError, match="seeds"):
+        tiny_engine.generate(["a", "b"], cfg, seeds=[1])
+
+
+def test_stop_string_is_reported(tiny_engine):
+    out = tiny_engine.generate(["Q: x?\nA:"], GenerationConfig(max_new_tokens=40))
+    text = tiny_engine.tokenizer.decode(out.sequences[0].token_ids, skip_special_tokens=True)
+    stop = next((c for c in text[2:] if c.strip()), None)  # some character the model produces after the start
+    if stop is None:
+        pytest.skip("the tiny model produced only whitespace")
+    s = tiny_engine.generate(["Q: x?\nA:"], GenerationConfig(max_new_tokens=40, stop=(stop,))).sequences[0]
+    assert s.finish_reason == "stop" and s.stop_string == stop and stop not in s.text
+
+
+def test_token_pieces_round_trip(tiny_engine):
+    for text in ["Hello world", " café — 日本語", "a\nb"]:
+        ids = tiny_engine.tokenizer(text)["input_ids"]
+        pieces = tiny_engine.token_pieces(ids)
+        assert len(pieces) == len(ids)
+        assert b"".join(pieces).decode("utf-8") == tiny_engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert tiny_engine.token_pieces([tiny_engine.eos_id]) == [b""]

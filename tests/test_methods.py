@@ -18,7 +18,7 @@ def bm25(small_index):
 
 
 def test_registry_and_parameters():
-    assert set(METHODS) >= {"never", "always", "dtr"}
+    assert set(METHODS) == {"never", "always", "flare", "probing", "dtr", "seakr", "scaar", "cbdr"}
     assert METHODS["dtr"].parameters()["tau"] == 0.001
     assert make_config("dtr", {"tau": "0.5", "k": "2"}).tau == 0.5
     with pytest.raises(UnknownNameError, match="unknown method 'magic'"):
@@ -51,7 +51,7 @@ def test_never_and_always(tiny_engine, bm25):
 def test_dtr_threshold_extremes(tiny_engine, bm25, tau, expect):
     results = build_method("dtr", tiny_engine, bm25, {"tau": tau}).answer_batch(QUESTIONS)
     assert all(r.retrieved is expect for r in results)
-    assert all(r.lm_calls == (2 if expect else 1) for r in results)
+    assert all(r.lm_calls == (3 if expect else 1) for r in results)  # answer; then pseudo-context and final answer
     assert all(len(r.gate_steps) == 1 and r.gate_steps[0].gate == "answer_nll" for r in results)
 
 
@@ -78,3 +78,173 @@ def test_question_validation(tiny_engine, bm25):
         method.answer_batch("a string, not a list")
     with pytest.raises(InputError, match="needs a retriever"):
         build_method("always", tiny_engine, None)
+
+
+# ---------------------------------------------------------------- the five methods (+ FLARE) on the tiny model
+@pytest.fixture(scope="module")
+def dense(small_index):
+    from fastgate.retrieval import DenseRetriever
+
+    return DenseRetriever(small_index / "dense")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny):
+    from fastgate.probes import random_probe_params, save_probe_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    probe = save_probe_checkpoint(root / "probe", random_probe_params(2, tiny.hidden_size, 16, seed=1),
+                                  kind="probing", model=tiny, layers=(2, 4))
+    conf = save_probe_checkpoint(root / "conf", random_probe_params(1, tiny.hidden_size, 16, seed=2),
+                                 kind="confidence", model=tiny, layers=(2,))
+    return {"probing": str(probe), "cbdr": str(conf)}
+
+
+FAST = {  # small settings so each method runs in about a second on the tiny model
+    "flare": {"max_sentences": 2, "sentence_tokens": 8},
+    "scaar": {"max_sentences": 2, "sentence_tokens": 8},
+    "probing": {"max_iterations": 2, "max_rationale_tokens": 12},
+    "seakr": {"samples": 3, "step_tokens": 6, "max_steps": 2, "n_candidates": 2, "answer_tokens": 8,
+              "max_answer_tokens": 6},
+    "cbdr": {"n_candidates": 4},
+    "dtr": {"pseudo_tokens": 12},
+}
+
+
+def _params(name, checkpoints, **extra):
+    p = dict(FAST.get(name, {}))
+    if name in checkpoints:
+        p["checkpoint"] = checkpoints[name]
+    p.update(extra)
+    return p
+
+
+# (parameter, value that always retrieves, value that never does)
+EXTREMES = {
+    "flare": ("theta", 1.0, 0.0),
+    "scaar": ("theta", 1.0, 0.0),
+    "probing": ("theta", 100.0, -100.0),
+    "dtr": ("tau", 0.0, float("inf")),
+    "seakr": ("delta", -1e9, 1e9),
+    "cbdr": ("beta", 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMES))
+def test_gated_methods_follow_their_threshold(name, tiny_engine, bm25, checkpoints):
+    key, always_value, never_value = EXTREMES[name]
+    on = build_method(name, tiny_engine, bm25, _params(name, checkpoints, **{key: always_value}))
+    off = build_method(name, tiny_engine, bm25, _params(name, checkpoints, **{key: never_value}))
+    for r in on.answer_batch(QUESTIONS):
+        assert r.retrieval_calls >= 1 and r.retrieved and r.gate_steps and r.gate_steps[0].retrieve
+        assert r.lm_calls >= 2 and r.generated_tokens >= 1 and r.method == name
+    for r in off.answer_batch(QUESTIONS):
+        assert r.retrieval_calls == 0 and not r.retrieved and r.passages == []
+        assert r.gate_steps and not any(s.retrieve for s in r.gate_steps)
+        assert r.lm_calls >= 1
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMES))
+def test_same_answer_alone_and_in_a_batch_of_8(name, tiny_engine, bm25, checkpoints):
+    key = EXTREMES[name][0]
+    probe = build_method(name, tiny_engine, bm25, _params(name, checkpoints))
+    batch_q = QUESTIONS + ["capital of Germany", "Eiffel Tower", "Burkina Faso", "planet Jupiter"]
+    if name == "scaar":  # retrieve iff θ > min_w P'(w)·e^{-r(w)}: split the batch at the median of that critical θ
+        import numpy as np
+
+        from fastgate.config import GenerationConfig
+        from fastgate.gates.words import sentence_words
+        from fastgate.prompts import SENTENCE_STOP, cot_prompt
+
+        first = tiny_engine.generate([cot_prompt(q) for q in batch_q], GenerationConfig(max_new_tokens=8,
+                                                                                        stop=SENTENCE_STOP))
+        words = [sentence_words(tiny_engine, probe.ops, s) for s in first.sequences]
+        crit = sorted(float((w.prob * np.exp(-r)).min()) for w, r in zip(words, probe.gate.contributions(batch_q,
+                                                                                                          words)))
+        candidates = [(crit[3] + crit[4]) / 2]
+    else:
+        scores = sorted(r.gate_steps[0].score for r in probe.answer_batch(batch_q))
+        mid = (scores[3] + scores[4]) / 2  # a threshold in the middle of the first gate scores
+        candidates = [{"probing": -mid}.get(name, mid)]
+    for value in candidates:
+        method = build_method(name, tiny_engine, bm25, _params(name, checkpoints, **{key: value}))
+        batch = method.answer_batch(batch_q)
+        if len({r.gate_steps[0].retrieve for r in batch}) == 2:
+            break
+    assert len({r.gate_steps[0].retrieve for r in batch}) == 2, "threshold did not split the batch"
+    for q, r in zip(batch_q, batch):
+        alone = method.answer(q)
+        assert alone.question == r.question == q
+        assert (alone.answer, alone.retrieval_calls, [s.retrieve for s in alone.gate_steps]) == (
+            r.answer, r.retrieval_calls, [s.retrieve for s in r.gate_steps])
+        assert [h.id for h in alone.passages] == [h.id for h in r.passages]
+
+
+def test_learned_gates_need_a_checkpoint(tiny_engine, bm25, checkpoints, tmp_path):
+    from fastgate.errors import CheckpointError
+
+    for name in ("probing", "cbdr"):
+        with pytest.raises(CheckpointError, match="checkpoint"):
+            build_method(name, tiny_engine, bm25)
+    with pytest.raises(CheckpointError, match="not 'confidence'"):
+        build_method("cbdr", tiny_engine, bm25, {"checkpoint": checkpoints["probing"]})
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        build_method("probing", tiny_engine, bm25, {"checkpoint": str(tmp_path / "missing")})
+
+
+def test_dtr_selects_top_k_of_the_union_by_ais(tiny_engine, dense):
+    import torch
+
+    from fastgate import ops
+    from fastgate.methods.base import _Timer
+
+    method = build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2})
+    q, p = "capital of Burkina Faso", "Ouagadougou is a city in West Africa"
+    (hits,) = method.select([q], [p], _Timer())
+    vq, vp = dense.embed([q, p])
+    union = {}
+    for h in dense.search_vectors(vq[None], 3)[0] + dense.search_vectors(vp[None], 3)[0]:
+        union.setdefault(h.id, h)
+    cands = list(union.values())
+    scores = ops.ais_scores(torch.from_numpy(vq), torch.from_numpy(vp), torch.from_numpy(dense.passage_vectors(cands)))
+    want = sorted(zip(scores.tolist(), [h.id for h in cands]), key=lambda t: -t[0])[:2]
+    assert [h.id for h in hits] == [i for _, i in want]
+    assert [h.score for h in hits] == pytest.approx([s for s, _ in want], abs=1e-6)
+    summed = build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2, "mode": "sum"}).select([q], [p], _Timer())[0]
+    assert all(-2.0 <= h.score <= 2.0 for h in summed)
+
+
+def test_cbdr_reranks_by_confidence_shift(tiny_engine, bm25, checkpoints):
+    from fastgate.methods.base import _Timer
+    from fastgate.prompts import closed_book_prompt, rag_prompt
+
+    method = build_method("cbdr", tiny_engine, bm25, _params("cbdr", checkpoints, beta=1.0, k=2))
+    q = "What is the capital of Burkina Faso?"
+    cands = bm25.search(q, 4)
+    conf_q = float(method.gate.confidence(tiny_engine.prompt_states([closed_book_prompt(q)], 2))[0])
+    (top,) = method.rerank([q], [conf_q], [cands], _Timer())
+    conf_c = method.gate.confidence(tiny_engine.prompt_states([rag_prompt(q, [h.passage]) for h in cands], 2))
+    inc = [float(c) - conf_q for c in conf_c]
+    want = sorted(range(len(cands)), key=lambda j: -inc[j])[:2]
+    assert [h.id for h in top] == [cands[j].id for j in want]
+    assert [h.score for h in top] == pytest.approx([inc[j] for j in want], abs=1e-5)
+
+
+def test_seakr_reasoning_step_picks_the_lower_eigenscore(tiny_engine, bm25):
+    method = build_method("seakr", tiny_engine, bm25, _params("seakr", {}, delta=-1e9))
+    for r in method.answer_batch(QUESTIONS[:2]):
+        final = [s for s in r.gate_steps if s.gate == "knowledge_path_eigenscore"]
+        if r.passages:  # retrieved knowledge: both paths competed, the lower eigenscore won
+            assert len(final) == 1 and final[0].retrieve == (final[0].score < final[0].threshold)
+        else:
+            assert final == []
+
+
+def test_cli_lists_every_method():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fastgate", "methods"], capture_output=True, text=True, check=True)
+    for name in METHODS:
+        assert f"{name}:" in out.stdout
+    assert "checkpoint = ''" in out.stdout and "delta = -6.0" in out.stdout

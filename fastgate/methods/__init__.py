@@ -8,22 +8,39 @@ from typing import Any
 
 from fastgate.errors import InputError, UnknownNameError
 from fastgate.methods.base import Method, MethodConfig, MethodResult
-from fastgate.methods.simple import AlwaysRetrieve, DtrConfig, DtrTrigger, NeverRetrieve
+from fastgate.methods.cbdr import Cbdr, CbdrConfig
+from fastgate.methods.dtr import Dtr, DtrConfig
+from fastgate.methods.probing import Probing, ProbingConfig
+from fastgate.methods.seakr import Seakr, SeakrConfig
+from fastgate.methods.sentences import Flare, FlareConfig, Scaar, ScaarConfig
+from fastgate.methods.simple import AlwaysRetrieve, NeverRetrieve
 
 __all__ = [
     "METHODS",
     "AlwaysRetrieve",
+    "Cbdr",
+    "CbdrConfig",
+    "Dtr",
     "DtrConfig",
-    "DtrTrigger",
+    "Flare",
+    "FlareConfig",
     "Method",
     "MethodConfig",
     "MethodResult",
     "NeverRetrieve",
+    "Probing",
+    "ProbingConfig",
+    "Scaar",
+    "ScaarConfig",
+    "Seakr",
+    "SeakrConfig",
     "build_method",
     "make_config",
 ]
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (NeverRetrieve, AlwaysRetrieve, DtrTrigger)}
+METHODS: dict[str, type[Method]] = {
+    cls.name: cls for cls in (NeverRetrieve, AlwaysRetrieve, Flare, Probing, Dtr, Seakr, Scaar, Cbdr)
+}
 
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from fastgate.config import GenerationConfig
-from fastgate.engine import Engine, GenerationBatch
+from fastgate.engine import Engine, Generation, GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.prompts import ANSWER_STOP, closed_book_prompt, rag_prompt
@@ -67,6 +67,40 @@ class MethodResult:
         }
 
 
+@dataclass
+class _Trace:
+    """What one question accumulates while a method runs; :meth:`result` turns it into a :class:`MethodResult`."""
+
+    retrieval_calls: int = 0
+    lm_calls: int = 0
+    generated_tokens: int = 0
+    gate_steps: list[GateStep] = field(default_factory=list)
+    passages: list[Hit] = field(default_factory=list)
+    truncated: bool = False
+
+    def generation(self, *seqs: Generation) -> None:
+        """One LM call that produced ``seqs`` (k samples of one prompt count as one call)."""
+        self.lm_calls += 1
+        self.generated_tokens += sum(len(s.token_ids) for s in seqs)
+        self.truncated = self.truncated or any(s.truncated for s in seqs)
+
+    def retrieval(self, hits: list[Hit], keep: bool = True) -> None:
+        """One retrieval call; ``keep`` adds its passages (deduplicated, in order) to the passages used."""
+        self.retrieval_calls += 1
+        if keep:
+            self.use(hits)
+
+    def use(self, hits: list[Hit]) -> None:
+        seen = {h.id for h in self.passages}
+        self.passages.extend(h for h in hits if h.id not in seen and not seen.add(h.id))
+
+    def result(self, question: str, answer: str, method: str, timings: dict[str, float]) -> MethodResult:
+        return MethodResult(question=question, answer=answer, retrieved=self.retrieval_calls > 0,
+                            passages=list(self.passages), retrieval_calls=self.retrieval_calls, lm_calls=self.lm_calls,
+                            generated_tokens=self.generated_tokens, gate_steps=list(self.gate_steps),
+                            timings=dict(timings), truncated=self.truncated, method=method)
+
+
 class _Timer:
     """Accumulates seconds per named phase."""
 
@@ -92,6 +126,7 @@ class Method:
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     description: ClassVar[str] = ""
     needs_retriever: ClassVar[bool] = True
+    default_retriever: ClassVar[str] = "bm25"  # what `fastgate ask` opens when --retriever is not given
 
     def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
         self.engine = engine

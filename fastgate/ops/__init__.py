@@ -1,8 +1,9 @@
 """Functional ops of SPEC §4 with a selectable backend.
 
 ``align_words``, ``word_logprobs``, ``ais_scores`` and ``ais_scores_batch`` run in the C++ extension ``fastgate._C``
-(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``answer_nll`` is a torch
-op.
+(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``probe_logits``,
+``eigenscore`` and ``answer_nll`` are torch references (``fastgate.ops.reference``); their fused Triton kernels live
+in ``kernels/``.
 
 Pick the backend once, where the consumer is built::
 
@@ -27,15 +28,19 @@ import torch
 
 from fastgate.errors import BackendUnavailableError, ShapeError
 from fastgate.ops import _python
+from fastgate.ops.reference import ProbeParams, answer_nll, eigenscore, probe_logits
 
 __all__ = [
     "CpuOps",
+    "ProbeParams",
     "ais_scores",
     "ais_scores_batch",
     "align_words",
     "answer_nll",
+    "eigenscore",
     "ext_available",
     "load",
+    "probe_logits",
     "word_logprobs",
 ]
 
@@ -184,24 +189,3 @@ def ais_scores(q: torch.Tensor, p: torch.Tensor, docs: torch.Tensor, mode: Liter
 def ais_scores_batch(Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, mode: Literal["angle", "sum"] = "angle"):
     """:meth:`CpuOps.ais_scores_batch` on the default backend."""
     return _default().ais_scores_batch(Q, P, D, mode)
-
-
-def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-prob over masked tokens (SPEC §4 op 5, DTR's uncertainty u).
-
-    Args:
-        token_logprobs: ``[B, T]`` log-probs of the chosen tokens.
-        mask: ``[B, T]`` bool/0-1; DTR excludes the final EOS token through it.
-
-    Returns:
-        ``[B]`` float32; a row with an empty mask gets +inf (no evidence of confidence).
-    """
-    if token_logprobs.ndim != 2 or mask.shape != token_logprobs.shape:
-        raise ShapeError(
-            f"answer_nll: expected token_logprobs [B, T] and mask of the same shape, got {tuple(token_logprobs.shape)} "
-            f"and {tuple(mask.shape)}"
-        )
-    m = mask.to(torch.float32)  # [B, T]
-    total = -(token_logprobs.to(torch.float32) * m).sum(-1)  # [B]
-    count = m.sum(-1)  # [B]
-    return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fastgate.corpus import Passage, corpus_fingerprint
-from fastgate.embedder import Embedder
+from fastgate.embedder import Embedder, shared_embedder
 from fastgate.errors import IndexError_, require
 from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
 
@@ -27,7 +27,7 @@ def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder
     """Embed ``passages`` (title + text) and build (atomically) a FAISS index with its ids and passages."""
     faiss = require("faiss", _HINT)
     passages = list(passages)
-    embedder = embedder or Embedder()
+    embedder = embedder or shared_embedder()
     vectors = embedder.encode([f"{p.title}. {p.text}" if p.title else p.text for p in passages], progress=progress,
                               desc="dense index")  # [n, dim]
     dim = vectors.shape[1]
@@ -76,7 +76,9 @@ class DenseRetriever:
         if index.ntotal != len(self.passages) or index.ntotal != self.manifest.get("n_passages"):
             raise IndexError_(f"the dense index at {self.index_dir} is inconsistent ({index.ntotal} vectors, "
                               f"{len(self.passages)} passages); rebuild it")
-        self.embedder = embedder or Embedder()
+        self._row = {p.id: i for i, p in enumerate(self.passages)}
+        self._vectors: np.ndarray | None = None
+        self.embedder = embedder or shared_embedder("cpu" if device == "cpu" else "auto")
         if self.embedder.dim != index.d:
             raise IndexError_(f"the dense index has dimension {index.d} but the embedder gives {self.embedder.dim}")
         self.on_gpu = False
@@ -105,6 +107,21 @@ class DenseRetriever:
         scores, ids = self._index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)  # [B, k], [B, k]
         return [[Hit(self.passages[j], float(s)) for s, j in zip(row_s, row_i) if j >= 0]
                 for row_s, row_i in zip(scores, ids)]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Unit vectors ``[n, dim]`` of ``texts`` with the index's embedder."""
+        return self.embedder.encode(texts)
+
+    def passage_vectors(self, hits: list[Hit]) -> np.ndarray:
+        """The stored unit vectors ``[n, dim]`` of ``hits`` (memory-mapped from ``vectors.npy``)."""
+        if self._vectors is None:
+            try:
+                self._vectors = np.load(self.index_dir / "vectors.npy", mmap_mode="r")
+            except (OSError, ValueError) as exc:
+                raise IndexError_(f"cannot read {self.index_dir / 'vectors.npy'} ({exc}); rebuild the index") from None
+            if self._vectors.shape != (len(self.passages), self._index.d):
+                raise IndexError_(f"{self.index_dir / 'vectors.npy'} has shape {self._vectors.shape}; rebuild it")
+        return np.ascontiguousarray(self._vectors[[self._row[h.id] for h in hits]], dtype=np.float32)
 
     def search_batch(self, queries: list[str], k: int = 3) -> list[list[Hit]]:
         check_k(k)

@@ -1,0 +1,90 @@
+"""Learned gates on hidden states: Probing-RAG's per-layer probers and CBDR's pre-answer confidence model."""
+
+from __future__ import annotations
+
+import torch
+
+from fastgate.config import TapSpec
+from fastgate.engine import GenerationBatch
+from fastgate.errors import InputError, ShapeError
+from fastgate.gates.base import GateDecision
+from fastgate.ops import ProbeParams, probe_logits
+
+__all__ = ["ConfidenceGate", "ProberGate"]
+
+
+class ProberGate:
+    """Probing-RAG (Baek et al., 2025): retrieve iff ``Σ_l softmax(prober_l)[0] + θ > Σ_l softmax(prober_l)[1]``.
+
+    Each prober reads the mean hidden state of the generated rationale+answer tokens at its layer, which the engine
+    keeps as a running sum, so the decision costs one small MLP per layer. The reported score is
+    ``Σ p0 − Σ p1`` and the threshold ``−θ``: retrieve iff score > threshold.
+
+    Args:
+        params: the stacked probers, one per entry of ``layers``.
+        layers: HF ``hidden_states`` indices the probers read.
+        theta: Probing-RAG's threshold (paper default 0; higher retrieves more).
+    """
+
+    name = "prober"
+
+    def __init__(self, params: ProbeParams, layers: tuple[int, ...], theta: float = 0.0) -> None:
+        params.validate()
+        if len(layers) != params.n_layers:
+            raise ShapeError(f"{params.n_layers} probers for {len(layers)} layers {list(layers)}")
+        self.params = params
+        self.theta = float(theta)
+        self.taps = TapSpec(layers=tuple(layers))
+
+    def scores(self, running_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """``Σ p0 − Σ p1`` per sequence ``[N]``; a sequence without generated tokens gets +inf (retrieve)."""
+        out = torch.full((running_sum.shape[0],), float("inf"), dtype=torch.float32)
+        ok = count > 0
+        if bool(ok.any()):
+            probs = probe_logits(running_sum[ok], count[ok], self.params).softmax(-1)  # [n, L, 2]
+            out[ok.cpu()] = (probs[..., 0].sum(-1) - probs[..., 1].sum(-1)).float().cpu()
+        return out
+
+    def decide(self, batch: GenerationBatch) -> GateDecision:
+        if batch.running_sum is None or batch.layers != self.taps.layers:
+            raise InputError(f"the prober gate needs running sums at layers {list(self.taps.layers)}; generate with "
+                             "taps=gate.taps")
+        s = self.scores(batch.running_sum, batch.count)
+        return GateDecision(s, [bool(x > -self.theta) for x in s.tolist()], -self.theta, self.name)
+
+
+class ConfidenceGate:
+    """CBDR (2025): ``Conf = softmax(E(pre_answer))[1]``; skip retrieval iff ``Conf > β``.
+
+    ``E`` is the probe MLP with one layer; ``pre_answer`` is the mid-layer state of the prompt's last token, so the
+    decision needs only a prefill. The reported score is Conf; retrieve iff Conf <= β.
+    """
+
+    name = "confidence"
+
+    def __init__(self, params: ProbeParams, layer: int, beta: float = 0.95) -> None:
+        params.validate()
+        if params.n_layers != 1:
+            raise ShapeError(f"the confidence model has one layer, got {params.n_layers}")
+        if not 0.0 <= beta <= 1.0:
+            raise InputError(f"beta must be in [0, 1], got {beta}")
+        self.params = params
+        self.layer = int(layer)
+        self.beta = float(beta)
+        self.taps = TapSpec(pre_answer=True, mid_layer=self.layer)
+
+    def confidence(self, states: torch.Tensor) -> torch.Tensor:
+        """``states [N, d]`` pre-answer states -> Conf ``[N]`` float32 (CPU)."""
+        if states.ndim != 2 or states.shape[1] != self.params.d:
+            raise ShapeError(f"confidence: states must be [N, {self.params.d}], got {tuple(states.shape)}")
+        ones = torch.ones(states.shape[0], dtype=torch.float32, device=states.device)
+        return probe_logits(states[:, None, :], ones, self.params).softmax(-1)[:, 0, 1].float().cpu()  # [N]
+
+    def decide_states(self, states: torch.Tensor) -> GateDecision:
+        conf = self.confidence(states)
+        return GateDecision(conf, [bool(c <= self.beta) for c in conf.tolist()], self.beta, self.name)
+
+    def decide(self, batch: GenerationBatch) -> GateDecision:
+        if batch.pre_answer is None:
+            raise InputError("the confidence gate needs pre_answer states; generate with taps=gate.taps")
+        return self.decide_states(batch.pre_answer)

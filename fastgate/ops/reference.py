@@ -1,0 +1,167 @@
+"""Torch references of SPEC §4 ops 1, 2 and 5: the prober MLP, SeaKR's eigenscore and DTR's answer NLL.
+
+They define the semantics the fused Triton kernels (``kernels/``) are tested against, and they are what runs on CPU.
+Every op returns float32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fastgate.errors import ShapeError
+
+__all__ = ["ProbeParams", "answer_nll", "eigenscore", "probe_logits"]
+
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
+
+
+class ProbeParams(NamedTuple):
+    """Stacked weights of L probers (one per tapped layer), laid out for ``x @ w`` (Linear weights transposed)."""
+
+    ln0_w: torch.Tensor  # [L, d]
+    ln0_b: torch.Tensor  # [L, d]
+    w1: torch.Tensor  # [L, d, h]
+    b1: torch.Tensor  # [L, h]
+    ln1_w: torch.Tensor  # [L, h]
+    ln1_b: torch.Tensor  # [L, h]
+    w2: torch.Tensor  # [L, h, h]
+    b2: torch.Tensor  # [L, h]
+    ln2_w: torch.Tensor  # [L, h]
+    ln2_b: torch.Tensor  # [L, h]
+    w3: torch.Tensor  # [L, h, 2]
+    b3: torch.Tensor  # [L, 2]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.w1.shape[0])
+
+    @property
+    def d(self) -> int:
+        return int(self.w1.shape[1])
+
+    @property
+    def h(self) -> int:
+        return int(self.w1.shape[2])
+
+    def validate(self) -> None:
+        """Raise :class:`ShapeError` unless every tensor has the shape implied by ``w1 [L, d, h]``."""
+        if self.w1.ndim != 3:
+            raise ShapeError(f"ProbeParams.w1 must be [L, d, h], got {tuple(self.w1.shape)}")
+        n, d, h = self.w1.shape
+        expected = {
+            "ln0_w": (n, d), "ln0_b": (n, d), "w1": (n, d, h), "b1": (n, h), "ln1_w": (n, h), "ln1_b": (n, h),
+            "w2": (n, h, h), "b2": (n, h), "ln2_w": (n, h), "ln2_b": (n, h), "w3": (n, h, 2), "b3": (n, 2),
+        }
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ShapeError(f"ProbeParams.{name} must be {list(shape)} for L={n}, d={d}, h={h}; got {list(got)}")
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> ProbeParams:
+        return ProbeParams(*(t.to(device=device, dtype=dtype) for t in self))
+
+
+def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # x [B, L, f], w/b [L, f]: each layer's prober has its own affine parameters
+    mu = x.mean(-1, keepdim=True)
+    var = x.var(-1, unbiased=False, keepdim=True)
+    return (x - mu) * torch.rsqrt(var + LN_EPS) * w + b
+
+
+def probe_logits(sums: torch.Tensor, counts: torch.Tensor, params: ProbeParams) -> torch.Tensor:
+    """Per-layer prober logits from running sums of hidden states (SPEC §4 op 1).
+
+    Per (b, l): ``x = sums/counts; x = LN0(x); x = LN1(silu(x@w1+b1)); x = LN2(silu(x@w2+b2)); logits = x@w3+b3``.
+
+    Args:
+        sums: ``[B, L, d]`` sum of the generated tokens' hidden states at each tapped layer.
+        counts: ``[B]`` number of tokens in the sums (> 0).
+        params: the L probers, stacked.
+
+    Returns:
+        ``[B, L, 2]`` float32 logits; index 0 = "needs retrieval" (answer wrong), 1 = "answer correct".
+    """
+    params.validate()
+    if sums.ndim != 3 or sums.shape[1:] != (params.n_layers, params.d):
+        raise ShapeError(f"probe_logits: sums must be [B, {params.n_layers}, {params.d}], got {tuple(sums.shape)}")
+    if counts.shape != (sums.shape[0],):
+        raise ShapeError(f"probe_logits: counts must be [{sums.shape[0]}], got {tuple(counts.shape)}")
+    if bool((counts <= 0).any()):
+        raise ShapeError("probe_logits: every count must be > 0 (a sequence with no generated tokens has no mean)")
+    p = params.to(sums.device)
+    x = sums.to(torch.float32) / counts.to(torch.float32)[:, None, None]  # [B, L, d]
+    x = _layer_norm(x, p.ln0_w, p.ln0_b)
+    x = _layer_norm(F.silu(torch.einsum("bld,ldh->blh", x, p.w1) + p.b1), p.ln1_w, p.ln1_b)  # [B, L, h]
+    x = _layer_norm(F.silu(torch.einsum("blh,lhk->blk", x, p.w2) + p.b2), p.ln2_w, p.ln2_b)  # [B, L, h]
+    return torch.einsum("blh,lhc->blc", x, p.w3) + p.b3  # [B, L, 2]
+
+
+def eigenscore(
+    z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None, scale: Literal["cov"] | None = None
+) -> torch.Tensor:
+    """SeaKR's self-aware uncertainty: ``logdet(Zc Zcᵀ + αI) / k'`` over the k' valid samples (SPEC §4 op 2).
+
+    Each sample's vector is centred over its own d features (what SeaKR's ``J_d = I - 11ᵀ/d`` does, without building
+    the d×d matrix); the k'×k' Gram log-determinant comes from a Cholesky factor, in float64.
+
+    Args:
+        z: ``[B, k, d]`` hidden states of k samples per request.
+        alpha: ridge added to the Gram diagonal (SeaKR: 1e-3).
+        valid: optional ``[B, k]`` bool; False drops a sample (e.g. an empty generation).
+        scale: ``"cov"`` divides the Gram matrix by ``d - 1`` (INSIDE's covariance form); None keeps SeaKR's.
+
+    Returns:
+        ``[B]`` float32; a request with no valid sample gets +inf (no evidence of certainty).
+    """
+    if z.ndim != 3:
+        raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
+    b, k, d = z.shape
+    if k < 1 or d < 2:
+        raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
+    if alpha <= 0:
+        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
+    if scale not in (None, "cov"):
+        raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
+    if valid is None:
+        valid = torch.ones((b, k), dtype=torch.bool, device=z.device)
+    elif valid.shape != (b, k):
+        raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
+    zd = z.to(torch.float64)
+    if not bool(torch.isfinite(zd).all()):
+        raise ShapeError("eigenscore: z contains NaN or inf")
+    zc = zd - zd.mean(-1, keepdim=True)  # [B, k, d]
+    gram = zc @ zc.transpose(1, 2)  # [B, k, k]
+    if scale == "cov":
+        gram = gram / (d - 1)
+    v = valid.to(torch.float64)  # [B, k]
+    # invalid samples become identity rows/columns: they add log(1) = 0 to the log-determinant
+    m = gram * v[:, :, None] * v[:, None, :] + torch.diag_embed(alpha * v + (1 - v))  # [B, k, k]
+    chol = torch.linalg.cholesky(m)  # m is SPD: a PSD Gram plus a positive diagonal
+    logdet = 2 * torch.log(torch.diagonal(chol, dim1=-2, dim2=-1)).sum(-1)  # [B]
+    n_valid = v.sum(-1)  # [B]
+    out = torch.where(n_valid > 0, logdet / n_valid.clamp_min(1), torch.full_like(logdet, float("inf")))
+    return out.to(torch.float32)
+
+
+def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-prob over masked tokens (SPEC §4 op 5, DTR's uncertainty u).
+
+    Args:
+        token_logprobs: ``[B, T]`` log-probs of the chosen tokens.
+        mask: ``[B, T]`` bool/0-1; DTR excludes the final EOS token through it.
+
+    Returns:
+        ``[B]`` float32; a row with an empty mask gets +inf (no evidence of confidence).
+    """
+    if token_logprobs.ndim != 2 or mask.shape != token_logprobs.shape:
+        raise ShapeError(
+            f"answer_nll: expected token_logprobs [B, T] and mask of the same shape, got {tuple(token_logprobs.shape)} "
+            f"and {tuple(mask.shape)}"
+        )
+    m = mask.to(torch.float32)  # [B, T]
+    total = -(token_logprobs.to(torch.float32) * m).sum(-1)  # [B]
+    count = m.sum(-1)  # [B]
+    return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))

@@ -1,0 +1,155 @@
+"""Gates on constructed inputs: probers, confidence, eigenscore, FLARE and SCAAR word confidence."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastgate import ops
+from fastgate.config import TapSpec
+from fastgate.engine import Generation, GenerationBatch
+from fastgate.errors import InputError, ShapeError
+from fastgate.gates.eigen import EigenScoreGate
+from fastgate.gates.prober import ConfidenceGate, ProberGate
+from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words
+from fastgate.probes import random_probe_params
+
+OPS = ops.load("auto")
+
+
+def _gen(text="x", ids=(1,), lps=(-0.1,), answer_tokens=None):
+    return Generation(text, list(ids), list(lps), len(ids) if answer_tokens is None else answer_tokens, "eos", 3, False)
+
+
+def test_word_of_two_tokens_gets_geometric_mean_probability():
+    words, ids = OPS.align_words(["Ouaga", "dougou", " is"])
+    assert words == ["Ouagadougou", "is"] and ids == [0, 0, 1]
+    p = np.exp(OPS.word_logprobs(np.log([0.9, 0.5, 0.7]), ids).numpy())
+    assert p[0] == pytest.approx(math.sqrt(0.45), rel=1e-6)
+    assert p[1] == pytest.approx(0.7, rel=1e-6)
+
+
+def test_sentence_words_on_real_tokens(tiny_engine):
+    ids = tiny_engine.tokenizer(" The capital is Ouagadougou")["input_ids"]
+    lps = [math.log(0.9)] * len(ids)
+    sw = sentence_words(tiny_engine, OPS, _gen("", ids, lps))
+    assert sw.words == ["The", "capital", "is", "Ouagadougou"]
+    assert sw.prob == pytest.approx([0.9] * 4, rel=1e-5)
+    assert sw.without(1) == "The is Ouagadougou"
+    assert [sw.text[a:b] for a, b in sw.spans] == sw.words
+
+
+def _words(probs, words=None):
+    words = words or [f"w{i}" for i in range(len(probs))]
+    text = " ".join(words)
+    spans, pos = [], 0
+    for w in words:
+        spans.append((pos, pos + len(w)))
+        pos += len(w) + 1
+    return SentenceWords(text, words, spans, np.asarray(probs, dtype=np.float64))
+
+
+def test_flare_gate_threshold_and_masked_query():
+    gate = FlareGate(theta=0.5)
+    d = gate.decide_words([_words([0.9, 0.4, 0.8]), _words([0.9, 0.6]), _words([])])
+    assert d.retrieve == [True, False, False]
+    assert float(d.scores[0]) == pytest.approx(0.4)
+    assert gate.query(_words([0.9, 0.4, 0.8], ["Paris", "Lyon", "France"])) == "Paris France"
+
+
+class _FakeEmbedder:
+    """Unit vectors whose similarity to the full sentence is set per removed word."""
+
+    def __init__(self, sims: dict[str, float]) -> None:
+        self.sims = sims
+
+    def encode(self, texts):
+        out = []
+        for t in texts:
+            missing = [w for w in self.sims if w not in t.split()]
+            s = self.sims[missing[0]] if missing else 1.0
+            out.append([s, math.sqrt(max(0.0, 1 - s * s))])
+        return np.asarray(out)
+
+
+def test_scaar_contribution_thresholds_and_pfq():
+    sims = {"Paris": 0.2, "is": 0.99, "pretty": 0.9, "big": 0.7}  # contributions 0.8, 0.01, 0.1, 0.3
+    gate = ScaarGate(_FakeEmbedder(sims), theta=0.5, alpha=0.5)
+    sw = _words([0.95, 0.6, 0.6, 0.6], ["Paris", "is", "pretty", "big"])
+    (r,) = gate.contributions(["q"], [sw])
+    assert r == pytest.approx([0.8, 0.01, 0.1, 0.3], abs=1e-9)
+    th = gate.thresholds(r)
+    assert th == pytest.approx(0.5 * np.exp(r))  # eq. 3 as printed
+    decision, _ = gate.decide_words(["q"], [sw])
+    # "big": 0.6 < 0.5·e^0.3 = 0.675 -> hallucinated, triggers; "Paris": 0.95 < 0.5·e^0.8 = 1.11 too
+    assert decision.retrieve == [True]
+    assert float(decision.scores[0]) == pytest.approx(min(np.array([0.95, 0.6, 0.6, 0.6]) - th))
+    # PFQ: top 50% by contribution = Paris, big; both below their thresholds -> only the question stays
+    assert gate.query("Q", sw, r) == "Q"
+    confident = _words([1.0, 1.0, 1.0, 1.0], ["Paris", "is", "pretty", "big"])
+    assert ScaarGate(_FakeEmbedder(sims), theta=0.3, alpha=0.5).query("Q", confident, r) == "Q Paris big"
+    normalized = ScaarGate(_FakeEmbedder(sims), theta=0.5, weighting="normalized")
+    assert normalized.thresholds(r) == pytest.approx(0.5 * np.exp(4 * r / r.sum()))
+
+
+def test_scaar_rejects_bad_parameters():
+    with pytest.raises(InputError):
+        ScaarGate(None, theta=1.5)
+    with pytest.raises(InputError):
+        ScaarGate(None, weighting="other")
+
+
+def test_prober_gate_rule():
+    params = random_probe_params(2, 8, 4, seed=5)
+    gate = ProberGate(params, (1, 2), theta=0.0)
+    sums = torch.randn(4, 2, 8)
+    count = torch.tensor([1.0, 2.0, 0.0, 3.0])
+    s = gate.scores(sums, count)
+    probs = ops.probe_logits(sums[[0, 1, 3]], count[[0, 1, 3]], params).softmax(-1)
+    want = probs[..., 0].sum(-1) - probs[..., 1].sum(-1)
+    torch.testing.assert_close(s[[0, 1, 3]], want)
+    assert math.isinf(float(s[2]))  # no generated tokens: retrieve
+    batch = GenerationBatch([_gen()] * 4, sums, count, layers=(1, 2))
+    for theta in (-0.3, 0.0, 0.7):
+        d = ProberGate(params, (1, 2), theta).decide(batch)
+        assert d.retrieve == [bool(x + theta > 0) for x in s.tolist()]
+    with pytest.raises(ShapeError):
+        ProberGate(params, (1, 2, 3))
+    with pytest.raises(InputError, match="running sums"):
+        gate.decide(GenerationBatch([_gen()]))
+
+
+def test_confidence_gate_rule():
+    params = random_probe_params(1, 8, 4, seed=6)
+    states = torch.randn(5, 8)
+    conf = ops.probe_logits(states[:, None], torch.ones(5), params).softmax(-1)[:, 0, 1]
+    beta = float(conf.median())
+    d = ConfidenceGate(params, layer=2, beta=beta).decide_states(states)
+    assert d.retrieve == [bool(c <= beta) for c in conf.tolist()]
+    assert ConfidenceGate(params, 2, beta).taps == TapSpec(pre_answer=True, mid_layer=2)
+    with pytest.raises(ShapeError):
+        ConfidenceGate(random_probe_params(2, 8, 4), 2)
+    with pytest.raises(ShapeError):
+        ConfidenceGate(params, 2).confidence(torch.zeros(3, 9))
+
+
+def test_eigen_gate_groups_samples_and_drops_empty_ones():
+    k, d = 4, 16
+    torch.manual_seed(0)
+    z = torch.randn(2 * k, d)
+    z[:k] = z[0]  # request 0: identical samples -> low score
+    seqs = [_gen("a") for _ in range(2 * k)]
+    seqs[k + 1] = _gen("  ")  # an empty sample of request 1 is dropped
+    batch = GenerationBatch(seqs, eos_state=z)
+    gate = EigenScoreGate(k=k, delta=-3.0)  # identical samples: (log(k·|zc|²+α) + 3·log α)/4 ≈ -4
+    s = gate.scores(batch)
+    valid = torch.tensor([[True] * k, [True, False, True, True]])
+    torch.testing.assert_close(s, ops.eigenscore(z.view(2, k, d), valid=valid))
+    assert gate.decide(batch).retrieve == [False, True]
+    with pytest.raises(InputError):
+        EigenScoreGate(k=3).scores(batch)
+    with pytest.raises(InputError):
+        EigenScoreGate(k=1)

@@ -1,0 +1,143 @@
+"""Torch reference ops (SPEC §4 ops 1, 2, 5) against constructed inputs with known answers and plain torch.nn."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastgate.errors import ShapeError
+from fastgate.ops import ProbeParams, answer_nll, eigenscore, probe_logits
+from fastgate.probes import Prober, random_probe_params, stack_probers
+
+
+# ------------------------------------------------------------------ probe_logits
+@pytest.mark.parametrize("b,n_layers,d,h", [(1, 1, 2, 2), (3, 2, 7, 5), (5, 3, 769, 13), (2, 1, 64, 512)])
+def test_probe_logits_equals_torch_nn_probers(b, n_layers, d, h):
+    torch.manual_seed(b * 100 + d)
+    probers = [Prober(d, h).eval() for _ in range(n_layers)]
+    with torch.no_grad():
+        for p in probers:  # non-trivial LayerNorm affines so a swapped weight/bias would show
+            for m in p.net:
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.normal_(1.0, 0.2)
+                    m.bias.normal_(0.0, 0.2)
+    params = stack_probers(probers)
+    sums = torch.randn(b, n_layers, d) * 3
+    counts = torch.randint(1, 9, (b,)).float()
+    got = probe_logits(sums, counts, params)
+    assert got.shape == (b, n_layers, 2) and got.dtype == torch.float32
+    with torch.no_grad():
+        want = torch.stack([probers[layer](sums[:, layer] / counts[:, None]) for layer in range(n_layers)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_probe_logits_non_contiguous_inputs():
+    params = random_probe_params(3, 16, 8, seed=3)
+    base = torch.randn(16, 3, 4)  # [d, L, B] -> permuted view [B, L, d]
+    sums = base.permute(2, 1, 0)
+    assert not sums.is_contiguous()
+    counts = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])[::2]
+    torch.testing.assert_close(probe_logits(sums, counts, params), probe_logits(sums.contiguous(), counts.clone(),
+                                                                                  params))
+
+
+def test_probe_logits_rejects_bad_shapes():
+    params = random_probe_params(2, 8, 4)
+    with pytest.raises(ShapeError, match="sums must be"):
+        probe_logits(torch.zeros(1, 3, 8), torch.ones(1), params)
+    with pytest.raises(ShapeError, match="counts must be"):
+        probe_logits(torch.zeros(2, 2, 8), torch.ones(3), params)
+    with pytest.raises(ShapeError, match="> 0"):
+        probe_logits(torch.zeros(1, 2, 8), torch.zeros(1), params)
+    bad = params._replace(b2=torch.zeros(2, 5))
+    with pytest.raises(ShapeError, match="b2"):
+        probe_logits(torch.zeros(1, 2, 8), torch.ones(1), bad)
+
+
+# ------------------------------------------------------------------ eigenscore
+def _seakr_reference(z: torch.Tensor, alpha: float) -> float:
+    """SeaKR's released formulation for one request: a d×d centring matrix, einsum, logdet."""
+    k, d = z.shape
+    z = z.double()
+    j_d = torch.eye(d, dtype=torch.float64) - torch.ones(d, d, dtype=torch.float64) / d
+    sigma = torch.einsum("ij,jk,lk->il", z, j_d, z)
+    return float(torch.logdet(sigma + alpha * torch.eye(k, dtype=torch.float64)) / k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 20])
+def test_eigenscore_identical_samples_closed_form(k):
+    alpha = 1e-3
+    v = torch.randn(97)
+    z = v.expand(1, k, 97).clone()
+    zc = v - v.mean()
+    want = (math.log(k * float(zc @ zc) + alpha) + (k - 1) * math.log(alpha)) / k
+    assert float(eigenscore(z, alpha)[0]) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("b,k,d", [(1, 2, 2), (3, 7, 13), (2, 20, 769), (4, 5, 576)])
+def test_eigenscore_matches_seakr_formulation(b, k, d):
+    torch.manual_seed(k * d)
+    z = torch.randn(b, k, d)
+    got = eigenscore(z)
+    for i in range(b):
+        assert float(got[i]) == pytest.approx(_seakr_reference(z[i], 1e-3), rel=1e-4, abs=1e-4)
+
+
+def test_eigenscore_diversity_raises_the_score():
+    torch.manual_seed(0)
+    base = torch.randn(1, 1, 64).expand(1, 8, 64)
+    near = base + 0.01 * torch.randn(1, 8, 64)
+    far = base + 1.0 * torch.randn(1, 8, 64)
+    s = eigenscore(torch.cat([near, far]))
+    assert s[0] < s[1]
+
+
+def test_eigenscore_valid_mask_drops_samples():
+    torch.manual_seed(1)
+    z = torch.randn(2, 6, 33)
+    valid = torch.tensor([[True, False, True, True, False, True], [True] * 6])
+    got = eigenscore(z, valid=valid)
+    assert float(got[0]) == pytest.approx(float(eigenscore(z[0:1, [0, 2, 3, 5]])[0]), rel=1e-5)
+    assert float(got[1]) == pytest.approx(float(eigenscore(z[1:2])[0]), rel=1e-6)
+    none_valid = eigenscore(z[:1], valid=torch.zeros(1, 6, dtype=torch.bool))
+    assert math.isinf(float(none_valid[0]))
+
+
+def test_eigenscore_cov_scale_is_inside_form():
+    torch.manual_seed(2)
+    z = torch.randn(1, 5, 40)
+    zc = (z[0] - z[0].mean(-1, keepdim=True)).double()
+    gram = zc @ zc.T / 39
+    want = float(torch.logdet(gram + 1e-3 * torch.eye(5, dtype=torch.float64)) / 5)
+    assert float(eigenscore(z, scale="cov")[0]) == pytest.approx(want, rel=1e-5)
+
+
+def test_eigenscore_non_contiguous_and_errors():
+    z = torch.randn(9, 3, 4).permute(2, 1, 0)  # [4, 3, 9] non-contiguous
+    torch.testing.assert_close(eigenscore(z), eigenscore(z.contiguous()))
+    with pytest.raises(ShapeError, match="z must be"):
+        eigenscore(torch.zeros(3, 4))
+    with pytest.raises(ShapeError, match="valid must be"):
+        eigenscore(torch.zeros(2, 3, 4), valid=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ShapeError, match="NaN"):
+        eigenscore(torch.full((1, 2, 4), float("nan")))
+    with pytest.raises(ShapeError, match="scale"):
+        eigenscore(torch.zeros(1, 2, 4), scale="bogus")
+
+
+# ------------------------------------------------------------------ answer_nll
+def test_answer_nll_masks_and_empty_rows():
+    lp = torch.tensor([[-0.5, -1.5, -9.0], [-0.1, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    got = answer_nll(lp, mask)
+    assert float(got[0]) == pytest.approx(1.0)
+    assert math.isinf(float(got[1]))
+    with pytest.raises(ShapeError):
+        answer_nll(lp, mask[:, :2])
+
+
+def test_probe_params_types():
+    p = random_probe_params(2, 6, 3)
+    assert isinstance(p, ProbeParams) and (p.n_layers, p.d, p.h) == (2, 6, 3)

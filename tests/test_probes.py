@@ -1,0 +1,82 @@
+"""Prober checkpoints: round trip, and clear errors for missing, corrupt, truncated or foreign checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from fastgate.errors import CheckpointError, ShapeError
+from fastgate.probes import load_probe_checkpoint, random_probe_params, save_probe_checkpoint
+
+
+@pytest.fixture()
+def ckpt_dir(tmp_path, tiny):
+    params = random_probe_params(2, tiny.hidden_size, 8, seed=4)
+    return save_probe_checkpoint(tmp_path / "probe", params, kind="probing", model=tiny, layers=(2, 3),
+                                 extra={"theta": 0.0}), params
+
+
+def test_round_trip_is_bit_exact(ckpt_dir, tiny):
+    path, params = ckpt_dir
+    ckpt = load_probe_checkpoint(path, tiny, kind="probing")
+    assert ckpt.layers == (2, 3) and ckpt.model == tiny.name and ckpt.extra == {"theta": 0.0}
+    for a, b in zip(ckpt.params, params):
+        assert torch.equal(a, b)
+
+
+def test_overwrite_keeps_a_valid_checkpoint(ckpt_dir, tiny):
+    path, _ = ckpt_dir
+    new = random_probe_params(2, tiny.hidden_size, 8, seed=9)
+    save_probe_checkpoint(path, new, kind="probing", model=tiny, layers=(1, 2))
+    ckpt = load_probe_checkpoint(path, tiny)
+    assert ckpt.layers == (1, 2) and torch.equal(ckpt.params.w1, new.w1)
+
+
+def test_missing_and_corrupt(tmp_path, ckpt_dir, tiny):
+    path, _ = ckpt_dir
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        load_probe_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not 'confidence'"):
+        load_probe_checkpoint(path, kind="confidence")
+    weights = path / "weights.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated copy
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_probe_checkpoint(path, tiny)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_probe_checkpoint(path)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_probe_checkpoint(path)
+
+
+def test_checkpoint_for_another_model_is_rejected(ckpt_dir, tiny):
+    from fastgate.testing import tiny_model
+
+    path, _ = ckpt_dir
+    other = tiny_model(seed=2)  # same shapes, different weights
+    with pytest.raises(CheckpointError, match="trained for model"):
+        load_probe_checkpoint(path, other)
+    wider = tiny_model(hidden=32)
+    with pytest.raises(CheckpointError, match="hidden size"):
+        load_probe_checkpoint(path, wider)
+    config = json.loads((path / "config.json").read_text())
+    config["layers"] = [2, 3, 4]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="weights hold 2 probers"):
+        load_probe_checkpoint(path)
+
+
+def test_save_validates(tmp_path, tiny):
+    with pytest.raises(ShapeError, match="hidden size"):
+        save_probe_checkpoint(tmp_path / "x", random_probe_params(1, 7, 4), kind="probing", model=tiny, layers=(1,))
+    with pytest.raises(ShapeError, match="layers given"):
+        save_probe_checkpoint(tmp_path / "x", random_probe_params(1, tiny.hidden_size, 4), kind="probing",
+                              model=tiny, layers=(1, 2))
+    assert dataclasses.is_dataclass(load_probe_checkpoint(
+        save_probe_checkpoint(tmp_path / "y", random_probe_params(1, tiny.hidden_size, 4), kind="confidence",
+                              model=tiny, layers=(2,))))
