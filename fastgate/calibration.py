@@ -12,9 +12,18 @@ from typing import Any
 __all__ = ["CALIBRATED", "calibrated_params"]
 
 CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
-    # SmolLM2-135M, few-shot Q/A prompt: answers it knows have NLL 0.01–0.2 (Berlin, Tokyo, Shakespeare, 1889),
-    # answers it does not know 0.7–1.7 (Ouagadougou, Bishkek).
-    "smollm2-135m": {"dtr": {"tau": 0.5}},
+    "smollm2-135m": {
+        # few-shot Q/A prompt: answers it knows have NLL 0.01–0.2 (Berlin, Tokyo, Shakespeare, 1889), answers it
+        # does not know 0.7–1.7 (Ouagadougou, Bishkek)
+        "dtr": {"tau": 0.5},
+        # the rest: the median of the first gate's critical value over 20 questions (10 country capitals + 10
+        # fanoutqa sub-questions, seed 0), so about half of first sentences retrieve. FLARE: lowest word
+        # probability of the first CoT sentence, 0.05–0.45, median 0.27.
+        "flare": {"theta": 0.25},
+        # SCAAR (literal eq. 3): retrieve iff θ > min_w P'(w)·e^{-r(w)}; that critical θ is 0.05–0.45, median 0.26.
+        # The paper's θ=0.8 retrieves on every sentence of this model.
+        "scaar": {"theta": 0.25},
+    },
 }
 
 

@@ -54,7 +54,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         params["k"] = args.k
     if args.max_tokens is not None:
         params["max_answer_tokens"] = args.max_tokens
-    make_config(args.method, params)  # reject bad parameters before loading the model
+    METHODS[args.method].preflight(make_config(args.method, params))  # reject bad parameters before loading anything
 
     t0 = time.perf_counter()
     from fastgate.engine import Engine

@@ -25,6 +25,10 @@ def run_main(capsys, *argv):
         (["ask", "Who?", "--param", "tau"], "--param expects name=value"),
         (["ask", "Who?", "--param", "theta=1"], "unknown parameter(s) for dtr: theta"),
         (["ask", "Who?", "--method", "never", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["ask", "Who?", "--method", "probing"], "probing needs a prober checkpoint"),
+        (["ask", "Who?", "--method", "cbdr", "--param", "checkpoint=/no/such/dir"], "no checkpoint directory"),
+        (["ask", "Who?", "--method", "seakr", "--param", "samples=1"], "samples must be >= 2"),
+        (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle or sum"),
     ],
 )
 def test_ask_bad_input(capsys, argv, message):

@@ -28,7 +28,8 @@ def test_gate_decides_differently_for_known_and_unknown_facts():
         assert r["timings"]["total_s"] > 0
     assert "Shakespeare" in known["answer"]
     assert known["retrieved"] is False and known["retrieval_calls"] == 0 and known["lm_calls"] == 1
-    assert unknown["retrieved"] is True and unknown["retrieval_calls"] == 1 and unknown["lm_calls"] == 2
+    # answer, pseudo-context, answer with the passages chosen by AIS over both paths
+    assert unknown["retrieved"] is True and unknown["retrieval_calls"] == 1 and unknown["lm_calls"] == 3
     assert "Burkina Faso" in [p["title"] for p in unknown["passages"]]
     assert all(set(p) == {"id", "title", "score"} for p in unknown["passages"])
     assert "Ouagadougou" in unknown["answer"]
@@ -49,3 +50,22 @@ def test_question_longer_than_context_is_rejected():
     assert proc.returncode == 2
     assert proc.stderr.startswith("fastgate: error: the question is too long")
     assert "Traceback" not in proc.stderr
+
+
+def test_same_greedy_answer_alone_and_in_a_batch_of_8():
+    from fastgate.engine import Engine
+    from fastgate.methods import build_method
+    from fastgate.models import load
+    from fastgate.retrieval import open_retriever
+
+    engine = Engine(load("smollm2-135m"))
+    questions = ["Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the capital of Japan?",
+                 "What is the capital of Kyrgyzstan?", "Who painted the Mona Lisa?", "What is the capital of Chad?",
+                 "In what year did the Berlin Wall fall?", "What is the largest ocean?"]
+    method = build_method("dtr", engine, open_retriever("bm25"), {"tau": 0.5})
+    batch = method.answer_batch(questions)
+    assert any(r.retrieved for r in batch) and not all(r.retrieved for r in batch)
+    for q, r in zip(questions, batch):
+        alone = method.answer(q)
+        assert (alone.answer, alone.retrieved, [h.id for h in alone.passages]) == (
+            r.answer, r.retrieved, [h.id for h in r.passages])

@@ -140,6 +140,10 @@ class Method:
         self._scaffold_tokens = engine.count_tokens(closed_book_prompt(""))
 
     @classmethod
+    def preflight(cls, config: MethodConfig) -> None:
+        """Cheap checks of a config before any model is loaded (e.g. that a checkpoint exists)."""
+
+    @classmethod
     def parameters(cls) -> dict[str, Any]:
         """Parameter names and defaults of this method's config."""
         return {f.name: f.default for f in fields(cls.config_class)}

@@ -4,6 +4,7 @@ retrieve; retrieved candidates are re-ranked by the confidence shift they cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.prober import ConfidenceGate
@@ -42,11 +43,17 @@ class Cbdr(Method):
     config_class = CbdrConfig
     description = "CBDR: pre-answer confidence gate; candidates re-ranked by confidence shift Inc(Q,C)"
 
-    def __init__(self, engine, retriever, config: CbdrConfig | None = None) -> None:
-        super().__init__(engine, retriever, config)
-        if not self.config.checkpoint:
+    @classmethod
+    def preflight(cls, config: CbdrConfig) -> None:
+        if not config.checkpoint:
             raise CheckpointError("cbdr needs a confidence-model checkpoint: pass --param checkpoint=DIR (train one "
                                   "with `fastgate train confidence`)")
+        if not Path(config.checkpoint).is_dir():
+            raise CheckpointError(f"no checkpoint directory at {config.checkpoint}")
+
+    def __init__(self, engine, retriever, config: CbdrConfig | None = None) -> None:
+        super().__init__(engine, retriever, config)
+        self.preflight(self.config)
         ckpt = load_probe_checkpoint(self.config.checkpoint, engine.lm, kind="confidence")
         if len(ckpt.layers) != 1:
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")

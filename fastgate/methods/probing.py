@@ -4,6 +4,7 @@ chain-of-thought answer, whether to retrieve and answer again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastgate.config import GenerationConfig
 from fastgate.errors import CheckpointError, InputError
@@ -47,12 +48,18 @@ class Probing(Method):
     config_class = ProbingConfig
     description = "Probing-RAG: probers on rationale hidden states decide retrieval (Baek et al., 2025)"
 
-    def __init__(self, engine, retriever, config: ProbingConfig | None = None) -> None:
-        super().__init__(engine, retriever, config)
-        if not self.config.checkpoint:
+    @classmethod
+    def preflight(cls, config: ProbingConfig) -> None:
+        if not config.checkpoint:
             raise CheckpointError(
                 "probing needs a prober checkpoint: pass --param checkpoint=DIR (train one: `fastgate train prober`)"
             )
+        if not Path(config.checkpoint).is_dir():
+            raise CheckpointError(f"no checkpoint directory at {config.checkpoint}")
+
+    def __init__(self, engine, retriever, config: ProbingConfig | None = None) -> None:
+        super().__init__(engine, retriever, config)
+        self.preflight(self.config)
         ckpt = load_probe_checkpoint(self.config.checkpoint, engine.lm, kind="probing")
         self.checkpoint = ckpt
         self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta)
