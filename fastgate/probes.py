@@ -29,6 +29,7 @@ __all__ = [
     "Prober",
     "load_probe_checkpoint",
     "random_probe_params",
+    "require_checkpoint_dir",
     "save_probe_checkpoint",
     "stack_probers",
 ]
@@ -185,6 +186,14 @@ def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind
     if model is not None:
         check_checkpoint_matches(ckpt, model)
     return ckpt
+
+
+def require_checkpoint_dir(path: str, method: str, what: str, trainer: str) -> None:
+    """Fail early, before any model loads, when a learned gate's checkpoint is not given or does not exist."""
+    if not path:
+        raise CheckpointError(f"{method} needs {what}: pass --param checkpoint=DIR (train one: `{trainer}`)")
+    if not Path(path).is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
 
 
 def check_checkpoint_matches(ckpt: ProbeCheckpoint, model: Any) -> None:

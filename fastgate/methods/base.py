@@ -12,10 +12,10 @@ from fastgate.config import GenerationConfig
 from fastgate.engine import Engine, Generation, GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
-from fastgate.prompts import ANSWER_STOP, closed_book_prompt, rag_prompt
+from fastgate.prompts import ANSWER_STOP, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
-__all__ = ["Method", "MethodConfig", "MethodResult"]
+__all__ = ["Method", "MethodConfig", "MethodResult", "append_sentence"]
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,27 @@ class _Trace:
 
     def use(self, hits: list[Hit]) -> None:
         seen = {h.id for h in self.passages}
-        self.passages.extend(h for h in hits if h.id not in seen and not seen.add(h.id))
+        for h in hits:
+            if h.id not in seen:
+                seen.add(h.id)
+                self.passages.append(h)
 
     def result(self, question: str, answer: str, method: str, timings: dict[str, float]) -> MethodResult:
         return MethodResult(question=question, answer=answer, retrieved=self.retrieval_calls > 0,
                             passages=list(self.passages), retrieval_calls=self.retrieval_calls, lm_calls=self.lm_calls,
                             generated_tokens=self.generated_tokens, gate_steps=list(self.gate_steps),
                             timings=dict(timings), truncated=self.truncated, method=method)
+
+
+def append_sentence(text: str, seq: Generation) -> tuple[str, bool]:
+    """Append one generated rationale sentence (stopped at "." or a newline) to ``text``.
+
+    Returns the new text and whether the rationale is finished: it reached "the answer is", or the line ended (newline,
+    EOS, an empty sentence). A sentence cut by the token limit is continued in the next round.
+    """
+    text += seq.text + ("." if seq.stop_string == "." else "")
+    finished = seq.finish_reason != "length" and (seq.stop_string != "." or not seq.text.strip())
+    return text, finished or has_answer(seq.text)
 
 
 class _Timer:

@@ -4,12 +4,11 @@ retrieve; retrieved candidates are re-ranked by the confidence shift they cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.prober import ConfidenceGate
 from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
-from fastgate.probes import load_probe_checkpoint
+from fastgate.probes import load_probe_checkpoint, require_checkpoint_dir
 from fastgate.prompts import closed_book_prompt, rag_prompt
 from fastgate.retrieval.base import Hit
 
@@ -45,11 +44,8 @@ class Cbdr(Method):
 
     @classmethod
     def preflight(cls, config: CbdrConfig) -> None:
-        if not config.checkpoint:
-            raise CheckpointError("cbdr needs a confidence-model checkpoint: pass --param checkpoint=DIR (train one "
-                                  "with `fastgate train confidence`)")
-        if not Path(config.checkpoint).is_dir():
-            raise CheckpointError(f"no checkpoint directory at {config.checkpoint}")
+        require_checkpoint_dir(config.checkpoint, cls.name, "a confidence-model checkpoint",
+                               "fastgate train confidence")
 
     def __init__(self, engine, retriever, config: CbdrConfig | None = None) -> None:
         super().__init__(engine, retriever, config)

@@ -57,9 +57,12 @@ class Dtr(Method):
         self.gate = AnswerNLLGate(self.config.tau)
         self.ops = load_ops(ops_backend)
         self._embedder = embedder
+        # chosen once: a dense index searches by vector and stores passage vectors; anything else searches by text
+        # and its candidates are embedded for AIS
+        self._dense = hasattr(retriever, "search_vectors") and hasattr(retriever, "passage_vectors")
 
     def _embed(self, texts: list[str]) -> np.ndarray:
-        if hasattr(self.retriever, "embed"):
+        if self._dense:
             return self.retriever.embed(texts)
         if self._embedder is None:
             from fastgate.embedder import shared_embedder
@@ -68,7 +71,7 @@ class Dtr(Method):
         return self._embedder.encode(texts)
 
     def _candidate_vectors(self, hits: list[Hit]) -> np.ndarray:
-        if hasattr(self.retriever, "passage_vectors"):
+        if self._dense:
             return self.retriever.passage_vectors(hits)
         return self._embed([f"{h.title}. {h.text}" if h.title else h.text for h in hits])
 
@@ -77,7 +80,7 @@ class Dtr(Method):
         c = self.config
         with timer.span("retrieval_s"):
             vecs = self._embed(questions + pseudo)  # [2m, dim]: q_1..q_m, p_1..p_m
-            if hasattr(self.retriever, "search_vectors"):
+            if self._dense:
                 paths = self.retriever.search_vectors(vecs, c.n)
             else:
                 paths = self.retriever.search_batch(questions + pseudo, c.n)

@@ -4,13 +4,12 @@ chain-of-thought answer, whether to retrieve and answer again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastgate.config import GenerationConfig
-from fastgate.errors import CheckpointError, InputError
+from fastgate.errors import InputError
 from fastgate.gates.prober import ProberGate
 from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
-from fastgate.probes import load_probe_checkpoint
+from fastgate.probes import load_probe_checkpoint, require_checkpoint_dir
 from fastgate.prompts import cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
 
@@ -50,12 +49,7 @@ class Probing(Method):
 
     @classmethod
     def preflight(cls, config: ProbingConfig) -> None:
-        if not config.checkpoint:
-            raise CheckpointError(
-                "probing needs a prober checkpoint: pass --param checkpoint=DIR (train one: `fastgate train prober`)"
-            )
-        if not Path(config.checkpoint).is_dir():
-            raise CheckpointError(f"no checkpoint directory at {config.checkpoint}")
+        require_checkpoint_dir(config.checkpoint, cls.name, "a prober checkpoint", "fastgate train prober")
 
     def __init__(self, engine, retriever, config: ProbingConfig | None = None) -> None:
         super().__init__(engine, retriever, config)

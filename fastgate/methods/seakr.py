@@ -13,13 +13,12 @@ from fastgate.engine import Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.gates.eigen import EigenScoreGate
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace, append_sentence
 from fastgate.prompts import (
     ANSWER_PHRASE,
     SENTENCE_STOP,
     cot_prompt,
     extract_answer,
-    has_answer,
     seakr_prompt,
     strip_answer,
 )
@@ -141,10 +140,7 @@ class Seakr(Method):
                         traces[i].generation(s)
                         chosen[j] = s
                 for j, i in enumerate(act):
-                    s = chosen[j]
-                    rationale[i] += s.text + ("." if s.stop_string == "." else "")
-                    finished = s.finish_reason != "length" and (s.stop_string != "." or not s.text.strip())
-                    done[i] = finished or has_answer(s.text)
+                    rationale[i], done[i] = append_sentence(rationale[i], chosen[j])
             answers = self._reason(questions, rationale, knowledge, traces, timer)
         return [t.result(q, a, self.name, timer.spans) for q, t, a in zip(questions, traces, answers)]
 

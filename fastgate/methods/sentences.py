@@ -16,9 +16,9 @@ from fastgate.engine import Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import GateDecision
 from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace, append_sentence
 from fastgate.ops import load as load_ops
-from fastgate.prompts import SENTENCE_STOP, cot_prompt, extract_answer, has_answer
+from fastgate.prompts import SENTENCE_STOP, cot_prompt, extract_answer
 
 __all__ = ["Flare", "FlareConfig", "Scaar", "ScaarConfig"]
 
@@ -48,7 +48,7 @@ class _SentenceLoop(Method):
 
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:
         questions = self.validate(questions)
-        cfg: MethodConfig = self.config
+        cfg = self.config
         gen_cfg = GenerationConfig(max_new_tokens=cfg.sentence_tokens, stop=SENTENCE_STOP)
         timer = _Timer()
         traces = [_Trace() for _ in questions]
@@ -79,11 +79,7 @@ class _SentenceLoop(Method):
                 for j, i in enumerate(act):
                     traces[i].generation(batch.sequences[j])
                     traces[i].gate_steps.append(decision.step(j))
-                    s = chosen[j]
-                    text[i] += s.text + ("." if s.stop_string == "." else "")
-                    # a sentence cut by the token limit continues next round; anything else that ends the line stops
-                    finished = s.finish_reason != "length" and (s.stop_string != "." or not s.text.strip())
-                    done[i] = finished or has_answer(s.text)
+                    text[i], done[i] = append_sentence(text[i], chosen[j])
         return [t.result(q, extract_answer(x), self.name, timer.spans) for q, t, x in zip(questions, traces, text)]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastgate.methods.base import Method, MethodResult, _Timer
+from fastgate.methods.base import Method, MethodResult, _Timer, _Trace
 
 __all__ = ["AlwaysRetrieve", "NeverRetrieve"]
 
@@ -19,11 +19,11 @@ class NeverRetrieve(Method):
         timer = _Timer()
         with timer.span("total_s"):
             batch = self.generate_closed_book(questions, timer)
-        return [
-            MethodResult(q, s.text.strip(), False, [], 0, 1, len(s.token_ids), [], dict(timer.spans), s.truncated,
-                         self.name)
-            for q, s in zip(questions, batch.sequences)
-        ]
+        traces = [_Trace() for _ in questions]
+        for t, s in zip(traces, batch.sequences):
+            t.generation(s)
+        return [t.result(q, s.text.strip(), self.name, timer.spans)
+                for q, t, s in zip(questions, traces, batch.sequences)]
 
 
 class AlwaysRetrieve(Method):
@@ -38,8 +38,9 @@ class AlwaysRetrieve(Method):
         with timer.span("total_s"):
             hits = self.retrieve(questions, timer)
             batch = self.generate_with_passages(questions, hits, timer)
-        return [
-            MethodResult(q, s.text.strip(), True, hs, 1, 1, len(s.token_ids), [], dict(timer.spans), s.truncated,
-                         self.name)
-            for q, hs, s in zip(questions, hits, batch.sequences)
-        ]
+        traces = [_Trace() for _ in questions]
+        for t, hs, s in zip(traces, hits, batch.sequences):
+            t.retrieval(hs)
+            t.generation(s)
+        return [t.result(q, s.text.strip(), self.name, timer.spans)
+                for q, t, s in zip(questions, traces, batch.sequences)]
