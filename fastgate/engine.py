@@ -15,8 +15,9 @@ from typing import Literal
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.errors import BackendUnavailableError, InputError
+from fastgate.errors import InputError
 from fastgate.models import LoadedModel
+from fastgate.ops.reference import accumulate_taps
 
 __all__ = ["Engine", "Generation", "GenerationBatch", "accumulate_taps"]
 
@@ -56,17 +57,6 @@ class GenerationBatch:
     @property
     def generated_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
-
-
-def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> None:
-    """``running_sum += states * weight`` in place: the per-step tap update (torch reference of the Triton kernel).
-
-    Args:
-        running_sum: ``[N, L, d]`` float32.
-        states: ``[N, L, d]`` hidden states of the current token at each tapped layer (any float dtype).
-        weight: ``[N]`` 1 for sequences whose current token counts, 0 otherwise.
-    """
-    running_sum.add_(states.to(torch.float32) * weight.to(torch.float32)[:, None, None])
 
 
 class _EarlyExit(Exception):
@@ -185,17 +175,15 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto") -> None:
-        if backend not in ("auto", "triton", "torch"):
-            raise InputError(f"unknown engine backend {backend!r}; choose auto, triton or torch")
+        from fastgate.ops.backend import gate_ops
+
         self.lm = model
         self.model = model.model
         self.tokenizer = model.tokenizer
-        if backend == "triton":
-            raise BackendUnavailableError(
-                "the Triton tap-accumulate kernel is not available yet; use backend='auto' or 'torch'"
-            )
-        self.backend = "torch"  # `auto` selects the Triton accumulate kernel here once it exists
-        self._accumulate = accumulate_taps
+        # the gating ops (tap accumulate, prober, eigenscore) are bound once, for the model's device
+        self.gate_ops = gate_ops(backend, model.device)
+        self.backend = self.gate_ops.backend
+        self._accumulate = self.gate_ops.accumulate
         gen_cfg = getattr(self.model, "generation_config", None)
         eos: set[int] = set()
         for source in (getattr(gen_cfg, "eos_token_id", None), self.tokenizer.eos_token_id):

@@ -1,8 +1,13 @@
 """Triton kernels, installed as ``fastgate.kernels``.
 
 Each kernel file holds one op: a private ``@triton.jit`` kernel, a typed launcher that validates shapes and the torch
-reference beside it. The gating kernels (fused prober, running-sum accumulate, batched Gram log-det) land here; until
-then every op runs on its torch reference in ``fastgate.ops``.
+reference beside it:
+
+- ``probe.py``: the per-step tap accumulate and the fused prober (SPEC §4 op 1);
+- ``gram.py``: the batched eigenscore (SPEC §4 op 2).
+
+Importing a kernel module needs ``triton``; ``fastgate.ops.backend`` chooses between them and the torch references
+once, where the engine or gate is built.
 """
 
 __all__: list[str] = []

@@ -7,6 +7,17 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; it must be chosen before any kernel is defined.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SMALL_CORPUS = [
     {"id": "p1", "title": "Paris", "text": "Paris is the capital and largest city of France, on the Seine."},
     {"id": "p2", "title": "Berlin", "text": "Berlin is the capital of Germany and its largest city."},

@@ -8,7 +8,7 @@ from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine import GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import GateDecision
-from fastgate.ops import eigenscore
+from fastgate.ops.backend import GateOps, gate_ops
 
 __all__ = ["EigenScoreGate"]
 
@@ -22,14 +22,16 @@ class EigenScoreGate:
         alpha: Gram ridge (SeaKR: 1e-3).
         mid_layer: layer of the EOS state; None = ``n_layers // 2``.
         scale: None (SeaKR) or ``"cov"`` (INSIDE).
+        ops: the gating ops to run on (an engine's ``gate_ops``); default the torch reference.
     """
 
     name = "eigenscore"
 
     def __init__(self, k: int = 20, delta: float = -6.0, alpha: float = 1e-3, mid_layer: int | None = None,
-                 scale: str | None = None) -> None:
+                 scale: str | None = None, ops: GateOps | None = None) -> None:
         if k < 2:
             raise InputError(f"the eigenscore needs k >= 2 samples, got {k}")
+        self.ops = ops or gate_ops("torch")
         self.k = int(k)
         self.delta = float(delta)
         self.alpha = float(alpha)
@@ -46,7 +48,7 @@ class EigenScoreGate:
         z = batch.eos_state.view(n // self.k, self.k, d)  # [B, k, d]
         # an empty sample carries no answer: SeaKR drops it from the Gram matrix
         valid = torch.tensor([bool(s.text.strip()) for s in batch.sequences], device=z.device).view(-1, self.k)
-        return eigenscore(z, self.alpha, valid, self.scale).cpu()
+        return self.ops.eigenscore(z, self.alpha, valid, self.scale).cpu()
 
     def decide(self, batch: GenerationBatch) -> GateDecision:
         s = self.scores(batch)

@@ -8,7 +8,8 @@ from fastgate.config import TapSpec
 from fastgate.engine import GenerationBatch
 from fastgate.errors import InputError, ShapeError
 from fastgate.gates.base import GateDecision
-from fastgate.ops import ProbeParams, probe_logits
+from fastgate.ops import ProbeParams
+from fastgate.ops.backend import GateOps, gate_ops
 
 __all__ = ["ConfidenceGate", "ProberGate"]
 
@@ -24,12 +25,15 @@ class ProberGate:
         params: the stacked probers, one per entry of ``layers``.
         layers: HF ``hidden_states`` indices the probers read.
         theta: Probing-RAG's threshold (paper default 0; higher retrieves more).
+        ops: the gating ops to run on (an engine's ``gate_ops``: fused Triton on CUDA); default the torch reference.
     """
 
     name = "prober"
 
-    def __init__(self, params: ProbeParams, layers: tuple[int, ...], theta: float = 0.0) -> None:
+    def __init__(self, params: ProbeParams, layers: tuple[int, ...], theta: float = 0.0,
+                 ops: GateOps | None = None) -> None:
         params.validate()
+        self.ops = ops or gate_ops("torch")
         if len(layers) != params.n_layers:
             raise ShapeError(f"{params.n_layers} probers for {len(layers)} layers {list(layers)}")
         self.params = params
@@ -41,7 +45,7 @@ class ProberGate:
         out = torch.full((running_sum.shape[0],), float("inf"), dtype=torch.float32)
         ok = count > 0
         if bool(ok.any()):
-            probs = probe_logits(running_sum[ok], count[ok], self.params).softmax(-1)  # [n, L, 2]
+            probs = self.ops.probe_logits(running_sum[ok], count[ok], self.params).softmax(-1)  # [n, L, 2]
             out[ok.cpu()] = (probs[..., 0].sum(-1) - probs[..., 1].sum(-1)).float().cpu()
         return out
 
@@ -62,8 +66,9 @@ class ConfidenceGate:
 
     name = "confidence"
 
-    def __init__(self, params: ProbeParams, layer: int, beta: float = 0.95) -> None:
+    def __init__(self, params: ProbeParams, layer: int, beta: float = 0.95, ops: GateOps | None = None) -> None:
         params.validate()
+        self.ops = ops or gate_ops("torch")
         if params.n_layers != 1:
             raise ShapeError(f"the confidence model has one layer, got {params.n_layers}")
         if not 0.0 <= beta <= 1.0:
@@ -78,7 +83,7 @@ class ConfidenceGate:
         if states.ndim != 2 or states.shape[1] != self.params.d:
             raise ShapeError(f"confidence: states must be [N, {self.params.d}], got {tuple(states.shape)}")
         ones = torch.ones(states.shape[0], dtype=torch.float32, device=states.device)
-        return probe_logits(states[:, None, :], ones, self.params).softmax(-1)[:, 0, 1].float().cpu()  # [N]
+        return self.ops.probe_logits(states[:, None, :], ones, self.params).softmax(-1)[:, 0, 1].float().cpu()  # [N]
 
     def decide_states(self, states: torch.Tensor) -> GateDecision:
         conf = self.confidence(states)

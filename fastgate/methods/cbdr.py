@@ -54,7 +54,7 @@ class Cbdr(Method):
         if len(ckpt.layers) != 1:
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")
         self.checkpoint = ckpt
-        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta)
+        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.gate_ops)
 
     def rerank(self, questions: list[str], conf_q: list[float], cands: list[list[Hit]], timer: _Timer
                ) -> list[list[Hit]]:

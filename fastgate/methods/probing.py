@@ -56,7 +56,7 @@ class Probing(Method):
         self.preflight(self.config)
         ckpt = load_probe_checkpoint(self.config.checkpoint, engine.lm, kind="probing")
         self.checkpoint = ckpt
-        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta)
+        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.gate_ops)
 
     def _query(self, question: str, rationale: str, passages: list[Hit]) -> str:
         # R(q, r, â) first; later rounds R(q, {d}, r, â) (eq. 6)

@@ -67,7 +67,7 @@ class Seakr(Method):
     def __init__(self, engine, retriever, config: SeakrConfig | None = None) -> None:
         super().__init__(engine, retriever, config)
         c = self.config
-        self.gate = EigenScoreGate(c.samples, c.delta, c.alpha)
+        self.gate = EigenScoreGate(c.samples, c.delta, c.alpha, ops=engine.gate_ops)
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, question: str, salt: int) -> int:

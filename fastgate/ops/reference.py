@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fastgate.errors import ShapeError
 
-__all__ = ["ProbeParams", "answer_nll", "eigenscore", "probe_logits"]
+__all__ = ["ProbeParams", "accumulate_taps", "answer_nll", "eigenscore", "probe_logits"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -144,6 +144,17 @@ def eigenscore(
     n_valid = v.sum(-1)  # [B]
     out = torch.where(n_valid > 0, logdet / n_valid.clamp_min(1), torch.full_like(logdet, float("inf")))
     return out.to(torch.float32)
+
+
+def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> None:
+    """``running_sum += states * weight`` in place: the per-step tap update (reference of the Triton kernel).
+
+    Args:
+        running_sum: ``[N, L, d]`` float32.
+        states: ``[N, L, d]`` hidden states of the current token at each tapped layer (any float dtype).
+        weight: ``[N]`` 1 for sequences whose current token counts, 0 otherwise.
+    """
+    running_sum.add_(states.to(torch.float32) * weight.to(torch.float32)[:, None, None])
 
 
 def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

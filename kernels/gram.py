@@ -1,0 +1,108 @@
+"""Batched eigenscore (SPEC §4 op 2) as one Triton launch for B requests, with the torch reference beside it.
+
+Each program takes one request: row means over d, the k×k Gram matrix of the centred rows, then an in-register
+Cholesky factorisation whose log-pivots sum to the log-determinant. The Gram matrix and the factorisation are float64,
+as in the reference. Near-identical samples make the Gram matrix nearly rank-one next to a ridge of 1e-3, and float32
+accumulation would blur exactly the small eigenvalues the score is about.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastgate.errors import ShapeError
+from fastgate.ops.reference import eigenscore as eigenscore_reference
+
+__all__ = ["eigenscore", "eigenscore_reference"]
+
+
+@triton.jit
+def _eigenscore_kernel(
+    out_ptr,  # [B] float32
+    z_ptr,  # [B, K, D] any float dtype, strided
+    valid_ptr,  # [B, K] int8, 1 = keep the sample
+    K,
+    D,
+    stride_zb,
+    stride_zk,
+    stride_zd,
+    alpha,
+    scale,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    mk = offs_k < K
+    keep = (tl.load(valid_ptr + b * K + offs_k, mask=mk, other=0) != 0) & mk  # [BLOCK_K]
+    base = z_ptr + b * stride_zb + offs_k[:, None] * stride_zk
+
+    # pass 1: each row's mean over its d features
+    acc = tl.zeros([BLOCK_K], dtype=tl.float64)
+    for start in range(0, D, BLOCK_D):
+        offs_d = start + tl.arange(0, BLOCK_D)
+        m = mk[:, None] & (offs_d[None, :] < D)
+        acc += tl.sum(tl.load(base + offs_d[None, :] * stride_zd, mask=m, other=0.0).to(tl.float64), axis=1)
+    mean = acc / D
+
+    # pass 2: Gram of the centred rows, float64
+    gram = tl.zeros([BLOCK_K, BLOCK_K], dtype=tl.float64)
+    for start in range(0, D, BLOCK_D):
+        offs_d = start + tl.arange(0, BLOCK_D)
+        m = mk[:, None] & (offs_d[None, :] < D)
+        x = tl.load(base + offs_d[None, :] * stride_zd, mask=m, other=0.0).to(tl.float64)
+        x = tl.where(m, x - mean[:, None], 0.0)  # [BLOCK_K, BLOCK_D]
+        gram += tl.sum(x[:, None, :] * x[None, :, :], axis=2)
+
+    # dropped and padding samples become identity rows/columns: they add log(1) = 0
+    rows = offs_k[:, None]
+    cols = offs_k[None, :]
+    both = keep[:, None] & keep[None, :]
+    diag = rows == cols
+    a = tl.where(both, gram * scale, 0.0) + tl.where(diag, tl.where(keep[:, None], alpha, 1.0), 0.0)
+
+    # right-looking Cholesky: logdet = Σ log(pivot_j)
+    logdet = tl.zeros([1], dtype=tl.float64)
+    for j in range(0, BLOCK_K):
+        pivot = tl.sum(tl.sum(tl.where(diag & (rows == j), a, 0.0), axis=1), axis=0)
+        logdet += tl.log(pivot)
+        col = tl.sum(tl.where(cols == j, a, 0.0), axis=1)  # a[:, j]
+        below = tl.where(offs_k > j, col / tl.sqrt(pivot), 0.0)
+        a = a - below[:, None] * below[None, :]
+    n_keep = tl.sum(keep.to(tl.float64), axis=0)
+    score = tl.where(n_keep > 0, logdet / tl.maximum(n_keep, 1.0), float("inf"))
+    tl.store(out_ptr + b + tl.arange(0, 1), score.to(tl.float32))
+
+
+def eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None,
+               scale: str | None = None) -> torch.Tensor:
+    """Fused SPEC op 2 for ``z [B, k, d]`` -> ``[B]`` float32, one launch; same semantics and errors as
+    :func:`fastgate.ops.reference.eigenscore` (a request with no valid sample gets +inf)."""
+    if z.ndim != 3:
+        raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
+    b, k, d = z.shape
+    if k < 1 or d < 2:
+        raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
+    if k > 64:
+        raise ShapeError(f"eigenscore: the fused kernel holds the k×k Gram in registers; k={k} > 64")
+    if alpha <= 0:
+        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
+    if scale not in (None, "cov"):
+        raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
+    if valid is None:
+        valid = torch.ones((b, k), dtype=torch.int8, device=z.device)
+    elif valid.shape != (b, k):
+        raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
+    if not bool(torch.isfinite(z).all()):
+        raise ShapeError("eigenscore: z contains NaN or inf")
+    valid = valid.to(device=z.device, dtype=torch.int8).contiguous()
+    out = torch.empty(b, dtype=torch.float32, device=z.device)
+    if b == 0:
+        return out
+    block_k = max(2, triton.next_power_of_2(k))
+    block_d = max(1, min(triton.next_power_of_2(d), 4096 // (block_k * block_k), 64))
+    _eigenscore_kernel[(b,)](out, z, valid, k, d, z.stride(0), z.stride(1), z.stride(2), float(alpha),
+                             1.0 / (d - 1) if scale == "cov" else 1.0, BLOCK_K=block_k, BLOCK_D=block_d)
+    return out
