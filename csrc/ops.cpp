@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -130,10 +131,9 @@ Alignment align_codepoints(const std::vector<uint32_t>& cps, const std::vector<i
   return out;
 }
 
-py::tuple align_words(const py::list& pieces) {
+// Decode one sequence's pieces (all str or all bytes) into code points and the piece owning each. Needs the GIL.
+void collect_pieces(const py::list& pieces, std::vector<uint32_t>& cps, std::vector<int>& owner) {
   const size_t n_pieces = pieces.size();
-  std::vector<uint32_t> cps;
-  std::vector<int> owner;
   bool any_bytes = false, any_str = false;
   for (auto item : pieces) {
     if (PyBytes_Check(item.ptr())) any_bytes = true;
@@ -167,10 +167,75 @@ py::tuple align_words(const py::list& pieces) {
       }
     }
   }
-  Alignment a = align_codepoints(cps, owner, n_pieces);
+}
+
+py::tuple align_words(const py::list& pieces) {
+  std::vector<uint32_t> cps;
+  std::vector<int> owner;
+  collect_pieces(pieces, cps, owner);
+  Alignment a = align_codepoints(cps, owner, pieces.size());
   py::list words;
   for (auto& w : a.words) words.append(py::str(w));
   return py::make_tuple(words, py::cast(a.word_ids));
+}
+
+// Mean log-prob of each word's tokens; a word that owns no token gets 0 (the rule of word_logprobs).
+std::vector<float> mean_per_word(const std::vector<double>& lp, const std::vector<int>& ids, size_t n_words) {
+  std::vector<double> sum(n_words, 0.0);
+  std::vector<int64_t> cnt(n_words, 0);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    if (ids[t] < 0) continue;
+    sum[ids[t]] += lp[t];
+    cnt[ids[t]] += 1;
+  }
+  std::vector<float> out(n_words);
+  for (size_t w = 0; w < n_words; ++w) out[w] = cnt[w] ? static_cast<float>(sum[w] / cnt[w]) : 0.0f;
+  return out;
+}
+
+// align_words + word_logprobs for many sequences in one call; the work between reading the inputs and building the
+// results runs without the GIL.
+py::list align_word_logprobs_batch(const py::list& batch_pieces, const py::list& batch_logprobs) {
+  const size_t B = batch_pieces.size();
+  if (batch_logprobs.size() != B)
+    throw std::invalid_argument("align_word_logprobs_batch: " + std::to_string(B) + " piece lists but " +
+                                std::to_string(batch_logprobs.size()) + " log-prob arrays");
+  std::vector<std::vector<uint32_t>> cps(B);
+  std::vector<std::vector<int>> owner(B);
+  std::vector<std::vector<double>> lps(B);
+  std::vector<size_t> n_pieces(B);
+  for (size_t b = 0; b < B; ++b) {
+    py::list pieces = batch_pieces[b].cast<py::list>();
+    n_pieces[b] = pieces.size();
+    collect_pieces(pieces, cps[b], owner[b]);
+    auto arr = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(batch_logprobs[b]);
+    if (!arr || arr.ndim() != 1)
+      throw std::invalid_argument("align_word_logprobs_batch: log-probs of sequence " + std::to_string(b) +
+                                  " must be a 1-D array");
+    if (static_cast<size_t>(arr.shape(0)) != n_pieces[b])
+      throw std::invalid_argument("align_word_logprobs_batch: sequence " + std::to_string(b) + " has " +
+                                  std::to_string(n_pieces[b]) + " pieces but " + std::to_string(arr.shape(0)) +
+                                  " log-probs");
+    lps[b].assign(arr.data(), arr.data() + arr.shape(0));
+  }
+  std::vector<Alignment> al(B);
+  std::vector<std::vector<float>> wlp(B);
+  {
+    py::gil_scoped_release release;
+    for (size_t b = 0; b < B; ++b) {
+      al[b] = align_codepoints(cps[b], owner[b], n_pieces[b]);
+      wlp[b] = mean_per_word(lps[b], al[b].word_ids, al[b].words.size());
+    }
+  }
+  py::list out;
+  for (size_t b = 0; b < B; ++b) {
+    py::list words;
+    for (auto& w : al[b].words) words.append(py::str(w));
+    py::array_t<float> lp(static_cast<py::ssize_t>(wlp[b].size()));
+    std::copy(wlp[b].begin(), wlp[b].end(), lp.mutable_data());
+    out.append(py::make_tuple(words, py::cast(al[b].word_ids), lp));
+  }
+  return out;
 }
 
 py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::array::forcecast> logprobs,
@@ -271,6 +336,34 @@ py::array_t<float> ais_scores_batch(FArray Q, FArray P, FArray D, const std::str
   return out;
 }
 
+// AIS scores and the top-k documents of each row, best first (ties: the lower index first).
+py::tuple ais_topk_batch(FArray Q, FArray P, FArray D, int64_t k, const std::string& mode) {
+  if (k < 1) throw std::invalid_argument("ais_topk_batch: k must be >= 1, got " + std::to_string(k));
+  py::array_t<float> scores = ais_scores_batch(Q, P, D, mode);
+  const int64_t B = scores.shape(0), n = scores.shape(1), kk = std::min(k, n);
+  py::array_t<float> top_s({B, kk});
+  py::array_t<int64_t> top_i({B, kk});
+  const float* s = scores.data();
+  float* os = top_s.mutable_data();
+  int64_t* oi = top_i.mutable_data();
+  {
+    py::gil_scoped_release release;
+    std::vector<int64_t> order(n);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = s + b * n;
+      for (int64_t j = 0; j < n; ++j) order[j] = j;
+      std::partial_sort(order.begin(), order.begin() + kk, order.end(), [row](int64_t x, int64_t y) {
+        return row[x] > row[y] || (row[x] == row[y] && x < y);
+      });
+      for (int64_t j = 0; j < kk; ++j) {
+        os[b * kk + j] = row[order[j]];
+        oi[b * kk + j] = order[j];
+      }
+    }
+  }
+  return py::make_tuple(top_s, top_i);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -281,4 +374,8 @@ PYBIND11_MODULE(_C, m) {
         "Mean token log-prob per word; words with no token get 0.");
   m.def("ais_scores", &ais_scores, py::arg("q"), py::arg("p"), py::arg("docs"), py::arg("mode") = "angle");
   m.def("ais_scores_batch", &ais_scores_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("mode") = "angle");
+  m.def("align_word_logprobs_batch", &align_word_logprobs_batch, py::arg("batch_pieces"), py::arg("batch_logprobs"),
+        "align_words + word_logprobs for many sequences; returns [(words, word_ids, word_logprobs)].");
+  m.def("ais_topk_batch", &ais_topk_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("k"),
+        py::arg("mode") = "angle", "AIS scores and top-k indices per row, best first: (scores [B, k], idx [B, k]).");
 }

@@ -35,7 +35,7 @@ def test_word_of_two_tokens_gets_geometric_mean_probability():
 def test_sentence_words_on_real_tokens(tiny_engine):
     ids = tiny_engine.tokenizer(" The capital is Ouagadougou")["input_ids"]
     lps = [math.log(0.9)] * len(ids)
-    sw = sentence_words(tiny_engine, OPS, _gen("", ids, lps))
+    (sw,) = sentence_words(tiny_engine, OPS, [_gen("", ids, lps)])
     assert sw.words == ["The", "capital", "is", "Ouagadougou"]
     assert sw.prob == pytest.approx([0.9] * 4, rel=1e-5)
     assert sw.without(1) == "The is Ouagadougou"

@@ -158,7 +158,7 @@ def test_same_answer_alone_and_in_a_batch_of_8(name, tiny_engine, bm25, checkpoi
 
         first = tiny_engine.generate([cot_prompt(q) for q in batch_q], GenerationConfig(max_new_tokens=8,
                                                                                         stop=SENTENCE_STOP))
-        words = [sentence_words(tiny_engine, probe.ops, s) for s in first.sequences]
+        words = sentence_words(tiny_engine, probe.ops, first.sequences)
         crit = sorted(float((w.prob * np.exp(-r)).min()) for w, r in zip(words, probe.gate.contributions(batch_q,
                                                                                                           words)))
         candidates = [(crit[3] + crit[4]) / 2]

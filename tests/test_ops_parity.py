@@ -199,3 +199,43 @@ def test_answer_nll():
     assert math.isinf(out[1].item())
     with pytest.raises(ShapeError):
         ops.answer_nll(lp, mask[:, :2])
+
+
+# ---------------------------------------------------------------- batched C++ ops (one call for many sequences)
+def test_align_word_logprobs_batch_equals_per_sequence_calls():
+    rng = random.Random(7)
+    batch_pieces = [["Ouaga", "dougou", " is", " the", " capital"], [], [b"caf", b"\xc3", b"\xa9", b" ok"],
+                    [" don", "'t", " re-", "enter", "!"]]
+    batch_lp = [np.log([rng.uniform(0.05, 1.0) for _ in p]) for p in batch_pieces]
+    per = []
+    for pieces, lp in zip(batch_pieces, batch_lp):
+        words, ids = PY.align_words(pieces)
+        per.append((words, ids, PY.word_logprobs(lp, ids, len(words))))
+    for backend in BACKENDS:
+        got = backend.align_word_logprobs_batch(batch_pieces, batch_lp)
+        assert len(got) == len(per)
+        for (w, i, lp), (pw, pi, plp) in zip(got, per):
+            assert (w, i) == (pw, pi)
+            torch.testing.assert_close(lp, plp, rtol=0, atol=1e-6)
+    with pytest.raises(ShapeError, match="pieces but"):
+        BACKENDS[-1].align_word_logprobs_batch([["a", "b"]], [np.zeros(3)])
+    with pytest.raises(ShapeError, match="log-prob arrays"):
+        BACKENDS[-1].align_word_logprobs_batch([["a"]], [])
+
+
+@pytest.mark.parametrize("b,n,d,k", [(1, 1, 1, 1), (3, 7, 13, 3), (2, 10, 769, 4), (4, 5, 384, 9)])
+def test_ais_topk_batch(b, n, d, k):
+    torch.manual_seed(n * d)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s), dim=-1)  # noqa: E731
+    Q, P, D = unit(b, d), unit(b, d), unit(b, n, d)
+    D[0, -1] = D[0, 0]  # a tie: the lower index must come first
+    full = PY.ais_scores_batch(Q, P, D)
+    for backend in BACKENDS:
+        s, i = backend.ais_topk_batch(Q, P, D, k)
+        kk = min(k, n)
+        assert s.shape == (b, kk) and i.shape == (b, kk) and i.dtype == torch.int64
+        torch.testing.assert_close(s, torch.gather(full, 1, i), rtol=0, atol=1e-6)
+        want = torch.tensor([sorted(range(n), key=lambda j: (-float(full[r, j]), j))[:kk] for r in range(b)])
+        assert torch.equal(i, want)
+    with pytest.raises(ShapeError, match="k must be"):
+        BACKENDS[-1].ais_topk_batch(Q, P, D, 0)

@@ -33,22 +33,23 @@ class SentenceWords:
         return " ".join((self.text[:a].rstrip() + " " + self.text[b:].lstrip()).split())
 
 
-def sentence_words(engine: Engine, ops: CpuOps, seq: Generation) -> SentenceWords:
-    """Split ``seq``'s answer tokens into words (``align_words``) and score them (``word_logprobs``)."""
-    n = seq.answer_tokens
-    pieces = engine.token_pieces(seq.token_ids[:n])
-    words, word_ids = ops.align_words(pieces)
-    text = b"".join(pieces).decode("utf-8", errors="replace")
-    prob = np.exp(ops.word_logprobs(np.asarray(seq.token_logprobs[:n], dtype=np.float64), word_ids,
-                                    len(words)).numpy().astype(np.float64))  # [W]
-    spans, pos = [], 0
-    for w in words:
-        start = text.find(w, pos)
-        if start < 0:  # cannot happen for words cut from `text`; keep the span empty rather than fail
-            start = pos
-        spans.append((start, start + len(w)))
-        pos = start + len(w)
-    return SentenceWords(text, words, spans, prob)
+def sentence_words(engine: Engine, ops: CpuOps, seqs: list[Generation]) -> list[SentenceWords]:
+    """Split each sequence's answer tokens into words and score them, all sequences in one
+    ``align_word_logprobs_batch`` call (SPEC §4 op 4)."""
+    pieces = [engine.token_pieces(s.token_ids[: s.answer_tokens]) for s in seqs]
+    lps = [np.asarray(s.token_logprobs[: s.answer_tokens], dtype=np.float64) for s in seqs]
+    out = []
+    for p, (words, _, wlp) in zip(pieces, ops.align_word_logprobs_batch(pieces, lps)):
+        text = b"".join(p).decode("utf-8", errors="replace")
+        spans, pos = [], 0
+        for w in words:
+            start = text.find(w, pos)
+            if start < 0:  # cannot happen for words cut from `text`; keep the span empty rather than fail
+                start = pos
+            spans.append((start, start + len(w)))
+            pos = start + len(w)
+        out.append(SentenceWords(text, words, spans, np.exp(wlp.numpy().astype(np.float64))))
+    return out
 
 
 class FlareGate:

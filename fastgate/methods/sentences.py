@@ -62,7 +62,7 @@ class _SentenceLoop(Method):
                 with timer.span("generation_s"):
                     batch = self.engine.generate([cot_prompt(questions[i], partial=text[i]) for i in act], gen_cfg)
                 with timer.span("gate_s"):
-                    words = [sentence_words(self.engine, self.ops, s) for s in batch.sequences]
+                    words = sentence_words(self.engine, self.ops, batch.sequences)
                     decision, queries = self.judge([questions[i] for i in act], words)
                 chosen: list[Generation] = list(batch.sequences)
                 todo = [j for j, r in enumerate(decision.retrieve) if r]

@@ -135,6 +135,39 @@ class CpuOps:
         args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
         return self._float_op("ais_scores_batch", *args, mode)
 
+    def align_word_logprobs_batch(self, batch_pieces: Sequence[Sequence[str] | Sequence[bytes]],
+                                  batch_logprobs: Sequence[torch.Tensor | np.ndarray | Sequence[float]]
+                                  ) -> list[tuple[list[str], list[int], torch.Tensor]]:
+        """:meth:`align_words` + :meth:`word_logprobs` for many sequences in one call (the C++ backend releases the
+        GIL for the work between reading the inputs and building the results).
+
+        Returns:
+            Per sequence ``(words, word_ids, word_logprobs [W] float32)``.
+        """
+        try:
+            out = self._impl.align_word_logprobs_batch([list(p) for p in batch_pieces],
+                                                       [_lp_array(x) for x in batch_logprobs])
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return [(w, ids, torch.from_numpy(np.asarray(lp, dtype=np.float32))) for w, ids, lp in out]
+
+    def ais_topk_batch(self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, k: int,
+                       mode: Literal["angle", "sum"] = "angle") -> tuple[torch.Tensor, torch.Tensor]:
+        """AIS scores of ``D [B,n,d]`` and the top-k per row, best first: ``(scores [B,k'], idx [B,k'])`` with
+        ``k' = min(k, n)``; ties keep the lower index first."""
+        args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
+        try:
+            s, i = self._impl.ais_topk_batch(*args, int(k), mode)
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return torch.from_numpy(np.asarray(s, dtype=np.float32)), torch.from_numpy(np.asarray(i, dtype=np.int64))
+
+
+def _lp_array(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
 
 def load(backend: CpuBackend = "auto") -> CpuOps:
     """Bind the CPU ops to a backend, once.

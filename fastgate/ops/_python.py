@@ -166,3 +166,33 @@ def ais_scores_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, mode: str = "a
     s1 = np.einsum("bnd,bd->bn", D64, Q64)  # [B, n]
     s2 = np.einsum("bnd,bd->bn", D64, P64)  # [B, n]
     return _ais(s1, s2, mode).astype(np.float32)
+
+
+def align_word_logprobs_batch(batch_pieces: Sequence[Sequence[str] | Sequence[bytes]],
+                              batch_logprobs: Sequence[np.ndarray]) -> list[tuple[list[str], list[int], np.ndarray]]:
+    """``align_words`` + ``word_logprobs`` for many sequences: ``[(words, word_ids, word_logprobs [W])]``."""
+    if len(batch_pieces) != len(batch_logprobs):
+        raise ValueError(f"align_word_logprobs_batch: {len(batch_pieces)} piece lists but {len(batch_logprobs)} "
+                         "log-prob arrays")
+    out = []
+    for b, (pieces, lp) in enumerate(zip(batch_pieces, batch_logprobs)):
+        lp = np.asarray(lp, dtype=np.float64)
+        if lp.ndim != 1:
+            raise ValueError(f"align_word_logprobs_batch: log-probs of sequence {b} must be a 1-D array")
+        if lp.shape[0] != len(pieces):
+            raise ValueError(f"align_word_logprobs_batch: sequence {b} has {len(pieces)} pieces but {lp.shape[0]} "
+                             "log-probs")
+        words, ids = align_words(list(pieces))
+        out.append((words, ids, word_logprobs(lp, np.asarray(ids, dtype=np.int64), len(words))))
+    return out
+
+
+def ais_topk_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, k: int, mode: str = "angle"
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """AIS scores and the top-k documents per row, best first (ties: lower index first)."""
+    if k < 1:
+        raise ValueError(f"ais_topk_batch: k must be >= 1, got {k}")
+    scores = ais_scores_batch(Q, P, D, mode)  # [B, n]
+    kk = min(k, scores.shape[1])
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]  # [B, kk]
+    return np.take_along_axis(scores, order, axis=1), order.astype(np.int64)
