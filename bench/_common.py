@@ -56,16 +56,30 @@ def machine() -> dict[str, str]:
 
 
 def append_rows(name: str, rows: list[dict[str, Any]]) -> Path:
-    """Append rows (plus machine info) to bench/results/<name>.csv, writing the header for a new file."""
+    """Append rows (plus machine info) to bench/results/<name>.csv.
+
+    Columns are the union over the file's rows and the new ones; when new columns appear the file is rewritten with
+    the wider header (old rows get empty cells), so providers can be added to a benchmark over time.
+    """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.csv"
     info = machine()
     full = [{**r, **info} for r in rows]
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(full[0]))
-        if new:
+    old: list[dict[str, str]] = []
+    header: list[str] = []
+    if path.exists():
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            old = list(reader)
+    for r in full:
+        header.extend(k for k in r if k not in header)
+    append = bool(old) and all(k in old[0] for k in header)
+    with open(path, "a" if append else "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, restval="")
+        if not append:
             writer.writeheader()
+            writer.writerows(old)
         writer.writerows(full)
     return path
 

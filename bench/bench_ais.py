@@ -1,6 +1,13 @@
-"""ais_scores_batch: the C++ extension vs the numpy reference vs a per-document Python loop (DTR's released code style).
+"""DTR's adaptive information selection for B questions: AIS scores of the 2n candidates and the top-k.
 
-Run: python bench/bench_ais.py [--dims 384,768] [--batches 1,8,64] [--docs 10]. Appends to bench/results/ais.csv.
+Providers, in one run:
+- ``ext``: ``ais_topk_batch`` in the C++ extension (scores + top-k for all B in one call, GIL released);
+- ``numpy``: fastgate's numpy fallback of the same op;
+- ``loop``: DTR's released formulation, a Python loop with ``np.dot`` / ``arccos`` per (question, document), then a
+  sort per question.
+
+Run: python bench/bench_ais.py [--dims 576,2048,4096] [--batches 1,8,64,256] [--docs 10] [--k 3].
+Appends to bench/results/ais.csv.
 """
 
 from __future__ import annotations
@@ -19,15 +26,17 @@ from _common import append_rows, median_time, print_table  # noqa: E402
 from fastgate import ops  # noqa: E402
 
 
-def per_document_loop(Q: np.ndarray, P: np.ndarray, D: np.ndarray) -> np.ndarray:
-    """The formulation of DTR's released code: one np.dot / arccos per (query, document)."""
+def per_document_loop(Q: np.ndarray, P: np.ndarray, D: np.ndarray, k: int) -> tuple[np.ndarray, list[list[int]]]:
+    """The formulation of DTR's released code: one np.dot / arccos per (query, document), then a sort per query."""
     out = np.zeros(D.shape[:2], dtype=np.float32)
+    top = []
     for b in range(D.shape[0]):
         for j in range(D.shape[1]):
             s1 = float(np.clip(np.dot(D[b, j], Q[b]), -1, 1))
             s2 = float(np.clip(np.dot(D[b, j], P[b]), -1, 1))
             out[b, j] = math.cos(math.acos(s1) + math.acos(s2))
-    return out
+        top.append(sorted(range(D.shape[1]), key=lambda j: -out[b, j])[:k])
+    return out, top
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -36,9 +45,10 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dims", default="384,768")
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--dims", default="576,2048,4096")
+    parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--docs", type=int, default=10, help="documents per query (DTR: union of two top-5 lists)")
+    parser.add_argument("--k", type=int, default=3, help="documents kept (DTR: 3)")
     args = parser.parse_args()
     if not ops.ext_available():
         sys.exit("fastgate._C is not built: pip install -e .")
@@ -50,11 +60,13 @@ def main() -> None:
             Q, P = unit(rng.normal(size=(B, d))), unit(rng.normal(size=(B, d)))
             D = unit(rng.normal(size=(B, args.docs, d)))  # [B, n, d]
             Qt, Pt, Dt = torch.from_numpy(Q), torch.from_numpy(P), torch.from_numpy(D)
-            np.testing.assert_allclose(ext.ais_scores_batch(Qt, Pt, Dt).numpy(), per_document_loop(Q, P, D), atol=1e-5)
-            t_ext = median_time(lambda: ext.ais_scores_batch(Qt, Pt, Dt))
-            t_np = median_time(lambda: py.ais_scores_batch(Qt, Pt, Dt))
-            t_loop = median_time(lambda: per_document_loop(Q, P, D), repeat=3)
-            rows.append({"op": "ais_scores_batch", "d": d, "B": B, "n": args.docs, "ext_us": t_ext * 1e6,
+            scores, top = per_document_loop(Q, P, D, args.k)
+            s_ext, i_ext = ext.ais_topk_batch(Qt, Pt, Dt, args.k)
+            np.testing.assert_allclose(s_ext.numpy(), np.take_along_axis(scores, i_ext.numpy(), 1), atol=1e-5)
+            t_ext = median_time(lambda: ext.ais_topk_batch(Qt, Pt, Dt, args.k))
+            t_np = median_time(lambda: py.ais_topk_batch(Qt, Pt, Dt, args.k))
+            t_loop = median_time(lambda: per_document_loop(Q, P, D, args.k), repeat=3)
+            rows.append({"op": "ais_topk_batch", "d": d, "B": B, "n": args.docs, "k": args.k, "ext_us": t_ext * 1e6,
                          "numpy_us": t_np * 1e6, "loop_us": t_loop * 1e6, "speedup_vs_loop": t_loop / t_ext,
                          "speedup_vs_numpy": t_np / t_ext})
     print_table(rows, ["d", "B", "n", "ext_us", "numpy_us", "loop_us", "speedup_vs_loop", "speedup_vs_numpy"])

@@ -1,0 +1,107 @@
+"""Eigenscore (SPEC §4 op 2) for B requests of k samples: fastgate vs torch eager vs the papers' formulations.
+
+Providers, all on the same z [B, k, d] in one run:
+- ``fastgate``: the fused Triton kernel on GPU (one launch for B requests); on CPU the batched torch reference
+  (float64 Gram of feature-centred rows, batched Cholesky);
+- ``torch_eager``: the same math one request at a time (centre, Gram, ``torch.logdet``), unbatched;
+- ``seakr``: SeaKR's released formulation per request, a d×d centring matrix ``J_d``, ``einsum('ij,jk,lk->il')``,
+  ``logdet``;
+- ``inside``: INSIDE's per request, ``torch.cov`` then SVD (its covariance form; compared for cost only).
+
+Run: python bench/bench_eigenscore.py [--dims 576,2048,4096] [--batches 1,8,64,256] [--k 20]
+Appends to bench/results/eigenscore.csv. On GPU it also reports GB/s against reading z once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_rows, median_time, print_table  # noqa: E402
+
+from fastgate.ops.backend import gate_ops  # noqa: E402
+from fastgate.ops.reference import eigenscore as eigenscore_reference  # noqa: E402
+
+
+def seakr_per_request(z: torch.Tensor, alpha: float = 1e-3) -> torch.Tensor:
+    """SeaKR's code: for each request, J_d = I - 11ᵀ/d, Σ = z J_d zᵀ, logdet(Σ + αI)/k."""
+    out = []
+    for zb in z:
+        k, d = zb.shape
+        j_d = torch.eye(d, device=z.device) - torch.ones(d, d, device=z.device) / d
+        sigma = torch.einsum("ij,jk,lk->il", zb, j_d, zb)
+        out.append(torch.logdet(sigma + alpha * torch.eye(k, device=z.device)) / k)
+    return torch.stack(out)
+
+
+def inside_per_request(z: torch.Tensor, alpha: float = 1e-3) -> torch.Tensor:
+    """INSIDE's code: torch.cov of the k embeddings, then the log of its singular values."""
+    out = []
+    for zb in z:
+        cov = torch.cov(zb)  # [k, k]
+        s = torch.linalg.svdvals(cov + alpha * torch.eye(zb.shape[0], device=z.device))
+        out.append(torch.log(s).mean())
+    return torch.stack(out)
+
+
+def eager_per_request(z: torch.Tensor, alpha: float = 1e-3) -> torch.Tensor:
+    out = []
+    for zb in z:
+        zc = zb.double() - zb.double().mean(-1, keepdim=True)
+        out.append(torch.logdet(zc @ zc.T + alpha * torch.eye(zb.shape[0], dtype=torch.float64, device=z.device))
+                   / zb.shape[0])
+    return torch.stack(out).float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", default="576,2048,4096")
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--k", type=int, default=20, help="samples per request (SeaKR: 20)")
+    parser.add_argument("--max-reference-s", type=float, default=20.0,
+                        help="skip the per-request references where one call would take longer than this")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ops = gate_ops("auto", device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for d in (int(x) for x in args.dims.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            torch.manual_seed(0)
+            base = torch.randn(b, 1, d, device=device)
+            z = base + 0.3 * torch.randn(b, args.k, d, device=device)  # [B, k, d], correlated like real samples
+
+            def timed(fn, repeat=5):
+                def call():
+                    fn()
+                    sync()
+                return median_time(call, repeat=repeat, min_time=0.02)
+
+            want = eigenscore_reference(z)
+            got = ops.eigenscore(z)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(seakr_per_request(z[:2]).float(), want[:2], rtol=1e-2, atol=5e-2)
+            t_fast = timed(lambda: ops.eigenscore(z))
+            t_eager = timed(lambda: eager_per_request(z), repeat=3)
+            one = timed(lambda: seakr_per_request(z[:1]), repeat=3)
+            t_seakr = timed(lambda: seakr_per_request(z), repeat=3) if one * b < args.max_reference_s else one * b
+            t_inside = timed(lambda: inside_per_request(z), repeat=3)
+            row = {"op": "eigenscore", "provider": ops.backend, "d": d, "B": b, "k": args.k,
+                   "fastgate_us": t_fast * 1e6, "torch_eager_us": t_eager * 1e6, "seakr_us": t_seakr * 1e6,
+                   "inside_us": t_inside * 1e6, "speedup_vs_seakr": t_seakr / t_fast,
+                   "speedup_vs_eager": t_eager / t_fast, "speedup_vs_inside": t_inside / t_fast,
+                   "seakr_extrapolated": one * b >= args.max_reference_s}
+            if device == "cuda":
+                row["gbps_read_z_once"] = z.numel() * z.element_size() / t_fast / 1e9
+            rows.append(row)
+            print_table([row], ["d", "B", "fastgate_us", "torch_eager_us", "seakr_us", "inside_us",
+                                "speedup_vs_seakr", "speedup_vs_eager"])
+    print(f"appended to {append_rows('eigenscore', rows)}")
+
+
+if __name__ == "__main__":
+    main()
