@@ -76,8 +76,7 @@ def tokenizer_rows(ext, ns: list[int]) -> list[dict]:
         logprobs = np.random.default_rng(0).uniform(-3, 0, len(ids))
 
         def fastgate_path():
-            _, word_ids = ext.align_words(pieces_of(ids))
-            return ext.word_logprobs(logprobs, word_ids)
+            return ext.align_word_logprobs_batch([pieces_of(ids)], [logprobs])
 
         t_fast = median_time(fastgate_path)
         t_ref = median_time(lambda: scaar_window(tokenizer, ids, logprobs), repeat=3)

@@ -23,6 +23,9 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
         # SCAAR (literal eq. 3): retrieve iff θ > min_w P'(w)·e^{-r(w)}; that critical θ is 0.05–0.45, median 0.26.
         # The paper's θ=0.8 retrieves on every sentence of this model.
         "scaar": {"theta": 0.25},
+        # SeaKR: first-step eigenscores (k=20 samples, mid-layer EOS states) are -0.4–5.3, median 3.3; capitals
+        # (mostly < 3.5) score lower than fanoutqa sub-questions (3.2–5.3). The paper's δ=-6 retrieves always.
+        "seakr": {"delta": 3.3},
     },
 }
 

@@ -123,11 +123,16 @@ def _piece_decoder(tokenizer):
     desc = repr(decoder)
     special = set(tokenizer.all_special_ids)
     if "ByteLevel" in kind or "ByteLevel" in desc:
-        table = _byte_level_decoder()
+        byte_of = _byte_level_decoder()
+        vocab: list[bytes] = []  # token id -> bytes, built on first use (one pass over the vocabulary)
 
         def pieces(ids: list[int]) -> list[bytes]:
-            toks = tokenizer.convert_ids_to_tokens(ids)
-            return [b"" if i in special else bytes(table[c] for c in t if c in table) for i, t in zip(ids, toks)]
+            if not vocab:
+                toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+                vocab.extend(b"" if i in special or t is None else bytes(byte_of[c] for c in t if c in byte_of)
+                             for i, t in enumerate(toks))
+            n = len(vocab)
+            return [vocab[i] if 0 <= i < n else b"" for i in ids]  # ids past the tokenizer: model padding
 
         return pieces
     if "Metaspace" in desc or "ByteFallback" in desc or "Replace" in desc:

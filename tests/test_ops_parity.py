@@ -178,6 +178,12 @@ def test_ais_shape_and_mode_errors():
             backend.ais_scores(torch.tensor([float("nan")]), torch.zeros(1), torch.zeros(1, 1))
         with pytest.raises(ShapeError):
             backend.ais_scores(torch.zeros(3), torch.zeros(3), torch.zeros(2, 3), "product")
+        docs = torch.zeros(2, 4, 3)
+        docs[1, 2, 1] = float("inf")
+        with pytest.raises(ShapeError, match="NaN or inf"):
+            backend.ais_scores_batch(torch.zeros(2, 3), torch.zeros(2, 3), docs)
+        with pytest.raises(ShapeError, match="NaN or inf"):
+            backend.ais_topk_batch(torch.zeros(2, 3), torch.full((2, 3), float("nan")), torch.zeros(2, 4, 3), 2)
 
 
 def test_backend_selection(monkeypatch):

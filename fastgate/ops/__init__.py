@@ -59,13 +59,13 @@ def ext_available() -> bool:
     return _import_ext() is not None
 
 
-def _to_numpy_f32(x: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
+def _to_numpy_f32(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A contiguous float32 numpy view of ``x`` (no copy when it already is one). Both backends reject NaN/inf."""
     if isinstance(x, torch.Tensor):
-        x = x.detach().to("cpu", torch.float32).numpy()
-    arr = np.ascontiguousarray(x, dtype=np.float32)
-    if not np.all(np.isfinite(arr)):
-        raise ShapeError(f"{name} contains NaN or inf")
-    return arr
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+            x = x.detach().to("cpu", torch.float32)
+        x = x.numpy()
+    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,14 @@ class CpuOps:
         Inputs are L2-normalised; ``s1 = docs@q``, ``s2 = docs@p`` are clipped to [-1, 1]. ``angle``:
         ``s1*s2 - sqrt(1-s1²)*sqrt(1-s2²)`` = cos(θ1+θ2) (DTR eq. 7); ``sum``: ``s1 + s2`` (DTR's released code).
         """
-        args = (_to_numpy_f32(q, "q"), _to_numpy_f32(p, "p"), _to_numpy_f32(docs, "docs"))
+        args = (_to_numpy_f32(q), _to_numpy_f32(p), _to_numpy_f32(docs))
         return self._float_op("ais_scores", *args, mode)
 
     def ais_scores_batch(
         self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, mode: Literal["angle", "sum"] = "angle"
     ) -> torch.Tensor:
         """Batched :meth:`ais_scores`: ``Q [B,d], P [B,d], D [B,n,d] -> [B,n]``."""
-        args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
+        args = (_to_numpy_f32(Q), _to_numpy_f32(P), _to_numpy_f32(D))
         return self._float_op("ais_scores_batch", *args, mode)
 
     def align_word_logprobs_batch(self, batch_pieces: Sequence[Sequence[str] | Sequence[bytes]],
@@ -155,7 +155,7 @@ class CpuOps:
                        mode: Literal["angle", "sum"] = "angle") -> tuple[torch.Tensor, torch.Tensor]:
         """AIS scores of ``D [B,n,d]`` and the top-k per row, best first: ``(scores [B,k'], idx [B,k'])`` with
         ``k' = min(k, n)``; ties keep the lower index first."""
-        args = (_to_numpy_f32(Q, "Q"), _to_numpy_f32(P, "P"), _to_numpy_f32(D, "D"))
+        args = (_to_numpy_f32(Q), _to_numpy_f32(P), _to_numpy_f32(D))
         try:
             s, i = self._impl.ais_topk_batch(*args, int(k), mode)
         except ValueError as exc:

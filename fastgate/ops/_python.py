@@ -129,6 +129,12 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"ais_scores: mode must be 'angle' or 'sum', got '{mode}'")
 
 
+def _check_finite(name: str, *arrays: np.ndarray) -> None:
+    for a in arrays:
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name}: inputs contain NaN or inf")
+
+
 def _ais(s1: np.ndarray, s2: np.ndarray, mode: str) -> np.ndarray:
     s1 = np.clip(s1, -1.0, 1.0)
     s2 = np.clip(s2, -1.0, 1.0)
@@ -147,6 +153,7 @@ def ais_scores(q: np.ndarray, p: np.ndarray, docs: np.ndarray, mode: str = "angl
         raise ValueError(
             f"ais_scores: dimension mismatch: q has d={q64.shape[0]}, p has d={p64.shape[0]}, docs has d={d64.shape[1]}"
         )
+    _check_finite("ais_scores", q64, p64, d64)
     return _ais(d64 @ q64, d64 @ p64, mode).astype(np.float32)
 
 
@@ -163,6 +170,7 @@ def ais_scores_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, mode: str = "a
         raise ValueError(
             f"ais_scores_batch: dimension mismatch: Q has d={d}, P has {P64.shape[1]}, D has {D64.shape[2]}"
         )
+    _check_finite("ais_scores_batch", Q64, P64, D64)
     s1 = np.einsum("bnd,bd->bn", D64, Q64)  # [B, n]
     s2 = np.einsum("bnd,bd->bn", D64, P64)  # [B, n]
     return _ais(s1, s2, mode).astype(np.float32)
