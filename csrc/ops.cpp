@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -279,8 +280,8 @@ AisMode parse_mode(const std::string& mode) {
 
 inline double clip1(double x) { return x < -1.0 ? -1.0 : (x > 1.0 ? 1.0 : x); }
 
-// out[j] = AIS(docs[j]; q, p) for n documents of dimension d. Returns false if an input is NaN or inf (a non-finite
-// input makes a dot product non-finite, so checking the two sums covers every input element that was read).
+// out[j] = AIS(docs[j]; q, p) for n documents of dimension d. Returns false if an input is NaN or inf: q and p are
+// checked up front, and a non-finite document element makes s1 NaN or inf (inf·0 is NaN), so checking s1 covers docs.
 bool ais_block(const float* q, const float* p, const float* docs, int64_t n, int64_t d, AisMode mode, float* out) {
   double qsum = 0.0, psum = 0.0;
   for (int64_t k = 0; k < d; ++k) {
@@ -293,30 +294,27 @@ bool ais_block(const float* q, const float* p, const float* docs, int64_t n, int
   constexpr int kLanes = 8, kBlock = 64;
   for (int64_t j = 0; j < n; ++j) {
     const float* x = docs + j * d;
-    double s1 = 0.0, s2 = 0.0, z = 0.0;
+    double s1 = 0.0, s2 = 0.0;
     for (int64_t start = 0; start < d; start += kBlock) {
       const int64_t stop = std::min<int64_t>(d, start + kBlock);
-      float a1[kLanes] = {}, a2[kLanes] = {}, az[kLanes] = {};
+      float a1[kLanes] = {}, a2[kLanes] = {};
       int64_t k = start;
       for (; k + kLanes <= stop; k += kLanes) {
         for (int l = 0; l < kLanes; ++l) {
           a1[l] += x[k + l] * q[k + l];
           a2[l] += x[k + l] * p[k + l];
-          az[l] += x[k + l] * 0.0f;
         }
       }
       for (; k < stop; ++k) {
         a1[0] += x[k] * q[k];
         a2[0] += x[k] * p[k];
-        az[0] += x[k] * 0.0f;
       }
       for (int l = 0; l < kLanes; ++l) {
         s1 += a1[l];
         s2 += a2[l];
-        z += az[l];
       }
     }
-    if (!std::isfinite(s1) || !std::isfinite(s2) || !std::isfinite(z)) return false;
+    if (!std::isfinite(s1) || !std::isfinite(s2)) return false;
     s1 = clip1(s1);
     s2 = clip1(s2);
     double v = mode == AisMode::kAngle ? s1 * s2 - std::sqrt(1.0 - s1 * s1) * std::sqrt(1.0 - s2 * s2) : s1 + s2;
@@ -364,7 +362,20 @@ py::array_t<float> ais_scores_batch(FArray Q, FArray P, FArray D, const std::str
   bool ok = true;
   {
     py::gil_scoped_release release;
-    for (int64_t b = 0; b < B && ok; ++b) ok = ais_block(qd + b * d, pd + b * d, dd + b * n * d, n, d, m, o + b * n);
+    // rows are independent: split them over threads when there is enough work to pay for starting them
+    const int64_t work = B * n * d;
+    const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+    const int64_t n_threads = std::min<int64_t>({hw, B, std::max<int64_t>(1, work / (1 << 18))});
+    std::vector<char> part_ok(n_threads, 1);
+    auto run = [&](int64_t t) {
+      for (int64_t b = t; b < B; b += n_threads)
+        if (!ais_block(qd + b * d, pd + b * d, dd + b * n * d, n, d, m, o + b * n)) part_ok[t] = 0;
+    };
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
+    run(0);
+    for (auto& th : pool) th.join();
+    for (char v : part_ok) ok = ok && v;
   }
   if (!ok) throw std::invalid_argument("ais_scores_batch: inputs contain NaN or inf");
   return out;

@@ -129,11 +129,16 @@ def eigenscore(
         valid = torch.ones((b, k), dtype=torch.bool, device=z.device)
     elif valid.shape != (b, k):
         raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
-    zd = z.to(torch.float64)
-    if not bool(torch.isfinite(zd).all()):
+    if not bool(torch.isfinite(z).all()):
         raise ShapeError("eigenscore: z contains NaN or inf")
-    zc = zd - zd.mean(-1, keepdim=True)  # [B, k, d]
-    gram = zc @ zc.transpose(1, 2)  # [B, k, k]
+    # float64 Gram in chunks of requests: the float64 copy of a chunk stays cache-sized instead of doubling all of z
+    chunk = max(1, (1 << 17) // (k * d))
+    grams = []
+    for start in range(0, b, chunk):
+        zd = z[start:start + chunk].to(torch.float64)
+        zc = zd - zd.mean(-1, keepdim=True)  # [c, k, d]
+        grams.append(zc @ zc.transpose(1, 2))  # [c, k, k]
+    gram = torch.cat(grams)  # [B, k, k]
     if scale == "cov":
         gram = gram / (d - 1)
     v = valid.to(torch.float64)  # [B, k]
