@@ -77,6 +77,17 @@ def _silu(x):
 
 
 @triton.jit
+def _layer_norm(x, w_ptr, b_ptr, offs, mask, n, eps):
+    # x [BLOCK] with zeros outside `mask`; w/b: this layer's affine parameters at `offs`
+    mu = tl.sum(x, axis=0) / n
+    c = tl.where(mask, x - mu, 0.0)
+    y = c / tl.sqrt(tl.sum(c * c, axis=0) / n + eps)
+    y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(b_ptr + offs, mask=mask,
+                                                                                other=0.0).to(tl.float32)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
 def _probe_kernel(
     out_ptr,  # [B, L, 2] float32
     scratch_ptr,  # [B * L, H] float32, the hidden vector between layers
@@ -133,13 +144,7 @@ def _probe_kernel(
                     other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_H]
         h1 += tl.sum(xn[:, None] * w, axis=0)
     h1 = _silu(h1 + tl.load(b1_ptr + l * H + offs_h, mask=mask_h, other=0.0).to(tl.float32))
-    h1 = tl.where(mask_h, h1, 0.0)
-    mu = tl.sum(h1, axis=0) / H
-    c = tl.where(mask_h, h1 - mu, 0.0)
-    h1 = c / tl.sqrt(tl.sum(c * c, axis=0) / H + eps)
-    h1 = h1 * tl.load(ln1_w_ptr + l * H + offs_h, mask=mask_h, other=0.0).to(tl.float32) + tl.load(
-        ln1_b_ptr + l * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    h1 = tl.where(mask_h, h1, 0.0)
+    h1 = _layer_norm(tl.where(mask_h, h1, 0.0), ln1_w_ptr + l * H, ln1_b_ptr + l * H, offs_h, mask_h, H, eps)
 
     # h2 = h1 @ w2 in output chunks (a full [H, H] tile would not fit in registers); chunks go through scratch
     scratch = scratch_ptr + pid * H
@@ -152,12 +157,7 @@ def _probe_kernel(
         tl.store(scratch + offs_j, _silu(part), mask=mj)
     tl.debug_barrier()
     h2 = tl.load(scratch + offs_h, mask=mask_h, other=0.0)
-    mu = tl.sum(h2, axis=0) / H
-    c = tl.where(mask_h, h2 - mu, 0.0)
-    h2 = c / tl.sqrt(tl.sum(c * c, axis=0) / H + eps)
-    h2 = h2 * tl.load(ln2_w_ptr + l * H + offs_h, mask=mask_h, other=0.0).to(tl.float32) + tl.load(
-        ln2_b_ptr + l * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    h2 = tl.where(mask_h, h2, 0.0)
+    h2 = _layer_norm(h2, ln2_w_ptr + l * H, ln2_b_ptr + l * H, offs_h, mask_h, H, eps)
 
     # logits = h2 @ w3 + b3
     w3_0 = tl.load(w3_ptr + l * H * 2 + offs_h * 2, mask=mask_h, other=0.0).to(tl.float32)
