@@ -289,30 +289,22 @@ bool ais_block(const float* q, const float* p, const float* docs, int64_t n, int
     psum += p[k] * 0.0;
   }
   if (!std::isfinite(qsum) || !std::isfinite(psum)) return false;
-  // float products summed in 8 independent lanes over blocks of 64 features (SIMD-friendly), each block's total
-  // added to a double: the rounding error stays far below the float32 output's
-  constexpr int kLanes = 8, kBlock = 64;
+  // float products summed over blocks of 256 features with `omp simd` (the reduction may be reassociated into SIMD
+  // lanes), each block's total added to a double: the rounding error stays far below the float32 output's
+  constexpr int64_t kBlock = 256;
   for (int64_t j = 0; j < n; ++j) {
     const float* x = docs + j * d;
     double s1 = 0.0, s2 = 0.0;
     for (int64_t start = 0; start < d; start += kBlock) {
       const int64_t stop = std::min<int64_t>(d, start + kBlock);
-      float a1[kLanes] = {}, a2[kLanes] = {};
-      int64_t k = start;
-      for (; k + kLanes <= stop; k += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-          a1[l] += x[k + l] * q[k + l];
-          a2[l] += x[k + l] * p[k + l];
-        }
+      float b1 = 0.0f, b2 = 0.0f;
+#pragma omp simd reduction(+ : b1, b2)
+      for (int64_t k = start; k < stop; ++k) {
+        b1 += x[k] * q[k];
+        b2 += x[k] * p[k];
       }
-      for (; k < stop; ++k) {
-        a1[0] += x[k] * q[k];
-        a2[0] += x[k] * p[k];
-      }
-      for (int l = 0; l < kLanes; ++l) {
-        s1 += a1[l];
-        s2 += a2[l];
-      }
+      s1 += b1;
+      s2 += b2;
     }
     if (!std::isfinite(s1) || !std::isfinite(s2)) return false;
     s1 = clip1(s1);
