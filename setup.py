@@ -52,6 +52,7 @@ setup(
         "fastgate.gates",
         "fastgate.methods",
         "fastgate.eval",
+        "fastgate.train",
         "fastgate.kernels",
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     methods = sub.add_parser("methods", help="list the methods with their parameters and defaults")
     methods.set_defaults(func=_cmd_methods)
+
+    from fastgate.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

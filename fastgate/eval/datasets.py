@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -10,7 +11,14 @@ from typing import Any
 
 from fastgate.errors import CorpusError
 
-__all__ = ["QAExample", "country_capitals", "fanoutqa_subquestions"]
+__all__ = [
+    "QAExample",
+    "country_capitals",
+    "fanoutqa_subquestions",
+    "is_held_out",
+    "load_qa",
+    "split_examples",
+]
 
 
 @dataclass(frozen=True)
@@ -84,4 +92,51 @@ def country_capitals() -> list[QAExample]:
             continue
         name = getattr(country, "common_name", None) or country.name
         out.append(QAExample(f"capital-{code}", f"What is the capital of {name}?", (capital,), name, "capitals"))
+    return out
+
+
+def is_held_out(example: QAExample) -> bool:
+    """The documented held-out evaluation split: 20% of examples, chosen by a hash of the id (stable across runs and
+    machines). Training (``fastgate train``) never sees these; evaluation reports on them."""
+    return int(hashlib.sha1(example.id.encode("utf-8")).hexdigest(), 16) % 5 == 0
+
+
+def split_examples(examples: list[QAExample]) -> tuple[list[QAExample], list[QAExample]]:
+    """``(train, held_out)`` by :func:`is_held_out`."""
+    train = [e for e in examples if not is_held_out(e)]
+    return train, [e for e in examples if is_held_out(e)]
+
+
+QA_SETS = ("capitals", "fanoutqa", "default")
+
+
+def load_qa(data: str | Path) -> list[QAExample]:
+    """A built-in set (``capitals``, ``fanoutqa``, ``default`` = both) or a JSONL file with
+    ``{"question": str, "answers": [str, ...]}`` per line (an optional ``id``; else the line number)."""
+    name = str(data)
+    if name == "capitals":
+        return country_capitals()
+    if name == "fanoutqa":
+        return fanoutqa_subquestions()
+    if name == "default":
+        return country_capitals() + fanoutqa_subquestions()
+    path = Path(name)
+    if not path.is_file():
+        raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}) nor a JSONL file")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, answers = row["question"], row["answers"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CorpusError(f"{path}:{n}: expected a JSON object with question and answers ({exc})") from None
+            if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
+                raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
+            out.append(QAExample(str(row.get("id", f"{path.stem}-{n}")), question.strip(),
+                                 tuple(str(a) for a in answers), source=path.stem))
+    if not out:
+        raise CorpusError(f"{path} has no questions")
     return out

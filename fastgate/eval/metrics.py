@@ -1,0 +1,42 @@
+"""Answer scoring: SQuAD-style normalisation, exact match, token F1 and ACC (a gold answer appears in the answer)."""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+__all__ = ["accuracy", "exact_match", "normalize_answer", "token_f1"]
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation and articles, collapse whitespace (the SQuAD evaluation rule)."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split())
+
+
+def exact_match(answer: str, golds: Sequence[str]) -> float:
+    a = normalize_answer(answer)
+    return float(any(a == normalize_answer(g) for g in golds))
+
+
+def token_f1(answer: str, golds: Sequence[str]) -> float:
+    """Best token-overlap F1 against any gold answer."""
+    pred = normalize_answer(answer).split()
+    best = 0.0
+    for g in golds:
+        gold = normalize_answer(g).split()
+        common = sum((Counter(pred) & Counter(gold)).values())
+        if common:
+            p, r = common / len(pred), common / len(gold)
+            best = max(best, 2 * p * r / (p + r))
+    return best
+
+
+def accuracy(answer: str, golds: Sequence[str]) -> float:
+    """1 if a normalised gold answer occurs in the normalised answer (the papers' ACC), else 0."""
+    a = f" {normalize_answer(answer)} "
+    return float(any(normalize_answer(g) and f" {normalize_answer(g)} " in a for g in golds))

@@ -1,0 +1,111 @@
+"""``fastgate train prober|confidence``: extract (cached, resumable) features, fit, save a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from pathlib import Path
+
+__all__ = ["add_train_parser"]
+
+
+def _examples(args: argparse.Namespace):
+    from fastgate.eval.datasets import load_qa, split_examples
+
+    train, held_out = split_examples(load_qa(args.data))
+    rng = random.Random(args.seed)
+    rng.shuffle(train)
+    if args.n:
+        train = train[: args.n]
+    print(f"{len(train)} training questions from {args.data} ({len(held_out)} held out for evaluation)")
+    return train
+
+
+def _cache_dir(args: argparse.Namespace, lm, meta: dict) -> Path:
+    if args.cache:
+        return Path(args.cache)
+    from fastgate.paths import home
+
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+    return home() / "features" / f"{lm.name}-{args.kind}-{key}"
+
+
+def _report(results, layers) -> dict:
+    print(f"{'layer':>5}  {'val acc':>7}  {'majority':>8}  losses")
+    for layer, r in zip(layers, results):
+        print(f"{layer:>5}  {r.val_accuracy:7.3f}  {r.majority_accuracy:8.3f}  " +
+              " ".join(f"{x:.3f}" for x in r.losses))
+    return {"val_accuracy": {str(layer): r.val_accuracy for layer, r in zip(layers, results)},
+            "majority_accuracy": results[0].majority_accuracy}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastgate.engine import Engine
+    from fastgate.models import load
+    from fastgate.probes import save_probe_checkpoint
+    from fastgate.train import FeatureCache, FitConfig, confidence_features, fit_probers, prober_features
+
+    cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
+    examples = _examples(args)
+    lm = load(args.model, device=args.device)
+    engine = Engine(lm)
+    torch.manual_seed(args.seed)
+    if args.kind == "prober":
+        from fastgate.methods.probing import default_probe_layers
+        from fastgate.retrieval import open_retriever
+
+        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else default_probe_layers(lm.n_layers)
+        meta = {"kind": "prober", "model": lm.fingerprint, "layers": list(layers), "k": args.k}
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        prober_features(engine, open_retriever("bm25", args.index), examples, layers, cache, k=args.k,
+                        batch_size=args.batch_size)
+        kind = "probing"
+    else:
+        layers = (int(args.layers) if args.layers else lm.n_layers // 2,)
+        meta = {"kind": "confidence", "model": lm.fingerprint, "layer": layers[0]}
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        confidence_features(engine, examples, layers[0], cache, batch_size=args.batch_size)
+        kind = "confidence"
+    wanted = {e.id for e in examples}
+    ids, feats, labels = cache.load()
+    keep = torch.tensor([i.split("#")[0] in wanted for i in ids])
+    feats, labels = feats[keep], labels[keep]
+    print(f"{len(labels)} labelled rows, {int(labels.sum())} correct ({float(labels.float().mean()):.1%}); "
+          f"cache {cache.root}")
+    params, results = fit_probers(feats, labels, cfg)
+    extra = {**_report(results, layers), "data": str(args.data), "n_rows": len(labels),
+             "fit": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
+    out = Path(args.out) if args.out else Path("checkpoints") / f"{lm.name}-{kind}"
+    save_probe_checkpoint(out, params, kind=kind, model=lm, layers=layers, extra=extra)
+    print(f"checkpoint: {out}")
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    train = sub.add_parser("train", help="train the learned gates (Probing-RAG probers, CBDR confidence model)")
+    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence}", required=True)
+    for kind, help_text, epochs, lr, dropout, batch in (
+        ("prober", "Probing-RAG probers on CoT answers without and with retrieval", 2, 1e-4, 0.1, 16),
+        ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),
+    ):
+        p = kinds.add_parser(kind, help=help_text)
+        p.add_argument("--model", default="smollm2-135m")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--data", default="default", help="capitals | fanoutqa | default (both) | a JSONL file")
+        p.add_argument("--n", type=int, default=0, help="training questions to use (0 = all of the training split)")
+        p.add_argument("--out", default=None, help="checkpoint directory (default: checkpoints/<model>-<kind>)")
+        p.add_argument("--cache", default=None, help="feature cache directory (default: under $FASTGATE_HOME)")
+        p.add_argument("--layers", default=None, help="comma-separated layers (default: the paper's choice)")
+        p.add_argument("--index", default=None, help="retrieval index root (prober: BM25 passages)")
+        p.add_argument("--k", type=int, default=3, help="passages for the with-retrieval answers")
+        p.add_argument("--hidden", type=int, default=512)
+        p.add_argument("--epochs", type=int, default=epochs)
+        p.add_argument("--lr", type=float, default=lr)
+        p.add_argument("--dropout", type=float, default=dropout)
+        p.add_argument("--batch-size", type=int, default=batch, help="questions per generation batch")
+        p.add_argument("--seed", type=int, default=0)
+        p.set_defaults(func=_cmd_train)

@@ -1,0 +1,147 @@
+"""Labelled hidden-state features for the learned gates, cached on disk so an interrupted run resumes.
+
+The cache is a directory of chunk files (``chunk_00000.safetensors`` …, each written atomically) holding features,
+labels and the example ids they came from, plus ``meta.json`` naming what was extracted (model fingerprint, kind,
+layers). Re-running skips every example already in a chunk; a cache made for other settings is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine import Engine
+from fastgate.errors import CheckpointError
+from fastgate.eval.datasets import QAExample
+from fastgate.eval.metrics import accuracy
+from fastgate.prompts import ANSWER_STOP, closed_book_prompt, cot_prompt, extract_answer
+
+__all__ = ["FeatureCache", "confidence_features", "prober_features"]
+
+
+class FeatureCache:
+    """Append-only, resumable feature store.
+
+    Args:
+        root: cache directory (created).
+        meta: what the features are; must equal the ``meta.json`` of an existing cache.
+    """
+
+    def __init__(self, root: str | Path, meta: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        meta_path = self.root / "meta.json"
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text())
+            if old != meta:
+                raise CheckpointError(f"the feature cache {self.root} was made for {old}, not {meta}; use another "
+                                      "--cache directory or delete it")
+        else:
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        self.meta = meta
+        self._chunks = sorted(self.root.glob("chunk_*.safetensors"))
+        self.done: set[str] = set()  # example ids whose rows are in a chunk
+        for path in self._chunks:
+            self.done.update(self._meta(path, "examples"))
+
+    @staticmethod
+    def _meta(path: Path, key: str) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return json.loads(f.metadata()[key])
+
+    def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor, examples: Sequence[str]) -> None:
+        """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples``."""
+        from safetensors.torch import save_file
+
+        path = self.root / f"chunk_{len(self._chunks):05d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({"features": features.detach().cpu().float().contiguous(),
+                   "labels": labels.detach().cpu().long().contiguous()}, str(tmp),
+                  metadata={"ids": json.dumps(list(ids)), "examples": json.dumps(list(examples))})
+        os.replace(tmp, path)  # a chunk exists whole or not at all
+        self._chunks.append(path)
+        self.done.update(examples)
+
+    def finished(self, example_id: str) -> bool:
+        return example_id in self.done
+
+    def load(self) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """All rows: ``(ids, features [N, ...], labels [N])``."""
+        from safetensors.torch import load_file
+
+        ids: list[str] = []
+        feats, labels = [], []
+        for path in self._chunks:
+            t = load_file(str(path))
+            ids.extend(self._meta(path, "ids"))
+            feats.append(t["features"])
+            labels.append(t["labels"])
+        if not feats:
+            raise CheckpointError(f"the feature cache {self.root} is empty")
+        return ids, torch.cat(feats), torch.cat(labels)
+
+
+def _batches(items: list[QAExample], size: int) -> Iterator[list[QAExample]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="q", disable=not enabled)
+
+
+def prober_features(engine: Engine, retriever, examples: list[QAExample], layers: tuple[int, ...],
+                    cache: FeatureCache, *, k: int = 3, passage_words: int = 60, max_tokens: int = 64,
+                    batch_size: int = 16, progress: bool = True) -> None:
+    """Probing-RAG's training set: each question answered with a chain of thought without and with retrieval
+    (BM25 top-k on the question); the feature is the mean hidden state of the generated tokens at each layer
+    ``[L, d]`` (from the engine's running sums); the label is 1 when the extracted answer is correct."""
+    cfg = GenerationConfig(max_new_tokens=max_tokens, stop=("\n",))
+    taps = TapSpec(layers=tuple(layers))
+    todo = [e for e in examples if not cache.finished(e.id)]
+    with _progress(len(examples), "prober features", progress) as bar:
+        bar.update(len(examples) - len(todo))
+        for batch in _batches(todo, batch_size):
+            qs = [e.question for e in batch]
+            hits = retriever.search_batch(qs, k)
+            prompts = [cot_prompt(q) for q in qs] + [cot_prompt(q, [h.passage for h in hs], passage_words)
+                                                      for q, hs in zip(qs, hits)]
+            out = engine.generate(prompts, cfg, taps)
+            ids, rows, labels = [], [], []
+            for j, s in enumerate(out.sequences):
+                if float(out.count[j]) <= 0:
+                    continue  # nothing generated: no mean to learn from
+                e = batch[j % len(batch)]
+                ids.append(f"{e.id}#{'rag' if j >= len(batch) else 'closed'}")
+                rows.append(out.running_sum[j] / out.count[j])  # [L, d]
+                labels.append(int(accuracy(extract_answer(s.text), e.answers)))
+            if rows:
+                cache.add(ids, torch.stack(rows), torch.tensor(labels), [e.id for e in batch])
+            bar.update(len(batch))
+
+
+def confidence_features(engine: Engine, examples: list[QAExample], layer: int, cache: FeatureCache, *,
+                        max_tokens: int = 16, batch_size: int = 32, progress: bool = True) -> None:
+    """CBDR's confidence set: the pre-answer state ``[1, d]`` of the direct-answer prompt at ``layer``, labelled 1
+    when the model's direct greedy answer is correct. One generate call gives both (the state comes from the
+    prefill)."""
+    cfg = GenerationConfig(max_new_tokens=max_tokens, stop=ANSWER_STOP)
+    taps = TapSpec(pre_answer=True, mid_layer=layer)
+    todo = [e for e in examples if not cache.finished(e.id)]
+    with _progress(len(examples), "confidence features", progress) as bar:
+        bar.update(len(examples) - len(todo))
+        for batch in _batches(todo, batch_size):
+            out = engine.generate([closed_book_prompt(e.question) for e in batch], cfg, taps)
+            labels = [int(accuracy(s.text.strip(), e.answers)) for e, s in zip(batch, out.sequences)]
+            cache.add([e.id for e in batch], out.pre_answer[:, None, :], torch.tensor(labels), [e.id for e in batch])
+            bar.update(len(batch))

@@ -1,0 +1,96 @@
+"""Training the learned gates on tiny synthetic data: features are cached and resumable, loss decreases, the fitted
+probers round-trip through a checkpoint and drive the gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.errors import CheckpointError, InputError
+from fastgate.eval.datasets import QAExample, is_held_out, split_examples
+from fastgate.eval.metrics import accuracy, exact_match, normalize_answer, token_f1
+from fastgate.probes import load_probe_checkpoint, save_probe_checkpoint
+from fastgate.train import FeatureCache, FitConfig, confidence_features, fit_prober, fit_probers, prober_features
+
+EXAMPLES = [QAExample(f"q{i}", q, (a,)) for i, (q, a) in enumerate([
+    ("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "William Shakespeare"),
+    ("capital of Kyrgyzstan", "Bishkek"), ("largest planet", "Jupiter"), ("capital of Germany", "Berlin"),
+    ("Eiffel Tower year", "1889"), ("capital of Burkina Faso", "Ouagadougou")])]
+
+
+class _CountingEngine:
+    """Wraps an engine and counts the prompts it generates for."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.prompts = engine, 0
+
+    def generate(self, prompts, *args, **kwargs):
+        self.prompts += len(prompts)
+        return self.engine.generate(prompts, *args, **kwargs)
+
+
+def test_metrics():
+    assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+    assert exact_match("the Paris", ["Paris"]) == 1.0 and exact_match("Paris, France", ["Paris"]) == 0.0
+    assert accuracy("It is Paris, France.", ["Paris"]) == 1.0 and accuracy("Parisian", ["Paris"]) == 0.0
+    assert token_f1("New Delhi India", ["New Delhi"]) == pytest.approx(0.8)
+
+
+def test_held_out_split_is_stable_and_disjoint():
+    from fastgate.eval.datasets import country_capitals
+
+    caps = country_capitals()
+    train, held = split_examples(caps)
+    assert len(train) + len(held) == len(caps) and not {e.id for e in train} & {e.id for e in held}
+    assert 0.1 < len(held) / len(caps) < 0.3
+    assert [is_held_out(e) for e in caps] == [is_held_out(e) for e in country_capitals()]
+
+
+def test_confidence_features_resume_without_redoing(tmp_path, tiny_engine):
+    meta = {"kind": "confidence", "model": tiny_engine.lm.fingerprint, "layer": 2}
+    spy = _CountingEngine(tiny_engine)
+    confidence_features(spy, EXAMPLES[:3], 2, FeatureCache(tmp_path, meta), max_tokens=4, batch_size=2,
+                        progress=False)
+    assert spy.prompts == 3
+    spy.prompts = 0
+    cache = FeatureCache(tmp_path, meta)  # a new process: the cache is read back from disk
+    confidence_features(spy, EXAMPLES, 2, cache, max_tokens=4, batch_size=2, progress=False)
+    assert spy.prompts == len(EXAMPLES) - 3  # only the unfinished questions
+    ids, feats, labels = cache.load()
+    assert sorted(ids) == sorted(e.id for e in EXAMPLES)
+    assert feats.shape == (len(EXAMPLES), 1, tiny_engine.lm.hidden_size) and labels.shape == (len(EXAMPLES),)
+    from fastgate.prompts import closed_book_prompt
+
+    states = tiny_engine.prompt_states([closed_book_prompt(EXAMPLES[0].question)], 2)  # the pre-answer state
+    torch.testing.assert_close(feats[ids.index("q0"), 0], states[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(CheckpointError, match="made for"):
+        FeatureCache(tmp_path, {**meta, "layer": 3})
+
+
+def test_prober_features_without_and_with_retrieval(tmp_path, tiny_engine, small_index):
+    from fastgate.retrieval import BM25Retriever
+
+    meta = {"kind": "prober", "layers": [2, 4]}
+    cache = FeatureCache(tmp_path, meta)
+    prober_features(tiny_engine, BM25Retriever(small_index / "bm25"), EXAMPLES[:3], (2, 4), cache, k=2,
+                    max_tokens=6, batch_size=2, progress=False)
+    ids, feats, labels = cache.load()
+    assert {i.split("#")[1] for i in ids} == {"closed", "rag"}
+    assert feats.shape[1:] == (2, tiny_engine.lm.hidden_size) and set(labels.tolist()) <= {0, 1}
+
+
+def test_fit_decreases_loss_and_round_trips(tmp_path, tiny):
+    torch.manual_seed(0)
+    y = torch.randint(0, 2, (300,))
+    x = torch.randn(300, 2, tiny.hidden_size)
+    x[:, :, :8] += 1.5 * y[:, None, None]  # a direction LayerNorm keeps
+    params, results = fit_probers(x, y, FitConfig(hidden=32, epochs=6, lr=1e-3))
+    for r in results:
+        assert r.losses[-1] < r.losses[0]
+        assert r.val_accuracy > r.majority_accuracy + 0.2
+    path = save_probe_checkpoint(tmp_path / "p", params, kind="probing", model=tiny, layers=(2, 4),
+                                 extra={"val_accuracy": [r.val_accuracy for r in results]})
+    loaded = load_probe_checkpoint(path, tiny)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.params, params))
+    with pytest.raises(InputError):
+        fit_prober(x[:3, 0], y[:3])
