@@ -37,8 +37,8 @@ demo: install
 # The shipped checkpoints for smollm2-135m, trained on the training split (the held-out 20% is never seen), fixed seeds.
 train-defaults: install
 	$(BIN)/fastgate prepare
-	$(BIN)/fastgate train confidence --data default --out checkpoints/smollm2-135m-confidence --seed 0
-	$(BIN)/fastgate train prober --data default --n 400 --out checkpoints/smollm2-135m-probing --seed 0
+	$(BIN)/fastgate train confidence --data default --out fastgate/checkpoints/smollm2-135m-confidence --seed 0
+	$(BIN)/fastgate train prober --data default --n 400 --out fastgate/checkpoints/smollm2-135m-probing --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q

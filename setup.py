@@ -56,6 +56,8 @@ setup(
         "fastgate.kernels",
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},
+    # the shipped learned-gate weights (fastgate/checkpoints/<model>-<kind>/), small safetensors + JSON
+    package_data={"fastgate": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors"]},
     ext_modules=[CMakeExtension("fastgate._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -54,7 +54,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         params["k"] = args.k
     if args.max_tokens is not None:
         params["max_answer_tokens"] = args.max_tokens
-    METHODS[args.method].preflight(make_config(args.method, params))  # reject bad parameters before loading anything
+    # reject bad parameters and missing checkpoints before loading anything
+    METHODS[args.method].preflight(make_config(args.method, params), args.model)
 
     t0 = time.perf_counter()
     from fastgate.engine import Engine

@@ -29,7 +29,8 @@ __all__ = [
     "Prober",
     "load_probe_checkpoint",
     "random_probe_params",
-    "require_checkpoint_dir",
+    "default_checkpoint",
+    "resolve_checkpoint",
     "save_probe_checkpoint",
     "stack_probers",
 ]
@@ -188,12 +189,31 @@ def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind
     return ckpt
 
 
-def require_checkpoint_dir(path: str, method: str, what: str, trainer: str) -> None:
-    """Fail early, before any model loads, when a learned gate's checkpoint is not given or does not exist."""
-    if not path:
-        raise CheckpointError(f"{method} needs {what}: pass --param checkpoint=DIR (train one: `{trainer}`)")
-    if not Path(path).is_dir():
-        raise CheckpointError(f"no checkpoint directory at {path}")
+DEFAULT_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped weights: <model>-<kind>/
+
+
+def default_checkpoint(model_name: str | None, kind: Kind) -> Path | None:
+    """The shipped checkpoint of ``kind`` for a built-in model, if there is one."""
+    if not model_name:
+        return None
+    path = DEFAULT_CHECKPOINTS / f"{model_name}-{kind}"
+    return path if (path / CONFIG).is_file() else None
+
+
+def resolve_checkpoint(path: str, model_name: str | None, kind: Kind, method: str, trainer: str) -> Path:
+    """The checkpoint directory a learned gate will load: ``path`` if given, else the shipped default for the model.
+
+    Runs before any model loads, so a missing checkpoint fails fast.
+    """
+    if path:
+        if not Path(path).is_dir():
+            raise CheckpointError(f"no checkpoint directory at {path}")
+        return Path(path)
+    found = default_checkpoint(model_name, kind)
+    if found is None:
+        raise CheckpointError(f"{method} needs a {kind} checkpoint and none ships for model {model_name or '?'}: "
+                              f"pass --param checkpoint=DIR (train one: `{trainer}`)")
+    return found
 
 
 def check_checkpoint_matches(ckpt: ProbeCheckpoint, model: Any) -> None:

@@ -25,7 +25,7 @@ def run_main(capsys, *argv):
         (["ask", "Who?", "--param", "tau"], "--param expects name=value"),
         (["ask", "Who?", "--param", "theta=1"], "unknown parameter(s) for dtr: theta"),
         (["ask", "Who?", "--method", "never", "--model", "no-such-model"], "unknown model 'no-such-model'"),
-        (["ask", "Who?", "--method", "probing"], "probing needs a prober checkpoint"),
+        (["ask", "Who?", "--method", "probing", "--model", "gemma3-270m"], "none ships for model gemma3-270m"),
         (["ask", "Who?", "--method", "cbdr", "--param", "checkpoint=/no/such/dir"], "no checkpoint directory"),
         (["ask", "Who?", "--method", "seakr", "--param", "samples=1"], "samples must be >= 2"),
         (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle or sum"),

@@ -154,8 +154,8 @@ class Method:
         self._scaffold_tokens = engine.count_tokens(closed_book_prompt(""))
 
     @classmethod
-    def preflight(cls, config: MethodConfig) -> None:
-        """Cheap checks of a config before any model is loaded (e.g. that a checkpoint exists)."""
+    def preflight(cls, config: MethodConfig, model_name: str | None = None) -> None:
+        """Cheap checks of a config before any model is loaded (e.g. that a checkpoint exists for ``model_name``)."""
 
     @classmethod
     def parameters(cls) -> dict[str, Any]:

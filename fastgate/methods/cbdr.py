@@ -4,11 +4,12 @@ retrieve; retrieved candidates are re-ranked by the confidence shift they cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.prober import ConfidenceGate
 from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
-from fastgate.probes import load_probe_checkpoint, require_checkpoint_dir
+from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.prompts import closed_book_prompt, rag_prompt
 from fastgate.retrieval.base import Hit
 
@@ -43,14 +44,14 @@ class Cbdr(Method):
     description = "CBDR: pre-answer confidence gate; candidates re-ranked by confidence shift Inc(Q,C)"
 
     @classmethod
-    def preflight(cls, config: CbdrConfig) -> None:
-        require_checkpoint_dir(config.checkpoint, cls.name, "a confidence-model checkpoint",
-                               "fastgate train confidence")
+    def preflight(cls, config: CbdrConfig, model_name: str | None = None) -> Path:
+        """The checkpoint to load: ``config.checkpoint``, or the one shipped for ``model_name``."""
+        return resolve_checkpoint(config.checkpoint, model_name, "confidence", cls.name, "fastgate train confidence")
 
     def __init__(self, engine, retriever, config: CbdrConfig | None = None) -> None:
         super().__init__(engine, retriever, config)
-        self.preflight(self.config)
-        ckpt = load_probe_checkpoint(self.config.checkpoint, engine.lm, kind="confidence")
+        path = self.preflight(self.config, engine.lm.name)
+        ckpt = load_probe_checkpoint(path, engine.lm, kind="confidence")
         if len(ckpt.layers) != 1:
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")
         self.checkpoint = ckpt

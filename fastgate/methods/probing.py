@@ -4,12 +4,13 @@ chain-of-thought answer, whether to retrieve and answer again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastgate.config import GenerationConfig
 from fastgate.errors import InputError
 from fastgate.gates.prober import ProberGate
 from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
-from fastgate.probes import load_probe_checkpoint, require_checkpoint_dir
+from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.prompts import cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
 
@@ -48,13 +49,14 @@ class Probing(Method):
     description = "Probing-RAG: probers on rationale hidden states decide retrieval (Baek et al., 2025)"
 
     @classmethod
-    def preflight(cls, config: ProbingConfig) -> None:
-        require_checkpoint_dir(config.checkpoint, cls.name, "a prober checkpoint", "fastgate train prober")
+    def preflight(cls, config: ProbingConfig, model_name: str | None = None) -> Path:
+        """The checkpoint to load: ``config.checkpoint``, or the one shipped for ``model_name``."""
+        return resolve_checkpoint(config.checkpoint, model_name, "probing", cls.name, "fastgate train prober")
 
     def __init__(self, engine, retriever, config: ProbingConfig | None = None) -> None:
         super().__init__(engine, retriever, config)
-        self.preflight(self.config)
-        ckpt = load_probe_checkpoint(self.config.checkpoint, engine.lm, kind="probing")
+        path = self.preflight(self.config, engine.lm.name)
+        ckpt = load_probe_checkpoint(path, engine.lm, kind="probing")
         self.checkpoint = ckpt
         self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.gate_ops)
 
