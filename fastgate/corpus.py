@@ -53,12 +53,9 @@ def wiki_summaries() -> list[Passage]:
     return passages
 
 
-def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
-    """Stream a JSONL corpus with one ``{"id", "title", "text"}`` object per line; errors name the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise CorpusError(f"corpus file not found: {path}")
-    seen: set[str] = set()
+def iter_jsonl_objects(path: Path, fields: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file; errors name the line and the ``fields``
+    expected."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -68,17 +65,27 @@ def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
             except json.JSONDecodeError as exc:
                 raise CorpusError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
-                raise CorpusError(f"{path}:{lineno}: expected a JSON object with id, title, text")
-            missing = [k for k in ("id", "text") if k not in obj]
-            if missing:
-                raise CorpusError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
-            pid, title, text = str(obj["id"]), str(obj.get("title", "")), obj["text"]
-            if not isinstance(text, str):
-                raise CorpusError(f"{path}:{lineno}: field text must be a string")
-            if pid in seen:
-                raise CorpusError(f"{path}:{lineno}: duplicate id {pid!r}")
-            seen.add(pid)
-            yield Passage(id=pid, title=title, text=text)
+                raise CorpusError(f"{path}:{lineno}: expected a JSON object with {fields}")
+            yield lineno, obj
+
+
+def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
+    """Stream a JSONL corpus with one ``{"id", "title", "text"}`` object per line; errors name the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"corpus file not found: {path}")
+    seen: set[str] = set()
+    for lineno, obj in iter_jsonl_objects(path, "id, title, text"):
+        missing = [k for k in ("id", "text") if k not in obj]
+        if missing:
+            raise CorpusError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+        pid, title, text = str(obj["id"]), str(obj.get("title", "")), obj["text"]
+        if not isinstance(text, str):
+            raise CorpusError(f"{path}:{lineno}: field text must be a string")
+        if pid in seen:
+            raise CorpusError(f"{path}:{lineno}: duplicate id {pid!r}")
+        seen.add(pid)
+        yield Passage(id=pid, title=title, text=text)
 
 
 def read_jsonl_corpus(path: str | Path) -> list[Passage]:

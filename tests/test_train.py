@@ -109,3 +109,23 @@ def test_auroc_and_gate_evaluation():
     conf = torch.softmax(__import__("fastgate").ops.probe_logits(feats, torch.ones(20), params), -1)[:, 0, 1]
     assert ev.decision_accuracy == pytest.approx(float(((conf > 0.5) == labels.bool()).float().mean()))
     assert ev.auroc == pytest.approx(auroc(conf, labels)) and ev.n == 20
+
+
+def test_load_qa_jsonl_and_errors(tmp_path):
+    from fastgate.errors import CorpusError
+    from fastgate.eval.datasets import load_qa
+
+    good = tmp_path / "qa.jsonl"
+    good.write_text('{"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}\n\n'
+                    '{"id": "b", "question": " Capital of Chad? ", "answers": ["N\'Djamena"]}\n')
+    rows = load_qa(good)
+    assert [(r.id, r.question, r.answers) for r in rows] == [("qa-1", "Who wrote Hamlet?", ("Shakespeare",)),
+                                                            ("b", "Capital of Chad?", ("N'Djamena",))]
+    for text, message in [('{"question": "x", "answers": "nope"}\n', ":1: question must be"),
+                          ("not json\n", ":1: not valid JSON"), ('["a list"]\n', "expected a JSON object")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(CorpusError, match=message):
+            load_qa(bad)
+    with pytest.raises(CorpusError, match="neither a built-in set"):
+        load_qa(tmp_path / "missing.jsonl")

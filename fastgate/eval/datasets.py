@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastgate.corpus import iter_jsonl_objects
 from fastgate.errors import CorpusError
 
 __all__ = [
@@ -124,19 +125,12 @@ def load_qa(data: str | Path) -> list[QAExample]:
     if not path.is_file():
         raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}) nor a JSONL file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, answers = row["question"], row["answers"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CorpusError(f"{path}:{n}: expected a JSON object with question and answers ({exc})") from None
-            if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
-                raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
-            out.append(QAExample(str(row.get("id", f"{path.stem}-{n}")), question.strip(),
-                                 tuple(str(a) for a in answers), source=path.stem))
+    for n, row in iter_jsonl_objects(path, "question, answers"):
+        question, answers = row.get("question"), row.get("answers")
+        if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
+            raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
+        out.append(QAExample(str(row.get("id", f"{path.stem}-{n}")), question.strip(), tuple(str(a) for a in answers),
+                             source=path.stem))
     if not out:
         raise CorpusError(f"{path} has no questions")
     return out
