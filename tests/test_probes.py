@@ -80,3 +80,15 @@ def test_save_validates(tmp_path, tiny):
     assert dataclasses.is_dataclass(load_probe_checkpoint(
         save_probe_checkpoint(tmp_path / "y", random_probe_params(1, tiny.hidden_size, 4), kind="confidence",
                               model=tiny, layers=(2,))))
+
+
+def test_shipped_checkpoints_load():
+    from fastgate.probes import default_checkpoint, resolve_checkpoint
+
+    path = default_checkpoint("smollm2-135m", "confidence")
+    assert path is not None, "the CBDR confidence model for smollm2-135m should ship in fastgate/checkpoints"
+    ckpt = load_probe_checkpoint(path, kind="confidence")
+    assert (ckpt.model, ckpt.hidden_size, ckpt.model_layers, len(ckpt.layers)) == ("smollm2-135m", 576, 30, 1)
+    assert ckpt.extra["n_rows"] > 1000 and 0.5 < ckpt.extra["val_accuracy"][str(ckpt.layers[0])] <= 1.0
+    assert resolve_checkpoint("", "smollm2-135m", "confidence", "cbdr", "x") == path
+    assert default_checkpoint("no-such-model", "confidence") is None
