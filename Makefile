@@ -38,7 +38,7 @@ demo: install
 train-defaults: install
 	$(BIN)/fastgate prepare
 	$(BIN)/fastgate train confidence --data default --out fastgate/checkpoints/smollm2-135m-confidence --seed 0
-	$(BIN)/fastgate train prober --data default --n 400 --hidden 128 --out fastgate/checkpoints/smollm2-135m-probing --seed 0
+	$(BIN)/fastgate train prober --data default --n 400 --hidden 128 --epochs 10 --lr 1e-3 --out fastgate/checkpoints/smollm2-135m-probing --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q
