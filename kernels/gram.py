@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fastgate.errors import ShapeError
+from fastgate.ops.reference import check_eigenscore_args
 from fastgate.ops.reference import eigenscore as eigenscore_reference
 
 __all__ = ["eigenscore", "eigenscore_reference"]
@@ -80,23 +81,10 @@ def eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None 
                scale: str | None = None) -> torch.Tensor:
     """Fused SPEC op 2 for ``z [B, k, d]`` -> ``[B]`` float32, one launch; same semantics and errors as
     :func:`fastgate.ops.reference.eigenscore` (a request with no valid sample gets +inf)."""
-    if z.ndim != 3:
-        raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
+    valid = check_eigenscore_args(z, alpha, valid, scale)
     b, k, d = z.shape
-    if k < 1 or d < 2:
-        raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
     if k > 64:
         raise ShapeError(f"eigenscore: the fused kernel holds the k×k Gram in registers; k={k} > 64")
-    if alpha <= 0:
-        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
-    if scale not in (None, "cov"):
-        raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
-    if valid is None:
-        valid = torch.ones((b, k), dtype=torch.int8, device=z.device)
-    elif valid.shape != (b, k):
-        raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
-    if not bool(torch.isfinite(z).all()):
-        raise ShapeError("eigenscore: z contains NaN or inf")
     valid = valid.to(device=z.device, dtype=torch.int8).contiguous()
     out = torch.empty(b, dtype=torch.float32, device=z.device)
     if b == 0:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fastgate.errors import ShapeError
 
-__all__ = ["ProbeParams", "accumulate_taps", "answer_nll", "eigenscore", "probe_logits"]
+__all__ = ["ProbeParams", "accumulate_taps", "answer_nll", "check_eigenscore_args", "eigenscore", "probe_logits"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -99,6 +99,27 @@ def probe_logits(sums: torch.Tensor, counts: torch.Tensor, params: ProbeParams) 
     return torch.einsum("blh,lhc->blc", x, p.w3) + p.b3  # [B, L, 2]
 
 
+def check_eigenscore_args(z: torch.Tensor, alpha: float, valid: torch.Tensor | None, scale: str | None
+                          ) -> torch.Tensor:
+    """Validate :func:`eigenscore`'s inputs (shared with the Triton launcher); returns ``valid [B, k]`` (bool)."""
+    if z.ndim != 3:
+        raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
+    b, k, d = z.shape
+    if k < 1 or d < 2:
+        raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
+    if alpha <= 0:
+        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
+    if scale not in (None, "cov"):
+        raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
+    if valid is None:
+        valid = torch.ones((b, k), dtype=torch.bool, device=z.device)
+    elif valid.shape != (b, k):
+        raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
+    if not bool(torch.isfinite(z).all()):
+        raise ShapeError("eigenscore: z contains NaN or inf")
+    return valid.bool()
+
+
 def eigenscore(
     z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None, scale: Literal["cov"] | None = None
 ) -> torch.Tensor:
@@ -116,21 +137,8 @@ def eigenscore(
     Returns:
         ``[B]`` float32; a request with no valid sample gets +inf (no evidence of certainty).
     """
-    if z.ndim != 3:
-        raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
+    valid = check_eigenscore_args(z, alpha, valid, scale)
     b, k, d = z.shape
-    if k < 1 or d < 2:
-        raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
-    if alpha <= 0:
-        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
-    if scale not in (None, "cov"):
-        raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
-    if valid is None:
-        valid = torch.ones((b, k), dtype=torch.bool, device=z.device)
-    elif valid.shape != (b, k):
-        raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
-    if not bool(torch.isfinite(z).all()):
-        raise ShapeError("eigenscore: z contains NaN or inf")
     # float64 Gram in chunks of requests: the float64 copy of a chunk stays cache-sized instead of doubling all of z
     chunk = max(1, (1 << 17) // (k * d))
     grams = []
