@@ -248,3 +248,20 @@ def test_cli_lists_every_method():
     for name in METHODS:
         assert f"{name}:" in out.stdout
     assert "checkpoint = ''" in out.stdout and "delta = -6.0" in out.stdout
+
+
+def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
+    from fastgate.embedder import Embedder, default_embedder_path
+    from fastgate.methods.base import _Timer
+
+    with pytest.raises(InputError, match="reranker_path"):
+        make_config("cbdr", {"reranker": "trained"})
+    path = str(default_embedder_path())  # any sentence-transformers directory works as a reranker
+    method = build_method("cbdr", tiny_engine, bm25, _params("cbdr", checkpoints, beta=1.0, k=2, reranker="trained",
+                                                              reranker_path=path))
+    q = "What is the capital of Burkina Faso?"
+    cands = bm25.search(q, 4)
+    (top,) = method.rerank([q], [0.0], [cands], _Timer())
+    v = Embedder(path).encode([q] + [f"{h.title}. {h.text}" for h in cands])
+    sims = (v[1:] @ v[0]).tolist()
+    assert [h.id for h in top] == [cands[j].id for j in sorted(range(4), key=lambda j: -sims[j])[:2]]

@@ -129,3 +129,26 @@ def test_load_qa_jsonl_and_errors(tmp_path):
             load_qa(bad)
     with pytest.raises(CorpusError, match="neither a built-in set"):
         load_qa(tmp_path / "missing.jsonl")
+
+
+def test_reranker_preferences_and_fine_tune(tmp_path, tiny_engine, small_index):
+    from fastgate.embedder import Embedder
+    from fastgate.gates.prober import ConfidenceGate
+    from fastgate.probes import random_probe_params
+    from fastgate.retrieval import BM25Retriever
+    from fastgate.train.reranker import Preference, RerankerConfig, fit_reranker, shift_preferences
+
+    gate = ConfidenceGate(random_probe_params(1, tiny_engine.lm.hidden_size, 8, seed=3), layer=2)
+    prefs = shift_preferences(tiny_engine, gate, BM25Retriever(small_index / "bm25"), EXAMPLES, n_candidates=4,
+                              top=2, progress=False)
+    for p in prefs:
+        assert 1 <= len(p.positives) <= 2 and 1 <= len(p.negatives) <= 2 and not set(p.positives) & set(p.negatives)
+    # preferences the base embedder gets wrong (the related passage is the negative), so training has to move it
+    pairs = [Preference("capital of France", ("Jupiter is a planet.",), ("Paris is the capital of France.",)),
+             Preference("who wrote Hamlet", ("Berlin is in Germany.",), ("Hamlet was written by Shakespeare.",))]
+    losses = fit_reranker(pairs, tmp_path / "rr", cfg=RerankerConfig(epochs=8, lr=2e-4, batch_size=2))
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    emb = Embedder(tmp_path / "rr")  # the saved directory loads as an embedder (sentence-transformers layout)
+    v = emb.encode(["capital of France", "Jupiter is a planet.", "Paris is the capital of France."])
+    assert v.shape == (3, 384)
+    assert (tmp_path / "rr" / "modules.json").is_file() and (tmp_path / "rr" / "1_Pooling").is_dir()

@@ -23,7 +23,8 @@ class CbdrConfig(MethodConfig):
     checkpoint: str = ""  # confidence-model checkpoint directory (`fastgate train confidence`); required
     beta: float = 0.95  # skip retrieval iff Conf > beta (paper: 0.95 for top-1, 0.98 for top-3)
     n_candidates: int = 20  # passages retrieved before re-ranking (paper: 20)
-    reranker: str = "shift"  # shift: Inc(Q,C) = Conf(Q+C) - Conf(Q); none: keep the retriever's order
+    reranker: str = "shift"  # shift: Inc(Q,C) = Conf(Q+C) - Conf(Q); trained: a fine-tuned embedder; none: as retrieved
+    reranker_path: str = ""  # the trained reranker's directory (`fastgate train reranker`), for reranker=trained
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,8 +32,10 @@ class CbdrConfig(MethodConfig):
             raise InputError(f"beta must be in [0, 1], got {self.beta}")
         if self.n_candidates < self.k:
             raise InputError(f"n_candidates ({self.n_candidates}) must be >= k ({self.k})")
-        if self.reranker not in ("shift", "none"):
-            raise InputError(f"reranker must be shift or none, got {self.reranker!r}")
+        if self.reranker not in ("shift", "trained", "none"):
+            raise InputError(f"reranker must be shift, trained or none, got {self.reranker!r}")
+        if self.reranker == "trained" and not self.reranker_path:
+            raise InputError("reranker=trained needs reranker_path=DIR (train one: `fastgate train reranker`)")
 
 
 class Cbdr(Method):
@@ -56,6 +59,7 @@ class Cbdr(Method):
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")
         self.checkpoint = ckpt
         self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.gate_ops)
+        self._reranker = None  # the trained reranker's embedder, loaded on first use
 
     def rerank(self, questions: list[str], conf_q: list[float], cands: list[list[Hit]], timer: _Timer
                ) -> list[list[Hit]]:
@@ -63,6 +67,8 @@ class Cbdr(Method):
         c = self.config
         if c.reranker == "none":
             return [hs[: c.k] for hs in cands]
+        if c.reranker == "trained":
+            return self._rerank_trained(questions, cands)
         prompts = [rag_prompt(q, [h.passage], c.passage_words) for q, hs in zip(questions, cands) for h in hs]
         if not prompts:
             return [[] for _ in cands]
@@ -74,6 +80,23 @@ class Cbdr(Method):
             pos += len(hs)
             order = sorted(range(len(hs)), key=lambda j: -inc[j])[: c.k]
             out.append([Hit(hs[j].passage, inc[j]) for j in order])
+        return out
+
+    def _rerank_trained(self, questions: list[str], cands: list[list[Hit]]) -> list[list[Hit]]:
+        """Top-k by cosine between the question and each passage under the fine-tuned embedder."""
+        if self._reranker is None:
+            from fastgate.embedder import Embedder
+
+            self._reranker = Embedder(self.config.reranker_path)
+        out = []
+        for q, hs in zip(questions, cands):
+            if not hs:
+                out.append([])
+                continue
+            vecs = self._reranker.encode([q] + [f"{h.title}. {h.text}" if h.title else h.text for h in hs])
+            sims = (vecs[1:] @ vecs[0]).tolist()
+            order = sorted(range(len(hs)), key=lambda j: -sims[j])[: self.config.k]
+            out.append([Hit(hs[j].passage, sims[j]) for j in order])
         return out
 
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:

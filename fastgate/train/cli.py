@@ -123,9 +123,32 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reranker(args: argparse.Namespace) -> int:
+    from fastgate.engine import Engine
+    from fastgate.gates.prober import ConfidenceGate
+    from fastgate.models import load
+    from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
+    from fastgate.retrieval import open_retriever
+    from fastgate.train.reranker import RerankerConfig, fit_reranker, shift_preferences
+
+    examples = _examples(args)
+    retriever = open_retriever("bm25", args.index)
+    lm = load(args.model, device=args.device)
+    path = resolve_checkpoint(args.checkpoint or "", lm.name, "confidence", "the reranker", "fastgate train confidence")
+    ckpt = load_probe_checkpoint(path, lm, kind="confidence")
+    engine = Engine(lm)
+    gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.gate_ops)
+    prefs = shift_preferences(engine, gate, retriever, examples, n_candidates=args.candidates)
+    print(f"{len(prefs)} questions with both confidence increases and decreases")
+    losses = fit_reranker(prefs, args.out, cfg=RerankerConfig(epochs=args.epochs, lr=args.lr, seed=args.seed))
+    print(f"InfoNCE loss: first {losses[0]:.3f}, last {losses[-1]:.3f} over {len(losses)} steps")
+    print(f"reranker: {args.out} (use: --method cbdr --param reranker=trained --param reranker_path={args.out})")
+    return 0
+
+
 def add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="train the learned gates (Probing-RAG probers, CBDR confidence model)")
-    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,evaluate}", required=True)
+    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,evaluate,reranker}", required=True)
     ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
                                            "accuracy vs the majority class)")
     ev.add_argument("--checkpoint", required=True)
@@ -139,6 +162,19 @@ def add_train_parser(sub) -> None:
     ev.add_argument("--cache", default=None)
     ev.add_argument("--seed", type=int, default=0)
     ev.set_defaults(func=_cmd_evaluate)
+    rr = kinds.add_parser("reranker", help="CBDR's reranker: InfoNCE fine-tune of MiniLM on confidence-shift pairs")
+    rr.add_argument("--model", default="smollm2-135m")
+    rr.add_argument("--device", default="auto")
+    rr.add_argument("--data", default="default")
+    rr.add_argument("--n", type=int, default=200, help="training questions")
+    rr.add_argument("--out", required=True, help="output directory (sentence-transformers layout)")
+    rr.add_argument("--checkpoint", default=None, help="confidence model (default: the one shipped for --model)")
+    rr.add_argument("--index", default=None)
+    rr.add_argument("--candidates", type=int, default=20, help="BM25 candidates per question (CBDR: 20)")
+    rr.add_argument("--epochs", type=int, default=1)
+    rr.add_argument("--lr", type=float, default=6e-5)
+    rr.add_argument("--seed", type=int, default=0)
+    rr.set_defaults(func=_cmd_reranker)
     for kind, help_text, epochs, lr, dropout, batch in (
         ("prober", "Probing-RAG probers on CoT answers without and with retrieval", 2, 1e-4, 0.1, 16),
         ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),
