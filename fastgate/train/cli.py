@@ -29,7 +29,32 @@ def _cache_dir(args: argparse.Namespace, lm, meta: dict) -> Path:
     from fastgate.paths import home
 
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
-    return home() / "features" / f"{lm.name}-{args.kind}-{key}"
+    return home() / "features" / f"{lm.name}-{meta['kind']}-{key}"
+
+
+def _labelled_features(args: argparse.Namespace, lm, engine, examples, kind: str, layers: tuple[int, ...],
+                       suffix: str = ""):
+    """Extract (or resume) the features of ``examples`` for a ``probing`` or ``confidence`` gate and return the rows
+    of those examples: ``(features, labels, cache)``. ``suffix`` keeps held-out features in their own cache."""
+    import torch
+
+    from fastgate.train import FeatureCache, confidence_features, prober_features
+
+    if kind == "probing":
+        from fastgate.retrieval import open_retriever
+
+        meta = {"kind": "prober" + suffix, "model": lm.fingerprint, "layers": list(layers), "k": args.k}
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        prober_features(engine, open_retriever("bm25", args.index), examples, layers, cache, k=args.k,
+                        batch_size=getattr(args, "batch_size", 16))
+    else:
+        meta = {"kind": "confidence" + suffix, "model": lm.fingerprint, "layer": layers[0]}
+        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
+        confidence_features(engine, examples, layers[0], cache, batch_size=getattr(args, "batch_size", 32))
+    wanted = {e.id for e in examples}
+    ids, feats, labels = cache.load()
+    keep = torch.tensor([i.split("#")[0] in wanted for i in ids])
+    return feats[keep], labels[keep], cache
 
 
 def _report(results, layers) -> dict:
@@ -47,7 +72,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from fastgate.engine import Engine
     from fastgate.models import load
     from fastgate.probes import save_probe_checkpoint
-    from fastgate.train import FeatureCache, FitConfig, confidence_features, fit_probers, prober_features
+    from fastgate.train import FitConfig, fit_probers
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
     examples = _examples(args)
@@ -56,24 +81,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if args.kind == "prober":
         from fastgate.methods.probing import default_probe_layers
-        from fastgate.retrieval import open_retriever
 
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else default_probe_layers(lm.n_layers)
-        meta = {"kind": "prober", "model": lm.fingerprint, "layers": list(layers), "k": args.k}
-        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
-        prober_features(engine, open_retriever("bm25", args.index), examples, layers, cache, k=args.k,
-                        batch_size=args.batch_size)
         kind = "probing"
     else:
         layers = (int(args.layers) if args.layers else lm.n_layers // 2,)
-        meta = {"kind": "confidence", "model": lm.fingerprint, "layer": layers[0]}
-        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
-        confidence_features(engine, examples, layers[0], cache, batch_size=args.batch_size)
         kind = "confidence"
-    wanted = {e.id for e in examples}
-    ids, feats, labels = cache.load()
-    keep = torch.tensor([i.split("#")[0] in wanted for i in ids])
-    feats, labels = feats[keep], labels[keep]
+    feats, labels, cache = _labelled_features(args, lm, engine, examples, kind, layers)
     print(f"{len(labels)} labelled rows, {int(labels.sum())} correct ({float(labels.float().mean()):.1%}); "
           f"cache {cache.root}")
     params, results = fit_probers(feats, labels, cfg)
@@ -90,7 +104,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from fastgate.eval.datasets import load_qa, split_examples
     from fastgate.models import load
     from fastgate.probes import load_probe_checkpoint
-    from fastgate.train import FeatureCache, confidence_features, prober_features
     from fastgate.train.evaluate import evaluate_gate
 
     lm = load(args.model, device=args.device)
@@ -100,24 +113,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.n:
         held_out = held_out[: args.n]
     engine = Engine(lm)
-    if ckpt.kind == "probing":
-        from fastgate.retrieval import open_retriever
-
-        meta = {"kind": "prober-heldout", "model": lm.fingerprint, "layers": list(ckpt.layers), "k": args.k}
-        args.kind = "prober-heldout"
-        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
-        prober_features(engine, open_retriever("bm25", args.index), held_out, ckpt.layers, cache, k=args.k)
-        threshold = args.threshold if args.threshold is not None else 0.0
-    else:
-        meta = {"kind": "confidence-heldout", "model": lm.fingerprint, "layer": ckpt.layers[0]}
-        args.kind = "confidence-heldout"
-        cache = FeatureCache(_cache_dir(args, lm, meta), meta)
-        confidence_features(engine, held_out, ckpt.layers[0], cache)
-        threshold = args.threshold if args.threshold is not None else 0.95
-    wanted = {e.id for e in held_out}
-    ids, feats, labels = cache.load()
-    keep = [i for i, row in enumerate(ids) if row.split("#")[0] in wanted]
-    result = evaluate_gate(ckpt.params, feats[keep], labels[keep], kind=ckpt.kind, threshold=threshold)
+    feats, labels, _ = _labelled_features(args, lm, engine, held_out, ckpt.kind, ckpt.layers, suffix="-heldout")
+    threshold = args.threshold if args.threshold is not None else (0.0 if ckpt.kind == "probing" else 0.95)
+    result = evaluate_gate(ckpt.params, feats, labels, kind=ckpt.kind, threshold=threshold)
     print(json.dumps({"checkpoint": str(args.checkpoint), "kind": ckpt.kind, "threshold": threshold,
                       **result.to_dict()}))
     return 0
