@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastgate ask | index | prepare | methods``.
+"""Command-line interface: ``fastgate ask | eval | index | prepare | methods | train``.
 
 User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback.
 """
@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 from fastgate.errors import FastgateError, InputError
@@ -34,18 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
-    from fastgate.calibration import calibrated_params
-    from fastgate.errors import UnknownNameError
-    from fastgate.methods import METHODS, build_method, make_config
-    from fastgate.retrieval import RETRIEVERS
+    from fastgate.runtime import Runtime, check_request, result_record
 
-    # validate cheap things before loading anything heavy
-    if args.method not in METHODS:
-        raise UnknownNameError("method", args.method, list(METHODS))
-    if args.retriever is None:
-        args.retriever = METHODS[args.method].default_retriever
-    if args.retriever not in RETRIEVERS:
-        raise UnknownNameError("retriever", args.retriever, RETRIEVERS)
     questions = [q.strip() for q in args.question]
     if not questions or any(not q for q in questions):
         raise InputError("the question is empty")
@@ -54,28 +43,15 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         params["k"] = args.k
     if args.max_tokens is not None:
         params["max_answer_tokens"] = args.max_tokens
-    # reject bad parameters and missing checkpoints before loading anything
-    METHODS[args.method].preflight(make_config(args.method, params), args.model)
-
-    t0 = time.perf_counter()
-    from fastgate.engine import Engine
-    from fastgate.models import load
-    from fastgate.retrieval import open_retriever
-
-    retriever = None
-    if METHODS[args.method].needs_retriever:  # before the model: a bad index fails fast
-        retriever = open_retriever(args.retriever, args.index)
-    lm = load(args.model, device=args.device)
-    if not args.paper_defaults:
-        params = calibrated_params(lm.name, args.method, params)
-    engine = Engine(lm)
-    method = build_method(args.method, engine, retriever, params)
-    setup_s = time.perf_counter() - t0
+    # reject bad names, parameters and missing checkpoints before loading anything
+    request = check_request(args.method, params, args.retriever, args.model)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults)
+    if request.retriever is not None:  # before the model: a bad index fails fast
+        runtime.retriever(request.retriever)
+    method = runtime.build(request)
     results = method.answer_batch(questions)
     for r in results:
-        record = r.to_dict()
-        record.update({"model": lm.name, "retriever": args.retriever if retriever is not None else None})
-        record["timings"] = {**record["timings"], "setup_s": setup_s}
+        record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s)
         if args.json:
             print(json.dumps(record, ensure_ascii=False))
         else:
@@ -100,6 +76,112 @@ def _print_human(r: dict[str, Any]) -> None:
           f"setup {t.get('setup_s', 0):.1f} s"
           + (" · prompt truncated to fit the context" if r.get("truncated") else ""))
     print()
+
+
+def _parse_sweep(text: str) -> tuple[str, list[str]]:
+    if "=" not in text:
+        raise InputError(f"--sweep expects param=v1,v2,..., got {text!r}")
+    name, values = text.split("=", 1)
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not name.strip() or not vals:
+        raise InputError(f"--sweep expects param=v1,v2,..., got {text!r}")
+    return name.strip(), vals
+
+
+def _machine_line() -> str:
+    import platform
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{cpu} ({os.cpu_count()} cores){gpu}"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from fastgate.eval.datasets import load_qa, sample_examples
+    from fastgate.eval.runner import (
+        EvalSettings,
+        ResultsStore,
+        RunSpec,
+        check_settings,
+        evaluate,
+        plot_accuracy_vs_retrieval,
+        summarize,
+        write_summary,
+    )
+    from fastgate.methods import METHODS
+    from fastgate.runtime import Runtime, check_request
+
+    if args.all == (args.method is not None):
+        raise InputError("give either --method M or --all")
+    if args.all and args.sweep:
+        raise InputError("--sweep takes one --method, not --all")
+    if args.n is not None and args.n < 1:
+        raise InputError(f"--n must be >= 1, got {args.n}")
+    params: dict[str, Any] = _parse_params(args.param)
+    # every configuration is checked before the model loads or a question is answered
+    runs: list[RunSpec] = []
+    for name in (list(METHODS) if args.all else [args.method]):
+        points = [{}]
+        if args.sweep:
+            key, values = _parse_sweep(args.sweep)
+            points = [{key: v} for v in values]
+        for extra in points:
+            req = check_request(name, {**params, **extra}, args.retriever, args.model)
+            runs.append(RunSpec(req.method, req.retriever, req.params))
+    examples = sample_examples(load_qa(args.data), args.n, args.seed)
+    out = Path(args.out or f"eval-{Path(args.model).name}-{Path(args.data).stem}")
+    settings = EvalSettings(model=args.model, data=str(args.data), seed=args.seed, paper_defaults=args.paper_defaults)
+    check_settings(out, settings)
+    store = ResultsStore(out / "results.jsonl")
+    done = sum(store.done(r.key, ex.id) for r in runs for ex in examples)
+    total = len(runs) * len(examples)
+    print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {args.data} -> {out}"
+          + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults)
+    try:
+        summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"fastgate: interrupted; finished batches are in {store.path}: rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    # the summary covers every run recorded in DIR for these questions (earlier invocations included)
+    order = {m: i for i, m in enumerate(METHODS)}
+    keys = sorted({k for k, _ in store.records}, key=lambda k: (order.get(k.split("[")[0], 99), k))
+    table = []
+    for key in keys:
+        recs = [store.records.get((key, ex.id)) for ex in examples]
+        if all(recs):
+            spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
+            table.append(summarize(spec, recs))
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"{len(examples)} questions of `{args.data}` (seed {args.seed}), model {runtime.model_name}, "
+              f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, batch {args.batch_size}; "
+              f"{_machine_line()}; {stamp}")
+    md, cs = write_summary(out, table, header=header)
+    print(header + "\n")
+    print(md.read_text().split("\n\n", 1)[-1], end="")
+    written = [md, cs]
+    if args.all or args.sweep:
+        if args.sweep:
+            anchors = [s for s in table if s.run in ("never", "always")]
+            points = [s for s in summaries if s.run not in ("never", "always")]
+            png = out / f"sweep-{args.method}-{_parse_sweep(args.sweep)[0]}.png"
+            plot_accuracy_vs_retrieval(anchors + points, png, f"{args.method}: {args.sweep} ({len(examples)} q)")
+        else:
+            png = plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({len(examples)} q)")
+        written.append(png)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
@@ -180,6 +262,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     methods = sub.add_parser("methods", help="list the methods with their parameters and defaults")
     methods.set_defaults(func=_cmd_methods)
+
+    ev = sub.add_parser("eval", help="evaluate methods on a QA set: accuracy vs retrieval cost",
+                        description="Answer a QA set with one method (or all, or a parameter sweep), score EM / F1 / "
+                                    "ACC and cost, write DIR/results.jsonl (resumable), DIR/summary.md|csv and plots.")
+    ev.add_argument("--method", default=None, help="the method to evaluate (see `fastgate methods`)")
+    ev.add_argument("--all", action="store_true", help="evaluate every method on the same questions")
+    ev.add_argument("--data", default="heldout",
+                    help="heldout (the split training never sees), capitals, fanoutqa, default, or a JSONL file of "
+                         "{\"question\": str, \"answers\": [str, ...]} (default: %(default)s)")
+    ev.add_argument("--n", type=int, default=None,
+                    help="evaluate the first N questions of the seeded order (default: all)")
+    ev.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
+    ev.add_argument("--sweep", default=None, metavar="PARAM=V1,V2,...",
+                    help="one run per value of a method parameter; plots accuracy vs retrieval rate")
+    ev.add_argument("--out", default=None, help="output directory (default: eval-<model>-<data>)")
+    ev.add_argument("--batch-size", type=int, default=16, help="questions per batch (default: %(default)s)")
+    ev.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, repeatable")
+    ev.add_argument("--retriever", default=None, help="bm25 | dense (default: each method's)")
+    ev.add_argument("--index", default=None, help="index root (default: the default corpus)")
+    ev.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_model_args(ev)
+    ev.set_defaults(func=_cmd_eval)
 
     from fastgate.train.cli import add_train_parser
 

@@ -18,6 +18,7 @@ __all__ = [
     "fanoutqa_subquestions",
     "is_held_out",
     "load_qa",
+    "sample_examples",
     "split_examples",
 ]
 
@@ -108,13 +109,19 @@ def split_examples(examples: list[QAExample]) -> tuple[list[QAExample], list[QAE
     return train, [e for e in examples if is_held_out(e)]
 
 
-QA_SETS = ("capitals", "fanoutqa", "default")
+QA_SETS = ("heldout", "capitals", "fanoutqa", "default")
 
 
 def load_qa(data: str | Path) -> list[QAExample]:
-    """A built-in set (``capitals``, ``fanoutqa``, ``default`` = both) or a JSONL file with
-    ``{"question": str, "answers": [str, ...]}`` per line (an optional ``id``; else the line number)."""
+    """A built-in set or a JSONL file with ``{"question": str, "answers": [str, ...]}`` per line (an optional ``id``;
+    else the line number).
+
+    Built-in sets: ``capitals`` (193), ``fanoutqa`` (FanOutQA dev sub-questions), ``default`` (both) and ``heldout``
+    (the 20% of ``default`` that training never sees, :func:`is_held_out`; what evaluations report on).
+    """
     name = str(data)
+    if name == "heldout":
+        return split_examples(country_capitals() + fanoutqa_subquestions())[1]
     if name == "capitals":
         return country_capitals()
     if name == "fanoutqa":
@@ -134,3 +141,13 @@ def load_qa(data: str | Path) -> list[QAExample]:
     if not out:
         raise CorpusError(f"{path} has no questions")
     return out
+
+
+def sample_examples(examples: list[QAExample], n: int | None, seed: int = 0) -> list[QAExample]:
+    """``n`` examples in a seeded random order (all when ``n`` is None), so small runs mix the sources; the first
+    ``n`` of a larger draw with the same seed are the same questions."""
+    import random
+
+    order = list(examples)
+    random.Random(seed).shuffle(order)
+    return order if n is None else order[:n]

@@ -1,0 +1,337 @@
+"""The evaluation harness behind ``fastgate eval``: run methods over a QA set, score every answer, write per-question
+records incrementally (resumable), then summary tables and accuracy-vs-retrieval plots.
+
+Layout of an output directory::
+
+    DIR/eval.json        model, data, question order seed, thresholds (calibrated or paper): a rerun must match
+    DIR/results.jsonl    one record per (run, question); appended after every batch, so an interrupted run resumes
+    DIR/summary.md|csv   one row per run (method + parameters)
+    DIR/*.png            accuracy vs retrieval rate (sweeps and --all)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastgate.errors import InputError
+from fastgate.eval.datasets import QAExample
+from fastgate.eval.metrics import accuracy, exact_match, token_f1
+
+__all__ = [
+    "EvalSettings",
+    "ResultsStore",
+    "RunSpec",
+    "RunSummary",
+    "evaluate",
+    "plot_accuracy_vs_retrieval",
+    "summarize",
+    "write_summary",
+]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What must stay fixed for the records of one output directory to be comparable and resumable."""
+
+    model: str = "smollm2-135m"  # the default embedded model
+    data: str = "heldout"  # the documented held-out split: training never saw it
+    seed: int = 0  # order in which questions are drawn; the first n of a seed are the same questions for any n
+    paper_defaults: bool = False  # thresholds: the papers' values instead of those calibrated for the model
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration to evaluate: a method, its retriever and the user's parameters (a sweep point)."""
+
+    method: str
+    retriever: str | None
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """Stable name of the run in records and tables, e.g. ``dtr`` or ``flare[theta=0.3]``."""
+        from fastgate.methods import METHODS
+
+        parts = [f"{k}={v}" for k, v in self.params]
+        if self.retriever is not None and self.retriever != METHODS[self.method].default_retriever:
+            parts.append(f"retriever={self.retriever}")
+        return f"{self.method}[{','.join(parts)}]" if parts else self.method
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Aggregate figures of one run over the evaluated questions."""
+
+    run: str
+    method: str
+    n: int
+    em: float
+    f1: float
+    acc: float
+    retrieval_rate: float  # fraction of questions that retrieved at least once
+    retrievals_per_q: float
+    lm_calls_per_q: float
+    tokens_per_q: float
+    latency_p50_s: float  # per question: the wall time of the batch it was answered in
+    latency_p95_s: float
+    questions_per_s: float
+    gate_share: float  # gate time / answering time
+    errors: int  # questions the method rejected (recorded with their error, scored 0)
+
+
+class ResultsStore:
+    """``results.jsonl`` of an output directory: loads finished records, appends new ones durably.
+
+    A line cut by an interruption (no final newline) is dropped on open, so appending never glues two records.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.records: dict[tuple[str, str], dict[str, Any]] = {}
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as f:  # drop the partial last line
+                f.truncate(cut)
+            data = data[:cut]
+        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                self.records[(rec["run"], rec["id"])] = rec
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise InputError(f"{self.path}:{n} is not a result record ({exc}); move the file away to start "
+                                 "over") from None
+
+    def done(self, run: str, example_id: str) -> bool:
+        return (run, example_id) in self.records
+
+    def append(self, records: Iterable[dict[str, Any]]) -> None:
+        records = list(records)
+        if not records:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+        for r in records:
+            self.records[(r["run"], r["id"])] = r
+
+
+def check_settings(out_dir: Path, settings: EvalSettings) -> None:
+    """Write ``eval.json`` on first use; refuse to mix records made under different settings."""
+    path = out_dir / "eval.json"
+    mine = asdict(settings)
+    if path.exists():
+        try:
+            theirs = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path} is corrupt ({exc}); remove it or use another --out") from None
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+            raise InputError(f"{out_dir} holds an evaluation with other settings ({what}); use another --out")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(mine, indent=1) + "\n")
+
+
+def _score(record: dict[str, Any], answers: Sequence[str]) -> None:
+    answer = record.get("answer") or ""
+    record.update({"em": exact_match(answer, answers), "f1": token_f1(answer, answers),
+                   "acc": accuracy(answer, answers)})
+
+
+def _record(run: RunSpec, ex: QAExample, base: dict[str, Any], latency_s: float, batch: int) -> dict[str, Any]:
+    rec = {"run": run.key, "id": ex.id, **base, "method": run.method, "question": ex.question,
+           "answers": list(ex.answers), "latency_s": latency_s, "batch_size": batch}
+    _score(rec, ex.answers)
+    return rec
+
+
+def _answer_batch(method, run: RunSpec, batch: list[QAExample], model: str) -> list[dict[str, Any]]:
+    """Answer one batch; if the method rejects it, answer the questions one by one and record the rejected ones."""
+    from fastgate.runtime import result_record
+
+    t0 = time.perf_counter()
+    try:
+        results = method.answer_batch([ex.question for ex in batch])
+    except InputError:  # a question the method rejects (too long, ...): find it, keep the others
+        if len(batch) == 1:
+            raise
+        return [rec for ex in batch for rec in _answer_one(method, run, ex, model)]
+    latency = time.perf_counter() - t0
+    return [_record(run, ex, result_record(r, model, run.retriever), latency, len(batch))
+            for ex, r in zip(batch, results)]
+
+
+def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[str, Any]]:
+    try:
+        return _answer_batch(method, run, [ex], model)
+    except InputError as exc:
+        base = {"answer": "", "error": str(exc), "retrieved": False, "retrieval_calls": 0, "lm_calls": 0,
+                "generated_tokens": 0, "passages": [], "gate_steps": [], "timings": {}, "model": model,
+                "retriever": run.retriever}
+        return [_record(run, ex, base, 0.0, 1)]
+
+
+def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
+             batch_size: int = 16, progress: bool = True,
+             on_batch: Callable[[RunSpec, int], None] | None = None) -> list[RunSummary]:
+    """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
+
+    Args:
+        runtime: a :class:`~fastgate.runtime.Runtime` (model loaded once for all runs).
+        runs: the configurations to evaluate, in order.
+        examples: the questions.
+        store: where records go, one batch at a time.
+        batch_size: questions per ``answer_batch`` call.
+        progress: show a progress bar per run.
+        on_batch: called after each stored batch with the run and the number of questions stored so far (tests
+            use it to interrupt a run).
+
+    Returns:
+        One :class:`RunSummary` per run over ``examples``.
+    """
+    from fastgate.runtime import Request
+
+    if batch_size < 1:
+        raise InputError(f"batch size must be >= 1, got {batch_size}")
+    summaries = []
+    for run in runs:
+        todo = [ex for ex in examples if not store.done(run.key, ex.id)]
+        if todo:
+            method = runtime.build(Request(run.method, run.retriever, run.params))
+            bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
+            stored = len(examples) - len(todo)
+            try:
+                for start in range(0, len(todo), batch_size):
+                    batch = todo[start:start + batch_size]
+                    store.append(_answer_batch(method, run, batch, runtime.model_name))
+                    stored += len(batch)
+                    if bar is not None:
+                        bar.update(len(batch))
+                    if on_batch is not None:
+                        on_batch(run, stored)
+            finally:
+                if bar is not None:
+                    bar.close()
+        summaries.append(summarize(run, [store.records[(run.key, ex.id)] for ex in examples]))
+    return summaries
+
+
+def _progress(total: int, done: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit="q", dynamic_ncols=True)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    pos = (len(v) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
+    """Aggregate the records of one run (each batch's time is counted once: records carry their batch size)."""
+    n = len(records)
+    if n == 0:
+        raise InputError(f"run {run.key} has no records to summarise")
+
+    def mean(key: str) -> float:
+        return sum(float(r.get(key) or 0) for r in records) / n
+
+    ok = [r for r in records if "error" not in r]
+    wall = sum(r["latency_s"] / r["batch_size"] for r in ok)
+    answer_s = sum(r["timings"].get("total_s", 0.0) / r["batch_size"] for r in ok)
+    gate_s = sum(r["timings"].get("gate_s", 0.0) / r["batch_size"] for r in ok)
+    latencies = [r["latency_s"] for r in ok]
+    return RunSummary(
+        run=run.key, method=run.method, n=n, em=mean("em"), f1=mean("f1"), acc=mean("acc"),
+        retrieval_rate=sum(bool(r.get("retrieved")) for r in records) / n,
+        retrievals_per_q=mean("retrieval_calls"), lm_calls_per_q=mean("lm_calls"),
+        tokens_per_q=mean("generated_tokens"),
+        latency_p50_s=_percentile(latencies, 0.5), latency_p95_s=_percentile(latencies, 0.95),
+        questions_per_s=len(ok) / wall if wall > 0 else float("nan"),
+        gate_share=gate_s / answer_s if answer_s > 0 else 0.0, errors=n - len(ok),
+    )
+
+
+_COLUMNS = [  # (field, header, format)
+    ("run", "run", "{}"), ("n", "n", "{}"), ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("acc", "ACC", "{:.3f}"),
+    ("retrieval_rate", "retrieved", "{:.0%}"), ("retrievals_per_q", "retrievals/q", "{:.2f}"),
+    ("lm_calls_per_q", "LM calls/q", "{:.2f}"), ("tokens_per_q", "tokens/q", "{:.1f}"),
+    ("latency_p50_s", "latency p50 (s)", "{:.2f}"), ("latency_p95_s", "latency p95 (s)", "{:.2f}"),
+    ("questions_per_s", "q/s", "{:.2f}"), ("gate_share", "gate time", "{:.2%}"), ("errors", "errors", "{}"),
+]
+
+
+def markdown_table(summaries: Sequence[RunSummary]) -> str:
+    head = "| " + " | ".join(h for _, h, _ in _COLUMNS) + " |"
+    rule = "|" + "|".join("---" if f == "run" else "---:" for f, _, _ in _COLUMNS) + "|"
+    rows = ["| " + " | ".join(fmt.format(getattr(s, f)) for f, _, fmt in _COLUMNS) + " |" for s in summaries]
+    return "\n".join([head, rule, *rows]) + "\n"
+
+
+def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: str = "summary",
+                  header: str = "") -> tuple[Path, Path]:
+    """Write ``stem.md`` (a header line and the table) and ``stem.csv``; returns both paths."""
+    out = Path(out_dir)
+    md, cs = out / f"{stem}.md", out / f"{stem}.csv"
+    md.write_text((header + "\n\n" if header else "") + markdown_table(summaries))
+    with open(cs, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(RunSummary.__dataclass_fields__))
+        w.writeheader()
+        for s in summaries:
+            w.writerow(asdict(s))
+    return md, cs
+
+
+def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path, title: str,
+                               line: bool = False) -> Path:
+    """Accuracy (ACC) against retrieval rate, one labelled point per run; ``line`` joins the points (a sweep)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("plots need matplotlib: pip install 'fastgate[eval]'") from None
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    xs = [s.retrieval_rate for s in summaries]
+    ys = [s.acc for s in summaries]
+    if line:
+        pts = sorted(zip(xs, ys))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="0.6", zorder=1)
+    ax.scatter(xs, ys, zorder=2)
+    for s, x, y in zip(summaries, xs, ys):
+        ax.annotate(s.run, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("questions that retrieved")
+    ax.set_ylabel("accuracy (ACC)")
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

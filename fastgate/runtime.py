@@ -1,0 +1,127 @@
+"""One loaded model and its retrievers, building methods on request: what ``fastgate ask``, ``fastgate eval`` and
+``fastgate serve`` share.
+
+Requests are checked with :func:`check_request` before anything heavy is loaded, so a bad method name, parameter or
+missing checkpoint fails in milliseconds with a clear message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastgate.errors import UnknownNameError
+
+__all__ = ["Request", "Runtime", "check_request", "result_record"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated method request: the method, the retriever it searches and the parameters given by the user."""
+
+    method: str
+    retriever: str | None  # None for methods that never retrieve
+    params: tuple[tuple[str, Any], ...]  # user parameters, sorted; calibration is applied on top at build time
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+def check_request(method: str, params: dict[str, Any] | None = None, retriever: str | None = None,
+                  model_name: str | None = None) -> Request:
+    """Validate a method request without loading the model (unknown names, bad parameters, missing checkpoints).
+
+    Raises:
+        UnknownNameError: unknown method or retriever.
+        InputError: a parameter the method does not have, or a value of the wrong type or range.
+        CheckpointError: the method needs a checkpoint that is missing for ``model_name``.
+    """
+    from fastgate.methods import METHODS, make_config
+    from fastgate.retrieval import RETRIEVERS
+
+    if method not in METHODS:
+        raise UnknownNameError("method", method, list(METHODS))
+    cls = METHODS[method]
+    if retriever is None:
+        retriever = cls.default_retriever
+    if retriever not in RETRIEVERS:
+        raise UnknownNameError("retriever", retriever, RETRIEVERS)
+    params = dict(params or {})
+    cls.preflight(make_config(method, params), model_name)
+    return Request(method, retriever if cls.needs_retriever else None, tuple(sorted(params.items())))
+
+
+class Runtime:
+    """A loaded model with its engine, plus retrievers opened on first use.
+
+    Args:
+        model: embedded model name or a local HF directory.
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        index: index root holding ``bm25/`` and ``dense/`` (default: the default corpus, built on first use).
+        paper_defaults: use the papers' thresholds instead of the values calibrated for the model.
+        engine: an already built :class:`~fastgate.engine.Engine` to use instead of loading ``model``.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
+                 paper_defaults: bool = False, engine=None) -> None:
+        self.model = model
+        self.device = device
+        self.index = index
+        self.paper_defaults = paper_defaults
+        self._engine = engine
+        self._retrievers: dict[str, Any] = {}
+        self.setup_s = 0.0  # seconds spent loading the model and opening retrievers
+
+    @property
+    def engine(self):
+        """The :class:`~fastgate.engine.Engine`; the model is loaded on first access."""
+        if self._engine is None:
+            from fastgate.engine import Engine
+            from fastgate.models import load
+
+            t0 = time.perf_counter()
+            self._engine = Engine(load(self.model, device=self.device))
+            self.setup_s += time.perf_counter() - t0
+        return self._engine
+
+    @property
+    def lm(self):
+        return self.engine.lm
+
+    @property
+    def model_name(self) -> str:
+        return self.lm.name
+
+    def retriever(self, kind: str):
+        """The retriever of ``kind`` over this runtime's index (opened once)."""
+        from fastgate.retrieval import open_retriever
+
+        if kind not in self._retrievers:
+            t0 = time.perf_counter()
+            self._retrievers[kind] = open_retriever(kind, self.index)
+            self.setup_s += time.perf_counter() - t0
+        return self._retrievers[kind]
+
+    def effective_params(self, request: Request) -> dict[str, Any]:
+        """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""
+        from fastgate.calibration import calibrated_params
+
+        params = request.param_dict
+        return params if self.paper_defaults else calibrated_params(self.lm.name, request.method, params)
+
+    def build(self, request: Request):
+        """Construct the method of ``request`` on this runtime's engine."""
+        from fastgate.methods import build_method
+
+        retriever = self.retriever(request.retriever) if request.retriever is not None else None
+        return build_method(request.method, self.engine, retriever, self.effective_params(request))
+
+
+def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0) -> dict[str, Any]:
+    """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult`."""
+    record = result.to_dict()
+    record.update({"model": model, "retriever": retriever})
+    record["timings"] = {**record["timings"], "setup_s": setup_s}
+    return record

@@ -1,0 +1,208 @@
+"""The evaluation harness: scoring, incremental resumable records, summaries, plots and the ``fastgate eval`` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastgate.errors import InputError
+from fastgate.eval.datasets import QAExample, load_qa, sample_examples
+from fastgate.eval.runner import (
+    EvalSettings,
+    ResultsStore,
+    RunSpec,
+    check_settings,
+    evaluate,
+    markdown_table,
+    plot_accuracy_vs_retrieval,
+    summarize,
+    write_summary,
+)
+from fastgate.runtime import Runtime
+
+EXAMPLES = [
+    QAExample("q1", "What is the capital of France?", ("Paris",)),
+    QAExample("q2", "Who wrote Hamlet?", ("William Shakespeare", "Shakespeare")),
+    QAExample("q3", "What is the capital of Kyrgyzstan?", ("Bishkek",)),
+    QAExample("q4", "What is the largest planet?", ("Jupiter",)),
+    QAExample("q5", "When was the Eiffel Tower completed?", ("1889",)),
+]
+
+
+@pytest.fixture()
+def runtime(tiny_engine, small_index):
+    return Runtime("tiny", index=str(small_index), engine=tiny_engine)
+
+
+def _record(run="dtr", qid="a", answer="Paris", retrieved=True, latency=2.0, batch=2, total=1.5, gate=0.01, **extra):
+    rec = {"run": run, "id": qid, "method": run.split("[")[0], "answer": answer, "retrieved": retrieved,
+           "retrieval_calls": int(retrieved), "lm_calls": 1 + 2 * retrieved, "generated_tokens": 4,
+           "latency_s": latency, "batch_size": batch, "timings": {"total_s": total, "gate_s": gate},
+           "em": float(answer == "Paris"), "f1": float(answer == "Paris"), "acc": float(answer == "Paris")}
+    rec.update(extra)
+    return rec
+
+
+def test_summarize_counts_each_batch_once():
+    recs = [_record(qid="a"), _record(qid="b", answer="Lyon", retrieved=False),
+            _record(qid="c", latency=4.0, batch=1, total=3.0, gate=0.3)]
+    s = summarize(RunSpec("dtr", "dense"), recs)
+    assert s.n == 3 and s.em == pytest.approx(2 / 3) and s.retrieval_rate == pytest.approx(2 / 3)
+    assert s.retrievals_per_q == pytest.approx(2 / 3) and s.lm_calls_per_q == pytest.approx(7 / 3)
+    # wall time: one batch of 2 (2 s) and one of 1 (4 s) -> 3 questions in 6 s
+    assert s.questions_per_s == pytest.approx(0.5)
+    assert s.latency_p50_s == 2.0 and s.latency_p95_s == pytest.approx(3.8)
+    assert s.gate_share == pytest.approx((0.01 + 0.3) / (1.5 + 3.0))
+    table = markdown_table([s])
+    assert table.splitlines()[0].startswith("| run | n | EM |") and "| dtr | 3 | 0.667 |" in table
+    with pytest.raises(InputError, match="no records"):
+        summarize(RunSpec("dtr", "dense"), [])
+
+
+def test_run_keys():
+    assert RunSpec("dtr", "dense").key == "dtr"
+    assert RunSpec("dtr", "bm25").key == "dtr[retriever=bm25]"
+    assert RunSpec("flare", "bm25", (("theta", "0.3"),)).key == "flare[theta=0.3]"
+
+
+def test_store_drops_a_cut_last_line_and_rejects_garbage(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(_record(qid="a")) + "\n" + '{"run": "dtr", "id": "b", "ans')
+    store = ResultsStore(path)
+    assert store.done("dtr", "a") and not store.done("dtr", "b")
+    store.append([_record(qid="b")])
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
+    path.write_text("not json\n")
+    with pytest.raises(InputError, match="not a result record"):
+        ResultsStore(path)
+
+
+def test_settings_must_match(tmp_path):
+    check_settings(tmp_path, EvalSettings(model="tiny"))
+    check_settings(tmp_path, EvalSettings(model="tiny"))  # same settings: fine
+    with pytest.raises(InputError, match="other settings.*seed"):
+        check_settings(tmp_path, EvalSettings(model="tiny", seed=3))
+
+
+def test_sample_examples_is_a_stable_prefix():
+    xs = [QAExample(str(i), f"q{i}", ("a",)) for i in range(50)]
+    assert sample_examples(xs, 10, 0) == sample_examples(xs, 20, 0)[:10]
+    assert sample_examples(xs, 10, 0) != sample_examples(xs, 10, 1)
+    assert sample_examples(xs, None, 0)[0] == sample_examples(xs, 1, 0)[0]
+
+
+def test_evaluate_records_scores_and_resumes(runtime, tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    runs = [RunSpec("never", None), RunSpec("dtr", "bm25", (("tau", "0"),))]
+    seen = []
+
+    def stop_after_first_batch_of_dtr(run, stored):
+        seen.append((run.key, stored))
+        if run.method == "dtr" and stored >= 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(runtime, runs, EXAMPLES, store, batch_size=2, progress=False, on_batch=stop_after_first_batch_of_dtr)
+    assert seen == [("never", 2), ("never", 4), ("never", 5), ("dtr[tau=0,retriever=bm25]", 2)]
+    first = {k: dict(v) for k, v in ResultsStore(store.path).records.items()}
+    assert len(first) == 7
+    rec = first[("never", "q2")]
+    assert set(rec) >= {"run", "id", "method", "question", "answers", "answer", "retrieved", "passages", "lm_calls",
+                        "retrieval_calls", "generated_tokens", "gate_steps", "timings", "model", "em", "f1", "acc",
+                        "latency_s", "batch_size"}
+    assert rec["answers"] == ["William Shakespeare", "Shakespeare"] and rec["question"] == "Who wrote Hamlet?"
+    assert rec["model"] == "tiny" and rec["retriever"] is None and rec["retrieved"] is False
+    # a new store (a new process) resumes: only the 3 missing dtr questions are answered
+    seen.clear()
+    store2 = ResultsStore(store.path)
+    summaries = evaluate(runtime, runs, EXAMPLES, store2, batch_size=2, progress=False,
+                         on_batch=lambda run, n: seen.append((run.key, n)))
+    assert seen == [("dtr[tau=0,retriever=bm25]", 4), ("dtr[tau=0,retriever=bm25]", 5)]
+    lines = store.path.read_text().splitlines()
+    assert len(lines) == 10  # every (run, question) exactly once
+    for key, rec in first.items():  # finished records were not redone
+        assert store2.records[key] == rec
+    never, dtr = summaries
+    assert never.n == dtr.n == 5
+    assert never.retrieval_rate == 0 and dtr.retrieval_rate == 1 and dtr.retrievals_per_q == 1
+    for r in store2.records.values():
+        assert r["acc"] >= r["em"]  # an exact match contains the gold answer
+
+
+def test_rejected_question_is_recorded_not_fatal(runtime, tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    huge = QAExample("big", "word " * 5000, ("x",))
+    [s] = evaluate(runtime, [RunSpec("never", None)], [EXAMPLES[0], huge, EXAMPLES[1]], store, batch_size=3,
+                   progress=False)
+    assert s.n == 3 and s.errors == 1
+    assert "too long" in store.records[("never", "big")]["error"]
+    assert store.records[("never", "q1")]["lm_calls"] == 1
+
+
+def test_summary_files_and_plot(tmp_path):
+    a = summarize(RunSpec("never", None), [_record("never", qid="a", retrieved=False)])
+    b = summarize(RunSpec("always", "bm25"), [_record("always", qid="a")])
+    md, cs = write_summary(tmp_path, [a, b], header="2 questions")
+    assert md.read_text().startswith("2 questions\n\n| run |")
+    assert cs.read_text().splitlines()[0].startswith("run,method,n,em,f1,acc,retrieval_rate")
+    png = plot_accuracy_vs_retrieval([a, b], tmp_path / "p.png", "test", line=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_qa_heldout_is_the_documented_split():
+    import importlib.util
+
+    from fastgate.eval.datasets import is_held_out
+
+    if importlib.util.find_spec("fanoutqa") is None:
+        pytest.skip("the fanoutqa data package is not installed")
+
+    held = load_qa("heldout")
+    assert held and all(is_held_out(e) for e in held)
+    assert len(held) == sum(is_held_out(e) for e in load_qa("default"))
+
+
+# ---------------------------------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("argv,message", [
+    (["eval"], "either --method M or --all"),
+    (["eval", "--all", "--method", "dtr"], "either --method M or --all"),
+    (["eval", "--method", "magic"], "unknown method 'magic'"),
+    (["eval", "--all", "--sweep", "tau=1"], "--sweep takes one --method"),
+    (["eval", "--method", "dtr", "--sweep", "tau"], "--sweep expects param=v1,v2"),
+    (["eval", "--method", "dtr", "--sweep", "theta=1,2"], "unknown parameter"),
+    (["eval", "--method", "dtr", "--n", "0"], "--n must be >= 1"),
+    (["eval", "--method", "dtr", "--data", "nowhere.jsonl"], "neither a built-in set"),
+])
+def test_eval_cli_rejects_bad_input_before_loading(capsys, argv, message):
+    from fastgate.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_path, tiny, small_index):
+    import fastgate.models
+    from fastgate.cli import main
+
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n" for e in EXAMPLES))
+    out = tmp_path / "out"
+    common = ["--data", str(data), "--index", str(small_index), "--out", str(out), "--model", "tiny", "--quiet",
+              "--batch-size", "2"]
+    assert main(["eval", "--method", "never", *common]) == 0
+    assert main(["eval", "--method", "dtr", "--retriever", "bm25", "--sweep", "tau=0,inf", *common]) == 0
+    captured = capsys.readouterr()
+    assert "| never | 5 |" in captured.out and "| dtr[tau=0,retriever=bm25] | 5 |" in captured.out
+    assert (out / "sweep-dtr-tau.png").read_bytes()[:4] == b"\x89PNG"
+    rows = (out / "summary.csv").read_text().splitlines()
+    assert len(rows) == 4  # header + never + two sweep points
+    assert len((out / "results.jsonl").read_text().splitlines()) == 15
+    # rerunning finds everything done
+    assert main(["eval", "--method", "never", *common]) == 0
+    assert "resuming: 5/5 already done" in capsys.readouterr().err
+    assert len((out / "results.jsonl").read_text().splitlines()) == 15
+    # other settings in the same directory are refused
+    assert main(["eval", "--method", "never", *common, "--seed", "4"]) == 2
+    assert "other settings" in capsys.readouterr().err
