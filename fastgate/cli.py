@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastgate ask | eval | index | prepare | methods | train``.
+"""Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | train``.
 
 User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback.
 """
@@ -184,6 +184,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from fastgate.runtime import check_request
+    from fastgate.server import serve
+    from fastgate.service import AnswerService, ServiceConfig
+
+    params = _parse_params(args.param)
+    check_request(args.method, params, None, args.model)  # fail before loading the model or binding the port
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
+              file=sys.stderr)
+    config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
+                           paper_defaults=args.paper_defaults, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                           max_queue=args.max_queue, timeout_s=args.timeout, params=tuple(sorted(params.items())))
+    serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _cmd_index(args: argparse.Namespace) -> int:
     from fastgate.retrieval import RETRIEVERS, build_indexes
 
@@ -285,6 +302,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_model_args(ev)
     ev.set_defaults(func=_cmd_eval)
+
+    sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, /healthz, /metrics)",
+                        description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
+    sv.add_argument("--method", default="dtr", help="default method of requests that name none (default: %(default)s)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
+    sv.add_argument("--index", default=None, help="index root (default: the default corpus)")
+    sv.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
+    sv.add_argument("--max-batch", type=int, default=32, help="questions per decode batch (default: %(default)s)")
+    sv.add_argument("--max-wait-ms", type=float, default=10.0,
+                    help="how long a batch waits for more requests (default: %(default)s)")
+    sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
+    sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
+    sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
+    _add_model_args(sv)
+    sv.set_defaults(func=_cmd_serve)
 
     from fastgate.train.cli import add_train_parser
 

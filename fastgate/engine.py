@@ -9,6 +9,7 @@ that share one prefill. ``generate(output_hidden_states=True)`` materialises eve
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -177,9 +178,11 @@ class Engine:
         model: a :class:`~fastgate.models.LoadedModel`.
         backend: ``auto|triton|torch`` for the tap accumulation (``auto``: Triton on CUDA tensors once the kernels
             exist, torch elsewhere). Chosen here, once.
+        prefix_cache: keep the KV cache of shared prompt prefixes (the few-shot examples every prompt starts with) and
+            prefill only what follows them; 0 turns it off, else the fewest tokens worth caching.
     """
 
-    def __init__(self, model: LoadedModel, backend: str = "auto") -> None:
+    def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32) -> None:
         from fastgate.ops.backend import gate_ops
 
         self.lm = model
@@ -204,13 +207,20 @@ class Engine:
         self.n_layers = model.n_layers
         self.device = model.device
         self._pieces = _piece_decoder(self.tokenizer)
+        if prefix_cache < 0:
+            raise InputError(f"prefix_cache must be >= 0, got {prefix_cache}")
+        self.prefix_cache = prefix_cache
+        # prefix token ids -> per-layer (keys, values) [1, heads, P, head_dim], least recently used first
+        self._prefixes: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.prefix_hits = 0  # prompts whose prefill started from a cached prefix (for tests and stats)
 
     # ------------------------------------------------------------------ helpers
     def count_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` as a prompt (special tokens included)."""
         return len(self.tokenizer(text)["input_ids"])
 
-    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[list[list[int]], list[bool]]:
+        """Token ids of each prompt, cut on the left to leave room for ``max_new_tokens`` (and a forced EOS)."""
         budget = self.lm.max_context - max_new_tokens - 1  # room for the forced EOS step
         if budget < 1:
             raise InputError(
@@ -222,13 +232,87 @@ class Engine:
             raise InputError(f"prompt {empty[0]} is empty after tokenisation")
         truncated = [len(r) > budget for r in rows]
         rows = [r[-budget:] if t else r for r, t in zip(rows, truncated)]  # keep the end: it holds the question
+        return rows, truncated
+
+    def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ``ids [N, T]`` and ``mask [N, T]``: every row's next token then sits in the last column."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):  # left padding, so every sequence's next token sits in the last column
+        for i, r in enumerate(rows):
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
-        return ids.to(self.device), mask.to(self.device), truncated
+        return ids.to(self.device), mask.to(self.device)
+
+    # ------------------------------------------------------------------ prefix cache
+    def cache_prefix(self, text: str) -> int:
+        """Compute and keep the KV cache of ``text`` (e.g. few-shot examples) for prompts that start with its tokens.
+
+        Returns the number of prefix tokens (0 when the prefix cache is off). Prefixes shared by all prompts of a
+        batch are also found and cached automatically.
+        """
+        if not self.prefix_cache:
+            return 0
+        ids = tuple(self.tokenizer(text)["input_ids"])
+        if ids:
+            self._prefix_kv(ids)
+        return len(ids)
+
+    @torch.inference_mode()
+    def _prefix_kv(self, ids: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from transformers import DynamicCache
+
+        kv = self._prefixes.get(ids)
+        if kv is None:
+            cache = DynamicCache(config=self.model.config)
+            t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, P]
+            self.model(input_ids=t, attention_mask=torch.ones_like(t), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+            kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, heads, P, head_dim] each
+            self._prefixes[ids] = kv
+            while len(self._prefixes) > 16:  # a few few-shot blocks per method; bounded memory
+                self._prefixes.popitem(last=False)
+        self._prefixes.move_to_end(ids)
+        return kv
+
+    def _shared_prefix(self, rows: list[list[int]]) -> tuple[int, ...] | None:
+        """The longest cached prefix every row starts with, else (for a batch) the rows' common prefix if it is long
+        enough. A row keeps at least one token of its own, whose logits start the decoding."""
+        if not self.prefix_cache:
+            return None
+        shortest = min(len(r) for r in rows)
+        best: tuple[int, ...] | None = None
+        for ids in self._prefixes:
+            p = len(ids)
+            if p < shortest and (best is None or p > len(best)) and all(tuple(r[:p]) == ids for r in rows):
+                best = ids
+        if len(rows) > 1:
+            first, p = rows[0], 0
+            limit = shortest - 1
+            while p < limit and all(r[p] == first[p] for r in rows):
+                p += 1
+            if p >= self.prefix_cache and (best is None or p > len(best)):
+                best = tuple(first[:p])
+        return best
+
+    def _prefill(self, rows: list[list[int]], cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill ``cache`` with the prompts; returns the last position's ``logits [N, V]`` and the ``mask [N, T]``.
+
+        With a shared prefix cached, its keys / values are copied into the batch's cache and only the rest of each
+        prompt runs through the model; the rows' own tokens are left-padded after the prefix (pads are masked, and
+        positions come from the mask, so the result equals a full prefill).
+        """
+        prefix = self._shared_prefix(rows)
+        if prefix is None:
+            ids, mask = self._pad(rows)
+            return self._forward(ids, mask, cache, ids.shape[1]), mask
+        p, n = len(prefix), len(rows)
+        for layer, (k, v) in enumerate(self._prefix_kv(prefix)):
+            cache.update(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous(), layer)
+        ids, own = self._pad([r[p:] for r in rows])
+        mask = torch.cat([torch.ones((n, p), dtype=own.dtype, device=own.device), own], dim=1)  # [N, P + S]
+        self.prefix_hits += n
+        return self._forward(ids, mask, cache, ids.shape[1]), mask
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache, n_new: int) -> torch.Tensor:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -n_new:]  # [N, n_new]
@@ -263,7 +347,7 @@ class Engine:
             raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
         out = []
         for start in range(0, len(prompts), batch_size):
-            ids, mask, _ = self._encode(prompts[start:start + batch_size], 1)
+            ids, mask = self._pad(self._encode(prompts[start:start + batch_size], 1)[0])
             hooks = _Taps(self.model, (layer,), stop_after=layer)
             try:
                 positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -313,8 +397,10 @@ class Engine:
             if not 0 <= layer <= self.n_layers:
                 raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
         t_start = time.perf_counter()
-        ids, mask, truncated = self._encode(prompts, cfg.max_new_tokens)
-        prompt_lens = mask.sum(-1).tolist()
+        rows, truncated = self._encode(prompts, cfg.max_new_tokens)
+        prompt_lens = [len(r) for r in rows]
+        if self.prefix_cache:
+            self._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
         tap_layers = tuple(sorted(set(taps.layers) | ({mid} if (taps.pre_answer or taps.eos_state) else set())))
         hooks = _Taps(self.model, tap_layers) if tap_layers else None
         if seeds is not None and len(seeds) != len(prompts):
@@ -329,7 +415,7 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         try:
             cache = DynamicCache(config=self.model.config)
-            logits = self._forward(ids, mask, cache, ids.shape[1])  # [B, V]
+            logits, mask = self._prefill(rows, cache)  # [B, V], [B, T]
             t_prefill = time.perf_counter()
             pre_answer = None
             if taps.pre_answer:

@@ -247,3 +247,32 @@ def test_token_pieces_round_trip(tiny_engine):
         assert len(pieces) == len(ids)
         assert b"".join(pieces).decode("utf-8") == tiny_engine.tokenizer.decode(ids, skip_special_tokens=True)
     assert tiny_engine.token_pieces([tiny_engine.eos_id]) == [b""]
+
+
+def test_prefix_cache_gives_the_same_generation(tiny):
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine import Engine
+    from fastgate.prompts import FEW_SHOT_QA
+
+    prompts = [f"{FEW_SHOT_QA}Q: {q}\nA:" for q in ("Who wrote Hamlet?", "capital of France", "Berlin is the capital")]
+    plain, cached = Engine(tiny, prefix_cache=0), Engine(tiny, prefix_cache=8)
+    cfg = GenerationConfig(max_new_tokens=8, stop=("\n",))
+    taps = TapSpec(layers=(1, 4), pre_answer=True, eos_state=True)
+    for batch in (prompts, prompts[1:2]):  # a batch finds its common prefix; then a single prompt reuses it
+        a, b = plain.generate(batch, cfg, taps), cached.generate(batch, cfg, taps)
+        for x, y in zip(a.sequences, b.sequences):
+            assert (x.token_ids, x.text, x.prompt_tokens) == (y.token_ids, y.text, y.prompt_tokens)
+            torch.testing.assert_close(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-4,
+                                       rtol=0)
+        for name in ("running_sum", "pre_answer", "eos_state"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-4)
+    assert plain.prefix_hits == 0 and cached.prefix_hits == 4
+    # an explicitly cached prefix is used by a lone prompt; a prompt equal to the prefix keeps a token of its own
+    fresh = Engine(tiny, prefix_cache=8)
+    assert fresh.cache_prefix(FEW_SHOT_QA) > 8
+    fresh.generate(prompts[:1], cfg)
+    assert fresh.prefix_hits == 1
+    fresh.generate([FEW_SHOT_QA], cfg)
+    assert fresh.prefix_hits == 1
+    with pytest.raises(InputError, match="prefix_cache"):
+        Engine(tiny, prefix_cache=-1)

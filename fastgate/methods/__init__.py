@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any
 
@@ -44,12 +45,20 @@ METHODS: dict[str, type[Method]] = {
 
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    if not isinstance(value, str):
-        return value
+    """A parameter value of the field's type: strings (CLI, query strings) are parsed; other values must already have
+    the type (an int is accepted for a float), so a JSON request cannot slip a float into ``k``."""
     kind = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", str(annotation)),
                                                                     None)
     if kind is None:
         return value
+    if not isinstance(value, str):
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+            return value
+        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}")
     try:
         if kind is bool:
             if value.lower() in ("1", "true", "yes", "on"):

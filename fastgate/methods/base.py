@@ -12,7 +12,7 @@ from fastgate.config import GenerationConfig
 from fastgate.engine import Engine, Generation, GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
-from fastgate.prompts import ANSWER_STOP, closed_book_prompt, has_answer, rag_prompt
+from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
 __all__ = ["Method", "MethodConfig", "MethodResult", "append_sentence"]
@@ -152,6 +152,8 @@ class Method:
             raise InputError(f"method {self.name} needs a retriever")
         # the closed-book prompt around the question must fit with the answer; passages may then be truncated
         self._scaffold_tokens = engine.count_tokens(closed_book_prompt(""))
+        for prefix in (FEW_SHOT_QA, COT_FEW_SHOT):  # most prompts start with these: prefill them once per engine
+            engine.cache_prefix(prefix)
 
     @classmethod
     def preflight(cls, config: MethodConfig, model_name: str | None = None) -> None:

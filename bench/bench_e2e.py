@@ -1,0 +1,90 @@
+"""End to end: fastgate vs a reference pipeline of the same algorithm written the way the papers' code is.
+
+For each method, on the same held-out questions (greedy decoding; SeaKR's samples use the same per-question seeds):
+- ``fastgate``: the method on the engine (batched decode with taps summed on the fly, fused / C++ gate ops), the
+  questions answered in batches of ``--batch-size``;
+- ``reference``: the same method on :class:`fastgate.eval.reference.ReferenceEngine`: one question, one prompt and one
+  sample at a time through HF ``generate(output_hidden_states=True, output_logits=True,
+  return_dict_in_generate=True)``, stop strings and hidden-state signals by post-processing (a second forward with
+  ``output_hidden_states``), SeaKR's d×d-centring eigenscore, SCAAR's growing-window alignment and DTR's
+  per-document AIS loop.
+
+Reports questions/s of both, the speedup, and how many answers are identical. Appends to bench/results/e2e.csv.
+
+Run: python bench/bench_e2e.py [--methods probing,dtr,seakr,cbdr,scaar] [--n 16] [--seakr-n 6]
+     [--seakr-samples 10] [--batch-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_rows, print_table  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default="probing,dtr,seakr,cbdr,scaar")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--data", default="heldout")
+    ap.add_argument("--n", type=int, default=16, help="questions per method")
+    ap.add_argument("--seakr-n", type=int, default=6, help="questions for seakr (its reference samples one by one)")
+    ap.add_argument("--seakr-samples", type=int, default=10, help="SeaKR's k for both pipelines (paper: 20)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help="question order")
+    args = ap.parse_args()
+
+    from tqdm.auto import tqdm
+
+    from fastgate.eval.datasets import load_qa, sample_examples
+    from fastgate.eval.reference import ReferenceEngine, use_reference_ops
+    from fastgate.methods import build_method
+    from fastgate.runtime import Runtime, check_request
+
+    torch.set_num_threads(torch.get_num_threads())
+    runtime = Runtime(args.model)
+    ref_engine = ReferenceEngine(runtime.lm)
+    examples = sample_examples(load_qa(args.data), max(args.n, args.seakr_n), args.seed)
+    rows = []
+    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        params = {"samples": args.seakr_samples} if name == "seakr" else {}
+        req = check_request(name, params, None, args.model)
+        n = args.seakr_n if name == "seakr" else args.n
+        questions = [e.question for e in examples[:n]]
+        fast = runtime.build(req)
+        ref = build_method(name, ref_engine, runtime.retriever(req.retriever) if req.retriever else None,
+                           runtime.effective_params(req))
+        use_reference_ops(ref)
+        fast.answer_batch(questions[:1])  # warm-up: lazy tables (token pieces, index pages) on both sides
+        t0 = time.perf_counter()
+        fast_answers = []
+        for s in range(0, n, args.batch_size):
+            fast_answers += [r.answer for r in fast.answer_batch(questions[s:s + args.batch_size])]
+        t_fast = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_answers = [ref.answer(q).answer for q in tqdm(questions, desc=f"{name} reference", leave=False)]
+        t_ref = time.perf_counter() - t0
+        same = sum(a == b for a, b in zip(fast_answers, ref_answers))
+        for q, a, b in zip(questions, fast_answers, ref_answers):
+            if a != b:
+                print(f"  {name}: answers differ for {q!r}: fastgate {a!r}, reference {b!r}")
+        rows.append({
+            "method": name, "model": runtime.model_name, "n": n, "batch_size": args.batch_size,
+            "params": ";".join(f"{k}={v}" for k, v in params.items()),
+            "fastgate_s": t_fast, "reference_s": t_ref, "fastgate_qps": n / t_fast, "reference_qps": n / t_ref,
+            "speedup": t_ref / t_fast, "identical": f"{same}/{n}", "device": str(runtime.lm.device),
+        })
+        print_table(rows[-1:], ["method", "n", "fastgate_s", "reference_s", "speedup", "identical"])
+    print()
+    print_table(rows, ["method", "n", "fastgate_qps", "reference_qps", "speedup", "identical"])
+    print(f"appended to {append_rows('e2e', rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Serving: the embeddable service (batching, overload, timeouts) and the HTTP server on loopback (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+import httpx  # noqa: E402
+
+from fastgate.errors import InputError  # noqa: E402
+from fastgate.runtime import Runtime  # noqa: E402
+from fastgate.service import AnswerService, OverloadedError, ServiceConfig  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan", "largest planet",
+             "When was the Eiffel Tower completed?", "capital of Germany"]
+
+
+def _service(tiny_engine, small_index, **kw) -> AnswerService:
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    cfg = ServiceConfig(method="dtr", params=(("tau", 0.0),), index=str(small_index), **kw)
+    return AnswerService(cfg, runtime)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_engine, small_index):
+    svc = _service(tiny_engine, small_index, max_wait_ms=50).start()
+    yield svc
+    svc.stop()
+
+
+def test_submit_batches_concurrent_requests_and_matches_answer_batch(service):
+    futures = [service.submit(q) for q in QUESTIONS]
+    records = [f.result(timeout=60) for f in futures]
+    direct = service._method(service._request(None, None)).answer_batch(QUESTIONS)
+    assert [r["answer"] for r in records] == [d.answer for d in direct]
+    assert all(r["retrieved"] and r["model"] == "tiny" and r["retriever"] == "dense" for r in records)
+    assert max(service.metrics.batch_sizes or [len(QUESTIONS)]) > 1 or service.metrics.batches < len(QUESTIONS)
+
+
+def test_submit_rejects_bad_input_without_queueing(service):
+    depth = service.queue_depth
+    for kwargs, message in [
+        ({"question": "   "}, "empty"),
+        ({"question": "x" * 5000}, "too long"),
+        ({"question": 42}, "must be a string"),
+        ({"question": "ok?", "method": "magic"}, "unknown method"),
+        ({"question": "ok?", "params": {"k": 2.5}}, "expects int"),
+        ({"question": "ok?", "params": {"k": 10**6}}, "limit"),
+        ({"question": "ok?", "params": {"checkpoint": "/etc"}, "method": "probing"}, "cannot be set per request"),
+        ({"question": "ok?", "max_tokens": 0}, "max_tokens"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            service.submit(**kwargs)
+    assert service.queue_depth == depth
+
+
+def test_overload_and_stop(tiny_engine, small_index):
+    svc = _service(tiny_engine, small_index, max_queue=2)
+    svc._method(svc._request(None, None))
+    svc._thread = threading.Thread(target=lambda: None)  # "running" but not consuming: the queue fills up
+    svc._thread.start()
+    svc._thread.join()
+    svc._thread = type("Alive", (), {"is_alive": lambda self: True, "join": lambda self: None})()
+    a, b = svc.submit(QUESTIONS[0]), svc.submit(QUESTIONS[1])
+    with pytest.raises(OverloadedError) as err:
+        svc.submit(QUESTIONS[2])
+    assert err.value.retry_after_s >= 1 and svc.metrics.rejected_total == 1
+    svc.stop(drain=False)
+    for f in (a, b):  # accepted requests are never lost silently: they fail with a reason
+        with pytest.raises(Exception, match="stopped"):
+            f.result(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(service):
+    import uvicorn
+
+    from fastgate.server import create_app
+
+    app = create_app(service, timeout_s=60)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_http_concurrent_answers_match_the_cli_records(server, service):
+    url, _ = server
+    with ThreadPoolExecutor(8) as pool, httpx.Client(timeout=60) as client:
+        responses = list(pool.map(lambda q: client.post(f"{url}/v1/answer", json={"question": q}), QUESTIONS * 2))
+    assert [r.status_code for r in responses] == [200] * len(QUESTIONS) * 2
+    direct = service._method(service._request(None, None)).answer_batch(QUESTIONS)
+    for r, d in zip(responses, direct * 2):
+        body = r.json()
+        assert body["answer"] == d.answer and body["question"] == d.question
+        assert set(body) == set(d.to_dict()) | {"model", "retriever"}
+
+
+@pytest.mark.parametrize("payload,status,message", [
+    (b"not json", 422, "JSON"),
+    ({}, 422, "question"),
+    ({"question": "x" * (1 << 20)}, 422, "question"),
+    ({"question": 7}, 422, "question"),
+    ({"question": "ok?", "method": 3}, 422, "method"),
+    ({"question": "ok?", "method": "magic"}, 422, "unknown method 'magic'"),
+    ({"question": "ok?", "params": {"tau": "high"}}, 422, "expects float"),
+    ({"question": "ok?", "params": [1]}, 422, "params"),
+    ({"question": "ok?", "max_tokens": -1}, 422, "max_tokens"),
+    ({"question": "ok?", "surprise": 1}, 422, "surprise"),
+    ({"question": "  \n "}, 422, "empty"),
+])
+def test_http_bad_requests(server, payload, status, message):
+    url, _ = server
+    kwargs = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, bytes) \
+        else {"json": payload}
+    r = httpx.post(f"{url}/v1/answer", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    assert message.lower() in r.json()["error"].lower()
+
+
+def test_http_health_metrics_schema(server):
+    url, _ = server
+    assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
+    httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("fastgate_requests_total{status=\"200\"}", "fastgate_request_latency_seconds_bucket",
+                 "fastgate_batch_size_bucket", "fastgate_retrieval_rate", "fastgate_queue_depth"):
+        assert name in text
+    schema = httpx.get(f"{url}/openapi.json").json()
+    assert "/v1/answer" in schema["paths"] and json.dumps(schema)
+
+
+def test_http_timeout_gives_504(tiny_engine, small_index):
+    from fastapi.testclient import TestClient
+
+    from fastgate.server import create_app
+
+    svc = _service(tiny_engine, small_index)
+    svc._method(svc._request(None, None))
+    svc._thread = type("Alive", (), {"is_alive": lambda self: True, "join": lambda self: None})()  # never answers
+    with TestClient(create_app(svc, timeout_s=0.2)) as client:
+        r = client.post("/v1/answer", json={"question": "Who wrote Hamlet?"})
+    assert r.status_code == 504 and "not answered" in r.json()["error"]
+    job = svc._queue.get_nowait()
+    assert job.future.cancelled()  # dropped: it will not be run
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schema_fuzzing_finds_no_server_error(server, mode):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    _, app = server
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    strategy = schema.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+    seen = []
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(case=strategy)
+    def fuzz(case):
+        response = case.call()
+        seen.append(response.status_code)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+    fuzz()
+    assert len(seen) >= 20
