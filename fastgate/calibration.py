@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CALIBRATED", "calibrated_params"]
+__all__ = ["CALIBRATED", "CPU_EVAL_BUDGET", "calibrated_params"]
 
 CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2-135m": {
@@ -39,3 +39,16 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
     merged = dict(CALIBRATED.get(model_name, {}).get(method, {}))
     merged.update(params or {})
     return merged
+
+
+# `fastgate eval --budget cpu` (the default without a GPU): the methods whose cost grows with a sample, candidate or
+# round count run with smaller counts, so that all methods on 200 questions fit an hour of a 2-core CPU. SeaKR at k=20
+# with 4 steps of 3 candidates samples ~2,800 tokens per question (about 30 s each on that CPU); CBDR prefills 20
+# (question, passage) prompts per retrieving question; the shipped probers ask for retrieval again after most
+# retrievals, so Probing-RAG runs 4 rounds of 5-passage prompts (~14 s per question). The values show in the run
+# names (seakr[samples=5,...]).
+CPU_EVAL_BUDGET: dict[str, dict[str, Any]] = {
+    "probing": {"max_iterations": 1},
+    "seakr": {"samples": 5, "max_steps": 2, "n_candidates": 2},
+    "cbdr": {"n_candidates": 5},
+}

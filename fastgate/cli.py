@@ -107,6 +107,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
     from pathlib import Path
 
+    from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.datasets import load_qa, sample_examples
     from fastgate.eval.runner import (
         EvalSettings,
@@ -128,6 +129,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.n is not None and args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
     params: dict[str, Any] = _parse_params(args.param)
+    budget = args.budget
+    if budget == "auto":
+        import torch
+
+        budget = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "full"
     # every configuration is checked before the model loads or a question is answered
     runs: list[RunSpec] = []
     for name in (list(METHODS) if args.all else [args.method]):
@@ -135,8 +141,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if args.sweep:
             key, values = _parse_sweep(args.sweep)
             points = [{key: v} for v in values]
+        base = dict(CPU_EVAL_BUDGET.get(name, {})) if budget == "cpu" else {}
         for extra in points:
-            req = check_request(name, {**params, **extra}, args.retriever, args.model)
+            req = check_request(name, {**base, **params, **extra}, args.retriever, args.model)
             runs.append(RunSpec(req.method, req.retriever, req.params))
     examples = sample_examples(load_qa(args.data), args.n, args.seed)
     out = Path(args.out or f"eval-{Path(args.model).name}-{Path(args.data).stem}")
@@ -165,7 +172,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             table.append(summarize(spec, recs))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{args.data}` (seed {args.seed}), model {runtime.model_name}, "
-              f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, batch {args.batch_size}; "
+              f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
+              f"batch {args.batch_size}; "
               f"{_machine_line()}; {stamp}")
     md, cs = write_summary(out, table, header=header)
     print(header + "\n")
@@ -294,11 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--sweep", default=None, metavar="PARAM=V1,V2,...",
                     help="one run per value of a method parameter; plots accuracy vs retrieval rate")
     ev.add_argument("--out", default=None, help="output directory (default: eval-<model>-<data>)")
-    ev.add_argument("--batch-size", type=int, default=16, help="questions per batch (default: %(default)s)")
+    ev.add_argument("--batch-size", type=int, default=32,
+                    help="questions per batch: larger batches decode more tokens per second (default: %(default)s)")
     ev.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, repeatable")
     ev.add_argument("--retriever", default=None, help="bm25 | dense (default: each method's)")
     ev.add_argument("--index", default=None, help="index root (default: the default corpus)")
     ev.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
+    ev.add_argument("--budget", default="auto", choices=["auto", "cpu", "full"],
+                    help="cpu: smaller sample / candidate counts for seakr and cbdr (see fastgate.calibration."
+                         "CPU_EVAL_BUDGET); full: the methods' own defaults; auto: cpu without a GPU (default)")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_model_args(ev)
     ev.set_defaults(func=_cmd_eval)

@@ -1,0 +1,118 @@
+"""Serving under load: throughput and latency of ``fastgate serve`` at 1, 4, 16 and 64 concurrent clients.
+
+Starts ``fastgate serve`` on a free loopback port (a subprocess, real model), then for each concurrency level sends
+``--requests`` questions from that many client threads (each waits for its answer before sending the next), bounded
+by ``--max-seconds`` per level. Concurrency 1 is sequential processing: the speedup column is throughput relative to
+it. Every request must get a 200 (a lost or failed request is counted and reported). Appends to
+bench/results/serve.csv.
+
+Run: python bench/bench_serve.py [--method dtr] [--clients 1,4,16,64] [--requests 64] [--max-seconds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_rows, print_table  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(v: list[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))] if v else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="dtr")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--clients", default="1,4,16,64")
+    ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    ap.add_argument("--max-seconds", type=float, default=300, help="stop sending new requests after this per level")
+    ap.add_argument("--max-batch", type=int, default=32)
+    args = ap.parse_args()
+
+    import httpx
+
+    from fastgate.eval.datasets import load_qa, sample_examples
+
+    questions = [e.question for e in sample_examples(load_qa("heldout"), 256, seed=1)]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "fastgate", "serve", "--method", args.method, "--model", args.model, "--port",
+           str(port), "--max-batch", str(args.max_batch), "--max-queue", "1024", "--timeout", "600",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    rows = []
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        with httpx.Client(timeout=600) as client:  # warm-up: lazy tables, first batch
+            client.post(f"{url}/v1/answer", json={"question": questions[-1]})
+        base = None
+        for c in [int(x) for x in args.clients.split(",")]:
+            latencies: list[float] = []
+            failures = 0
+            t_start = time.perf_counter()
+            stop_at = t_start + args.max_seconds
+            counter = iter(range(args.requests))
+
+            def worker(_: int) -> None:
+                nonlocal failures
+                with httpx.Client(timeout=600) as client:
+                    for i in counter:
+                        if time.perf_counter() > stop_at:
+                            return
+                        t0 = time.perf_counter()
+                        r = client.post(f"{url}/v1/answer", json={"question": questions[i % len(questions)]})
+                        if r.status_code == 200:
+                            latencies.append(time.perf_counter() - t0)
+                        else:
+                            failures += 1
+
+            with ThreadPoolExecutor(c) as pool:
+                list(pool.map(worker, range(c)))
+            wall = time.perf_counter() - t_start
+            qps = len(latencies) / wall
+            base = base or qps
+            rows.append({"method": args.method, "model": args.model, "clients": c, "answered": len(latencies),
+                         "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
+                         "p50_s": statistics.median(latencies) if latencies else float("nan"),
+                         "p95_s": _percentile(latencies, 0.95), "max_batch": args.max_batch})
+            print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s"])
+        metrics = httpx.get(f"{url}/metrics").text
+        print("\n".join(ln for ln in metrics.splitlines() if ln.startswith(("fastgate_requests_total",
+                                                                             "fastgate_batch_size_sum",
+                                                                             "fastgate_batch_size_count"))))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print()
+    print_table(rows, ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s"])
+    print(f"appended to {append_rows('serve', rows)}")
+
+
+if __name__ == "__main__":
+    main()
