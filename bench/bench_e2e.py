@@ -11,8 +11,12 @@ For each method, on the same held-out questions (greedy decoding; SeaKR's sample
 
 Reports questions/s of both, the speedup, and how many answers are identical. Appends to bench/results/e2e.csv.
 
-Run: python bench/bench_e2e.py [--methods probing,dtr,seakr,cbdr,scaar] [--n 16] [--seakr-n 6]
-     [--seakr-samples 10] [--batch-size 16]
+Without a GPU both pipelines run the methods with ``fastgate eval``'s CPU budget (``fastgate.calibration.
+CPU_EVAL_BUDGET``: fewer SeaKR samples / steps / candidates, fewer CBDR candidates, one Probing-RAG round), since the
+reference needs minutes per question otherwise; ``--budget full`` keeps the papers' counts.
+
+Run: python bench/bench_e2e.py [--methods probing,dtr,seakr,cbdr,scaar] [--n 8] [--seakr-n 3] [--batch-size 16]
+     [--budget auto|cpu|full]
 """
 
 from __future__ import annotations
@@ -33,27 +37,31 @@ def main() -> None:
     ap.add_argument("--methods", default="probing,dtr,seakr,cbdr,scaar")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", default="heldout")
-    ap.add_argument("--n", type=int, default=16, help="questions per method")
-    ap.add_argument("--seakr-n", type=int, default=6, help="questions for seakr (its reference samples one by one)")
-    ap.add_argument("--seakr-samples", type=int, default=10, help="SeaKR's k for both pipelines (paper: 20)")
+    ap.add_argument("--n", type=int, default=8, help="questions per method")
+    ap.add_argument("--seakr-n", type=int, default=3, help="questions for seakr (its reference samples one by one)")
+    ap.add_argument("--budget", default="auto", choices=["auto", "cpu", "full"],
+                    help="cpu: fastgate eval's CPU budget for both pipelines; auto: cpu without a GPU")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0, help="question order")
     args = ap.parse_args()
 
     from tqdm.auto import tqdm
 
+    from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.datasets import load_qa, sample_examples
     from fastgate.eval.reference import ReferenceEngine, use_reference_ops
     from fastgate.methods import build_method
     from fastgate.runtime import Runtime, check_request
 
-    torch.set_num_threads(torch.get_num_threads())
     runtime = Runtime(args.model)
     ref_engine = ReferenceEngine(runtime.lm)
     examples = sample_examples(load_qa(args.data), max(args.n, args.seakr_n), args.seed)
+    budget = args.budget
+    if budget == "auto":
+        budget = "full" if torch.cuda.is_available() else "cpu"
     rows = []
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        params = {"samples": args.seakr_samples} if name == "seakr" else {}
+        params = dict(CPU_EVAL_BUDGET.get(name, {})) if budget == "cpu" else {}
         req = check_request(name, params, None, args.model)
         n = args.seakr_n if name == "seakr" else args.n
         questions = [e.question for e in examples[:n]]
