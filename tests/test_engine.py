@@ -276,3 +276,35 @@ def test_prefix_cache_gives_the_same_generation(tiny):
     assert fresh.prefix_hits == 1
     with pytest.raises(InputError, match="prefix_cache"):
         Engine(tiny, prefix_cache=-1)
+
+
+@pytest.mark.parametrize("prefix", [0, 8])
+def test_chunked_prefill_gives_the_same_generation(tiny, prefix):
+    from fastgate.prompts import FEW_SHOT_QA
+
+    questions = ["Who wrote Hamlet?", "capital of France", "Berlin is the capital of Germany; Tokyo is the capital of"
+                 " Japan. Which is larger?", "x", "The quick brown fox jumps over the lazy dog. It's a pangram!"]
+    prompts = [f"{FEW_SHOT_QA}Q: {q}\nA:" for q in questions]
+    whole = Engine(tiny, prefix_cache=prefix, prefill_chunk=0)
+    chunked = Engine(tiny, prefix_cache=prefix, prefill_chunk=40)
+    assert chunked._prefill_chunks([30, 5, 12, 11, 40]) == [[4], [0], [2, 3, 1]]
+    cfg = GenerationConfig(max_new_tokens=10, stop=("\n",))
+    taps = TapSpec(layers=(1, 3), eos_state=True)
+    for k, sample in ((1, False), (2, True)):
+        c = GenerationConfig(max_new_tokens=10, stop=("\n",), do_sample=sample, top_k=20)
+        seeds = [1, 2, 3, 4, 5] if sample else None
+        a, b = whole.generate(prompts, c if sample else cfg, taps, k=k, seeds=seeds), \
+            chunked.generate(prompts, c if sample else cfg, taps, k=k, seeds=seeds)
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+        assert [s.prompt_tokens for s in a.sequences] == [s.prompt_tokens for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences):
+            torch.testing.assert_close(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-4,
+                                       rtol=0)
+        for name in ("running_sum", "eos_state"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-4)
+    # the pre-answer tap is read from one forward over all rows
+    pa = whole.generate(prompts, cfg, TapSpec(pre_answer=True)).pre_answer
+    pb = chunked.generate(prompts, cfg, TapSpec(pre_answer=True)).pre_answer
+    torch.testing.assert_close(pa, pb, atol=1e-4, rtol=1e-4)
+    with pytest.raises(InputError, match="prefill_chunk"):
+        Engine(tiny, prefill_chunk=-1)
