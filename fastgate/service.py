@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastgate.errors import FastgateError, InputError
+from fastgate.methods.base import check_questions
 
 __all__ = ["AnswerService", "OverloadedError", "ServiceConfig"]
 
@@ -93,6 +94,7 @@ class AnswerService:
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
+        self._configs: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,7 +171,22 @@ class AnswerService:
                     self._requests.pop(next(iter(self._requests)))
         return req
 
+    def _config(self, req):
+        """The typed config of a request (calibrated thresholds applied), memoised."""
+        from fastgate.methods import make_config
+
+        with self._lock:
+            config = self._configs.get(req)
+        if config is None:
+            config = make_config(req.method, self.runtime.effective_params(req))
+            with self._lock:
+                self._configs[req] = config
+                if len(self._configs) > 256:
+                    self._configs.pop(next(iter(self._configs)))
+        return config
+
     def _method(self, req):
+        """The built method of a request; only the worker thread (and :meth:`start`) build methods."""
         key = (req.method, req.retriever, req.params)
         with self._lock:
             method = self._methods.get(key)
@@ -206,8 +223,8 @@ class AnswerService:
                 raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
             params["max_answer_tokens"] = max_tokens
         req = self._request(method, params)
-        built = self._method(req)
-        question = built.validate([question])[0]  # empty or too long for the context: refused here
+        # checked with the tokenizer only: building a method or running the model here would race the worker's decode
+        question = check_questions(self.runtime.engine, self._config(req), [question])[0]
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()

@@ -15,7 +15,7 @@ from fastgate.gates.base import GateStep
 from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
-__all__ = ["Method", "MethodConfig", "MethodResult", "append_sentence"]
+__all__ = ["Method", "MethodConfig", "MethodResult", "append_sentence", "check_questions"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,36 @@ def append_sentence(text: str, seq: Generation) -> tuple[str, bool]:
     return text, finished or has_answer(seq.text)
 
 
+def check_questions(engine: Engine, config: MethodConfig, questions: list[str]) -> list[str]:
+    """Strip ``questions`` and reject empty ones or ones that cannot fit the model context with the closed-book prompt
+    around them and ``config.max_answer_tokens`` (passages may then be truncated). Needs only the tokenizer, so a
+    server can check a request on its own thread while the engine decodes on another.
+
+    Raises:
+        InputError: not a list of strings, an empty question, or one too long for the context.
+    """
+    if isinstance(questions, str):
+        raise InputError("answer_batch takes a list of questions, not a string")
+    if not questions:
+        raise InputError("no questions given")
+    scaffold = engine.count_tokens(closed_book_prompt(""))
+    limit = engine.lm.max_context - config.max_answer_tokens - scaffold - 1
+    out = []
+    for q in questions:
+        if not isinstance(q, str):
+            raise InputError(f"a question must be a string, got {type(q).__name__}")
+        q = q.strip()
+        if not q:
+            raise InputError("the question is empty")
+        if len(q) > 8 * limit or engine.count_tokens(q) > limit:
+            raise InputError(
+                f"the question is too long ({len(q)} characters); this model's context is "
+                f"{engine.lm.max_context} tokens and leaves room for about {limit} question tokens"
+            )
+        out.append(q)
+    return out
+
+
 class _Timer:
     """Accumulates seconds per named phase."""
 
@@ -150,8 +180,6 @@ class Method:
             raise InputError(f"{self.name} takes a {self.config_class.__name__}, got {type(self.config).__name__}")
         if self.needs_retriever and retriever is None:
             raise InputError(f"method {self.name} needs a retriever")
-        # the closed-book prompt around the question must fit with the answer; passages may then be truncated
-        self._scaffold_tokens = engine.count_tokens(closed_book_prompt(""))
         for prefix in (FEW_SHOT_QA, COT_FEW_SHOT):  # most prompts start with these: prefill them once per engine
             engine.cache_prefix(prefix)
 
@@ -167,25 +195,7 @@ class Method:
     # ------------------------------------------------------------------ helpers
     def validate(self, questions: list[str]) -> list[str]:
         """Strip questions and reject empty ones or ones that cannot fit the model context."""
-        if isinstance(questions, str):
-            raise InputError("answer_batch takes a list of questions, not a string")
-        if not questions:
-            raise InputError("no questions given")
-        limit = self.engine.lm.max_context - self.config.max_answer_tokens - self._scaffold_tokens - 1
-        out = []
-        for q in questions:
-            if not isinstance(q, str):
-                raise InputError(f"a question must be a string, got {type(q).__name__}")
-            q = q.strip()
-            if not q:
-                raise InputError("the question is empty")
-            if len(q) > 8 * limit or self.engine.count_tokens(q) > limit:
-                raise InputError(
-                    f"the question is too long ({len(q)} characters); this model's context is "
-                    f"{self.engine.lm.max_context} tokens and leaves room for about {limit} question tokens"
-                )
-            out.append(q)
-        return out
+        return check_questions(self.engine, self.config, questions)
 
     def answer_config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.config.max_answer_tokens, stop=ANSWER_STOP)
