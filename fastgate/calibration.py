@@ -42,13 +42,15 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
 
 
 # `fastgate eval --budget cpu` (the default without a GPU): the methods whose cost grows with a sample, candidate or
-# round count run with smaller counts, so that all methods on 200 questions fit an hour of a 2-core CPU. SeaKR at k=20
-# with 4 steps of 3 candidates samples ~2,800 tokens per question (about 30 s each on that CPU); CBDR prefills 20
-# (question, passage) prompts per retrieving question; the shipped probers ask for retrieval again after most
-# retrievals, so Probing-RAG runs 4 rounds of 5-passage prompts (~14 s per question). The values show in the run
-# names (seakr[samples=5,...]).
+# round count run with smaller counts, so that all methods on 200 questions fit an hour of a 2-core CPU (measured:
+# docs/RESULTS.md). SeaKR is decode-bound: at k=20 with 4 steps of 3 candidates it samples ~2,800 tokens per question
+# (about 30 s each on that CPU) and still 16 s per question with 5 samples, 2 steps and 2 candidates; the budget keeps
+# 3 samples, one gated step with 2 re-ranked candidates and a 48-token knowledge path. CBDR prefills 20 (question,
+# passage) prompts per retrieving question; the shipped probers ask for retrieval again after most retrievals, so
+# Probing-RAG runs 4 rounds of 5-passage prompts (~14 s per question). The values show in the run names
+# (seakr[answer_tokens=48,...]).
 CPU_EVAL_BUDGET: dict[str, dict[str, Any]] = {
     "probing": {"max_iterations": 1},
-    "seakr": {"samples": 5, "max_steps": 2, "n_candidates": 2},
+    "seakr": {"samples": 3, "max_steps": 1, "n_candidates": 2, "answer_tokens": 48},
     "cbdr": {"n_candidates": 5},
 }
