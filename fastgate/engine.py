@@ -154,13 +154,26 @@ def _piece_decoder(tokenizer):
 
 
 def _process_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, as HF's sampling processors do. ``logits [N, V]`` float32."""
+    """Temperature, then top-k, then top-p, as HF's sampling processors do. ``logits [N, V]`` float32.
+
+    With top-k set, top-p only needs the k survivors: every other token already has probability 0, so it sorts k
+    values per row instead of the whole vocabulary (a sort of 96 × 49k logits costs ~0.3 s a step on a 2-core CPU).
+    Rows whose k-th value is tied fall back to the full sort, which keeps HF's ties exactly.
+    """
     if cfg.temperature != 1.0:
         logits = logits / cfg.temperature
     if cfg.top_k > 0:
         k = min(cfg.top_k, logits.shape[-1])
-        kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_vals, top_idx = torch.topk(logits, k, dim=-1)  # [N, k], descending
+        kth = top_vals[:, -1:]
+        keep = logits >= kth  # [N, V]; HF removes what is below the k-th value, so ties at it survive
+        if cfg.top_p < 1.0 and bool((keep.sum(-1) == k).all()):
+            asc = top_vals.flip(-1)  # [N, k] ascending, as HF sorts
+            remove_asc = asc.softmax(-1).cumsum(-1) <= (1 - cfg.top_p)
+            remove_asc[:, -1] = False  # keep at least the most likely token
+            kept = top_vals.masked_fill(remove_asc.flip(-1), float("-inf"))  # [N, k], back in descending order
+            return torch.full_like(logits, float("-inf")).scatter_(1, top_idx, kept)
+        logits = logits.masked_fill(~keep, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
         cum = sorted_logits.softmax(-1).cumsum(-1)  # [N, V]

@@ -308,3 +308,30 @@ def test_chunked_prefill_gives_the_same_generation(tiny, prefix):
     torch.testing.assert_close(pa, pb, atol=1e-4, rtol=1e-4)
     with pytest.raises(InputError, match="prefill_chunk"):
         Engine(tiny, prefill_chunk=-1)
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(50, 0.9, 1.0), (5, 0.5, 0.7), (1, 0.9, 1.0), (50, 1.0, 1.0),
+                                                     (0, 0.9, 1.0), (384, 0.3, 1.3)])
+def test_sampling_filters_match_hf_processors(top_k, top_p, temperature):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from fastgate.engine import _process_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 384, generator=g) * 3
+    logits[3, :60] = logits[3, 0]  # ties at the k-th value: the full-sort path
+    cfg = GenerationConfig(do_sample=True, top_k=top_k, top_p=top_p, temperature=temperature)
+    expect = logits.clone()
+    if temperature != 1.0:
+        expect = TemperatureLogitsWarper(temperature)(None, expect)
+    if top_k:
+        expect = TopKLogitsWarper(top_k)(None, expect)
+    if top_p < 1.0:
+        expect = TopPLogitsWarper(top_p)(None, expect)
+    got = _process_logits(logits, cfg)
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))
+    torch.testing.assert_close(got[~torch.isinf(got)], expect[~torch.isinf(expect)])
