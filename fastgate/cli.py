@@ -181,12 +181,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     written = [md, cs]
     if args.all or args.sweep:
         if args.sweep:
+            key = _parse_sweep(args.sweep)[0]
             anchors = [s for s in table if s.run in ("never", "always")]
             points = [s for s in summaries if s.run not in ("never", "always")]
-            png = out / f"sweep-{args.method}-{_parse_sweep(args.sweep)[0]}.png"
-            plot_accuracy_vs_retrieval(anchors + points, png, f"{args.method}: {args.sweep} ({len(examples)} q)")
+            labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
+                                                 if s.run not in ("never", "always")]
+            png = out / f"sweep-{args.method}-{key}.png"
+            plot_accuracy_vs_retrieval(anchors + points, png, f"{args.method}: {args.sweep} ({len(examples)} q)",
+                                       labels=labels)
         else:
-            png = plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({len(examples)} q)")
+            png = plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({len(examples)} q)",
+                                             labels=[s.method for s in summaries])
         written.append(png)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0

@@ -314,6 +314,8 @@ class Engine:
                 p += 1
             if p >= self.prefix_cache and (best is None or p > len(best)):
                 best = tuple(first[:p])
+        if best is not None:
+            self._prefix_kv(best)  # computed now: callers ask before registering hooks on the model
         return best
 
     def _prefill(self, rows: list[list[int]], cache, chunked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,7 +406,9 @@ class Engine:
         """Hidden state at ``layer`` of each prompt's last token, from a prefill only (no decoding).
 
         This is CBDR's pre-answer state: one batched prefill per group of prompts, stopped right after ``layer``
-        (default ``n_layers // 2``), so the layers above it never run.
+        (default ``n_layers // 2``), so the layers above it never run. A cached shared prefix (the few-shot block)
+        is not recomputed, and groups are formed as in :meth:`generate`'s chunked prefill (at most ``batch_size``
+        prompts each).
 
         Returns:
             ``[B, d]`` float32 on the engine's device.
@@ -414,20 +418,27 @@ class Engine:
         layer = self.n_layers // 2 if layer is None else layer
         if not 0 <= layer <= self.n_layers:
             raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
-        out = []
-        for start in range(0, len(prompts), batch_size):
-            ids, mask = self._pad(self._encode(prompts[start:start + batch_size], 1)[0])
-            hooks = _Taps(self.model, (layer,), stop_after=layer)
-            try:
-                positions = (mask.cumsum(-1) - 1).clamp_min(0)
-                self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                           logits_to_keep=1)
-            except _EarlyExit:
-                pass
-            finally:
-                hooks.close()
-            out.append(hooks.outputs[layer][:, -1, :].to(torch.float32))  # [b, d]; left padding puts it last
-        return torch.cat(out)
+        from transformers import DynamicCache
+
+        rows = self._encode(prompts, 1)[0]
+        prefix = self._shared_prefix(rows)  # a new shared prefix is computed here, before the hooks exist
+        p = 0 if prefix is None else len(prefix)
+        if prefix is not None:
+            self.prefix_hits += len(rows)
+        out = torch.empty((len(rows), self.lm.hidden_size), dtype=torch.float32, device=self.device)  # [B, d]
+        for chunk in self._prefill_chunks([len(r) - p for r in rows]):
+            for start in range(0, len(chunk), batch_size):
+                idx = chunk[start:start + batch_size]
+                hooks = _Taps(self.model, (layer,), stop_after=layer)
+                try:
+                    self._prefill_rows([rows[i] for i in idx], prefix, DynamicCache(config=self.model.config))
+                except _EarlyExit:
+                    pass
+                finally:
+                    hooks.close()
+                # left padding puts every row's last token in the last column
+                out[torch.tensor(idx, device=self.device)] = hooks.outputs[layer][:, -1, :].to(torch.float32)
+        return out
 
     # ------------------------------------------------------------------ main entry
     @torch.inference_mode()

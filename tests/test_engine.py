@@ -335,3 +335,13 @@ def test_sampling_filters_match_hf_processors(top_k, top_p, temperature):
     got = _process_logits(logits, cfg)
     assert torch.equal(torch.isinf(got), torch.isinf(expect))
     torch.testing.assert_close(got[~torch.isinf(got)], expect[~torch.isinf(expect)])
+
+
+def test_prompt_states_with_prefix_cache_and_chunks(tiny):
+    from fastgate.prompts import FEW_SHOT_QA
+
+    prompts = [f"{FEW_SHOT_QA}Q: {q}\nA:" for q in ("Who wrote Hamlet?", "x", "Berlin is the capital of Germany")]
+    plain = Engine(tiny, prefix_cache=0, prefill_chunk=0).prompt_states(prompts, 2)
+    fast = Engine(tiny, prefix_cache=8, prefill_chunk=40)
+    torch.testing.assert_close(fast.prompt_states(prompts, 2, batch_size=2), plain, atol=1e-4, rtol=1e-4)
+    assert fast.prefix_hits == 3

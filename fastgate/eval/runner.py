@@ -307,8 +307,10 @@ def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: st
 
 
 def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path, title: str,
-                               line: bool = False) -> Path:
-    """Accuracy (ACC) against retrieval rate, one labelled point per run; ``line`` joins the points (a sweep)."""
+                               line: bool = False, labels: Sequence[str] | None = None) -> Path:
+    """Accuracy (ACC) against retrieval rate, one labelled point per run; ``line`` joins the points (a sweep).
+
+    ``labels`` name the points (default: the run names); long run names go in a note under the axes instead."""
     try:
         import matplotlib
 
@@ -323,14 +325,18 @@ def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path
         pts = sorted(zip(xs, ys))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="0.6", zorder=1)
     ax.scatter(xs, ys, zorder=2)
-    for s, x, y in zip(summaries, xs, ys):
-        ax.annotate(s.run, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    names = list(labels) if labels is not None else [s.run for s in summaries]
+    for name, x, y in zip(names, xs, ys):
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, annotation_clip=False)
+    long = [s.run for s, name in zip(summaries, names) if s.run != name]
+    if long:
+        fig.text(0.01, 0.01, "runs: " + "; ".join(long), fontsize=6, wrap=True)
     ax.set_xlabel("questions that retrieved")
     ax.set_ylabel("accuracy (ACC)")
     ax.set_xlim(-0.05, 1.05)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 if long else 0, 1, 1))
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)
