@@ -159,31 +159,31 @@ class AnswerService:
                 raise InputError(f"parameter {key} must be finite")
             if isinstance(value, str) and len(value) > 200:
                 raise InputError(f"parameter {key} is too long")
-        cache_key = (name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in params.items())))
-        with self._lock:
-            req = self._requests.get(cache_key)
-        if req is None:
+        def validated():
             req = check_request(name, params, None, self.runtime.model)
             _check_int_params(req, self.config.max_int_param)
+            return req
+
+        cache_key = (name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in params.items())))
+        return self._memo(self._requests, cache_key, validated)
+
+    def _memo(self, store: dict, key, make):
+        """``store[key]``, computed by ``make()`` on a miss (outside the lock); at most 256 entries, oldest out."""
+        with self._lock:
+            value = store.get(key)
+        if value is None:
+            value = make()
             with self._lock:
-                self._requests[cache_key] = req
-                if len(self._requests) > 256:
-                    self._requests.pop(next(iter(self._requests)))
-        return req
+                store[key] = value
+                if len(store) > 256:
+                    store.pop(next(iter(store)))
+        return value
 
     def _config(self, req):
         """The typed config of a request (calibrated thresholds applied), memoised."""
         from fastgate.methods import make_config
 
-        with self._lock:
-            config = self._configs.get(req)
-        if config is None:
-            config = make_config(req.method, self.runtime.effective_params(req))
-            with self._lock:
-                self._configs[req] = config
-                if len(self._configs) > 256:
-                    self._configs.pop(next(iter(self._configs)))
-        return config
+        return self._memo(self._configs, req, lambda: make_config(req.method, self.runtime.effective_params(req)))
 
     def _method(self, req):
         """The built method of a request; only the worker thread (and :meth:`start`) build methods."""
