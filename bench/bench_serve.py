@@ -36,6 +36,18 @@ def _percentile(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))] if v else float("nan")
 
 
+def _batch_totals(url: str) -> tuple[float, float]:
+    """(questions, batches) so far, from the server's batch-size histogram."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("fastgate_batch_size_sum", "fastgate_batch_size_count")):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values.get("fastgate_batch_size_sum", 0.0), values.get("fastgate_batch_size_count", 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", default="dtr")
@@ -75,6 +87,7 @@ def main() -> None:
         for c in [int(x) for x in args.clients.split(",")]:
             latencies: list[float] = []
             failures = 0
+            q0, b0 = _batch_totals(url)
             t_start = time.perf_counter()
             stop_at = t_start + args.max_seconds
             counter = iter(range(args.requests))
@@ -95,13 +108,16 @@ def main() -> None:
             with ThreadPoolExecutor(c) as pool:
                 list(pool.map(worker, range(c)))
             wall = time.perf_counter() - t_start
+            q1, b1 = _batch_totals(url)
             qps = len(latencies) / wall
             base = base or qps
             rows.append({"method": args.method, "model": args.model, "clients": c, "answered": len(latencies),
                          "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
                          "p50_s": statistics.median(latencies) if latencies else float("nan"),
-                         "p95_s": _percentile(latencies, 0.95), "max_batch": args.max_batch})
-            print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s"])
+                         "p95_s": _percentile(latencies, 0.95),
+                         "mean_batch": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_batch": args.max_batch})
+            print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
+                                    "mean_batch"])
         metrics = httpx.get(f"{url}/metrics").text
         print("\n".join(ln for ln in metrics.splitlines() if ln.startswith(("fastgate_requests_total",
                                                                              "fastgate_batch_size_sum",
@@ -110,7 +126,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     print()
-    print_table(rows, ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s"])
+    print_table(rows, ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
+                       "mean_batch"])
     print(f"appended to {append_rows('serve', rows)}")
 
 

@@ -209,7 +209,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
                            paper_defaults=args.paper_defaults, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                           max_queue=args.max_queue, timeout_s=args.timeout, params=tuple(sorted(params.items())))
+                           regroup_wait_ms=args.regroup_wait_ms, max_queue=args.max_queue, timeout_s=args.timeout,
+                           params=tuple(sorted(params.items())))
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -331,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=int, default=32, help="questions per decode batch (default: %(default)s)")
     sv.add_argument("--max-wait-ms", type=float, default=10.0,
                     help="how long a batch waits for more requests (default: %(default)s)")
+    sv.add_argument("--regroup-wait-ms", type=float, default=250.0,
+                    help="after a batch of n, how long the next waits for n requests (default: %(default)s)")
     sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
     sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")

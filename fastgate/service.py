@@ -2,7 +2,8 @@
 batching, a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it (:mod:`fastgate.server`).
 
 Concurrent requests are gathered into micro-batches: the worker takes the oldest request, waits at most
-``max_wait_ms`` for more (up to ``max_batch``), groups them by (method, parameters) and runs each group as one
+``max_wait_ms`` for more (up to ``max_batch``; after a batch of n, up to ``regroup_wait_ms`` until n are in hand, so
+that the clients just answered rejoin), groups them by (method, parameters) and runs each group as one
 ``answer_batch`` call, i.e. one batched decode loop. Example::
 
     from fastgate.service import AnswerService, ServiceConfig
@@ -22,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastgate.errors import FastgateError, InputError
@@ -50,6 +51,8 @@ class ServiceConfig:
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_batch: int = 32  # questions per decode loop; beyond this a CPU step gets slower than it gains
     max_wait_ms: float = 10.0  # how long the first request of a batch waits for company; bounds added latency
+    regroup_wait_ms: float = 250.0  # after a batch of n, wait up to this for n requests: its clients come right back
+    regroup_share: float = 0.05  # ... but never longer than this share of that batch's run time
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
     max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
@@ -64,8 +67,10 @@ class ServiceConfig:
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
-        if self.max_wait_ms < 0 or not self.timeout_s > 0:
-            raise InputError("max_wait_ms must be >= 0 and timeout_s > 0")
+        if self.max_wait_ms < 0 or self.regroup_wait_ms < 0 or not 0 <= self.regroup_share <= 1:
+            raise InputError("max_wait_ms and regroup_wait_ms must be >= 0, regroup_share in [0, 1]")
+        if not self.timeout_s > 0:
+            raise InputError("timeout_s must be > 0")
 
 
 @dataclass
@@ -73,7 +78,6 @@ class _Job:
     question: str
     request: Any  # a validated fastgate.runtime.Request; jobs with equal requests share a batch
     future: Future
-    enqueued: float = field(default_factory=time.perf_counter)
 
 
 class AnswerService:
@@ -243,26 +247,41 @@ class AnswerService:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
+        last_size, last_s = 1, 0.0
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            jobs = [first]
-            deadline = time.perf_counter() + self.config.max_wait_ms / 1000
-            while len(jobs) < self.config.max_batch:
-                remaining = deadline - time.perf_counter()
-                try:
-                    jobs.append(self._queue.get(timeout=max(remaining, 0)) if remaining > 0
-                                else self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            jobs = self._gather(first, last_size, last_s)
+            t0 = time.perf_counter()
             groups: OrderedDict[Any, list[_Job]] = OrderedDict()
             for job in jobs:
                 if job.future.set_running_or_notify_cancel():  # a request that timed out while queued is dropped
                     groups.setdefault(job.request, []).append(job)
             for req, group in groups.items():
                 self._run_group(req, group)
+            last_size, last_s = len(jobs), time.perf_counter() - t0
+
+    def _gather(self, first: _Job, last_size: int, last_s: float) -> list[_Job]:
+        """The next micro-batch: ``first`` plus what arrives within ``max_wait_ms``. The clients of a batch of n
+        usually send their next request as soon as they are answered, a few milliseconds after the batch ends, while
+        the others are already queued; without waiting for them the batch splits in two that then alternate (each
+        half of the clients waiting for the other's run). So until n requests are in hand the wait extends to
+        ``regroup_wait_ms``, capped at ``regroup_share`` of the last run: a lone client (n = 1) never waits longer."""
+        c = self.config
+        now = time.perf_counter()
+        deadline = now + c.max_wait_ms / 1000
+        regroup = now + max(c.max_wait_ms, min(c.regroup_wait_ms, c.regroup_share * last_s * 1000)) / 1000
+        expected = min(last_size, c.max_batch)
+        jobs = [first]
+        while len(jobs) < c.max_batch:
+            remaining = (regroup if len(jobs) < expected else deadline) - time.perf_counter()
+            try:
+                jobs.append(self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
 
     def _run_group(self, req, group: list[_Job]) -> None:
         from fastgate.runtime import result_record

@@ -265,3 +265,15 @@ def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
     v = Embedder(path).encode([q] + [f"{h.title}. {h.text}" for h in cands])
     sims = (v[1:] @ v[0]).tolist()
     assert [h.id for h in top] == [cands[j].id for j in sorted(range(4), key=lambda j: -sims[j])[:2]]
+
+
+def test_calibrated_seakr_delta_follows_the_sample_count():
+    from fastgate.calibration import SEAKR_DELTA_BY_SAMPLES, calibrated_params
+
+    table = SEAKR_DELTA_BY_SAMPLES["smollm2-135m"]
+    assert calibrated_params("smollm2-135m", "seakr")["delta"] == table[20]
+    assert calibrated_params("smollm2-135m", "seakr", {"samples": 3})["delta"] == table[3]
+    assert calibrated_params("smollm2-135m", "seakr", {"samples": 4})["delta"] == table[3]  # nearest calibrated k
+    assert calibrated_params("smollm2-135m", "seakr", {"samples": 3, "delta": 0.5})["delta"] == 0.5  # user wins
+    assert table[3] != table[20]
+    assert "delta" not in calibrated_params("other-model", "seakr", {"samples": 3})
