@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-wait-ms", type=float, default=10.0,
                     help="how long a batch waits for more requests (default: %(default)s)")
     sv.add_argument("--regroup-wait-ms", type=float, default=250.0,
-                    help="after a batch of n, how long the next waits for n requests (default: %(default)s)")
+                    help="after a batch of n (m queued meanwhile), how long the next waits for n + m requests "
+                         "(default: %(default)s)")
     sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
     sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")

@@ -2,9 +2,9 @@
 batching, a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it (:mod:`fastgate.server`).
 
 Concurrent requests are gathered into micro-batches: the worker takes the oldest request, waits at most
-``max_wait_ms`` for more (up to ``max_batch``; after a batch of n, up to ``regroup_wait_ms`` until n are in hand, so
-that the clients just answered rejoin), groups them by (method, parameters) and runs each group as one
-``answer_batch`` call, i.e. one batched decode loop. Example::
+``max_wait_ms`` for more (up to ``max_batch``; after a batch of n with m requests queued meanwhile, up to
+``regroup_wait_ms`` until n + m are in hand, so that the clients just answered rejoin), groups them by (method,
+parameters) and runs each group as one ``answer_batch`` call, i.e. one batched decode loop. Example::
 
     from fastgate.service import AnswerService, ServiceConfig
 
@@ -51,7 +51,7 @@ class ServiceConfig:
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_batch: int = 32  # questions per decode loop; beyond this a CPU step gets slower than it gains
     max_wait_ms: float = 10.0  # how long the first request of a batch waits for company; bounds added latency
-    regroup_wait_ms: float = 250.0  # after a batch of n, wait up to this for n requests: its clients come right back
+    regroup_wait_ms: float = 250.0  # after a batch of n (m queued), wait up to this for n + m: its clients come back
     regroup_share: float = 0.05  # ... but never longer than this share of that batch's run time
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -247,13 +247,13 @@ class AnswerService:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
-        last_size, last_s = 1, 0.0
+        expected, last_s = 1, 0.0
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            jobs = self._gather(first, last_size, last_s)
+            jobs = self._gather(first, expected, last_s)
             t0 = time.perf_counter()
             groups: OrderedDict[Any, list[_Job]] = OrderedDict()
             for job in jobs:
@@ -261,19 +261,23 @@ class AnswerService:
                     groups.setdefault(job.request, []).append(job)
             for req, group in groups.items():
                 self._run_group(req, group)
-            last_size, last_s = len(jobs), time.perf_counter() - t0
+            # the clients just answered usually come straight back; those queued meanwhile are already here
+            expected, last_s = len(jobs) + self._queue.qsize(), time.perf_counter() - t0
 
-    def _gather(self, first: _Job, last_size: int, last_s: float) -> list[_Job]:
-        """The next micro-batch: ``first`` plus what arrives within ``max_wait_ms``. The clients of a batch of n
-        usually send their next request as soon as they are answered, a few milliseconds after the batch ends, while
-        the others are already queued; without waiting for them the batch splits in two that then alternate (each
-        half of the clients waiting for the other's run). So until n requests are in hand the wait extends to
-        ``regroup_wait_ms``, capped at ``regroup_share`` of the last run: a lone client (n = 1) never waits longer."""
+    def _gather(self, first: _Job, expected: int, last_s: float) -> list[_Job]:
+        """The next micro-batch: ``first`` plus what arrives within ``max_wait_ms``, or, until ``expected`` requests
+        are in hand, within ``regroup_wait_ms`` (capped at ``regroup_share`` of the last run ``last_s``).
+
+        ``expected`` is the last batch's size plus the requests queued while it ran. Clients that wait for their
+        answer before asking again send their next request a few milliseconds after their batch ends; without
+        waiting for them, the clients split into two groups whose batches alternate, each group idle during the
+        other's run, and the split persists. Waiting for the last batch plus the backlog merges them into one batch.
+        A lone client (expected = 1) never waits longer than ``max_wait_ms``."""
         c = self.config
         now = time.perf_counter()
         deadline = now + c.max_wait_ms / 1000
         regroup = now + max(c.max_wait_ms, min(c.regroup_wait_ms, c.regroup_share * last_s * 1000)) / 1000
-        expected = min(last_size, c.max_batch)
+        expected = min(expected, c.max_batch)
         jobs = [first]
         while len(jobs) < c.max_batch:
             remaining = (regroup if len(jobs) < expected else deadline) - time.perf_counter()

@@ -62,7 +62,7 @@ def test_submit_rejects_bad_input_without_queueing(service):
     assert service.queue_depth == depth
 
 
-def test_gather_waits_for_the_last_batch_clients_but_not_for_a_lone_one(tiny_engine, small_index):
+def test_gather_waits_for_the_expected_clients_but_not_for_a_lone_one(tiny_engine, small_index):
     from concurrent.futures import Future
 
     from fastgate.service import _Job
@@ -79,19 +79,19 @@ def test_gather_waits_for_the_last_batch_clients_but_not_for_a_lone_one(tiny_eng
     # after a batch of 4 that ran 10 s, three late requests 30 ms apart still join (well past max_wait_ms)
     t = threading.Thread(target=feed, args=(3, 0.03))
     t.start()
-    assert len(svc._gather(first, last_size=4, last_s=10.0)) == 4
+    assert len(svc._gather(first, expected=4, last_s=10.0)) == 4
     t.join()
     # the cap is a share of the last run: after a 20 ms batch the regroup wait is max_wait_ms, so they do not join
     t = threading.Thread(target=feed, args=(3, 0.03))
     t.start()
-    assert len(svc._gather(first, last_size=4, last_s=0.02)) == 1
+    assert len(svc._gather(first, expected=4, last_s=0.02)) == 1
     t.join()
     while not svc._queue.empty():
         svc._queue.get_nowait()
-    # a lone client (last batch of 1) is not kept waiting for company
+    # a lone client (expected 1) is not kept waiting for company
     t = threading.Thread(target=feed, args=(3, 0.03))
     t.start()
-    assert len(svc._gather(first, last_size=1, last_s=10.0)) == 1
+    assert len(svc._gather(first, expected=1, last_s=10.0)) == 1
     t.join()
     assert svc._queue.qsize() == 3  # they were left for the next batch, not lost
 
