@@ -150,7 +150,7 @@ class AnswerService:
         """A validated request, memoised by (method, parameters): validation builds a config, checks checkpoints."""
         from fastgate.runtime import check_request
 
-        name = method or self.config.method
+        name = self.config.method if method is None else method
         client = dict(params or {})
         locked = sorted(set(client) & set(self.config.locked_params))
         if locked:

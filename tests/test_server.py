@@ -159,6 +159,7 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
     ({"question": 7}, 422, "question"),
     ({"question": "ok?", "method": 3}, 422, "method"),
     ({"question": "ok?", "method": "magic"}, 422, "unknown method 'magic'"),
+    ({"question": "ok?", "method": ""}, 422, "unknown method"),
     ({"question": "ok?", "params": {"tau": "high"}}, 422, "expects float"),
     ({"question": "ok?", "params": [1]}, 422, "params"),
     ({"question": "ok?", "max_tokens": -1}, 422, "max_tokens"),
