@@ -247,11 +247,13 @@ class AnswerService:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
-        expected, last_s = 1, 0.0
+        expected, last_s, ended = 1, 0.0, 0.0
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
+                if time.perf_counter() - ended > self.config.regroup_wait_ms / 1000:
+                    expected = 1  # idle since: the last batch's clients are not coming straight back
                 continue
             jobs = self._gather(first, expected, last_s)
             t0 = time.perf_counter()
@@ -262,7 +264,8 @@ class AnswerService:
             for req, group in groups.items():
                 self._run_group(req, group)
             # the clients just answered usually come straight back; those queued meanwhile are already here
-            expected, last_s = len(jobs) + self._queue.qsize(), time.perf_counter() - t0
+            ended = time.perf_counter()
+            expected, last_s = len(jobs) + self._queue.qsize(), ended - t0
 
     def _gather(self, first: _Job, expected: int, last_s: float) -> list[_Job]:
         """The next micro-batch: ``first`` plus what arrives within ``max_wait_ms``, or, until ``expected`` requests
