@@ -34,13 +34,13 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-# SeaKR's eigenscore is the mean log-eigenvalue of a k×k Gram matrix, so its scale depends on k: δ is calibrated per
-# sample count with the same median rule, and a count without its own calibration takes the nearest calibrated one.
-# k=3 (the CPU eval budget): over 10 capitals + 10 FanOutQA sub-questions of the training split (seed 0) the
-# first-step scores are 2.3–7.7, median 6.6 (capitals 2.3–6.8, sub-questions 6.3–7.7); the same 20 give 2.8 at k=20.
-# δ=3.3 at k=20 retrieves on 98% of held-out questions when used with k=3.
+# SeaKR's eigenscore is the mean log-eigenvalue of a k×k Gram matrix, so its scale depends on k: δ above is for the
+# method's default k (20), and other sample counts get their own, with the same median rule; a count without its own
+# calibration takes the nearest calibrated one. k=3 (the CPU eval budget): over 10 capitals + 10 FanOutQA
+# sub-questions of the training split (seed 0) the first-step scores are 2.3–7.7, median 6.6 (capitals 2.3–6.8,
+# sub-questions 6.3–7.7); the same 20 give 2.8 at k=20. δ=3.3 retrieves on 98% of held-out questions at k=3.
 SEAKR_DELTA_BY_SAMPLES: dict[str, dict[int, float]] = {
-    "smollm2-135m": {20: 3.3, 3: 6.6},
+    "smollm2-135m": {3: 6.6},
 }
 
 
@@ -48,10 +48,13 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
     """``params`` on top of the calibrated values for (model, method); user values win."""
     params = dict(params or {})
     merged = dict(CALIBRATED.get(model_name, {}).get(method, {}))
-    by_k = SEAKR_DELTA_BY_SAMPLES.get(model_name) if method == "seakr" else None
-    if by_k and isinstance(params.get("samples", 20), int):
-        k = params.get("samples", 20)
-        merged["delta"] = by_k[min(by_k, key=lambda n: (abs(n - k), n))]
+    if method == "seakr" and "delta" in merged and model_name in SEAKR_DELTA_BY_SAMPLES:
+        from fastgate.methods.seakr import SeakrConfig
+
+        by_k = {SeakrConfig.samples: merged["delta"], **SEAKR_DELTA_BY_SAMPLES[model_name]}
+        k = params.get("samples", SeakrConfig.samples)
+        if isinstance(k, int):
+            merged["delta"] = by_k[min(by_k, key=lambda n: (abs(n - k), n))]
     merged.update(params)
     return merged
 

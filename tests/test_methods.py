@@ -268,9 +268,9 @@ def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
 
 
 def test_calibrated_seakr_delta_follows_the_sample_count():
-    from fastgate.calibration import SEAKR_DELTA_BY_SAMPLES, calibrated_params
+    from fastgate.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES, calibrated_params
 
-    table = SEAKR_DELTA_BY_SAMPLES["smollm2-135m"]
+    table = {20: CALIBRATED["smollm2-135m"]["seakr"]["delta"], **SEAKR_DELTA_BY_SAMPLES["smollm2-135m"]}
     assert calibrated_params("smollm2-135m", "seakr")["delta"] == table[20]
     assert calibrated_params("smollm2-135m", "seakr", {"samples": 3})["delta"] == table[3]
     assert calibrated_params("smollm2-135m", "seakr", {"samples": 4})["delta"] == table[3]  # nearest calibrated k
