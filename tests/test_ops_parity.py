@@ -131,7 +131,9 @@ def _unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("n,d", [(1, 1), (1, 7), (13, 384), (5, 769)])
+# d crosses the C++ kernel's 32-float step (31, 32, 33) and its 1024-float block (1023, 1025, 2081)
+@pytest.mark.parametrize("n,d", [(1, 1), (1, 7), (3, 31), (3, 32), (3, 33), (13, 384), (5, 769), (2, 1023), (2, 1025),
+                                 (2, 2081)])
 @pytest.mark.parametrize("mode", ["angle", "sum"])
 def test_ais_scores_parity_and_formula(n, d, mode):
     rng = np.random.default_rng(n * 1000 + d)
@@ -141,6 +143,19 @@ def test_ais_scores_parity_and_formula(n, d, mode):
     s1, s2 = np.clip(docs @ q, -1, 1), np.clip(docs @ p, -1, 1)
     expected = np.cos(np.arccos(s1) + np.arccos(s2)) if mode == "angle" else s1 + s2
     np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", [0, 31, 32, 1024, 1029])
+def test_ais_rejects_a_non_finite_document_element_in_the_vector_body_or_the_tail(where):
+    d = 1030  # one full 1024 block (32-float steps) and a 6-float block handled element by element
+    docs = torch.ones(3, d) / d**0.5
+    q = p = torch.ones(d) / d**0.5
+    for bad in (float("nan"), float("inf")):
+        docs2 = docs.clone()
+        docs2[1, where] = bad
+        for backend in BACKENDS:
+            with pytest.raises(ShapeError, match="NaN or inf"):
+                backend.ais_scores(q, p, docs2)
 
 
 def test_ais_scores_clips_similarities_outside_unit_range():
