@@ -109,6 +109,17 @@ class ReferenceWordOps:
             scores.append(math.cos(math.acos(s1) + math.acos(s2)) if mode == "angle" else s1 + s2)
         return torch.tensor(scores, dtype=torch.float32)
 
+    def ais_topk_batch(self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, k: int,
+                       mode: str = "angle") -> tuple[torch.Tensor, torch.Tensor]:
+        """DTR's released code for each question in turn: the per-document loop above, then a sort."""
+        top_s, top_i = [], []
+        for b in range(D.shape[0]):
+            scores = self.ais_scores(Q[b], P[b], D[b], mode).tolist()
+            order = sorted(range(len(scores)), key=lambda j: -scores[j])[:k]
+            top_s.append([scores[j] for j in order])
+            top_i.append(order)
+        return torch.tensor(top_s, dtype=torch.float32), torch.tensor(top_i, dtype=torch.int64)
+
 
 def use_reference_ops(method) -> None:
     """Switch a built method's word / AIS ops to :class:`ReferenceWordOps` (its gates already use the engine's)."""

@@ -85,19 +85,29 @@ class Dtr(Method):
             else:
                 paths = self.retriever.search_batch(questions + pseudo, c.n)
             m = len(questions)
-            out = []
+            cands = []
             for i in range(m):
                 union: dict[str, Hit] = {}
                 for h in paths[i] + paths[m + i]:
                     union.setdefault(h.id, h)
-                cands = list(union.values())
-                if not cands:
-                    out.append([])
-                    continue
-                scores = self.ops.ais_scores(torch.from_numpy(vecs[i]), torch.from_numpy(vecs[m + i]),
-                                             torch.from_numpy(self._candidate_vectors(cands)), c.mode)  # [n']
-                order = sorted(range(len(cands)), key=lambda j: -float(scores[j]))[: c.k]
-                out.append([Hit(cands[j].passage, float(scores[j])) for j in order])
+                cands.append(list(union.values()))
+            if not any(cands):
+                return [[] for _ in range(m)]
+            # all questions' candidates in one lookup (dense) or one embedding call (BM25), then one AIS call for the
+            # batch: D is padded with zero rows to the largest union, and padded rows are dropped after the top-k
+            flat = self._candidate_vectors([h for hs in cands for h in hs])  # [Σ n_i, dim]
+            n_max = max(len(hs) for hs in cands)
+            D = np.zeros((m, n_max, flat.shape[1]), dtype=np.float32)  # [m, n_max, dim]
+            start = 0
+            for i, hs in enumerate(cands):
+                D[i, : len(hs)] = flat[start : start + len(hs)]
+                start += len(hs)
+            scores, idx = self.ops.ais_topk_batch(torch.from_numpy(vecs[:m]), torch.from_numpy(vecs[m:]),
+                                                  torch.from_numpy(D), n_max, c.mode)  # [m, n_max] each, best first
+            out = []
+            for i in range(m):
+                kept = [(j, s) for j, s in zip(idx[i].tolist(), scores[i].tolist()) if j < len(cands[i])][: c.k]
+                out.append([Hit(cands[i][j].passage, s) for j, s in kept])
         return out
 
     def answer_batch(self, questions: list[str]) -> list[MethodResult]:
