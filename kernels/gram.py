@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fastgate.errors import ShapeError
-from fastgate.ops.reference import check_eigenscore_args
+from fastgate.ops.reference import NON_FINITE_Z, check_eigenscore_args
 from fastgate.ops.reference import eigenscore as eigenscore_reference
 
 __all__ = ["eigenscore", "eigenscore_reference"]
@@ -22,6 +22,7 @@ __all__ = ["eigenscore", "eigenscore_reference"]
 @triton.jit
 def _eigenscore_kernel(
     out_ptr,  # [B] float32
+    bad_ptr,  # [B] int32: non-finite entries of the Gram matrix (any NaN or inf in the request's z shows up there)
     z_ptr,  # [B, K, D] any float dtype, strided
     valid_ptr,  # [B, K] int8, 1 = keep the sample
     K,
@@ -57,6 +58,11 @@ def _eigenscore_kernel(
         x = tl.where(m, x - mean[:, None], 0.0)  # [BLOCK_K, BLOCK_D]
         gram += tl.sum(x[:, None, :] * x[None, :, :], axis=2)
 
+    # checked before the valid mask, so a NaN in a dropped sample is an error too (as in the reference)
+    non_finite = (gram != gram) | (tl.abs(gram) == float("inf"))
+    n_bad = tl.sum(tl.sum(tl.where(non_finite, 1, 0), axis=1), axis=0)
+    tl.store(bad_ptr + b + tl.arange(0, 1), tl.zeros([1], dtype=tl.int32) + n_bad)
+
     # dropped and padding samples become identity rows/columns: they add log(1) = 0
     rows = offs_k[:, None]
     cols = offs_k[None, :]
@@ -89,8 +95,11 @@ def eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None 
     out = torch.empty(b, dtype=torch.float32, device=z.device)
     if b == 0:
         return out
+    bad = torch.empty(b, dtype=torch.int32, device=z.device)
     block_k = max(2, triton.next_power_of_2(k))
     block_d = max(1, min(triton.next_power_of_2(d), 4096 // (block_k * block_k), 64))
-    _eigenscore_kernel[(b,)](out, z, valid, k, d, z.stride(0), z.stride(1), z.stride(2), float(alpha),
+    _eigenscore_kernel[(b,)](out, bad, z, valid, k, d, z.stride(0), z.stride(1), z.stride(2), float(alpha),
                              1.0 / (d - 1) if scale == "cov" else 1.0, BLOCK_K=block_k, BLOCK_D=block_d)
+    if bool(bad.any()):  # one host sync on [B], instead of a second pass over z
+        raise ShapeError(NON_FINITE_Z)
     return out

@@ -85,6 +85,20 @@ def test_eigenscore_kernel_known_answers_and_masks():
         gram.eigenscore(torch.zeros(1, 65, 4, device=DEVICE))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_eigenscore_kernel_rejects_non_finite_z_like_the_reference(bad):
+    z = torch.randn(3, 4, 37, device=DEVICE)
+    z[1, 2, 36] = bad  # the last feature of a middle request
+    valid = torch.ones(3, 4, dtype=torch.bool, device=DEVICE)
+    for v in (None, valid, valid.index_fill(1, torch.tensor([2], device=DEVICE), False)):  # also in a dropped sample
+        for fn in (gram.eigenscore, gram.eigenscore_reference):
+            with pytest.raises(ShapeError, match="NaN or inf"):
+                fn(z, valid=v)
+    assert gram.eigenscore(z[::2]).isfinite().all()  # the other requests are fine
+    for fn in (gram.eigenscore, gram.eigenscore_reference):
+        assert fn(z[:0]).shape == (0,)  # an empty batch is not an error
+
+
 def test_engine_and_gates_run_on_the_kernels(tiny, monkeypatch):
     from fastgate.config import GenerationConfig, TapSpec
     from fastgate.engine import Engine

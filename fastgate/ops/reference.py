@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from fastgate.errors import ShapeError
 
-__all__ = ["ProbeParams", "accumulate_taps", "answer_nll", "check_eigenscore_args", "eigenscore", "probe_logits"]
+__all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_eigenscore_args", "eigenscore",
+           "probe_logits"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -101,7 +102,11 @@ def probe_logits(sums: torch.Tensor, counts: torch.Tensor, params: ProbeParams) 
 
 def check_eigenscore_args(z: torch.Tensor, alpha: float, valid: torch.Tensor | None, scale: str | None
                           ) -> torch.Tensor:
-    """Validate :func:`eigenscore`'s inputs (shared with the Triton launcher); returns ``valid [B, k]`` (bool)."""
+    """Validate :func:`eigenscore`'s inputs (shared with the Triton launcher); returns ``valid [B, k]`` (bool).
+
+    Finiteness is not checked here: a NaN or inf anywhere in a request's z makes its k×k Gram matrix non-finite, so
+    each implementation checks the Gram it computes anyway instead of reading all of z a second time.
+    """
     if z.ndim != 3:
         raise ShapeError(f"eigenscore: z must be [B, k, d], got {tuple(z.shape)}")
     b, k, d = z.shape
@@ -115,9 +120,10 @@ def check_eigenscore_args(z: torch.Tensor, alpha: float, valid: torch.Tensor | N
         valid = torch.ones((b, k), dtype=torch.bool, device=z.device)
     elif valid.shape != (b, k):
         raise ShapeError(f"eigenscore: valid must be [{b}, {k}], got {tuple(valid.shape)}")
-    if not bool(torch.isfinite(z).all()):
-        raise ShapeError("eigenscore: z contains NaN or inf")
     return valid.bool()
+
+
+NON_FINITE_Z = "eigenscore: z contains NaN or inf (or values whose squares overflow float64)"
 
 
 def eigenscore(
@@ -139,6 +145,8 @@ def eigenscore(
     """
     valid = check_eigenscore_args(z, alpha, valid, scale)
     b, k, d = z.shape
+    if b == 0:
+        return torch.empty(0, dtype=torch.float32, device=z.device)
     # float64 Gram in chunks of requests: the float64 copy of a chunk stays cache-sized instead of doubling all of z
     chunk = max(1, (1 << 17) // (k * d))
     grams = []
@@ -147,6 +155,8 @@ def eigenscore(
         zc = zd - zd.mean(-1, keepdim=True)  # [c, k, d]
         grams.append(zc @ zc.transpose(1, 2))  # [c, k, k]
     gram = torch.cat(grams)  # [B, k, k]
+    if not bool(torch.isfinite(gram).all()):  # before the valid mask: a non-finite dropped sample is an error too
+        raise ShapeError(NON_FINITE_Z)
     if scale == "cov":
         gram = gram / (d - 1)
     v = valid.to(torch.float64)  # [B, k]
