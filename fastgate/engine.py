@@ -52,7 +52,8 @@ class GenerationBatch:
     pre_answer: torch.Tensor | None = None  # [N, d] float32
     eos_state: torch.Tensor | None = None  # [N, d] float32
     layers: tuple[int, ...] = ()
-    steps: int = 0
+    steps: int = 0  # tokens chosen per sequence at most (decode iterations)
+    forwards: int = 0  # decode forward passes: one per fed token, plus the flushes that read the last token's states
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -524,7 +525,8 @@ class Engine:
             reason: list[FinishReason] = ["length"] * n
             stops: list[str | None] = [None] * n
             eos_set = set(self.eos_ids)
-            steps = 0
+            steps = forwards = 0
+            taps_s = 0.0
             while True:
                 # 1. choose the next token of every active sequence
                 active_rows = [i for i in range(n) if state[i] == _ACTIVE]
@@ -579,6 +581,8 @@ class Engine:
                 attend_t = torch.tensor(attend, dtype=mask.dtype, device=self.device)[:, None]  # [N, 1]
                 mask = torch.cat([mask, attend_t], dim=1)
                 logits = self._forward(feed_t, mask, cache, 1)
+                forwards += 1
+                t_taps = time.perf_counter()
                 if running_sum is not None:
                     states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in taps.layers], dim=1)  # [N, L, d]
                     weight = torch.tensor(counts_now, dtype=torch.float32, device=self.device)  # [N]
@@ -587,6 +591,7 @@ class Engine:
                 if eos_state is not None and any(capture_eos):
                     rows = torch.tensor([i for i in range(n) if capture_eos[i]], device=self.device)
                     eos_state[rows] = hooks.outputs[mid][rows, -1, :].to(torch.float32)
+                taps_s += time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
         finally:
             if hooks is not None:
                 hooks.close()
@@ -612,7 +617,9 @@ class Engine:
             eos_state=eos_state,
             layers=tuple(taps.layers),
             steps=steps,
-            timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start},
+            forwards=forwards,
+            timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start,
+                     "taps_s": taps_s},
         )
 
     def _update_finish(self, i, tok, tokens, texts, answer_len, reason, stops, state, cfg, eos_set, taps) -> None:

@@ -165,6 +165,17 @@ def test_no_taps_captures_nothing_and_hooks_are_removed(tiny_engine):
     assert [len(layer._forward_hooks) for layer in layers] == before
 
 
+def test_forwards_count_the_flush_passes_that_taps_need(tiny_engine):
+    cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False)
+    prompts = ["Q: a?\nA:", "Q: b?\nA:"]
+    plain = tiny_engine.generate(prompts, cfg)
+    sums = tiny_engine.generate(prompts, cfg, TapSpec(layers=(1, 2)))
+    eos = tiny_engine.generate(prompts, cfg, TapSpec(layers=(1, 2), eos_state=True))
+    assert plain.steps == sums.steps == eos.steps == 5
+    # the 5th token is never fed without taps; the running sums feed it once; the EOS state feeds an EOS after it
+    assert (plain.forwards, sums.forwards, eos.forwards) == (4, 5, 6)
+
+
 def test_accumulate_taps_reference():
     rs = torch.zeros(3, 2, 5)
     states = torch.randn(3, 2, 5)
