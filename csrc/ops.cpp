@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -441,10 +442,197 @@ py::tuple ais_topk_batch(FArray Q, FArray P, FArray D, int64_t k, const std::str
   return py::make_tuple(top_s, top_i);
 }
 
+// ------------------------------------------------------------------------------------------------ eigenscore
+typedef double f64x4 __attribute__((vector_size(32)));
+
+inline f64x4 load4d(const double* src) {
+  f64x4 v;
+  __builtin_memcpy(&v, src, sizeof v);
+  return v;
+}
+
+inline double hsum(f64x4 a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+
+// G[i, j] += rows[i] · rows[j] for j >= i, over k rows of n doubles (n a multiple of 4, `stride` apart). Two rows i
+// are paired with four rows j at a time: six loads feed eight independent accumulators, so neither the loads nor the
+// add latency of one long chain limit the FMAs. Entries below the diagonal that a block touches are left over and
+// never read.
+FASTGATE_CLONES
+void gram_upper(const double* rows, int64_t k, int64_t n, int64_t stride, double* G) {
+  for (int64_t i = 0; i < k; i += 2) {
+    const bool two = i + 1 < k;
+    const double* y0 = rows + i * stride;
+    const double* y1 = two ? y0 + stride : y0;  // a lone last row is paired with itself and stored once
+    int64_t j = i;
+    for (; j + 4 <= k; j += 4) {
+      const double* x0 = rows + j * stride;
+      const double* x1 = x0 + stride;
+      const double* x2 = x1 + stride;
+      const double* x3 = x2 + stride;
+      f64x4 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
+      for (int64_t t = 0; t < n; t += 4) {
+        const f64x4 u = load4d(y0 + t), v = load4d(y1 + t);
+        const f64x4 w0 = load4d(x0 + t), w1 = load4d(x1 + t), w2 = load4d(x2 + t), w3 = load4d(x3 + t);
+        a00 += u * w0;
+        a01 += u * w1;
+        a02 += u * w2;
+        a03 += u * w3;
+        a10 += v * w0;
+        a11 += v * w1;
+        a12 += v * w2;
+        a13 += v * w3;
+      }
+      double* g0 = G + i * k + j;
+      g0[0] += hsum(a00);
+      g0[1] += hsum(a01);
+      g0[2] += hsum(a02);
+      g0[3] += hsum(a03);
+      if (two) {
+        double* g1 = g0 + k;
+        g1[0] += hsum(a10);
+        g1[1] += hsum(a11);
+        g1[2] += hsum(a12);
+        g1[3] += hsum(a13);
+      }
+    }
+    for (; j < k; ++j) {
+      const double* x = rows + j * stride;
+      f64x4 a0 = {}, a1 = {};
+      for (int64_t t = 0; t < n; t += 4) {
+        const f64x4 w = load4d(x + t);
+        a0 += load4d(y0 + t) * w;
+        a1 += load4d(y1 + t) * w;
+      }
+      G[i * k + j] += hsum(a0);
+      if (two) G[(i + 1) * k + j] += hsum(a1);
+    }
+  }
+}
+
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// dst[0:n] = src[0:n] widened to double, zeros up to `padded`; returns their sum. Four lanes and two accumulators:
+// a single running sum would make every add wait for the previous one.
+FASTGATE_CLONES
+double widen_row(const float* src, int64_t n, int64_t padded, double* dst) {
+  f64x4 a0 = {}, a1 = {};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    f32x4 lo, hi;
+    __builtin_memcpy(&lo, src + t, sizeof lo);
+    __builtin_memcpy(&hi, src + t + 4, sizeof hi);
+    const f64x4 dlo = __builtin_convertvector(lo, f64x4), dhi = __builtin_convertvector(hi, f64x4);
+    __builtin_memcpy(dst + t, &dlo, sizeof dlo);
+    __builtin_memcpy(dst + t + 4, &dhi, sizeof dhi);
+    a0 += dlo;
+    a1 += dhi;
+  }
+  const f64x4 a = a0 + a1;
+  double sum = (a[0] + a[1]) + (a[2] + a[3]);
+  for (; t < n; ++t) {
+    dst[t] = src[t];
+    sum += dst[t];
+  }
+  for (; t < padded; ++t) dst[t] = 0.0;
+  return sum;
+}
+
+// One request of SeaKR's eigenscore: logdet(Zc Zcᵀ·scale + αI) / k' over the k' valid rows of z [k, d] (float32),
+// each row centred over its d features. Rows are widened to double a block of features at a time and the Gram matrix
+// is accumulated in double; centring is the rank-one correction Zc Zcᵀ = Z Zᵀ - s sᵀ / d (s = Z·1), whose rounding
+// stays ~1e-16 of |z|² (|s sᵀ / d| <= |Z Zᵀ|), far below the ridge α. Returns false if the Gram matrix is not finite
+// (a NaN or inf anywhere in z, dropped rows included).
+bool eigenscore_one(const float* z, const uint8_t* valid, int64_t k, int64_t d, double alpha, double scale,
+                    std::vector<double>& buf, std::vector<double>& G, std::vector<double>& s, float* out) {
+  constexpr int64_t kChunk = 256;  // features per block: k rows of them stay in L1/L2 while every pair is formed
+  std::fill(G.begin(), G.end(), 0.0);
+  std::fill(s.begin(), s.end(), 0.0);
+  for (int64_t start = 0; start < d; start += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, d - start);
+    const int64_t padded = (n + 3) / 4 * 4;
+    for (int64_t i = 0; i < k; ++i) s[i] += widen_row(z + i * d + start, n, padded, buf.data() + i * kChunk);
+    gram_upper(buf.data(), k, padded, kChunk, G.data());
+  }
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = i; j < k; ++j) {
+      const double g = G[i * k + j] - s[i] * s[j] / static_cast<double>(d);
+      if (!std::isfinite(g)) return false;
+      G[i * k + j] = G[j * k + i] = g;
+    }
+  // dropped rows become identity rows/columns: they add log(1) = 0
+  int64_t n_valid = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    n_valid += valid[i] != 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const bool both = valid[i] && valid[j];
+      double a = both ? G[i * k + j] * scale : 0.0;
+      if (i == j) a += valid[i] ? alpha : 1.0;
+      G[i * k + j] = a;
+    }
+  }
+  if (n_valid == 0) {
+    *out = std::numeric_limits<float>::infinity();
+    return true;
+  }
+  // Cholesky in place (lower triangle): logdet = Σ log(pivot); the matrix is a PSD Gram plus a positive diagonal
+  double logdet = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    double pivot = G[j * k + j];
+    for (int64_t p = 0; p < j; ++p) pivot -= G[j * k + p] * G[j * k + p];
+    logdet += std::log(pivot);  // a non-positive pivot (impossible in exact arithmetic) gives NaN, not a crash
+    const double root = std::sqrt(pivot);
+    for (int64_t i = j + 1; i < k; ++i) {
+      double v = G[i * k + j];
+      for (int64_t p = 0; p < j; ++p) v -= G[i * k + p] * G[j * k + p];
+      G[i * k + j] = v / root;
+    }
+    G[j * k + j] = root;
+  }
+  *out = static_cast<float>(logdet / static_cast<double>(n_valid));
+  return true;
+}
+
+using U8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, double scale) {
+  if (z.ndim() != 3) throw std::invalid_argument("eigenscore: z must be [B, k, d]");
+  const int64_t B = z.shape(0), k = z.shape(1), d = z.shape(2);
+  if (k < 1 || d < 2)
+    throw std::invalid_argument("eigenscore: need k >= 1 samples of d >= 2 features, got k=" + std::to_string(k) +
+                                ", d=" + std::to_string(d));
+  if (!(alpha > 0)) throw std::invalid_argument("eigenscore: alpha must be > 0");
+  if (valid.ndim() != 2 || valid.shape(0) != B || valid.shape(1) != k)
+    throw std::invalid_argument("eigenscore: valid must be [" + std::to_string(B) + ", " + std::to_string(k) + "]");
+  py::array_t<float> out(B);
+  float* o = out.mutable_data();
+  const float* zd = z.data();
+  const uint8_t* vd = valid.data();
+  bool ok = true;
+  {
+    py::gil_scoped_release release;
+    const int64_t work = B * k * k * d / 2;
+    const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+    const int64_t n_threads = std::min<int64_t>({hw, B, std::max<int64_t>(1, work / (1 << 20))});
+    std::vector<char> part_ok(n_threads, 1);
+    auto run = [&](int64_t t) {
+      std::vector<double> buf(k * 256), G(k * k), s(k);
+      for (int64_t b = t; b < B; b += n_threads)
+        if (!eigenscore_one(zd + b * k * d, vd + b * k, k, d, alpha, scale, buf, G, s, o + b)) part_ok[t] = 0;
+    };
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
+    run(0);
+    for (auto& th : pool) th.join();
+    for (char v : part_ok) ok = ok && v;
+  }
+  if (!ok) throw std::invalid_argument("eigenscore: z contains NaN or inf (or values whose squares overflow float64)");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores";
+  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore";
   m.def("align_words", &align_words, py::arg("pieces"),
         "Group generated token pieces (all str or all bytes) into words; returns (words, word_ids).");
   m.def("word_logprobs", &word_logprobs, py::arg("token_logprobs"), py::arg("word_ids"), py::arg("n_words") = -1,
@@ -455,4 +643,6 @@ PYBIND11_MODULE(_C, m) {
         "align_words + word_logprobs for many sequences; returns [(words, word_ids, word_logprobs)].");
   m.def("ais_topk_batch", &ais_topk_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("k"),
         py::arg("mode") = "angle", "AIS scores and top-k indices per row, best first: (scores [B, k], idx [B, k]).");
+  m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("scale"),
+        "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32.");
 }

@@ -190,8 +190,9 @@ class Engine:
 
     Args:
         model: a :class:`~fastgate.models.LoadedModel`.
-        backend: ``auto|triton|torch`` for the tap accumulation (``auto``: Triton on CUDA tensors once the kernels
-            exist, torch elsewhere). Chosen here, once.
+        backend: ``auto|triton|ext|torch`` for the gating ops (tap accumulate, prober, eigenscore); ``auto``: the
+            Triton kernels on CUDA, the C++ eigenscore on CPU when the extension is built, the torch references
+            otherwise (see :mod:`fastgate.ops.backend`). Chosen here, once.
         prefix_cache: keep the KV cache of shared prompt prefixes (the few-shot examples every prompt starts with) and
             prefill only what follows them; 0 turns it off, else the fewest tokens worth caching.
         prefill_chunk: most tokens (rows × longest row) per prefill forward; None: 1024 on CPU, where smaller

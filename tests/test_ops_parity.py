@@ -260,3 +260,60 @@ def test_ais_topk_batch(b, n, d, k):
         assert torch.equal(i, want)
     with pytest.raises(ShapeError, match="k must be"):
         BACKENDS[-1].ais_topk_batch(Q, P, D, 0)
+
+
+# ------------------------------------------------------------------ eigenscore (C++ vs the torch reference)
+@pytest.mark.parametrize("b,k,d", [(1, 1, 2), (1, 20, 576), (3, 7, 13), (2, 20, 769), (5, 3, 1031), (2, 4, 4096)])
+def test_eigenscore_ext_matches_reference(b, k, d):
+    from fastgate.ops.reference import eigenscore as reference
+
+    torch.manual_seed(b * k * d)
+    z = torch.randn(b, k, d) * 2 + 0.5  # d crosses the C++ op's 4-double steps and 256-feature blocks
+    for scale in (None, "cov"):
+        want = reference(z, scale=scale)
+        for backend in BACKENDS:
+            torch.testing.assert_close(backend.eigenscore(z, scale=scale), want, rtol=1e-5, atol=1e-5)
+
+
+def test_eigenscore_ext_masks_offsets_layouts_and_errors():
+    from fastgate.ops.reference import eigenscore as reference
+
+    torch.manual_seed(11)
+    # near-identical samples far from zero: the rank-one centring must still match centring first
+    z = 1000.0 + torch.randn(2, 1, 577) + 1e-2 * torch.randn(2, 20, 577)
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[0, ::3] = False
+    for backend in BACKENDS:
+        torch.testing.assert_close(backend.eigenscore(z, valid=valid), reference(z, valid=valid), rtol=1e-5, atol=1e-5)
+    nc = torch.randn(9, 3, 4).permute(2, 1, 0)  # [4, 3, 9] non-contiguous
+    none_valid = torch.zeros(4, 3, dtype=torch.bool)
+    for backend in BACKENDS:
+        torch.testing.assert_close(backend.eigenscore(nc), reference(nc.contiguous()), rtol=1e-5, atol=1e-6)
+        assert torch.isinf(backend.eigenscore(nc, valid=none_valid)).all()  # no valid sample: +inf
+        assert backend.eigenscore(torch.zeros(0, 3, 4)).shape == (0,)
+        bad = torch.randn(2, 3, 300)
+        bad[1, 2, 299] = float("nan")
+        with pytest.raises(ShapeError, match="NaN or inf"):
+            backend.eigenscore(bad, valid=torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool))  # dropped row too
+        with pytest.raises(ShapeError, match="z must be"):
+            backend.eigenscore(torch.zeros(3, 4))
+        with pytest.raises(ShapeError, match="valid must be"):
+            backend.eigenscore(torch.zeros(2, 3, 4), valid=torch.ones(2, 4, dtype=torch.bool))
+        with pytest.raises(ShapeError, match="alpha"):
+            backend.eigenscore(torch.zeros(1, 2, 4), alpha=0.0)
+
+
+def test_gate_ops_pick_the_extension_on_cpu(monkeypatch):
+    from fastgate.ops.backend import gate_ops
+
+    assert gate_ops("auto", "cpu").backend == "ext"  # make test builds the extension
+    assert gate_ops("torch", "cpu").backend == "torch"
+    with pytest.raises(BackendUnavailableError, match="CPU tensors"):
+        gate_ops("ext", "cuda")
+    monkeypatch.setenv("FASTGATE_BACKEND", "torch")
+    assert gate_ops("auto", "cpu").backend == "torch"
+    monkeypatch.delenv("FASTGATE_BACKEND")
+    monkeypatch.setattr(ops, "_import_ext", lambda: None)
+    assert gate_ops("auto", "cpu").backend == "torch"
+    with pytest.raises(BackendUnavailableError, match="fastgate._C"):
+        gate_ops("ext", "cpu")

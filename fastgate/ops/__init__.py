@@ -1,9 +1,10 @@
 """Functional ops of SPEC §4 with a selectable backend.
 
-``align_words``, ``word_logprobs``, ``ais_scores`` and ``ais_scores_batch`` run in the C++ extension ``fastgate._C``
-(backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results. ``probe_logits``,
-``eigenscore`` and ``answer_nll`` are torch references (``fastgate.ops.reference``); their fused Triton kernels live
-in ``kernels/``.
+``align_words``, ``word_logprobs``, ``ais_scores``, ``ais_scores_batch`` and ``ais_topk_batch`` run in the C++
+extension ``fastgate._C`` (backend ``ext``) or in pure Python/numpy (backend ``python``); both give the same results.
+``CpuOps.eigenscore`` is the C++ form of the eigenscore for CPU tensors. The module-level ``probe_logits``,
+``eigenscore`` and ``answer_nll`` are torch references (``fastgate.ops.reference``); the fused Triton kernels live in
+``kernels/``, and :mod:`fastgate.ops.backend` binds one set for a device.
 
 Pick the backend once, where the consumer is built::
 
@@ -28,7 +29,7 @@ import torch
 
 from fastgate.errors import BackendUnavailableError, ShapeError
 from fastgate.ops import _python
-from fastgate.ops.reference import ProbeParams, answer_nll, eigenscore, probe_logits
+from fastgate.ops.reference import ProbeParams, answer_nll, check_eigenscore_args, eigenscore, probe_logits
 
 __all__ = [
     "CpuOps",
@@ -150,6 +151,23 @@ class CpuOps:
         except ValueError as exc:
             raise ShapeError(str(exc)) from None
         return [(w, ids, torch.from_numpy(np.asarray(lp, dtype=np.float32))) for w, ids, lp in out]
+
+    def eigenscore(self, z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None,
+                   scale: Literal["cov"] | None = None) -> torch.Tensor:
+        """SeaKR's eigenscore (SPEC §4 op 2) of ``z [B, k, d]`` on CPU: the same semantics and errors as
+        :func:`fastgate.ops.reference.eigenscore`. The C++ backend forms each request's float64 Gram matrix with SIMD
+        and factors it in place, threads over requests and releases the GIL; ``python`` is the torch reference.
+
+        Returns:
+            ``[B]`` float32 (+inf for a request with no valid sample).
+        """
+        valid = check_eigenscore_args(z, alpha, valid, scale)  # [B, k] bool
+        b, _, d = z.shape
+        if b == 0:
+            return torch.empty(0, dtype=torch.float32)
+        factor = 1.0 / (d - 1) if scale == "cov" else 1.0
+        mask = np.ascontiguousarray(valid.cpu().numpy()).view(np.uint8)  # bool -> uint8 without a copy
+        return self._float_op("eigenscore", _to_numpy_f32(z), mask, float(alpha), factor)
 
     def ais_topk_batch(self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, k: int,
                        mode: Literal["angle", "sum"] = "angle") -> tuple[torch.Tensor, torch.Tensor]:
