@@ -271,6 +271,22 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
   return out;
 }
 
+// Runs worker(first, step) on up to one thread per core, the caller's thread included: thread t takes the rows
+// t, t + step, ... of B independent rows. Threads start only when `work` (a rough count of multiply-adds) pays for
+// them, one per `grain`. Returns whether every worker returned true. Call with the GIL released.
+template <class Worker>
+bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker) {
+  const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>({hw, B, work / grain}));
+  std::vector<char> ok(n_threads, 1);
+  auto run = [&](int64_t t) { ok[t] = worker(t, n_threads) ? 1 : 0; };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
+}
+
 enum class AisMode { kAngle, kSum };
 
 AisMode parse_mode(const std::string& mode) {
@@ -396,19 +412,11 @@ py::array_t<float> ais_scores_batch(FArray Q, FArray P, FArray D, const std::str
   {
     py::gil_scoped_release release;
     // rows are independent: split them over threads when there is enough work to pay for starting them
-    const int64_t work = B * n * d;
-    const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
-    const int64_t n_threads = std::min<int64_t>({hw, B, std::max<int64_t>(1, work / (1 << 18))});
-    std::vector<char> part_ok(n_threads, 1);
-    auto run = [&](int64_t t) {
-      for (int64_t b = t; b < B; b += n_threads)
-        if (!ais_block(qd + b * d, pd + b * d, dd + b * n * d, n, d, m, o + b * n)) part_ok[t] = 0;
-    };
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
-    run(0);
-    for (auto& th : pool) th.join();
-    for (char v : part_ok) ok = ok && v;
+    ok = split_rows(B, B * n * d, 1 << 18, [&](int64_t first, int64_t step) {
+      for (int64_t b = first; b < B; b += step)
+        if (!ais_block(qd + b * d, pd + b * d, dd + b * n * d, n, d, m, o + b * n)) return false;
+      return true;
+    });
   }
   if (!ok) throw std::invalid_argument("ais_scores_batch: inputs contain NaN or inf");
   return out;
@@ -610,20 +618,12 @@ py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, double scal
   bool ok = true;
   {
     py::gil_scoped_release release;
-    const int64_t work = B * k * k * d / 2;
-    const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
-    const int64_t n_threads = std::min<int64_t>({hw, B, std::max<int64_t>(1, work / (1 << 20))});
-    std::vector<char> part_ok(n_threads, 1);
-    auto run = [&](int64_t t) {
-      std::vector<double> buf(k * 256), G(k * k), s(k);
-      for (int64_t b = t; b < B; b += n_threads)
-        if (!eigenscore_one(zd + b * k * d, vd + b * k, k, d, alpha, scale, buf, G, s, o + b)) part_ok[t] = 0;
-    };
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
-    run(0);
-    for (auto& th : pool) th.join();
-    for (char v : part_ok) ok = ok && v;
+    ok = split_rows(B, B * k * k * d / 2, 1 << 20, [&](int64_t first, int64_t step) {
+      std::vector<double> buf(k * 256), G(k * k), s(k);  // per thread
+      for (int64_t b = first; b < B; b += step)
+        if (!eigenscore_one(zd + b * k * d, vd + b * k, k, d, alpha, scale, buf, G, s, o + b)) return false;
+      return true;
+    });
   }
   if (!ok) throw std::invalid_argument("eigenscore: z contains NaN or inf (or values whose squares overflow float64)");
   return out;
