@@ -306,6 +306,7 @@ def test_eigenscore_ext_masks_offsets_layouts_and_errors():
 def test_gate_ops_pick_the_extension_on_cpu(monkeypatch):
     from fastgate.ops.backend import gate_ops
 
+    monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
     assert gate_ops("auto", "cpu").backend == "ext"  # make test builds the extension
     assert gate_ops("torch", "cpu").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="CPU tensors"):
