@@ -297,8 +297,9 @@ AisMode parse_mode(const std::string& mode) {
 
 inline double clip1(double x) { return x < -1.0 ? -1.0 : (x > 1.0 ? 1.0 : x); }
 
-// On x86-64 glibc, GCC builds dot2 twice, for AVX2+FMA (x86-64-v3) and for the baseline, and an ifunc picks one when
-// the module loads: the build stays portable while a modern CPU gets 8-wide FMAs. Elsewhere only the baseline.
+// On x86-64 glibc, GCC builds the functions marked FASTGATE_CLONES twice, for AVX2+FMA (x86-64-v3) and for the
+// baseline, and an ifunc picks one when the module loads: the build stays portable while a modern CPU gets 8-wide
+// FMAs. Elsewhere only the baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
 #define FASTGATE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -451,6 +452,9 @@ py::tuple ais_topk_batch(FArray Q, FArray P, FArray D, int64_t k, const std::str
 }
 
 // ------------------------------------------------------------------------------------------------ eigenscore
+// features per block: the k rows of one block, widened to double, stay in L1/L2 while every pair is formed
+constexpr int64_t kGramChunk = 256;
+
 typedef double f64x4 __attribute__((vector_size(32)));
 
 inline f64x4 load4d(const double* src) {
@@ -550,16 +554,16 @@ double widen_row(const float* src, int64_t n, int64_t padded, double* dst) {
 // is accumulated in double; centring is the rank-one correction Zc Zcᵀ = Z Zᵀ - s sᵀ / d (s = Z·1), whose rounding
 // stays ~1e-16 of |z|² (|s sᵀ / d| <= |Z Zᵀ|), far below the ridge α. Returns false if the Gram matrix is not finite
 // (a NaN or inf anywhere in z, dropped rows included).
+// `buf` holds k × kGramChunk doubles; G k × k; s k.
 bool eigenscore_one(const float* z, const uint8_t* valid, int64_t k, int64_t d, double alpha, double scale,
                     std::vector<double>& buf, std::vector<double>& G, std::vector<double>& s, float* out) {
-  constexpr int64_t kChunk = 256;  // features per block: k rows of them stay in L1/L2 while every pair is formed
   std::fill(G.begin(), G.end(), 0.0);
   std::fill(s.begin(), s.end(), 0.0);
-  for (int64_t start = 0; start < d; start += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, d - start);
+  for (int64_t start = 0; start < d; start += kGramChunk) {
+    const int64_t n = std::min<int64_t>(kGramChunk, d - start);
     const int64_t padded = (n + 3) / 4 * 4;
-    for (int64_t i = 0; i < k; ++i) s[i] += widen_row(z + i * d + start, n, padded, buf.data() + i * kChunk);
-    gram_upper(buf.data(), k, padded, kChunk, G.data());
+    for (int64_t i = 0; i < k; ++i) s[i] += widen_row(z + i * d + start, n, padded, buf.data() + i * kGramChunk);
+    gram_upper(buf.data(), k, padded, kGramChunk, G.data());
   }
   for (int64_t i = 0; i < k; ++i)
     for (int64_t j = i; j < k; ++j) {
@@ -602,7 +606,7 @@ bool eigenscore_one(const float* z, const uint8_t* valid, int64_t k, int64_t d, 
 
 using U8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
-py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, double scale) {
+py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, bool cov) {
   if (z.ndim() != 3) throw std::invalid_argument("eigenscore: z must be [B, k, d]");
   const int64_t B = z.shape(0), k = z.shape(1), d = z.shape(2);
   if (k < 1 || d < 2)
@@ -611,6 +615,7 @@ py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, double scal
   if (!(alpha > 0)) throw std::invalid_argument("eigenscore: alpha must be > 0");
   if (valid.ndim() != 2 || valid.shape(0) != B || valid.shape(1) != k)
     throw std::invalid_argument("eigenscore: valid must be [" + std::to_string(B) + ", " + std::to_string(k) + "]");
+  const double scale = cov ? 1.0 / static_cast<double>(d - 1) : 1.0;  // INSIDE's covariance form, or SeaKR's Gram
   py::array_t<float> out(B);
   float* o = out.mutable_data();
   const float* zd = z.data();
@@ -619,7 +624,7 @@ py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, double scal
   {
     py::gil_scoped_release release;
     ok = split_rows(B, B * k * k * d / 2, 1 << 20, [&](int64_t first, int64_t step) {
-      std::vector<double> buf(k * 256), G(k * k), s(k);  // per thread
+      std::vector<double> buf(k * kGramChunk), G(k * k), s(k);  // per thread
       for (int64_t b = first; b < B; b += step)
         if (!eigenscore_one(zd + b * k * d, vd + b * k, k, d, alpha, scale, buf, G, s, o + b)) return false;
       return true;
@@ -643,6 +648,7 @@ PYBIND11_MODULE(_C, m) {
         "align_words + word_logprobs for many sequences; returns [(words, word_ids, word_logprobs)].");
   m.def("ais_topk_batch", &ais_topk_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("k"),
         py::arg("mode") = "angle", "AIS scores and top-k indices per row, best first: (scores [B, k], idx [B, k]).");
-  m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("scale"),
-        "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32.");
+  m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
+        "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
+        "Gram matrix by d - 1 (INSIDE's form).");
 }

@@ -162,12 +162,10 @@ class CpuOps:
             ``[B]`` float32 (+inf for a request with no valid sample).
         """
         valid = check_eigenscore_args(z, alpha, valid, scale)  # [B, k] bool
-        b, _, d = z.shape
-        if b == 0:
+        if z.shape[0] == 0:
             return torch.empty(0, dtype=torch.float32)
-        factor = 1.0 / (d - 1) if scale == "cov" else 1.0
         mask = np.ascontiguousarray(valid.cpu().numpy()).view(np.uint8)  # bool -> uint8 without a copy
-        return self._float_op("eigenscore", _to_numpy_f32(z), mask, float(alpha), factor)
+        return self._float_op("eigenscore", _to_numpy_f32(z), mask, float(alpha), scale == "cov")
 
     def ais_topk_batch(self, Q: torch.Tensor, P: torch.Tensor, D: torch.Tensor, k: int,
                        mode: Literal["angle", "sum"] = "angle") -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,17 +206,13 @@ def ais_topk_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, k: int, mode: st
     return np.take_along_axis(scores, order, axis=1), order.astype(np.int64)
 
 
-def eigenscore(z: np.ndarray, valid: np.ndarray, alpha: float, scale: float) -> np.ndarray:
-    """SeaKR's eigenscore of ``z [B, k, d]`` over the ``valid [B, k]`` samples (``scale`` multiplies the Gram matrix:
-    1, or ``1 / (d - 1)`` for INSIDE's covariance form); the torch reference does the work."""
+def eigenscore(z: np.ndarray, valid: np.ndarray, alpha: float, cov: bool = False) -> np.ndarray:
+    """SeaKR's eigenscore of ``z [B, k, d]`` over the ``valid [B, k]`` samples (``cov``: INSIDE's covariance form);
+    the torch reference does the work."""
     import torch
 
     from fastgate.ops.reference import eigenscore as reference
 
-    d = z.shape[-1] if z.ndim == 3 else 0
-    form = None if scale == 1.0 else "cov"
-    if form == "cov" and not np.isclose(scale, 1.0 / max(d - 1, 1)):
-        raise ValueError(f"eigenscore: scale must be 1 or 1/(d-1), got {scale}")
     out = reference(torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32)), alpha,
-                    torch.from_numpy(np.asarray(valid, dtype=bool)), form)
+                    torch.from_numpy(np.asarray(valid, dtype=bool)), "cov" if cov else None)
     return out.numpy()
