@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -185,6 +186,18 @@ def _process_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor
     return logits
 
 
+def _per_prompt(value, kind: type, n: int, what: str) -> list:
+    """``value`` (one ``kind``, None for the default, or one per prompt) as a list of ``n``."""
+    if value is None or isinstance(value, kind):
+        return [value if value is not None else kind()] * n
+    out = [v if v is not None else kind() for v in value]
+    if len(out) != n:
+        raise InputError(f"generate: {len(out)} {what} for {n} prompts")
+    if any(not isinstance(v, kind) for v in out):
+        raise InputError(f"generate: {what} must be {kind.__name__} objects")
+    return out
+
+
 class Engine:
     """Batched generation with taps on one loaded model.
 
@@ -242,19 +255,19 @@ class Engine:
         """Number of tokens of ``text`` as a prompt (special tokens included)."""
         return len(self.tokenizer(text)["input_ids"])
 
-    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[list[list[int]], list[bool]]:
-        """Token ids of each prompt, cut on the left to leave room for ``max_new_tokens`` (and a forced EOS)."""
-        budget = self.lm.max_context - max_new_tokens - 1  # room for the forced EOS step
-        if budget < 1:
-            raise InputError(
-                f"max_new_tokens={max_new_tokens} leaves no room in the {self.lm.max_context}-token context"
-            )
+    def _encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Token ids of each prompt, cut on the left to leave room for its ``max_new_tokens`` (and a forced EOS)."""
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        budgets = [self.lm.max_context - m - 1 for m in limits]  # room for the forced EOS step
+        for m, budget in zip(limits, budgets):
+            if budget < 1:
+                raise InputError(f"max_new_tokens={m} leaves no room in the {self.lm.max_context}-token context")
         rows = [self.tokenizer(p)["input_ids"] for p in prompts]
         empty = [i for i, r in enumerate(rows) if not r]
         if empty:
             raise InputError(f"prompt {empty[0]} is empty after tokenisation")
-        truncated = [len(r) > budget for r in rows]
-        rows = [r[-budget:] if t else r for r, t in zip(rows, truncated)]  # keep the end: it holds the question
+        truncated = [len(r) > b for r, b in zip(rows, budgets)]
+        rows = [r[-b:] if t else r for r, t, b in zip(rows, truncated, budgets)]  # keep the end: it holds the question
         return rows, truncated
 
     def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,76 +460,119 @@ class Engine:
     def generate(
         self,
         prompts: list[str],
-        config: GenerationConfig | None = None,
-        taps: TapSpec | None = None,
-        k: int = 1,
-        seeds: list[int] | None = None,
+        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        taps: TapSpec | Sequence[TapSpec | None] | None = None,
+        k: int | Sequence[int] = 1,
+        seeds: Sequence[int | None] | None = None,
     ) -> GenerationBatch:
         """Generate for a batch of prompts.
 
         Args:
             prompts: B prompt strings (left-padded into one batch).
-            config: decoding settings.
-            taps: signals to capture; see :class:`~fastgate.config.TapSpec`.
-            k: samples per prompt; the k samples share the prompt's prefill (KV cache expanded after it).
+            config: decoding settings, one for the batch or one per prompt (rows may then differ in temperature,
+                top-k, top-p, stop strings, max tokens and greedy vs sampled).
+            taps: signals to capture, one :class:`~fastgate.config.TapSpec` for the batch or one per prompt; with
+                per-prompt taps the running sums cover the union of the layers asked for (``batch.layers``), and
+                rows that asked for none of them are still summed (their sums are simply not read).
+            k: samples per prompt (an int, or one per prompt); the k samples share the prompt's prefill (KV cache
+                expanded after it).
             seeds: one sampling seed per prompt. Sample j of prompt i then draws from its own generator seeded with
-                ``(seeds[i], j)``, so its tokens do not depend on what else is in the batch (``config.seed`` seeds
-                one generator shared by the whole batch instead).
+                ``(seeds[i], j)``, so its tokens do not depend on what else is in the batch. With one config and no
+                seeds, ``config.seed`` seeds one generator shared by the whole batch; with per-prompt configs a
+                sampled row without a seed draws from its own generator seeded with its config's seed (0 if None).
 
         Returns:
-            A :class:`GenerationBatch` with ``B*k`` sequences, prompt-major (sample j of prompt i at ``i*k + j``).
+            A :class:`GenerationBatch` with ``Σ k_i`` sequences, prompt-major (the samples of prompt i follow those of
+            prompt i-1).
         """
         from transformers import DynamicCache
 
-        cfg = config or GenerationConfig()
-        taps = taps or TapSpec()
         if not prompts:
             raise InputError("generate: no prompts")
-        if k < 1:
+        b = len(prompts)
+        per_row = not (config is None or isinstance(config, GenerationConfig)) or not (
+            taps is None or isinstance(taps, TapSpec)) or not isinstance(k, int)
+        cfgs = _per_prompt(config, GenerationConfig, b, "configs")
+        row_taps = _per_prompt(taps, TapSpec, b, "taps")
+        ks = [k] * b if isinstance(k, int) else list(k)
+        if len(ks) != b:
+            raise InputError(f"generate: {len(ks)} sample counts for {b} prompts")
+        if any(not isinstance(x, int) or x < 1 for x in ks):
             raise InputError(f"k must be >= 1, got {k}")
-        mid = taps.mid_layer if taps.mid_layer is not None else self.n_layers // 2
-        for layer in (*taps.layers, mid):
+        if seeds is not None and len(seeds) != b:
+            raise InputError(f"generate: {len(seeds)} seeds for {b} prompts")
+        mids = {t.mid_layer if t.mid_layer is not None else self.n_layers // 2
+                for t in row_taps if t.pre_answer or t.eos_state}
+        if len(mids) > 1:
+            raise InputError(f"generate: rows ask for pre-answer / EOS states at different layers {sorted(mids)}")
+        mid = mids.pop() if mids else (row_taps[0].mid_layer if row_taps[0].mid_layer is not None
+                                       else self.n_layers // 2)
+        if per_row:
+            layers = tuple(sorted({x for t in row_taps for x in t.layers}))
+        else:
+            layers = tuple(row_taps[0].layers)
+        for layer in (*layers, mid):
             if not 0 <= layer <= self.n_layers:
                 raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
+        want_pre = any(t.pre_answer for t in row_taps)
+        want_eos = any(t.eos_state for t in row_taps)
         t_start = time.perf_counter()
-        rows, truncated = self._encode(prompts, cfg.max_new_tokens)
+        rows, truncated = self._encode(prompts, [c.max_new_tokens for c in cfgs])
         prompt_lens = [len(r) for r in rows]
         if self.prefix_cache:
             self._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
-        tap_layers = tuple(sorted(set(taps.layers) | ({mid} if (taps.pre_answer or taps.eos_state) else set())))
+        tap_layers = tuple(sorted(set(layers) | ({mid} if (want_pre or want_eos) else set())))
         hooks = _Taps(self.model, tap_layers) if tap_layers else None
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InputError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        # sequence i is sample j of prompt owner[i]
+        owner = [p for p in range(b) for _ in range(ks[p])]
+        sample = [j for p in range(b) for j in range(ks[p])]
+        n = len(owner)
+        seq_cfg = [cfgs[p] for p in owner]
+        seq_taps = [row_taps[p] for p in owner]
         generator = None
-        row_generators = None
-        if cfg.do_sample and seeds is not None:
-            row_generators = [torch.Generator(device=self.device).manual_seed((int(seeds[i // k]) * 1_000_003 + i % k)
-                                                                              % (2**63))
-                              for i in range(len(prompts) * k)]
-        elif cfg.do_sample and cfg.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        row_generators: list[torch.Generator | None] = [None] * n
+        for i in range(n):
+            c, p = seq_cfg[i], owner[i]
+            if not c.do_sample:
+                continue
+            seed = seeds[p] if seeds is not None else None
+            if seed is None and per_row:
+                seed = c.seed if c.seed is not None else 0
+            if seed is not None:
+                row_generators[i] = torch.Generator(device=self.device).manual_seed(
+                    (int(seed) * 1_000_003 + sample[i]) % (2**63))
+            elif generator is None and c.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(c.seed)
+        # rows that sample with the same settings are processed together (row-wise ops: identical per row)
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(seq_cfg):
+            if c.do_sample:
+                groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(i)
+        greedy_rows = [i for i, c in enumerate(seq_cfg) if not c.do_sample]
         try:
             cache = DynamicCache(config=self.model.config)
             # the pre-answer tap reads the hooks after the prefill: one forward, so they hold every row
-            logits, mask = self._prefill(rows, cache, chunked=not taps.pre_answer)  # [B, V], [B, T]
+            logits, mask = self._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
             t_prefill = time.perf_counter()
             pre_answer = None
-            if taps.pre_answer:
+            if want_pre:
                 pre_answer = hooks.outputs[mid][:, -1, :].to(torch.float32)  # [B, d]
-            if k > 1:
-                cache.batch_repeat_interleave(k)
-                logits = logits.repeat_interleave(k, dim=0)
-                mask = mask.repeat_interleave(k, dim=0)
-                pre_answer = pre_answer.repeat_interleave(k, dim=0) if pre_answer is not None else None
-            n = logits.shape[0]
-            seq_prompt = [prompt_lens[i // k] for i in range(n)]
-            seq_trunc = [truncated[i // k] for i in range(n)]
+            if n != b:
+                if all(x == ks[0] for x in ks):
+                    cache.batch_repeat_interleave(ks[0])
+                else:
+                    cache.batch_select_indices(torch.tensor(owner, device=self.device))
+                index = torch.tensor(owner, device=self.device)
+                logits, mask = logits[index], mask[index]
+                pre_answer = pre_answer[index] if pre_answer is not None else None
+            seq_prompt = [prompt_lens[p] for p in owner]
+            seq_trunc = [truncated[p] for p in owner]
             d = self.lm.hidden_size
             running_sum = count = None
-            if taps.layers:
-                running_sum = torch.zeros((n, len(taps.layers), d), dtype=torch.float32, device=self.device)
+            if layers:
+                running_sum = torch.zeros((n, len(layers), d), dtype=torch.float32, device=self.device)
                 count = torch.zeros(n, dtype=torch.float32, device=self.device)
-            eos_state = torch.zeros((n, d), dtype=torch.float32, device=self.device) if taps.eos_state else None
+            eos_state = torch.zeros((n, d), dtype=torch.float32, device=self.device) if want_eos else None
 
             state = [_ACTIVE] * n
             tokens: list[list[int]] = [[] for _ in range(n)]
@@ -533,16 +589,22 @@ class Engine:
                 active_rows = [i for i in range(n) if state[i] == _ACTIVE]
                 if active_rows:
                     logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-                    if cfg.do_sample:
-                        probs = _process_logits(logits, cfg).softmax(-1)
-                        if row_generators is None:
+                    chosen = logits.argmax(-1) if greedy_rows else torch.zeros(n, dtype=torch.long,
+                                                                               device=self.device)  # [N]
+                    for rows_g in groups.values():
+                        live = [i for i in rows_g if state[i] == _ACTIVE]
+                        if not live:
+                            continue
+                        whole = len(rows_g) == n
+                        sub = logits if whole else logits[torch.tensor(rows_g, device=self.device)]
+                        probs = _process_logits(sub, seq_cfg[rows_g[0]]).softmax(-1)  # [G, V]
+                        pos = {i: j for j, i in enumerate(rows_g)}
+                        if all(row_generators[i] is None for i in live) and whole:
                             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
-                        else:
-                            chosen = torch.zeros(n, dtype=torch.long, device=self.device)  # [N]
-                            for i in active_rows:
-                                chosen[i] = torch.multinomial(probs[i], 1, generator=row_generators[i])[0]
-                    else:
-                        chosen = logits.argmax(-1)  # [N]
+                            continue
+                        for i in live:
+                            chosen[i] = torch.multinomial(probs[pos[i]], 1, generator=row_generators[i]
+                                                          if row_generators[i] is not None else generator)[0]
                     chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [N]
                     chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
                     steps += 1
@@ -550,8 +612,8 @@ class Engine:
                         tok = chosen_l[i]
                         tokens[i].append(tok)
                         logps[i].append(chosen_lp_l[i])
-                        self._update_finish(i, tok, tokens, texts, answer_len, reason, stops, state, cfg, eos_set,
-                                            taps)
+                        self._update_finish(i, tok, tokens, texts, answer_len, reason, stops, state, seq_cfg[i],
+                                            eos_set, seq_taps[i])
                 # 2. decide what each row feeds next
                 feed = [self.pad_id] * n
                 attend = [0] * n
@@ -567,11 +629,12 @@ class Engine:
                         feed[i], attend[i] = last, 1
                         is_eos = last in eos_set
                         counts_now[i] = 0.0 if is_eos else 1.0
-                        if taps.eos_state and is_eos:
+                        eos_tap = seq_taps[i].eos_state
+                        if eos_tap and is_eos:
                             capture_eos[i] = True
                             state[i] = _DONE
                         else:
-                            state[i] = _FLUSH_EOS if taps.eos_state else _DONE
+                            state[i] = _FLUSH_EOS if eos_tap else _DONE
                     elif s == _FLUSH_EOS:
                         feed[i], attend[i] = self.eos_id, 1
                         capture_eos[i] = True
@@ -585,13 +648,13 @@ class Engine:
                 forwards += 1
                 t_taps = time.perf_counter()
                 if running_sum is not None:
-                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in taps.layers], dim=1)  # [N, L, d]
+                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in layers], dim=1)  # [N, L, d]
                     weight = torch.tensor(counts_now, dtype=torch.float32, device=self.device)  # [N]
                     self._accumulate(running_sum, states, weight)
                     count += weight
                 if eos_state is not None and any(capture_eos):
-                    rows = torch.tensor([i for i in range(n) if capture_eos[i]], device=self.device)
-                    eos_state[rows] = hooks.outputs[mid][rows, -1, :].to(torch.float32)
+                    eos_rows = torch.tensor([i for i in range(n) if capture_eos[i]], device=self.device)
+                    eos_state[eos_rows] = hooks.outputs[mid][eos_rows, -1, :].to(torch.float32)
                 taps_s += time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
         finally:
             if hooks is not None:
@@ -616,7 +679,7 @@ class Engine:
             count=count,
             pre_answer=pre_answer,
             eos_state=eos_state,
-            layers=tuple(taps.layers),
+            layers=layers,
             steps=steps,
             forwards=forwards,
             timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start,

@@ -1,6 +1,6 @@
 """Gates: retrieval triggers computed from the engine's taps."""
 
-from fastgate.gates.base import Gate, GateDecision, GateStep
+from fastgate.gates.base import Gate, GateStep
 from fastgate.gates.uncertainty import AnswerNLLGate
 
-__all__ = ["AnswerNLLGate", "Gate", "GateDecision", "GateStep"]
+__all__ = ["AnswerNLLGate", "Gate", "GateStep"]

@@ -1,16 +1,21 @@
-"""Gate interface: turn the engine's taps into a score and a retrieve/skip decision for a whole batch."""
+"""Gate interface: every gate turns signals into scores with one batched op, then applies one decision rule.
+
+The scheduler batches scoring generically: the programs waiting on gates with the same ``batch_key`` get their
+scores from one :meth:`Gate.scores` call (one eigenscore or prober launch), and each program's own gate applies its
+rule (:meth:`Gate.step`) to its score.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
 
 from fastgate.config import TapSpec
-from fastgate.engine import GenerationBatch
 
-__all__ = ["Gate", "GateDecision", "GateStep"]
+__all__ = ["Gate", "GateStep"]
 
 
 @dataclass(frozen=True)
@@ -26,24 +31,32 @@ class GateStep:
         return {"gate": self.gate, "score": self.score, "threshold": self.threshold, "retrieve": self.retrieve}
 
 
-@dataclass(frozen=True)
-class GateDecision:
-    """Scores and decisions for a batch."""
+class Gate:
+    """A retrieval trigger: ``signals → scores`` (batched) → one decision rule per signal.
 
-    scores: torch.Tensor  # [N] float32
-    retrieve: list[bool]  # [N]
-    threshold: float
-    gate: str
+    Subclasses set ``name`` and ``taps`` (what the engine must capture for the signal) and implement :meth:`scores`
+    and :meth:`step`.
+    """
 
-    def step(self, i: int) -> GateStep:
-        return GateStep(self.gate, float(self.scores[i]), self.threshold, self.retrieve[i])
+    name: str = ""
+    taps: TapSpec = TapSpec()
 
+    @property
+    def batch_key(self) -> Hashable:
+        """Gates with equal keys score each other's signals in one call (default: this gate only)."""
+        return id(self)
 
-class Gate(Protocol):
-    """A retrieval trigger. ``taps`` says what the engine must capture for :meth:`decide`."""
+    def scores(self, signals: Sequence[Any]) -> torch.Tensor:  # pragma: no cover - abstract
+        """One score per signal ``[N]`` (a row per signal for multi-part scores), from one batched op."""
+        raise NotImplementedError
 
-    name: str
-    taps: TapSpec
+    def step(self, score: Any, signal: Any = None) -> GateStep:  # pragma: no cover - abstract
+        """The decision rule for one score."""
+        raise NotImplementedError
 
-    def decide(self, batch: GenerationBatch) -> GateDecision:
-        ...
+    def decide(self, signals: Sequence[Any]) -> list[GateStep]:
+        """Scores for all signals at once, then the rule for each."""
+        if not signals:
+            return []
+        scores = self.scores(signals)
+        return [self.step(s.item() if s.ndim == 0 else s, x) for s, x in zip(scores, signals)]

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine import GenerationBatch
 from fastgate.errors import InputError
-from fastgate.gates.base import GateDecision
+from fastgate.gates.base import Gate, GateStep
 from fastgate.ops.backend import GateOps, gate_ops
 
-__all__ = ["EigenScoreGate"]
+__all__ = ["EigenScoreGate", "PathChoice"]
 
 
-class EigenScoreGate:
+class EigenScoreGate(Gate):
     """Retrieve iff ``eigenscore(H_EOS of k samples) > δ`` (SeaKR §3.4, SPEC §4 op 2).
+
+    The signal is the :class:`~fastgate.engine.GenerationBatch` of one context's k samples, generated with
+    ``taps=gate.taps``. Signals with fewer samples are padded with invalid rows, so one launch scores them all.
 
     Args:
         k: samples per context (SeaKR: 20).
@@ -38,21 +43,30 @@ class EigenScoreGate:
         self.scale = scale
         self.taps = TapSpec(eos_state=True, mid_layer=mid_layer)
 
-    def scores(self, batch: GenerationBatch) -> torch.Tensor:
-        """``[B]`` eigenscores of a batch generated with ``k=self.k`` samples per prompt and ``taps=self.taps``."""
-        if batch.eos_state is None:
-            raise InputError("the eigenscore gate needs EOS states; generate with taps=gate.taps")
-        n, d = batch.eos_state.shape
-        if n % self.k:
-            raise InputError(f"{n} sequences is not a multiple of k={self.k}")
-        z = batch.eos_state.view(n // self.k, self.k, d)  # [B, k, d]
-        # an empty sample carries no answer: SeaKR drops it from the Gram matrix
-        valid = torch.tensor([bool(s.text.strip()) for s in batch.sequences], device=z.device).view(-1, self.k)
-        return self.ops.eigenscore(z, self.alpha, valid, self.scale).cpu()
+    @property
+    def batch_key(self):
+        return ("eigenscore", self.alpha, self.scale, id(self.ops))
 
-    def decide(self, batch: GenerationBatch) -> GateDecision:
-        s = self.scores(batch)
-        return GateDecision(s, [bool(x > self.delta) for x in s.tolist()], self.delta, self.name)
+    def scores(self, signals: Sequence[GenerationBatch]) -> torch.Tensor:
+        """``[B]`` eigenscores, one per k-sample batch, from one eigenscore launch."""
+        if not signals:
+            return torch.zeros(0)
+        for b in signals:
+            if b.eos_state is None:
+                raise InputError("the eigenscore gate needs EOS states; generate with taps=gate.taps")
+        k = max(b.eos_state.shape[0] for b in signals)
+        d = signals[0].eos_state.shape[1]
+        z = signals[0].eos_state.new_zeros((len(signals), k, d))  # [B, k, d]
+        valid = torch.zeros((len(signals), k), dtype=torch.bool)  # [B, k]
+        for i, b in enumerate(signals):
+            n = b.eos_state.shape[0]
+            z[i, :n] = b.eos_state
+            # an empty sample carries no answer: SeaKR drops it from the Gram matrix
+            valid[i, :n] = torch.tensor([bool(s.text.strip()) for s in b.sequences])
+        return self.ops.eigenscore(z, self.alpha, valid.to(z.device), self.scale).cpu()
+
+    def step(self, score: float, signal=None) -> GateStep:
+        return GateStep(self.name, float(score), self.delta, bool(score > self.delta))
 
     @staticmethod
     def sampling(max_new_tokens: int, stop: tuple[str, ...], temperature: float = 1.0, top_k: int = 50,
@@ -60,3 +74,29 @@ class EigenScoreGate:
         """SeaKR's sampling settings (T=1.0, top-k 50, top-p 0.9)."""
         return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=stop)
+
+
+class PathChoice(Gate):
+    """SeaKR's self-aware reasoning: take the knowledge path iff its eigenscore is below the rationale path's.
+
+    The signal is ``(knowledge_samples, rationale_samples)``; both eigenscores come from one launch of ``eigen``'s
+    op. The step reports the knowledge path's score against the rationale path's as its threshold.
+    """
+
+    name = "knowledge_path_eigenscore"
+
+    def __init__(self, eigen: EigenScoreGate) -> None:
+        self.eigen = eigen
+        self.taps = eigen.taps
+
+    @property
+    def batch_key(self):
+        return ("path",) + self.eigen.batch_key
+
+    def scores(self, signals: Sequence[tuple[GenerationBatch, GenerationBatch]]) -> torch.Tensor:
+        flat = [b for pair in signals for b in pair]
+        return self.eigen.scores(flat).view(len(signals), 2)  # [B, 2]: knowledge, rationale
+
+    def step(self, score: torch.Tensor, signal=None) -> GateStep:
+        k, r = float(score[0]), float(score[1])
+        return GateStep(self.name, k, r, bool(k < r))

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fastgate.config import TapSpec
 from fastgate.engine import GenerationBatch
 from fastgate.errors import InputError, ShapeError
-from fastgate.gates.base import GateDecision
+from fastgate.gates.base import Gate, GateStep
 from fastgate.ops import ProbeParams
 from fastgate.ops.backend import GateOps, gate_ops
 
 __all__ = ["ConfidenceGate", "ProberGate"]
 
 
-class ProberGate:
+class ProberGate(Gate):
     """Probing-RAG (Baek et al., 2025): retrieve iff ``Σ_l softmax(prober_l)[0] + θ > Σ_l softmax(prober_l)[1]``.
 
     Each prober reads the mean hidden state of the generated rationale+answer tokens at its layer, which the engine
@@ -40,7 +42,11 @@ class ProberGate:
         self.theta = float(theta)
         self.taps = TapSpec(layers=tuple(layers))
 
-    def scores(self, running_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    @property
+    def batch_key(self):
+        return ("prober", id(self.params), id(self.ops))
+
+    def prober_scores(self, running_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """``Σ p0 − Σ p1`` per sequence ``[N]``; a sequence without generated tokens gets +inf (retrieve)."""
         out = torch.full((running_sum.shape[0],), float("inf"), dtype=torch.float32)
         ok = count > 0
@@ -49,15 +55,21 @@ class ProberGate:
             out[ok.cpu()] = (probs[..., 0].sum(-1) - probs[..., 1].sum(-1)).float().cpu()
         return out
 
-    def decide(self, batch: GenerationBatch) -> GateDecision:
-        if batch.running_sum is None or batch.layers != self.taps.layers:
-            raise InputError(f"the prober gate needs running sums at layers {list(self.taps.layers)}; generate with "
-                             "taps=gate.taps")
-        s = self.scores(batch.running_sum, batch.count)
-        return GateDecision(s, [bool(x > -self.theta) for x in s.tolist()], -self.theta, self.name)
+    def scores(self, signals: Sequence[GenerationBatch]) -> torch.Tensor:
+        """One score per generated answer (the signal: its one-sequence batch with running sums at the probers'
+        layers), from one prober launch."""
+        for b in signals:
+            if b.running_sum is None or b.layers != self.taps.layers:
+                raise InputError(f"the prober gate needs running sums at layers {list(self.taps.layers)}; generate "
+                                 "with taps=gate.taps")
+        sums = torch.cat([b.running_sum for b in signals])  # [N, L, d]
+        return self.prober_scores(sums, torch.cat([b.count for b in signals]))
+
+    def step(self, score: float, signal=None) -> GateStep:
+        return GateStep(self.name, float(score), -self.theta, bool(score > -self.theta))
 
 
-class ConfidenceGate:
+class ConfidenceGate(Gate):
     """CBDR (2025): ``Conf = softmax(E(pre_answer))[1]``; skip retrieval iff ``Conf > β``.
 
     ``E`` is the probe MLP with one layer; ``pre_answer`` is the mid-layer state of the prompt's last token, so the
@@ -85,11 +97,13 @@ class ConfidenceGate:
         ones = torch.ones(states.shape[0], dtype=torch.float32, device=states.device)
         return self.ops.probe_logits(states[:, None, :], ones, self.params).softmax(-1)[:, 0, 1].float().cpu()  # [N]
 
-    def decide_states(self, states: torch.Tensor) -> GateDecision:
-        conf = self.confidence(states)
-        return GateDecision(conf, [bool(c <= self.beta) for c in conf.tolist()], self.beta, self.name)
+    @property
+    def batch_key(self):
+        return ("confidence", id(self.params), id(self.ops))
 
-    def decide(self, batch: GenerationBatch) -> GateDecision:
-        if batch.pre_answer is None:
-            raise InputError("the confidence gate needs pre_answer states; generate with taps=gate.taps")
-        return self.decide_states(batch.pre_answer)
+    def scores(self, signals: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Conf per pre-answer state (the signal: a ``[d]`` state), from one launch."""
+        return self.confidence(torch.stack(list(signals)))
+
+    def step(self, score: float, signal=None) -> GateStep:
+        return GateStep(self.name, float(score), self.beta, bool(score <= self.beta))

@@ -4,6 +4,7 @@ semantic-contribution-aware thresholds (with its Percentile-Filtered Query)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,10 +13,10 @@ import torch
 
 from fastgate.engine import Engine, Generation
 from fastgate.errors import InputError
-from fastgate.gates.base import GateDecision
+from fastgate.gates.base import Gate, GateStep
 from fastgate.ops import CpuOps
 
-__all__ = ["FlareGate", "ScaarGate", "SentenceWords", "sentence_words"]
+__all__ = ["FlareGate", "ScaarGate", "SentenceWords", "WordStep", "sentence_words"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,27 @@ def sentence_words(engine: Engine, ops: CpuOps, seqs: list[Generation]) -> list[
     return out
 
 
-class FlareGate:
+@dataclass(frozen=True)
+class WordStep(GateStep):
+    """A word gate's step, with the search query it builds from the sentence (reported like any gate step)."""
+
+    query: str = ""
+
+
+class _WordGate(Gate):
+    """The signal of a word gate is ``(question, sentence Generation)``; one batched alignment serves all of them."""
+
+    def __init__(self, engine: Engine | None = None, ops: CpuOps | None = None) -> None:
+        self.engine = engine
+        self.ops = ops
+
+    def words(self, signals: Sequence[tuple[str, Generation]]) -> list[SentenceWords]:
+        if self.engine is None or self.ops is None:
+            raise InputError(f"{type(self).__name__} needs engine= and ops= to read sentences")
+        return sentence_words(self.engine, self.ops, [seq for _, seq in signals])
+
+
+class FlareGate(_WordGate):
     """FLARE (Jiang et al., 2023): retrieve iff any word of the next sentence has P'(w) < θ.
 
     The search query is the sentence with those low-confidence words removed (FLARE's masked query). The reported
@@ -61,21 +82,40 @@ class FlareGate:
 
     name = "min_word_prob"
 
-    def __init__(self, theta: float = 0.4) -> None:
+    def __init__(self, theta: float = 0.4, engine: Engine | None = None, ops: CpuOps | None = None,
+                 query_with_question: bool = False) -> None:
+        super().__init__(engine, ops)
         if not 0.0 <= theta <= 1.0:
             raise InputError(f"theta must be in [0, 1], got {theta}")
         self.theta = float(theta)
+        self.query_with_question = query_with_question
 
-    def decide_words(self, sentences: list[SentenceWords]) -> GateDecision:
-        scores = torch.tensor([float(s.prob.min()) if len(s.words) else 1.0 for s in sentences], dtype=torch.float32)
-        return GateDecision(scores, [bool(x < self.theta) for x in scores.tolist()], self.theta, self.name)
+    def word_scores(self, sentences: list[SentenceWords]) -> torch.Tensor:
+        """The lowest word probability per sentence ``[N]`` (1 for a sentence without words)."""
+        return torch.tensor([float(s.prob.min()) if len(s.words) else 1.0 for s in sentences], dtype=torch.float32)
+
+    def scores(self, signals):
+        return self.word_scores(self.words(signals))
+
+    def step(self, score: float, signal=None) -> GateStep:
+        return GateStep(self.name, float(score), self.theta, bool(score < self.theta))
+
+    def decide(self, signals: Sequence[tuple[str, Generation]]) -> list[WordStep]:
+        """Steps with FLARE's masked query (the question is prepended when asked for or when nothing is left)."""
+        sentences = self.words(signals)
+        out = []
+        for (q, _), s, x in zip(signals, sentences, self.word_scores(sentences).tolist()):
+            masked = self.query(s)
+            query = f"{q} {masked}" if self.query_with_question or not masked.strip() else masked
+            out.append(WordStep(self.name, x, self.theta, bool(x < self.theta), query))
+        return out
 
     def query(self, sentence: SentenceWords) -> str:
         keep = [w for w, p in zip(sentence.words, sentence.prob) if p >= self.theta]
         return " ".join(keep)
 
 
-class ScaarGate:
+class ScaarGate(_WordGate):
     """SCAAR: per-word thresholds scaled by semantic contribution; retrieve iff any ``P'(w) < θ_w``.
 
     ``r(w) = clip(1 − sim([q, s], [q, s∖w]), 0, 1)`` with ``sim`` the cosine of the embedder's vectors (SCAAR eq. 1
@@ -93,7 +133,9 @@ class ScaarGate:
     name = "scaar"
 
     def __init__(self, embedder, theta: float = 0.8, alpha: float = 0.5,
-                 weighting: Literal["literal", "normalized"] = "literal") -> None:
+                 weighting: Literal["literal", "normalized"] = "literal", engine: Engine | None = None,
+                 ops: CpuOps | None = None) -> None:
+        super().__init__(engine, ops)
         if not 0.0 <= theta <= 1.0:
             raise InputError(f"theta must be in [0, 1], got {theta}")
         if not 0.0 < alpha <= 1.0:
@@ -126,15 +168,29 @@ class ScaarGate:
             r = len(r) * r / total if total > 0 else np.ones_like(r)
         return self.theta * np.exp(r)
 
-    def decide_words(self, questions: list[str], sentences: list[SentenceWords]) -> tuple[GateDecision,
-                                                                                           list[np.ndarray]]:
-        """Decision per sentence, and each sentence's contributions (reused by :meth:`query`)."""
+    def word_scores(self, sentences: list[SentenceWords], contribs: list[np.ndarray]) -> torch.Tensor:
+        """``min_w (P'(w) − θ_w)`` per sentence ``[N]`` (1 for a sentence without words)."""
+        scores = [float((s.prob - self.thresholds(r)).min()) if len(s.words) else 1.0
+                  for s, r in zip(sentences, contribs)]
+        return torch.tensor(scores, dtype=torch.float64)
+
+    def scores(self, signals):
+        sentences = self.words(signals)
+        return self.word_scores(sentences, self.contributions([q for q, _ in signals], sentences))
+
+    def step(self, score: float, signal=None) -> GateStep:
+        return GateStep(self.name, float(score), 0.0, bool(score < 0))
+
+    def decide(self, signals: Sequence[tuple[str, Generation]]) -> list[WordStep]:
+        """Steps with SCAAR's Percentile-Filtered Query, from one alignment and one batched encode."""
+        questions = [q for q, _ in signals]
+        sentences = self.words(signals)
         contribs = self.contributions(questions, sentences)
-        scores = []
-        for s, r in zip(sentences, contribs):
-            scores.append(float((s.prob - self.thresholds(r)).min()) if len(s.words) else 1.0)
-        t = torch.tensor(scores, dtype=torch.float32)
-        return GateDecision(t, [bool(x < 0) for x in scores], 0.0, self.name), contribs
+        out = []
+        for q, s, r, x in zip(questions, sentences, contribs, self.word_scores(sentences, contribs).tolist()):
+            out.append(WordStep(self.name, float(torch.tensor(x, dtype=torch.float32)), 0.0, bool(x < 0),
+                                self.query(q, s, r)))
+        return out
 
     def query(self, question: str, sentence: SentenceWords, r: np.ndarray) -> str:
         """SCAAR's Percentile-Filtered Query: the question plus the top-α words by contribution that are not

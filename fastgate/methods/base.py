@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from fastgate.config import GenerationConfig
-from fastgate.engine import Engine, Generation, GenerationBatch
+from fastgate.engine import Engine, Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
+from fastgate.programs import Generate, Program
 from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
@@ -47,7 +46,7 @@ class MethodResult:
     lm_calls: int
     generated_tokens: int
     gate_steps: list[GateStep] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds; phases of the batch this question ran in
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: this question's total and its calls' phases
     truncated: bool = False  # a prompt was cut on the left to fit the context
     method: str = ""
 
@@ -65,43 +64,6 @@ class MethodResult:
             "timings": self.timings,
             "truncated": self.truncated,
         }
-
-
-@dataclass
-class _Trace:
-    """What one question accumulates while a method runs; :meth:`result` turns it into a :class:`MethodResult`."""
-
-    retrieval_calls: int = 0
-    lm_calls: int = 0
-    generated_tokens: int = 0
-    gate_steps: list[GateStep] = field(default_factory=list)
-    passages: list[Hit] = field(default_factory=list)
-    truncated: bool = False
-
-    def generation(self, *seqs: Generation) -> None:
-        """One LM call that produced ``seqs`` (k samples of one prompt count as one call)."""
-        self.lm_calls += 1
-        self.generated_tokens += sum(len(s.token_ids) for s in seqs)
-        self.truncated = self.truncated or any(s.truncated for s in seqs)
-
-    def retrieval(self, hits: list[Hit], keep: bool = True) -> None:
-        """One retrieval call; ``keep`` adds its passages (deduplicated, in order) to the passages used."""
-        self.retrieval_calls += 1
-        if keep:
-            self.use(hits)
-
-    def use(self, hits: list[Hit]) -> None:
-        seen = {h.id for h in self.passages}
-        for h in hits:
-            if h.id not in seen:
-                seen.add(h.id)
-                self.passages.append(h)
-
-    def result(self, question: str, answer: str, method: str, timings: dict[str, float]) -> MethodResult:
-        return MethodResult(question=question, answer=answer, retrieved=self.retrieval_calls > 0,
-                            passages=list(self.passages), retrieval_calls=self.retrieval_calls, lm_calls=self.lm_calls,
-                            generated_tokens=self.generated_tokens, gate_steps=list(self.gate_steps),
-                            timings=dict(timings), truncated=self.truncated, method=method)
 
 
 def append_sentence(text: str, seq: Generation) -> tuple[str, bool]:
@@ -145,25 +107,11 @@ def check_questions(engine: Engine, config: MethodConfig, questions: list[str]) 
     return out
 
 
-class _Timer:
-    """Accumulates seconds per named phase."""
-
-    def __init__(self) -> None:
-        self.spans: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def span(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.spans[name] = self.spans.get(name, 0.0) + time.perf_counter() - t0
-
-
 class Method:
-    """Base class: question validation, prompt building and the batched generate / retrieve helpers.
+    """Base class: question validation, prompt building and running on the scheduler.
 
-    Subclasses implement :meth:`answer_batch`; :meth:`answer` is the batch of one.
+    Subclasses implement :meth:`program`, the paper's algorithm for one question; :meth:`answer_batch` runs one
+    program per question on a :class:`~fastgate.scheduler.Scheduler`, which batches their requests.
     """
 
     name: ClassVar[str] = ""
@@ -200,23 +148,34 @@ class Method:
     def answer_config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.config.max_answer_tokens, stop=ANSWER_STOP)
 
-    def generate_closed_book(self, questions: list[str], timer: _Timer) -> GenerationBatch:
-        with timer.span("generation_s"):
-            return self.engine.generate([closed_book_prompt(q) for q in questions], self.answer_config())
+    def closed_book(self, question: str) -> Generate:
+        """The request for a greedy closed-book answer."""
+        return Generate(closed_book_prompt(question), self.answer_config())
 
-    def retrieve(self, queries: list[str], timer: _Timer) -> list[list[Hit]]:
-        assert self.retriever is not None
-        with timer.span("retrieval_s"):
-            return self.retriever.search_batch(queries, self.config.k)
+    def with_passages(self, question: str, hits: Sequence[Hit]) -> Generate:
+        """The request for a greedy answer from ``hits``."""
+        return Generate(rag_prompt(question, [h.passage for h in hits], self.config.passage_words),
+                        self.answer_config())
 
-    def generate_with_passages(self, questions: list[str], hits: list[list[Hit]], timer: _Timer) -> GenerationBatch:
-        prompts = [rag_prompt(q, [h.passage for h in hs], self.config.passage_words) for q, hs in zip(questions, hits)]
-        with timer.span("generation_s"):
-            return self.engine.generate(prompts, self.answer_config())
+    # ------------------------------------------------------------------ running
+    def program(self, question: str) -> Program:  # pragma: no cover - abstract
+        """This method's algorithm for one question, as a step program (see :mod:`fastgate.programs`)."""
+        raise NotImplementedError
+
+    def result(self, question: str, answer: str, trace, timings: dict[str, float]) -> MethodResult:
+        """The :class:`MethodResult` of a finished program, from its trace."""
+        return MethodResult(question=question, answer=answer, retrieved=trace.retrieval_calls > 0,
+                            passages=list(trace.passages), retrieval_calls=trace.retrieval_calls,
+                            lm_calls=trace.lm_calls, generated_tokens=trace.generated_tokens,
+                            gate_steps=list(trace.gate_steps), timings=dict(timings), truncated=trace.truncated,
+                            method=self.name)
 
     def answer(self, question: str) -> MethodResult:
         """Answer one question."""
         return self.answer_batch([question])[0]
 
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
+        """Answer several questions: their programs run together on one scheduler, in input order."""
+        from fastgate.scheduler import Scheduler
+
+        return Scheduler(self.engine).answer(self, self.validate(questions))

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.prober import ConfidenceGate
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method, MethodConfig
 from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
+from fastgate.programs import All, Answer, Decide, Embed, Program, PromptStates, Score, Search
 from fastgate.prompts import closed_book_prompt, rag_prompt
 from fastgate.retrieval.base import Hit
 
@@ -61,76 +62,41 @@ class Cbdr(Method):
         self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.gate_ops)
         self._reranker = None  # the trained reranker's embedder, loaded on first use
 
-    def rerank(self, questions: list[str], conf_q: list[float], cands: list[list[Hit]], timer: _Timer
-               ) -> list[list[Hit]]:
-        """Top-k of each candidate list by confidence shift, from one batched prefill of all (question, passage)."""
+    def program(self, question: str) -> Program:
         c = self.config
-        if c.reranker == "none":
-            return [hs[: c.k] for hs in cands]
-        if c.reranker == "trained":
-            return self._rerank_trained(questions, cands)
-        prompts = [rag_prompt(q, [h.passage], c.passage_words) for q, hs in zip(questions, cands) for h in hs]
-        if not prompts:
-            return [[] for _ in cands]
-        with timer.span("rerank_s"):
-            conf = self.gate.confidence(self.engine.prompt_states(prompts, self.gate.layer)).tolist()  # [Σ n_i]
-        out, pos = [], 0
-        for cq, hs in zip(conf_q, cands):
-            inc = [conf[pos + j] - cq for j in range(len(hs))]
-            pos += len(hs)
-            order = sorted(range(len(hs)), key=lambda j: -inc[j])[: c.k]
-            out.append([Hit(hs[j].passage, inc[j]) for j in order])
-        return out
+        (state,) = yield PromptStates((closed_book_prompt(question),), self.gate.layer)  # one half-depth prefill
+        step = yield Decide(self.gate, state)  # skip iff Conf > beta
+        if not step.retrieve:
+            answer = (yield self.closed_book(question)).sequences[0]
+            return Answer(answer.text.strip())
+        (cands,) = yield Search(self.retriever, (question,), c.n_candidates)
+        hits = yield from self.rerank(question, step.score, cands)
+        answer = (yield self.with_passages(question, hits)).sequences[0]
+        return Answer(answer.text.strip(), hits)
 
-    def _rerank_trained(self, questions: list[str], cands: list[list[Hit]]) -> list[list[Hit]]:
-        """Top-k by cosine between the question and each passage under the fine-tuned embedder."""
+    def rerank(self, question: str, conf_q: float, cands: list[Hit]) -> Program:
+        """The top-k candidates by confidence shift ``Inc(Q,C) = Conf(Q+C) - Conf(Q)``, from one prefill of all
+        (question, passage) prompts (or by the trained reranker's cosine, or as retrieved)."""
+        c = self.config
+        if c.reranker == "none" or not cands:
+            return cands[: c.k]
+        if c.reranker == "trained":
+            texts = (question, *(f"{h.title}. {h.text}" if h.title else h.text for h in cands))
+            vecs = yield Embed(self._encode_trained, texts)  # [1 + n, dim]
+            sims = (vecs[1:] @ vecs[0]).tolist()
+            order = sorted(range(len(cands)), key=lambda j: -sims[j])[: c.k]
+            return [Hit(cands[j].passage, sims[j]) for j in order]
+        prompts = tuple(rag_prompt(question, [h.passage], c.passage_words) for h in cands)
+        states = yield PromptStates(prompts, self.gate.layer)  # [n, d]
+        conf = yield All(*(Score(self.gate, s) for s in states))
+        inc = [float(x) - conf_q for x in conf]
+        order = sorted(range(len(cands)), key=lambda j: -inc[j])[: c.k]
+        return [Hit(cands[j].passage, inc[j]) for j in order]
+
+    def _encode_trained(self, texts: list[str]):
+        """The fine-tuned embedder's unit vectors (loaded on first use)."""
         if self._reranker is None:
             from fastgate.embedder import Embedder
 
             self._reranker = Embedder(self.config.reranker_path)
-        out = []
-        for q, hs in zip(questions, cands):
-            if not hs:
-                out.append([])
-                continue
-            vecs = self._reranker.encode([q] + [f"{h.title}. {h.text}" if h.title else h.text for h in hs])
-            sims = (vecs[1:] @ vecs[0]).tolist()
-            order = sorted(range(len(hs)), key=lambda j: -sims[j])[: self.config.k]
-            out.append([Hit(hs[j].passage, sims[j]) for j in order])
-        return out
-
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
-        c = self.config
-        timer = _Timer()
-        traces = [_Trace() for _ in questions]
-        answers = [""] * len(questions)
-        with timer.span("total_s"):
-            with timer.span("gate_s"):
-                states = self.engine.prompt_states([closed_book_prompt(q) for q in questions], self.gate.layer)
-                decision = self.gate.decide_states(states)
-            for i, t in enumerate(traces):
-                t.lm_calls += 1  # the prefill that read the pre-answer state
-                t.gate_steps.append(decision.step(i))
-            skip = [i for i, r in enumerate(decision.retrieve) if not r]
-            todo = [i for i, r in enumerate(decision.retrieve) if r]
-            if skip:
-                batch = self.generate_closed_book([questions[i] for i in skip], timer)
-                for i, s in zip(skip, batch.sequences):
-                    traces[i].generation(s)
-                    answers[i] = s.text.strip()
-            if todo:
-                sub = [questions[i] for i in todo]
-                with timer.span("retrieval_s"):
-                    cands = self.retriever.search_batch(sub, c.n_candidates)
-                conf_q = [float(decision.scores[i]) for i in todo]
-                hits = self.rerank(sub, conf_q, cands, timer)
-                if c.reranker == "shift":
-                    for i in todo:
-                        traces[i].lm_calls += 1  # the batched prefill over its candidates
-                batch = self.generate_with_passages(sub, hits, timer)
-                for i, hs, s in zip(todo, hits, batch.sequences):
-                    traces[i].retrieval(hs)
-                    traces[i].generation(s)
-                    answers[i] = s.text.strip()
-        return [t.result(q, a, self.name, timer.spans) for q, t, a in zip(questions, traces, answers)]
+        return self._reranker.encode(texts)

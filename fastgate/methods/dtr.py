@@ -11,8 +11,9 @@ import torch
 from fastgate.config import GenerationConfig
 from fastgate.errors import InputError
 from fastgate.gates.uncertainty import AnswerNLLGate
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method, MethodConfig
 from fastgate.ops import load as load_ops
+from fastgate.programs import Answer, Batched, Decide, Embed, Generate, PassageVectors, Program, Search, SearchVectors
 from fastgate.prompts import pseudo_context_prompt
 from fastgate.retrieval.base import Hit
 
@@ -25,7 +26,7 @@ class DtrConfig(MethodConfig):
 
     tau: float = 0.001  # retrieve iff the greedy answer's normalised NLL >= tau (paper; raise it for small models)
     n: int = 5  # top-n per path: 2n candidates for AIS (paper: 5)
-    mode: str = "angle"  # AIS: angle = cos(θ1+θ2) (eq. 7); sum = s1+s2 (DTR's released code)
+    mode: str = "angle"  # AIS: angle = cos(θ1+θ2) (eq. 7); sum = s1+s2, adaptive = α-weighted angles (released code)
     pseudo_tokens: int = 64  # length of the pseudo-context passage
 
     def __post_init__(self) -> None:
@@ -34,8 +35,8 @@ class DtrConfig(MethodConfig):
             raise InputError(f"tau must be >= 0, got {self.tau}")
         if self.n < 1 or self.pseudo_tokens < 1:
             raise InputError("n and pseudo_tokens must be >= 1")
-        if self.mode not in ("angle", "sum"):
-            raise InputError(f"mode must be angle or sum, got {self.mode!r}")
+        if self.mode not in ("angle", "sum", "adaptive"):
+            raise InputError(f"mode must be angle, sum or adaptive, got {self.mode!r}")
 
 
 class Dtr(Method):
@@ -62,6 +63,7 @@ class Dtr(Method):
         self._dense = hasattr(retriever, "search_vectors") and hasattr(retriever, "passage_vectors")
 
     def _embed(self, texts: list[str]) -> np.ndarray:
+        """MiniLM vectors of ``texts``: the dense index's own encoder, else the shared packaged one."""
         if self._dense:
             return self.retriever.embed(texts)
         if self._embedder is None:
@@ -70,72 +72,51 @@ class Dtr(Method):
             self._embedder = shared_embedder()
         return self._embedder.encode(texts)
 
-    def _candidate_vectors(self, hits: list[Hit]) -> np.ndarray:
-        if self._dense:
-            return self.retriever.passage_vectors(hits)
-        return self._embed([f"{h.title}. {h.text}" if h.title else h.text for h in hits])
+    def program(self, question: str) -> Program:
+        first = (yield self.closed_book(question)).sequences[0]
+        step = yield Decide(self.gate, first)  # UGT: retrieve iff the answer's NLL >= tau
+        if not step.retrieve:
+            return Answer(first.text.strip())
+        pseudo_cfg = GenerationConfig(max_new_tokens=self.config.pseudo_tokens, stop=("\n",))
+        pseudo = (yield Generate(pseudo_context_prompt(question), pseudo_cfg)).sequences[0]
+        passage = pseudo.text.strip() or question  # an empty pseudo-context: fall back to the question
+        hits = yield from self.select(question, passage)
+        answer = (yield self.with_passages(question, hits)).sequences[0]
+        return Answer(answer.text.strip(), hits)
 
-    def select(self, questions: list[str], pseudo: list[str], timer: _Timer) -> list[list[Hit]]:
-        """DPR-AIS for a batch: the top-k passages of each question."""
+    def select(self, question: str, pseudo: str) -> Program:
+        """DPR-AIS: top-n for the question and for the pseudo-context, the union scored by AIS, the top-k kept."""
         c = self.config
-        with timer.span("retrieval_s"):
-            vecs = self._embed(questions + pseudo)  # [2m, dim]: q_1..q_m, p_1..p_m
-            if self._dense:
-                paths = self.retriever.search_vectors(vecs, c.n)
-            else:
-                paths = self.retriever.search_batch(questions + pseudo, c.n)
-            m = len(questions)
-            cands = []
-            for i in range(m):
-                union: dict[str, Hit] = {}
-                for h in paths[i] + paths[m + i]:
-                    union.setdefault(h.id, h)
-                cands.append(list(union.values()))
-            if not any(cands):
-                return [[] for _ in range(m)]
-            # all questions' candidates in one lookup (dense) or one embedding call (BM25), then one AIS call for the
-            # batch: D is padded with zero rows to the largest union, and padded rows are dropped after the top-k
-            flat = self._candidate_vectors([h for hs in cands for h in hs])  # [Σ n_i, dim]
-            n_max = max(len(hs) for hs in cands)
-            D = np.zeros((m, n_max, flat.shape[1]), dtype=np.float32)  # [m, n_max, dim]
-            start = 0
-            for i, hs in enumerate(cands):
-                D[i, : len(hs)] = flat[start : start + len(hs)]
-                start += len(hs)
-            scores, idx = self.ops.ais_topk_batch(torch.from_numpy(vecs[:m]), torch.from_numpy(vecs[m:]),
-                                                  torch.from_numpy(D), n_max, c.mode)  # [m, n_max] each, best first
-            out = []
-            for i in range(m):
-                kept = [(j, s) for j, s in zip(idx[i].tolist(), scores[i].tolist()) if j < len(cands[i])][: c.k]
-                out.append([Hit(cands[i][j].passage, s) for j, s in kept])
-        return out
+        vecs = yield Embed(self._embed, (question, pseudo))  # [2, dim]
+        if self._dense:
+            by_q, by_p = yield SearchVectors(self.retriever, vecs, c.n)
+        else:
+            by_q, by_p = yield Search(self.retriever, (question, pseudo), c.n)
+        first: dict[str, Hit] = {}
+        for h in by_q + by_p:
+            first.setdefault(h.id, h)
+        union = list(first.values())
+        if not union:
+            return []
+        if self._dense:
+            docs = yield PassageVectors(self.retriever, tuple(union))
+        else:
+            docs = yield Embed(self._embed, tuple(f"{h.title}. {h.text}" if h.title else h.text for h in union))
+        return (yield Batched(self._ais, (vecs, docs, union)))
 
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
-        timer = _Timer()
-        traces = [_Trace() for _ in questions]
-        answers = []
-        with timer.span("total_s"):
-            first = self.generate_closed_book(questions, timer)
-            with timer.span("gate_s"):
-                decision = self.gate.decide(first)
-            for i, s in enumerate(first.sequences):
-                traces[i].generation(s)
-                traces[i].gate_steps.append(decision.step(i))
-                answers.append(s.text.strip())
-            # batch by decision: only the questions the gate sends to retrieval continue, together
-            todo = [i for i, r in enumerate(decision.retrieve) if r]
-            if todo:
-                sub = [questions[i] for i in todo]
-                pseudo_cfg = GenerationConfig(max_new_tokens=self.config.pseudo_tokens, stop=("\n",))
-                with timer.span("generation_s"):
-                    pseudo = self.engine.generate([pseudo_context_prompt(q) for q in sub], pseudo_cfg)
-                texts = [s.text.strip() or q for s, q in zip(pseudo.sequences, sub)]  # an empty passage: fall back to q
-                hits = self.select(sub, texts, timer)
-                final = self.generate_with_passages(sub, hits, timer)
-                for i, p, hs, s in zip(todo, pseudo.sequences, hits, final.sequences):
-                    traces[i].generation(p)
-                    traces[i].retrieval(hs)
-                    traces[i].generation(s)
-                    answers[i] = s.text.strip()
-        return [t.result(q, a, self.name, timer.spans) for q, t, a in zip(questions, traces, answers)]
+    def _ais(self, items: list[tuple[np.ndarray, np.ndarray, list[Hit]]]) -> list[list[Hit]]:
+        """Top-k of each question's candidates in one ``ais_topk_batch`` call: candidate sets are padded with zero
+        rows to the largest, and padded rows are dropped after the top-k."""
+        m, n_max = len(items), max(len(u) for _, _, u in items)
+        dim = items[0][1].shape[1]
+        D = np.zeros((m, n_max, dim), dtype=np.float32)  # [m, n_max, dim]
+        for i, (_, docs, union) in enumerate(items):
+            D[i, : len(union)] = docs
+        Q = torch.from_numpy(np.stack([v[0] for v, _, _ in items]).astype(np.float32))  # [m, dim]
+        P = torch.from_numpy(np.stack([v[1] for v, _, _ in items]).astype(np.float32))  # [m, dim]
+        scores, idx = self.ops.ais_topk_batch(Q, P, torch.from_numpy(D), n_max, self.config.mode)  # [m, n_max]
+        out = []
+        for i, (_, _, union) in enumerate(items):
+            kept = [(j, s) for j, s in zip(idx[i].tolist(), scores[i].tolist()) if j < len(union)][: self.config.k]
+            out.append([Hit(union[j].passage, s) for j, s in kept])
+        return out

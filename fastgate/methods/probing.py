@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastgate.config import GenerationConfig
+from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
 from fastgate.gates.prober import ProberGate
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method, MethodConfig
 from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
+from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
 
@@ -64,37 +65,19 @@ class Probing(Method):
         # R(q, r, â) first; later rounds R(q, {d}, r, â) (eq. 6)
         return " ".join([question, *(h.text for h in passages), rationale.strip()])
 
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
+    def program(self, question: str) -> Program:
         c = self.config
         gen_cfg = GenerationConfig(max_new_tokens=c.max_rationale_tokens, stop=("\n",))
-        timer = _Timer()
-        traces = [_Trace() for _ in questions]
-        text = [""] * len(questions)
-        docs: list[list[Hit]] = [[] for _ in questions]
-        with timer.span("total_s"):
-            todo = list(range(len(questions)))  # questions whose latest answer must be (re)generated
-            for round_ in range(c.max_iterations + 1):
-                probe = round_ < c.max_iterations  # the answer after the last allowed retrieval is final
-                prompts = [cot_prompt(questions[i], [h.passage for h in docs[i]], c.passage_words) for i in todo]
-                with timer.span("generation_s"):
-                    batch = self.engine.generate(prompts, gen_cfg, taps=self.gate.taps if probe else None)
-                for i, s in zip(todo, batch.sequences):
-                    traces[i].generation(s)
-                    text[i] = s.text
-                if not probe:
-                    break
-                with timer.span("gate_s"):
-                    decision = self.gate.decide(batch)
-                for j, i in enumerate(todo):
-                    traces[i].gate_steps.append(decision.step(j))
-                todo = [i for j, i in enumerate(todo) if decision.retrieve[j]]
-                if not todo:
-                    break
-                hits = self.retrieve([self._query(questions[i], text[i], docs[i]) for i in todo], timer)
-                for i, hs in zip(todo, hits):
-                    traces[i].retrieval(hs, keep=False)
-                    docs[i] = hs
-        for t, d in zip(traces, docs):
-            t.use(d)  # the passages of the final answer's prompt
-        return [t.result(q, extract_answer(x), self.name, timer.spans) for q, t, x in zip(questions, traces, text)]
+        docs: list[Hit] = []
+        for round_ in range(c.max_iterations + 1):
+            probe = round_ < c.max_iterations  # the answer after the last allowed retrieval is final
+            prompt = cot_prompt(question, [h.passage for h in docs], c.passage_words)
+            out = yield Generate(prompt, gen_cfg, self.gate.taps if probe else TapSpec())
+            text = out.sequences[0].text
+            if not probe:
+                break
+            step = yield Decide(self.gate, out)  # the probers read the rationale's mean hidden states
+            if not step.retrieve:
+                break
+            (docs,) = yield Search(self.retriever, (self._query(question, text, docs),), c.k)
+        return Answer(extract_answer(text), docs)  # the passages of the final answer's prompt

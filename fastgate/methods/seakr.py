@@ -11,9 +11,9 @@ import torch
 from fastgate.config import GenerationConfig
 from fastgate.engine import Generation
 from fastgate.errors import InputError
-from fastgate.gates.base import GateStep
-from fastgate.gates.eigen import EigenScoreGate
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace, append_sentence
+from fastgate.gates.eigen import EigenScoreGate, PathChoice
+from fastgate.methods.base import Method, MethodConfig, append_sentence
+from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
 from fastgate.prompts import (
     ANSWER_PHRASE,
     SENTENCE_STOP,
@@ -43,7 +43,6 @@ class SeakrConfig(MethodConfig):
     answer_tokens: int = 96  # the knowledge path writes a whole chain of thought
     query_theta: float = 0.4  # query = greedy rationale without tokens below this probability (FLARE's masking)
     seed: int = 0  # sampling seed; each question's samples depend only on it and the question
-    sample_batch: int = 80  # sequences per generate call; bounds KV-cache memory (k samples × prompts)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,8 +51,6 @@ class SeakrConfig(MethodConfig):
         for name in ("n_candidates", "max_steps", "step_tokens", "answer_tokens"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
-        if self.sample_batch < self.samples:
-            raise InputError(f"sample_batch ({self.sample_batch}) must hold the {self.samples} samples of one context")
 
 
 class Seakr(Method):
@@ -68,34 +65,22 @@ class Seakr(Method):
         super().__init__(engine, retriever, config)
         c = self.config
         self.gate = EigenScoreGate(c.samples, c.delta, c.alpha, ops=engine.gate_ops)
+        self.path = PathChoice(self.gate)
 
-    # ------------------------------------------------------------------ helpers
     def _seed(self, question: str, salt: int) -> int:
         return (zlib.crc32(question.encode("utf-8")) * 7919 + salt * 104729 + self.config.seed) % (2**31)
 
-    def _greedy(self, prompts: list[str], max_tokens: int, stop: tuple[str, ...], timer: _Timer) -> list[Generation]:
-        with timer.span("generation_s"):
-            return self.engine.generate(prompts, GenerationConfig(max_new_tokens=max_tokens, stop=stop)).sequences
+    def _greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> Generate:
+        return Generate(prompt, GenerationConfig(max_new_tokens=max_tokens, stop=stop))
 
-    def _uncertainty(self, prompts: list[str], seeds: list[int], max_tokens: int, stop: tuple[str, ...],
-                     timer: _Timer) -> tuple[torch.Tensor, list[list[Generation]]]:
-        """Eigenscore ``[P]`` of each prompt from k samples (chunked to ``sample_batch`` sequences per call)."""
+    def _samples(self, prompt: str, max_tokens: int, stop: tuple[str, ...], seed: int) -> Generate:
+        """k sampled continuations of ``prompt`` with their EOS states (the eigenscore's input)."""
         c = self.config
         cfg = EigenScoreGate.sampling(max_tokens, stop, c.temperature, c.top_k, c.top_p)
-        per_call = max(1, c.sample_batch // c.samples)
-        scores, samples = [], []
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start:start + per_call]
-            with timer.span("generation_s"):
-                batch = self.engine.generate(chunk, cfg, taps=self.gate.taps, k=c.samples,
-                                             seeds=seeds[start:start + per_call])
-            with timer.span("gate_s"):
-                scores.append(self.gate.scores(batch))
-            seqs = batch.sequences
-            samples.extend(seqs[j * c.samples:(j + 1) * c.samples] for j in range(len(chunk)))
-        return torch.cat(scores), samples
+        return Generate(prompt, cfg, self.gate.taps, k=c.samples, seed=seed)
 
     def _query(self, question: str, seq: Generation) -> str:
+        """The greedy rationale sentence without its tokens below ``query_theta`` probability."""
         n = seq.answer_tokens
         pieces = self.engine.token_pieces(seq.token_ids[:n])
         threshold = torch.log(torch.tensor(self.config.query_theta)).item()
@@ -103,103 +88,59 @@ class Seakr(Method):
         query = " ".join(kept.decode("utf-8", errors="ignore").split())
         return query or question
 
-    # ------------------------------------------------------------------ main
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
+    # ------------------------------------------------------------------ the algorithm
+    def program(self, question: str) -> Program:
         c = self.config
-        timer = _Timer()
-        traces = [_Trace() for _ in questions]
-        rationale = [""] * len(questions)
-        knowledge: list[list[Hit]] = [[] for _ in questions]
-        done = [False] * len(questions)
-        with timer.span("total_s"):
-            for step in range(c.max_steps):
-                act = [i for i, d in enumerate(done) if not d]
-                if not act:
-                    break
-                contexts = [seakr_prompt(questions[i], rationale[i], (), c.passage_words) for i in act]
-                greedy = self._greedy(contexts, c.step_tokens, SENTENCE_STOP, timer)
-                scores, samples = self._uncertainty(contexts, [self._seed(questions[i], step) for i in act],
-                                                    c.step_tokens, SENTENCE_STOP, timer)
-                chosen = list(greedy)
-                retrieve = [bool(x > c.delta) for x in scores.tolist()]
-                for j, i in enumerate(act):
-                    traces[i].generation(greedy[j])
-                    traces[i].generation(*samples[j])
-                    traces[i].gate_steps.append(GateStep(self.gate.name, float(scores[j]), c.delta, retrieve[j]))
-                todo = [j for j, r in enumerate(retrieve) if r]
-                best = self._rerank(questions, act, todo, greedy, rationale, step, traces, timer) if todo else {}
-                if best:
-                    prompts = [seakr_prompt(questions[act[j]], rationale[act[j]], [h.passage], c.passage_words)
-                               for j, h in best.items()]
-                    regen = self._greedy(prompts, c.step_tokens, SENTENCE_STOP, timer)
-                    for (j, h), s in zip(best.items(), regen):
-                        i = act[j]
-                        knowledge[i].append(h)
-                        traces[i].use([h])
-                        traces[i].generation(s)
-                        chosen[j] = s
-                for j, i in enumerate(act):
-                    rationale[i], done[i] = append_sentence(rationale[i], chosen[j])
-            answers = self._reason(questions, rationale, knowledge, traces, timer)
-        return [t.result(q, a, self.name, timer.spans) for q, t, a in zip(questions, traces, answers)]
+        rationale = ""
+        knowledge: list[Hit] = []
+        for step in range(c.max_steps):
+            context = seakr_prompt(question, rationale, (), c.passage_words)
+            seed = self._seed(question, step)
+            greedy, samples = yield All(self._greedy(context, c.step_tokens, SENTENCE_STOP),
+                                        self._samples(context, c.step_tokens, SENTENCE_STOP, seed))
+            chosen = greedy.sequences[0]
+            decision = yield Decide(self.gate, samples)  # self-aware retrieval: eigenscore > delta
+            if decision.retrieve:
+                best = yield from self._rerank(question, rationale, chosen, step)
+                if best is not None:
+                    knowledge.append(best)
+                    prompt = seakr_prompt(question, rationale, [best.passage], c.passage_words)
+                    chosen = (yield self._greedy(prompt, c.step_tokens, SENTENCE_STOP)).sequences[0]
+            rationale, finished = append_sentence(rationale, chosen)
+            if finished:
+                break
+        answer = yield from self._reason(question, rationale, knowledge)
+        return Answer(answer, knowledge)
 
-    def _rerank(self, questions, act, todo, greedy, rationale, step, traces, timer) -> dict[int, Hit]:
-        """Self-aware re-ranking: retrieve top-N for each triggered question and keep the passage whose context gives
-        the lowest eigenscore. Returns ``{position in act: kept passage}``; a query that finds nothing keeps none."""
+    def _rerank(self, question: str, rationale: str, greedy: Generation, step: int) -> Program:
+        """Self-aware re-ranking: retrieve top-N and keep the passage whose context gives the lowest eigenscore
+        (None when the query finds nothing)."""
         c = self.config
-        queries = [self._query(questions[act[j]], greedy[j]) for j in todo]
-        with timer.span("retrieval_s"):
-            cands = self.retriever.search_batch(queries, c.n_candidates)
-        prompts, seeds, owner = [], [], []
-        for j, hs in zip(todo, cands):
-            i = act[j]
-            traces[i].retrieval(hs, keep=False)
-            for h in hs:
-                prompts.append(seakr_prompt(questions[i], rationale[i], [h.passage], c.passage_words))
-                seeds.append(self._seed(questions[i], 1000 + step))  # same draws for every candidate: a fair comparison
-                owner.append(j)
-        scores, samples = self._uncertainty(prompts, seeds, c.step_tokens, SENTENCE_STOP, timer) if prompts else (
-            torch.zeros(0), [])
-        best: dict[int, tuple[float, Hit]] = {}
-        pos = 0
-        for j, hs in zip(todo, cands):
-            for h in hs:
-                traces[act[j]].generation(*samples[pos])
-                score = float(scores[pos])
-                if j not in best or score < best[j][0]:
-                    best[j] = (score, Hit(h.passage, score))
-                pos += 1
-        return {j: hit for j, (_, hit) in best.items()}
+        (cands,) = yield Search(self.retriever, (self._query(question, greedy),), c.n_candidates)
+        if not cands:
+            return None
+        seed = self._seed(question, 1000 + step)  # the same draws for every candidate: a fair comparison
+        batches = yield All(*(self._samples(seakr_prompt(question, rationale, [h.passage], c.passage_words),
+                                            c.step_tokens, SENTENCE_STOP, seed) for h in cands))
+        scores = yield All(*(Score(self.gate, b) for b in batches))
+        best = min(range(len(cands)), key=lambda j: scores[j])  # the first of equal scores
+        return Hit(cands[best].passage, float(scores[best]))
 
-    def _reason(self, questions, rationale, knowledge, traces, timer) -> list[str]:
-        """Self-aware reasoning: the rationale path's answer, or — where passages were retrieved — whichever of the
+    def _reason(self, question: str, rationale: str, knowledge: list[Hit]) -> Program:
+        """Self-aware reasoning: the rationale path's answer, or, where passages were retrieved, whichever of the
         rationale path and the knowledge path has the lower eigenscore."""
         c = self.config
-        prefixes = [strip_answer(r).rstrip() + " " + ANSWER_PHRASE for r in rationale]
-        r_prompts = [seakr_prompt(q, p, (), c.passage_words) for q, p in zip(questions, prefixes)]
-        r_answers = self._greedy(r_prompts, c.max_answer_tokens, SENTENCE_STOP, timer)
-        answers = []
-        for i, s in enumerate(r_answers):
-            traces[i].generation(s)
-            answers.append(s.text.strip())
-        both = [i for i, k in enumerate(knowledge) if k]
-        if not both:
-            return answers
-        k_prompts = [cot_prompt(questions[i], [h.passage for h in knowledge[i]], c.passage_words) for i in both]
-        k_answers = self._greedy(k_prompts, c.answer_tokens, ("\n",), timer)
-        seeds = [self._seed(questions[i], 2000) for i in both]
-        r_scores, r_samples = self._uncertainty([r_prompts[i] for i in both], seeds, c.max_answer_tokens,
-                                                SENTENCE_STOP, timer)
-        k_scores, k_samples = self._uncertainty(k_prompts, seeds, c.answer_tokens, ("\n",), timer)
-        for j, i in enumerate(both):
-            traces[i].generation(k_answers[j])
-            traces[i].generation(*r_samples[j])
-            traces[i].generation(*k_samples[j])
-            use_knowledge = bool(k_scores[j] < r_scores[j])
-            traces[i].gate_steps.append(GateStep("knowledge_path_eigenscore", float(k_scores[j]), float(r_scores[j]),
-                                                 use_knowledge))
-            if use_knowledge:
-                answers[i] = extract_answer(k_answers[j].text)
-        return answers
-
+        prefix = strip_answer(rationale).rstrip() + " " + ANSWER_PHRASE
+        r_prompt = seakr_prompt(question, prefix, (), c.passage_words)
+        r_answer = (yield self._greedy(r_prompt, c.max_answer_tokens, SENTENCE_STOP)).sequences[0]
+        if not knowledge:
+            return r_answer.text.strip()
+        k_prompt = cot_prompt(question, [h.passage for h in knowledge], c.passage_words)
+        seed = self._seed(question, 2000)
+        k_answer, r_samples, k_samples = yield All(
+            self._greedy(k_prompt, c.answer_tokens, ("\n",)),
+            self._samples(r_prompt, c.max_answer_tokens, SENTENCE_STOP, seed),
+            self._samples(k_prompt, c.answer_tokens, ("\n",), seed),
+        )
+        choice = yield Decide(self.path, (k_samples, r_samples))
+        return extract_answer(k_answer.sequences[0].text) if choice.retrieve else r_answer.text.strip()

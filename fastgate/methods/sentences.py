@@ -1,9 +1,8 @@
 """Sentence-by-sentence active retrieval: FLARE and SCAAR.
 
-Both write a chain-of-thought answer one sentence at a time. Each round, every unfinished question of the batch
-generates its next sentence together; the gate scores all of them; the triggered ones build a query, retrieve, and
-regenerate that sentence with the passages, together; the (possibly regenerated) sentence is appended and the next
-round starts. The answer is what follows "So the answer is".
+Both write a chain-of-thought answer one sentence at a time: generate the next sentence, let the word gate judge it;
+if it triggers, retrieve with the gate's query and regenerate the sentence with the passages; append it and go on.
+The answer is what follows "So the answer is".
 """
 
 from __future__ import annotations
@@ -12,13 +11,13 @@ from dataclasses import dataclass
 
 from fastgate.config import GenerationConfig
 from fastgate.embedder import shared_embedder
-from fastgate.engine import Generation
 from fastgate.errors import InputError
-from fastgate.gates.base import GateDecision
-from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words
-from fastgate.methods.base import Method, MethodConfig, MethodResult, _Timer, _Trace, append_sentence
+from fastgate.gates.words import FlareGate, ScaarGate
+from fastgate.methods.base import Method, MethodConfig, append_sentence
 from fastgate.ops import load as load_ops
+from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import SENTENCE_STOP, cot_prompt, extract_answer
+from fastgate.retrieval.base import Hit
 
 __all__ = ["Flare", "FlareConfig", "Scaar", "ScaarConfig"]
 
@@ -37,50 +36,29 @@ class SentenceConfig(MethodConfig):
 
 
 class _SentenceLoop(Method):
-    """The shared loop; subclasses provide :meth:`judge` (decision + query per sentence)."""
+    """The shared loop; subclasses build ``self.gate`` (a word gate whose steps carry the search query)."""
 
     def __init__(self, engine, retriever, config=None, ops_backend: str = "auto") -> None:
         super().__init__(engine, retriever, config)
         self.ops = load_ops(ops_backend)
 
-    def judge(self, questions: list[str], sentences: list[SentenceWords]) -> tuple[GateDecision, list[str]]:
-        raise NotImplementedError  # pragma: no cover
-
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
-        cfg = self.config
-        gen_cfg = GenerationConfig(max_new_tokens=cfg.sentence_tokens, stop=SENTENCE_STOP)
-        timer = _Timer()
-        traces = [_Trace() for _ in questions]
-        text = [""] * len(questions)
-        done = [False] * len(questions)
-        with timer.span("total_s"):
-            for _ in range(cfg.max_sentences):
-                act = [i for i, d in enumerate(done) if not d]
-                if not act:
-                    break
-                with timer.span("generation_s"):
-                    batch = self.engine.generate([cot_prompt(questions[i], partial=text[i]) for i in act], gen_cfg)
-                with timer.span("gate_s"):
-                    words = sentence_words(self.engine, self.ops, batch.sequences)
-                    decision, queries = self.judge([questions[i] for i in act], words)
-                chosen: list[Generation] = list(batch.sequences)
-                todo = [j for j, r in enumerate(decision.retrieve) if r]
-                if todo:
-                    hits = self.retrieve([queries[j] for j in todo], timer)
-                    prompts = [cot_prompt(questions[act[j]], [h.passage for h in hs], cfg.passage_words, text[act[j]])
-                               for j, hs in zip(todo, hits)]
-                    with timer.span("generation_s"):
-                        again = self.engine.generate(prompts, gen_cfg)
-                    for j, hs, s in zip(todo, hits, again.sequences):
-                        traces[act[j]].retrieval(hs)
-                        traces[act[j]].generation(s)
-                        chosen[j] = s
-                for j, i in enumerate(act):
-                    traces[i].generation(batch.sequences[j])
-                    traces[i].gate_steps.append(decision.step(j))
-                    text[i], done[i] = append_sentence(text[i], chosen[j])
-        return [t.result(q, extract_answer(x), self.name, timer.spans) for q, t, x in zip(questions, traces, text)]
+    def program(self, question: str) -> Program:
+        c = self.config
+        gen_cfg = GenerationConfig(max_new_tokens=c.sentence_tokens, stop=SENTENCE_STOP)
+        text = ""
+        used: list[Hit] = []
+        for _ in range(c.max_sentences):
+            sentence = (yield Generate(cot_prompt(question, partial=text), gen_cfg)).sequences[0]  # look-ahead
+            step = yield Decide(self.gate, (question, sentence))
+            if step.retrieve:  # regenerate the sentence from passages found with the gate's query
+                (hits,) = yield Search(self.retriever, (step.query,), c.k)
+                used += hits
+                prompt = cot_prompt(question, [h.passage for h in hits], c.passage_words, text)
+                sentence = (yield Generate(prompt, gen_cfg)).sequences[0]
+            text, finished = append_sentence(text, sentence)
+            if finished:
+                break
+        return Answer(extract_answer(text), used)
 
 
 @dataclass(frozen=True)
@@ -105,15 +83,7 @@ class Flare(_SentenceLoop):
 
     def __init__(self, engine, retriever, config: FlareConfig | None = None, ops_backend: str = "auto") -> None:
         super().__init__(engine, retriever, config, ops_backend)
-        self.gate = FlareGate(self.config.theta)
-
-    def judge(self, questions, sentences):
-        decision = self.gate.decide_words(sentences)
-        queries = []
-        for q, s in zip(questions, sentences):
-            masked = self.gate.query(s)
-            queries.append(f"{q} {masked}" if self.config.query_with_question or not masked.strip() else masked)
-        return decision, queries
+        self.gate = FlareGate(self.config.theta, engine, self.ops, self.config.query_with_question)
 
 
 @dataclass(frozen=True)
@@ -147,9 +117,4 @@ class Scaar(_SentenceLoop):
         super().__init__(engine, retriever, config, ops_backend)
         embedder = embedder or getattr(retriever, "embedder", None) or shared_embedder()
         c = self.config
-        self.gate = ScaarGate(embedder, c.theta, c.alpha, c.weighting)
-
-    def judge(self, questions, sentences):
-        decision, contribs = self.gate.decide_words(questions, sentences)
-        queries = [self.gate.query(q, s, r) for q, s, r in zip(questions, sentences, contribs)]
-        return decision, queries
+        self.gate = ScaarGate(embedder, c.theta, c.alpha, c.weighting, engine, self.ops)

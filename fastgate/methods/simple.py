@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fastgate.methods.base import Method, MethodResult, _Timer, _Trace
+from fastgate.methods.base import Method
+from fastgate.programs import Answer, Program, Search
 
 __all__ = ["AlwaysRetrieve", "NeverRetrieve"]
 
@@ -14,16 +15,9 @@ class NeverRetrieve(Method):
     description = "closed-book baseline: answer from the model's parameters only"
     needs_retriever = False
 
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
-        timer = _Timer()
-        with timer.span("total_s"):
-            batch = self.generate_closed_book(questions, timer)
-        traces = [_Trace() for _ in questions]
-        for t, s in zip(traces, batch.sequences):
-            t.generation(s)
-        return [t.result(q, s.text.strip(), self.name, timer.spans)
-                for q, t, s in zip(questions, traces, batch.sequences)]
+    def program(self, question: str) -> Program:
+        answer = (yield self.closed_book(question)).sequences[0]
+        return Answer(answer.text.strip())
 
 
 class AlwaysRetrieve(Method):
@@ -32,15 +26,7 @@ class AlwaysRetrieve(Method):
     name = "always"
     description = "standard RAG baseline: always retrieve top-k for the question"
 
-    def answer_batch(self, questions: list[str]) -> list[MethodResult]:
-        questions = self.validate(questions)
-        timer = _Timer()
-        with timer.span("total_s"):
-            hits = self.retrieve(questions, timer)
-            batch = self.generate_with_passages(questions, hits, timer)
-        traces = [_Trace() for _ in questions]
-        for t, hs, s in zip(traces, hits, batch.sequences):
-            t.retrieval(hs)
-            t.generation(s)
-        return [t.result(q, s.text.strip(), self.name, timer.spans)
-                for q, t, s in zip(questions, traces, batch.sequences)]
+    def program(self, question: str) -> Program:
+        (hits,) = yield Search(self.retriever, (question,), self.config.k)
+        answer = (yield self.with_passages(question, hits)).sequences[0]
+        return Answer(answer.text.strip(), hits)

@@ -1,0 +1,94 @@
+"""Record or replay the real model's results on 32 held-out questions for all eight methods.
+
+The fixture ``tests/fixtures/golden_real32.jsonl`` was recorded from the batch-synchronous implementation (before
+the step-program scheduler): ``python bench/replay_answers.py --record``. A plain run answers the same questions with
+today's code, exactly as ``fastgate eval --all --n 32 --budget cpu`` does, and compares answers, gate decisions,
+passages and counters (gate and passage scores within 1e-4); it exits 1 on a difference. ``tests/test_e2e.py`` runs
+it as a slow test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "golden_real32.jsonl"
+KEEP = ("run", "id", "question", "answer", "retrieved", "passages", "retrieval_calls", "lm_calls",
+        "generated_tokens", "gate_steps", "truncated")
+
+
+def run_all(n: int, batch_size: int, out: Path) -> list[dict]:
+    """Answer ``n`` held-out questions with every method under the CPU eval budget; the records in run order."""
+    from fastgate.calibration import CPU_EVAL_BUDGET
+    from fastgate.eval.datasets import load_qa, sample_examples
+    from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
+    from fastgate.methods import METHODS
+    from fastgate.runtime import Runtime, check_request
+
+    runs = []
+    for name in METHODS:
+        req = check_request(name, dict(CPU_EVAL_BUDGET.get(name, {})), None, "smollm2-135m")
+        runs.append(RunSpec(req.method, req.retriever, req.params))
+    examples = sample_examples(load_qa("heldout"), n, 0)
+    store = ResultsStore(out / "results.jsonl")
+    evaluate(Runtime("smollm2-135m", "cpu"), runs, examples, store, batch_size=batch_size, progress=True)
+    return [{k: store.records[(r.key, ex.id)][k] for k in KEEP} for r in runs for ex in examples]
+
+
+def compare(got: list[dict], want: list[dict]) -> list[str]:
+    """Differences between two record lists (empty when they agree)."""
+    import math
+
+    diffs = []
+    for g, w in zip(got, want):
+        where = f"{w['run']} {w['id']}"
+        for key in KEEP:
+            if key in ("passages", "gate_steps"):
+                continue
+            if g[key] != w[key]:
+                diffs.append(f"{where}: {key} {g[key]!r} != {w[key]!r}")
+        if [p["id"] for p in g["passages"]] != [p["id"] for p in w["passages"]]:
+            diffs.append(f"{where}: passages {[p['id'] for p in g['passages']]} != {[p['id'] for p in w['passages']]}")
+        elif any(not math.isclose(a["score"], b["score"], rel_tol=1e-4, abs_tol=1e-4)
+                 for a, b in zip(g["passages"], w["passages"])):
+            diffs.append(f"{where}: passage scores differ")
+        gs, ws = g["gate_steps"], w["gate_steps"]
+        if [(s["gate"], s["retrieve"]) for s in gs] != [(s["gate"], s["retrieve"]) for s in ws]:
+            diffs.append(f"{where}: gate decisions {gs} != {ws}")
+        elif any(not math.isclose(a["score"], b["score"], rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(gs, ws)):
+            diffs.append(f"{where}: gate scores {[s['score'] for s in gs]} != {[s['score'] for s in ws]}")
+    if len(got) != len(want):
+        diffs.append(f"{len(got)} records, expected {len(want)}")
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true", help="write the fixture instead of comparing with it")
+    ap.add_argument("--n", type=int, default=32, help="held-out questions (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=32, help="questions per answer_batch (default: %(default)s)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        records = run_all(args.n, args.batch_size, Path(tmp))
+    elapsed = time.perf_counter() - t0
+    if args.record:
+        FIXTURE.write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"recorded {len(records)} results in {elapsed:.0f} s -> {FIXTURE}")
+        return 0
+    want = [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
+    diffs = compare(records, want)
+    for d in diffs:
+        print(d)
+    print(f"{len(records) - len(diffs)}/{len(want)} records agree ({elapsed:.0f} s)" if diffs else
+          f"all {len(want)} records agree with {FIXTURE.name} ({elapsed:.0f} s)")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

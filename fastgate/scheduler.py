@@ -1,0 +1,438 @@
+"""One scheduler for every question: runs many per-question programs (:mod:`fastgate.programs`) together.
+
+Each :meth:`Scheduler.step` (a tick) admits the programs submitted since the last one, advances every program until
+it waits on a request, groups the pending requests by kind and runs each group as one batched call: all generations
+through one engine call (rows may differ in decoding settings, taps, sample counts and seeds), one ``search_batch``
+per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per batch op. Programs
+of different methods and parameters share these calls. A program's result is delivered as soon as its own program
+ends; programs that finish early never wait for the others (the batch-synchronous ``answer_batch`` of earlier
+versions returned when its slowest question ended).
+
+Why our own scheduler: the methods need taps, seeded k-sample fan-outs, gate ops and retrieval between decode calls,
+which inference servers' schedulers (vLLM, SGLang) do not offer as one batchable program; SGLang's frontend programs
+are the model for the per-question style.
+
+The scheduler is not thread-safe except for :meth:`submit` and :meth:`cancel`: one thread calls :meth:`step`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastgate.engine import Engine, GenerationBatch
+from fastgate.errors import FastgateError, InputError
+from fastgate.gates.base import GateStep
+from fastgate.programs import (
+    All,
+    Answer,
+    Batched,
+    Decide,
+    Embed,
+    Generate,
+    PassageVectors,
+    PromptStates,
+    Score,
+    Search,
+    SearchVectors,
+)
+from fastgate.retrieval.base import Hit
+
+__all__ = ["CancelledError", "Scheduler", "Task", "Trace"]
+
+
+class CancelledError(FastgateError):
+    """The question's program was cancelled (timed out, or its client went away) before it ended."""
+
+
+@dataclass
+class Trace:
+    """What one question accumulates from the requests its program made."""
+
+    retrieval_calls: int = 0
+    lm_calls: int = 0
+    generated_tokens: int = 0
+    gate_steps: list[GateStep] = field(default_factory=list)
+    passages: list[Hit] = field(default_factory=list)
+    truncated: bool = False
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of the batched calls it took part in, by phase
+
+    def use(self, hits: Iterable[Hit]) -> None:
+        """Add ``hits`` to the passages used (deduplicated, in order)."""
+        seen = {h.id for h in self.passages}
+        for h in hits:
+            if h.id not in seen:
+                seen.add(h.id)
+                self.passages.append(h)
+
+
+class Task:
+    """One running program (one question of one method)."""
+
+    def __init__(self, method, question: str, on_done: Callable[[Task], None] | None = None) -> None:
+        self.method = method
+        self.question = question
+        self.on_done = on_done
+        self.trace = Trace()
+        self.submitted = time.perf_counter()
+        self.finished: float | None = None
+        self.result = None  # a MethodResult once done
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._gen = None
+        self._waiting: list[Any] | None = None  # leaf requests awaited
+        self._results: list[Any] = []
+        self._fanout = False
+        self._phases: set[tuple[int, str]] = set()
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    def _time(self, call: int, phase: str, seconds: float) -> None:
+        """Count a batched call's time once per question, however many of its requests the call served."""
+        if (call, phase) not in self._phases:
+            self._phases.add((call, phase))
+            self.trace.timings[phase] = self.trace.timings.get(phase, 0.0) + seconds
+
+
+_PHASES = {Generate: "generation_s", PromptStates: "generation_s", Search: "retrieval_s",
+           SearchVectors: "retrieval_s", PassageVectors: "retrieval_s", Embed: "retrieval_s", Score: "gate_s",
+           Decide: "gate_s"}
+
+
+class Scheduler:
+    """Runs per-question programs together on one engine (see the module docstring).
+
+    Args:
+        engine: the engine every generation and prefill runs on.
+        max_rows: the most sequences (prompts × samples) in one engine call; more are split into several calls
+            within a tick. Bounds the KV cache (SeaKR's k samples × candidates × questions add up fast).
+    """
+
+    def __init__(self, engine: Engine, max_rows: int = 80) -> None:
+        if max_rows < 1:
+            raise InputError(f"max_rows must be >= 1, got {max_rows}")
+        self.engine = engine
+        self.max_rows = max_rows
+        self._inbox: list[Task] = []
+        self._lock = threading.Lock()
+        self._live: list[Task] = []
+        self._calls = 0
+        self._methods: frozenset[str] = frozenset()
+        self.ticks = 0
+        self.generation_calls = 0
+        self.generation_rows: list[int] = []  # sequences per engine generate call (bounded history)
+        self.generation_methods: list[frozenset[str]] = []  # the methods whose rows shared each generate call
+
+    # ------------------------------------------------------------------ admission
+    def submit(self, method, question: str, on_done: Callable[[Task], None] | None = None) -> Task:
+        """Queue ``method``'s program for ``question`` (already validated); it joins at the next tick. Thread-safe."""
+        task = Task(method, question, on_done)
+        with self._lock:
+            self._inbox.append(task)
+        return task
+
+    def cancel(self, task: Task) -> None:
+        """Stop ``task`` at the next tick: its pending requests are dropped and it ends with
+        :class:`CancelledError`. Thread-safe."""
+        task.cancelled = True
+
+    @property
+    def live(self) -> int:
+        """Programs admitted or queued and not yet ended."""
+        with self._lock:
+            return len(self._live) + len(self._inbox)
+
+    @property
+    def idle(self) -> bool:
+        return self.live == 0
+
+    # ------------------------------------------------------------------ running
+    def run(self, tasks: list[Task]) -> list[Task]:
+        """Tick until every task in ``tasks`` has ended (other programs advance alongside)."""
+        while not all(t.done for t in tasks):
+            self.step()
+        return tasks
+
+    def answer(self, method, questions: list[str]) -> list:
+        """Run ``method``'s program for each question; the results in order (an error of any is raised)."""
+        tasks = self.run([self.submit(method, q) for q in questions])
+        for t in tasks:
+            if t.error is not None:
+                raise t.error
+        return [t.result for t in tasks]
+
+    def step(self) -> bool:
+        """One tick: admit, advance every program to its next request, run each group of requests as one batched
+        call, deliver the results. Returns whether programs are still live."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        for task in new:
+            self._live.append(task)
+            self._advance(task, None, start=True)
+        for task in self._live:
+            if task.cancelled and not task.done:
+                self._finish(task, error=CancelledError("the request was cancelled"))
+        self._live = [t for t in self._live if not t.done]
+        pending = [(t, i, r) for t in self._live for i, r in enumerate(t._waiting or ()) if t._results[i] is _NONE]
+        if pending:
+            self.ticks += 1
+            self._execute(pending)
+        for task in list(self._live):
+            if not task.done and all(r is not _NONE for r in task._results):
+                results = task._results if task._fanout else task._results[0]
+                self._advance(task, results)
+        self._live = [t for t in self._live if not t.done]
+        return bool(self._live) or bool(self._inbox)
+
+    def _advance(self, task: Task, value: Any, start: bool = False) -> None:
+        """Send ``value`` into the program; record what it yields next (or its end)."""
+        try:
+            if start:
+                task._gen = task.method.program(task.question)
+                request = next(task._gen)
+            else:
+                request = task._gen.send(value)
+        except StopIteration as stop:
+            self._finish(task, answer=stop.value)
+            return
+        except Exception as exc:  # a program's own error ends that question only
+            self._finish(task, error=exc)
+            return
+        task._fanout = isinstance(request, All)
+        task._waiting = list(request.requests) if task._fanout else [request]
+        task._results = [_NONE] * len(task._waiting)
+        if task._fanout and not task._waiting:
+            self._advance(task, [])
+
+    def _finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:
+        task.finished = time.perf_counter()
+        task._waiting, task._results = None, []
+        if task._gen is not None and error is not None:
+            task._gen.close()
+        if error is not None:
+            task.error = error
+        else:
+            if isinstance(answer, str):
+                answer = Answer(answer)
+            if not isinstance(answer, Answer):
+                task.error = InputError(f"program of {task.method.name} returned {type(answer).__name__}, not Answer")
+            else:
+                task.trace.use(answer.passages)
+                task.result = task.method.result(task.question, answer.text, task.trace,
+                                                 {**task.trace.timings, "total_s": task.finished - task.submitted})
+        if task.on_done is not None:
+            task.on_done(task)
+
+    # ------------------------------------------------------------------ batched execution
+    def _execute(self, pending: list[tuple[Task, int, Any]]) -> None:
+        groups: dict[tuple, list[tuple[Task, int, Any]]] = defaultdict(list)
+        for item in pending:
+            groups[_group_key(item[2])].append(item)
+        for key, items in groups.items():
+            run = _RUNNERS[key[0]]
+            self._calls += 1
+            self._methods = frozenset(t.method.name for t, _, _ in items)
+            t0 = time.perf_counter()
+            try:
+                outs = run(self, [r for _, _, r in items])
+            except Exception as exc:
+                if len(items) == 1:
+                    items[0][0].error = exc
+                    self._finish(items[0][0], error=exc)
+                    continue
+                for item in items:  # find the request that failed; the others still run
+                    self._execute_one(item)
+                continue
+            elapsed = time.perf_counter() - t0
+            for (task, i, req), out in zip(items, outs):
+                self._deliver(task, i, req, out, elapsed)
+
+    def _execute_one(self, item: tuple[Task, int, Any]) -> None:
+        task, i, req = item
+        if task.done:
+            return
+        self._calls += 1
+        self._methods = frozenset([task.method.name])
+        t0 = time.perf_counter()
+        try:
+            (out,) = _RUNNERS[_group_key(req)[0]](self, [req])
+        except Exception as exc:
+            self._finish(task, error=exc)
+            return
+        self._deliver(task, i, req, out, time.perf_counter() - t0)
+
+    def _deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
+        if task.done:
+            return
+        trace = task.trace
+        if isinstance(req, Generate):
+            trace.lm_calls += 1
+            trace.generated_tokens += sum(len(s.token_ids) for s in out.sequences)
+            trace.truncated = trace.truncated or any(s.truncated for s in out.sequences)
+        elif isinstance(req, PromptStates):
+            trace.lm_calls += 1
+        elif isinstance(req, (Search, SearchVectors)):
+            trace.retrieval_calls += 1
+        elif isinstance(req, Decide):
+            trace.gate_steps.append(out)
+        phase = req.phase if isinstance(req, Batched) else _PHASES[type(req)]
+        task._time(self._calls, phase, elapsed)
+        task._results[i] = out
+
+    # ------------------------------------------------------------------ runners: one batched call per group
+    def _run_generate(self, reqs: list[Generate]) -> list[GenerationBatch]:
+        out: list[GenerationBatch | None] = [None] * len(reqs)
+        # rows asking for pre-answer / EOS states must share their layer; others join any call
+        mid_of = [_mid(self.engine, r) for r in reqs]
+        mids = list(dict.fromkeys(m for m in mid_of if m is not None)) or [None]
+        for mid in mids:
+            idx = [i for i, m in enumerate(mid_of) if m == mid or (m is None and mid == mids[0])]
+            calls, rows = [[]], 0
+            for i in idx:
+                if calls[-1] and rows + reqs[i].k > self.max_rows:
+                    calls.append([])
+                    rows = 0
+                calls[-1].append(i)
+                rows += reqs[i].k
+            for call in calls:
+                sub = [reqs[i] for i in call]
+                batch = self.engine.generate([r.prompt for r in sub], [r.config for r in sub], [r.taps for r in sub],
+                                             [r.k for r in sub], [r.seed for r in sub])
+                self.generation_calls += 1
+                self.generation_rows = (self.generation_rows + [len(batch.sequences)])[-1000:]
+                self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+                for i, part in zip(call, _split(batch, sub)):
+                    out[i] = part
+        return out  # type: ignore[return-value]
+
+    def _run_prompt_states(self, reqs: list[PromptStates]) -> list[torch.Tensor]:
+        prompts = [p for r in reqs for p in r.prompts]
+        states = self.engine.prompt_states(prompts, reqs[0].layer)  # [Σ n_i, d]
+        return _slices(states, [len(r.prompts) for r in reqs])
+
+    def _run_search(self, reqs: list[Search]) -> list[list[list[Hit]]]:
+        hits = reqs[0].retriever.search_batch([q for r in reqs for q in r.queries], reqs[0].k)
+        return _slices(hits, [len(r.queries) for r in reqs])
+
+    def _run_search_vectors(self, reqs: list[SearchVectors]) -> list[list[list[Hit]]]:
+        vecs = np.concatenate([np.asarray(r.vectors, dtype=np.float32).reshape(-1, np.shape(r.vectors)[-1])
+                               for r in reqs])
+        hits = reqs[0].retriever.search_vectors(vecs, reqs[0].k)
+        return _slices(hits, [len(r.vectors) for r in reqs])
+
+    def _run_passage_vectors(self, reqs: list[PassageVectors]) -> list[np.ndarray]:
+        hits = [h for r in reqs for h in r.hits]
+        vecs = reqs[0].retriever.passage_vectors(hits) if hits else np.zeros((0, 1), dtype=np.float32)
+        return _slices(vecs, [len(r.hits) for r in reqs])
+
+    def _run_embed(self, reqs: list[Embed]) -> list[np.ndarray]:
+        texts = [t for r in reqs for t in r.texts]
+        return _slices(reqs[0].encode(texts), [len(r.texts) for r in reqs])
+
+    def _run_score(self, reqs: list[Score]) -> list[Any]:
+        scores = reqs[0].gate.scores([r.signal for r in reqs])
+        return [s.item() if s.ndim == 0 else s for s in scores]
+
+    def _run_decide(self, reqs: list[Decide]) -> list[GateStep]:
+        gates = {id(r.gate) for r in reqs}
+        if len(gates) == 1:  # one gate: its own batched rule (word gates also build their queries here)
+            return reqs[0].gate.decide([r.signal for r in reqs])
+        scores = reqs[0].gate.scores([r.signal for r in reqs])  # gates of one kind share the op launch
+        return [r.gate.step(s.item() if s.ndim == 0 else s, r.signal) for r, s in zip(reqs, scores)]
+
+    def _run_batched(self, reqs: list[Batched]) -> list[Any]:
+        return reqs[0].fn([r.arg for r in reqs])
+
+
+_NONE = object()  # a result slot not filled yet
+
+_RUNNERS: dict[str, Callable[[Scheduler, list], list]] = {
+    "generate": Scheduler._run_generate,
+    "prompt_states": Scheduler._run_prompt_states,
+    "search": Scheduler._run_search,
+    "search_vectors": Scheduler._run_search_vectors,
+    "passage_vectors": Scheduler._run_passage_vectors,
+    "embed": Scheduler._run_embed,
+    "score": Scheduler._run_score,
+    "decide": Scheduler._run_decide,
+    "batched": Scheduler._run_batched,
+}
+
+
+def _group_key(req: Any) -> tuple:
+    """Requests with equal keys run as one batched call."""
+    if isinstance(req, Generate):
+        return ("generate",)
+    if isinstance(req, PromptStates):
+        return ("prompt_states", req.layer)
+    if isinstance(req, Search):
+        return ("search", id(req.retriever), req.k)
+    if isinstance(req, SearchVectors):
+        return ("search_vectors", id(req.retriever), req.k)
+    if isinstance(req, PassageVectors):
+        return ("passage_vectors", id(req.retriever))
+    if isinstance(req, Embed):
+        return ("embed", _fn_key(req.encode))
+    if isinstance(req, Score):
+        return ("score", req.gate.batch_key)
+    if isinstance(req, Decide):
+        return ("decide", req.gate.batch_key)
+    if isinstance(req, Batched):
+        return ("batched", _fn_key(req.fn))
+    raise InputError(f"a program yielded {type(req).__name__}, which is not a request (see fastgate.programs)")
+
+
+def _fn_key(fn: Callable) -> tuple:
+    """Bound methods are new objects at every attribute access: key them by (instance, function)."""
+    owner = getattr(fn, "__self__", None)
+    return (id(owner), getattr(fn, "__func__", fn)) if owner is not None else (id(fn),)
+
+
+def _mid(engine: Engine, req: Generate) -> int | None:
+    t = req.taps
+    if not (t.pre_answer or t.eos_state):
+        return None
+    return t.mid_layer if t.mid_layer is not None else engine.n_layers // 2
+
+
+def _slices(values, sizes: list[int]) -> list:
+    out, pos = [], 0
+    for n in sizes:
+        out.append(values[pos:pos + n])
+        pos += n
+    return out
+
+
+def _split(batch: GenerationBatch, reqs: list[Generate]) -> list[GenerationBatch]:
+    """One :class:`GenerationBatch` per request: its k sequences and the taps it asked for."""
+    out, pos = [], 0
+    where = {layer: j for j, layer in enumerate(batch.layers)}
+    for r in reqs:
+        rows = slice(pos, pos + r.k)
+        pos += r.k
+        running = count = None
+        if r.taps.layers:
+            cols = torch.tensor([where[x] for x in r.taps.layers], device=batch.running_sum.device)
+            running = batch.running_sum[rows].index_select(1, cols)  # [k, L_r, d]
+            count = batch.count[rows]
+        out.append(GenerationBatch(
+            sequences=batch.sequences[rows],
+            running_sum=running,
+            count=count,
+            pre_answer=batch.pre_answer[rows] if r.taps.pre_answer and batch.pre_answer is not None else None,
+            eos_state=batch.eos_state[rows] if r.taps.eos_state and batch.eos_state is not None else None,
+            layers=tuple(r.taps.layers),
+            steps=batch.steps,
+            forwards=batch.forwards,
+            timings=batch.timings,
+        ))
+    return out
