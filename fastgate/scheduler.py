@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,9 +76,11 @@ class Trace:
 class Task:
     """One running program (one question of one method)."""
 
-    def __init__(self, method, question: str, on_done: Callable[[Task], None] | None = None) -> None:
+    def __init__(self, method, question: str, on_done: Callable[[Task], None] | None = None,
+                 program: Generator | None = None) -> None:
         self.method = method
         self.question = question
+        self.program = program  # a bare program (no method): its return value is the result
         self.on_done = on_done
         self.trace = Trace()
         self.submitted = time.perf_counter()
@@ -170,6 +172,19 @@ class Scheduler:
                 raise t.error
         return [t.result for t in tasks]
 
+    def evaluate(self, programs: Iterable[Generator]) -> list[Any]:
+        """Run bare programs (parts of a method, e.g. DTR's ``select``) together; their return values in order."""
+        tasks = []
+        with self._lock:
+            for p in programs:
+                tasks.append(Task(None, "", program=p))
+                self._inbox.append(tasks[-1])
+        self.run(tasks)
+        for t in tasks:
+            if t.error is not None:
+                raise t.error
+        return [t.result for t in tasks]
+
     def step(self) -> bool:
         """One tick: admit, advance every program to its next request, run each group of requests as one batched
         call, deliver the results. Returns whether programs are still live."""
@@ -197,7 +212,7 @@ class Scheduler:
         """Send ``value`` into the program; record what it yields next (or its end)."""
         try:
             if start:
-                task._gen = task.method.program(task.question)
+                task._gen = task.program if task.program is not None else task.method.program(task.question)
                 request = next(task._gen)
             else:
                 request = task._gen.send(value)
@@ -220,6 +235,8 @@ class Scheduler:
             task._gen.close()
         if error is not None:
             task.error = error
+        elif task.method is None:
+            task.result = answer
         else:
             if isinstance(answer, str):
                 answer = Answer(answer)
@@ -240,7 +257,7 @@ class Scheduler:
         for key, items in groups.items():
             run = _RUNNERS[key[0]]
             self._calls += 1
-            self._methods = frozenset(t.method.name for t, _, _ in items)
+            self._methods = frozenset(t.method.name for t, _, _ in items if t.method is not None)
             t0 = time.perf_counter()
             try:
                 outs = run(self, [r for _, _, r in items])
@@ -261,7 +278,7 @@ class Scheduler:
         if task.done:
             return
         self._calls += 1
-        self._methods = frozenset([task.method.name])
+        self._methods = frozenset([task.method.name] if task.method is not None else [])
         t0 = time.perf_counter()
         try:
             (out,) = _RUNNERS[_group_key(req)[0]](self, [req])

@@ -54,9 +54,9 @@ def _words(probs, words=None):
 
 def test_flare_gate_threshold_and_masked_query():
     gate = FlareGate(theta=0.5)
-    d = gate.decide_words([_words([0.9, 0.4, 0.8]), _words([0.9, 0.6]), _words([])])
-    assert d.retrieve == [True, False, False]
-    assert float(d.scores[0]) == pytest.approx(0.4)
+    scores = gate.word_scores([_words([0.9, 0.4, 0.8]), _words([0.9, 0.6]), _words([])])
+    assert [gate.step(x).retrieve for x in scores.tolist()] == [True, False, False]
+    assert float(scores[0]) == pytest.approx(0.4) and float(scores[2]) == 1.0
     assert gate.query(_words([0.9, 0.4, 0.8], ["Paris", "Lyon", "France"])) == "Paris France"
 
 
@@ -83,10 +83,10 @@ def test_scaar_contribution_thresholds_and_pfq():
     assert r == pytest.approx([0.8, 0.01, 0.1, 0.3], abs=1e-9)
     th = gate.thresholds(r)
     assert th == pytest.approx(0.5 * np.exp(r))  # eq. 3 as printed
-    decision, _ = gate.decide_words(["q"], [sw])
+    (score,) = gate.word_scores([sw], [r]).tolist()
     # "big": 0.6 < 0.5·e^0.3 = 0.675 -> hallucinated, triggers; "Paris": 0.95 < 0.5·e^0.8 = 1.11 too
-    assert decision.retrieve == [True]
-    assert float(decision.scores[0]) == pytest.approx(min(np.array([0.95, 0.6, 0.6, 0.6]) - th))
+    assert gate.step(score).retrieve
+    assert score == pytest.approx(min(np.array([0.95, 0.6, 0.6, 0.6]) - th))
     # PFQ: top 50% by contribution = Paris, big; both below their thresholds -> only the question stays
     assert gate.query("Q", sw, r) == "Q"
     confident = _words([1.0, 1.0, 1.0, 1.0], ["Paris", "is", "pretty", "big"])
@@ -107,19 +107,21 @@ def test_prober_gate_rule():
     gate = ProberGate(params, (1, 2), theta=0.0)
     sums = torch.randn(4, 2, 8)
     count = torch.tensor([1.0, 2.0, 0.0, 3.0])
-    s = gate.scores(sums, count)
+    s = gate.prober_scores(sums, count)
     probs = ops.probe_logits(sums[[0, 1, 3]], count[[0, 1, 3]], params).softmax(-1)
     want = probs[..., 0].sum(-1) - probs[..., 1].sum(-1)
     torch.testing.assert_close(s[[0, 1, 3]], want)
     assert math.isinf(float(s[2]))  # no generated tokens: retrieve
-    batch = GenerationBatch([_gen()] * 4, sums, count, layers=(1, 2))
+    signals = [GenerationBatch([_gen()], sums[i:i + 1], count[i:i + 1], layers=(1, 2)) for i in range(4)]
+    torch.testing.assert_close(gate.scores(signals), s)  # one signal per answer, one launch for all
     for theta in (-0.3, 0.0, 0.7):
-        d = ProberGate(params, (1, 2), theta).decide(batch)
-        assert d.retrieve == [bool(x + theta > 0) for x in s.tolist()]
+        steps = ProberGate(params, (1, 2), theta).decide(signals)
+        assert [x.retrieve for x in steps] == [bool(x + theta > 0) for x in s.tolist()]
+        assert all(x.threshold == -theta for x in steps)
     with pytest.raises(ShapeError):
         ProberGate(params, (1, 2, 3))
     with pytest.raises(InputError, match="running sums"):
-        gate.decide(GenerationBatch([_gen()]))
+        gate.decide([GenerationBatch([_gen()])])
 
 
 def test_confidence_gate_rule():
@@ -127,8 +129,9 @@ def test_confidence_gate_rule():
     states = torch.randn(5, 8)
     conf = ops.probe_logits(states[:, None], torch.ones(5), params).softmax(-1)[:, 0, 1]
     beta = float(conf.median())
-    d = ConfidenceGate(params, layer=2, beta=beta).decide_states(states)
-    assert d.retrieve == [bool(c <= beta) for c in conf.tolist()]
+    steps = ConfidenceGate(params, layer=2, beta=beta).decide(list(states))
+    assert [x.retrieve for x in steps] == [bool(c <= beta) for c in conf.tolist()]
+    assert [x.score for x in steps] == pytest.approx(conf.tolist(), abs=1e-6)
     assert ConfidenceGate(params, 2, beta).taps == TapSpec(pre_answer=True, mid_layer=2)
     with pytest.raises(ShapeError):
         ConfidenceGate(random_probe_params(2, 8, 4), 2)
@@ -143,13 +146,16 @@ def test_eigen_gate_groups_samples_and_drops_empty_ones():
     z[:k] = z[0]  # request 0: identical samples -> low score
     seqs = [_gen("a") for _ in range(2 * k)]
     seqs[k + 1] = _gen("  ")  # an empty sample of request 1 is dropped
-    batch = GenerationBatch(seqs, eos_state=z)
+    signals = [GenerationBatch(seqs[:k], eos_state=z[:k]), GenerationBatch(seqs[k:], eos_state=z[k:])]
     gate = EigenScoreGate(k=k, delta=-3.0)  # identical samples: (log(k·|zc|²+α) + 3·log α)/4 ≈ -4
-    s = gate.scores(batch)
+    s = gate.scores(signals)
     valid = torch.tensor([[True] * k, [True, False, True, True]])
     torch.testing.assert_close(s, ops.eigenscore(z.view(2, k, d), valid=valid))
-    assert gate.decide(batch).retrieve == [False, True]
-    with pytest.raises(InputError):
-        EigenScoreGate(k=3).scores(batch)
+    assert [x.retrieve for x in gate.decide(signals)] == [False, True]
+    # a signal with fewer samples is padded with dropped rows: its score is the one it has alone
+    short = GenerationBatch(seqs[k:k + 3], eos_state=z[k:k + 3])
+    torch.testing.assert_close(gate.scores([signals[0], short])[1], gate.scores([short])[0])
+    with pytest.raises(InputError, match="EOS states"):
+        gate.scores([GenerationBatch(seqs[:k])])
     with pytest.raises(InputError):
         EigenScoreGate(k=1)

@@ -199,11 +199,11 @@ def test_dtr_selects_top_k_of_the_union_by_ais(tiny_engine, dense):
     import torch
 
     from fastgate import ops
-    from fastgate.methods.base import _Timer
+    from fastgate.scheduler import Scheduler
 
     method = build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2})
     q, p = "capital of Burkina Faso", "Ouagadougou is a city in West Africa"
-    (hits,) = method.select([q], [p], _Timer())
+    (hits,) = Scheduler(tiny_engine).evaluate([method.select(q, p)])
     vq, vp = dense.embed([q, p])
     union = {}
     for h in dense.search_vectors(vq[None], 3)[0] + dense.search_vectors(vp[None], 3)[0]:
@@ -213,36 +213,37 @@ def test_dtr_selects_top_k_of_the_union_by_ais(tiny_engine, dense):
     want = sorted(zip(scores.tolist(), [h.id for h in cands]), key=lambda t: -t[0])[:2]
     assert [h.id for h in hits] == [i for _, i in want]
     assert [h.score for h in hits] == pytest.approx([s for s, _ in want], abs=1e-6)
-    summed = build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2, "mode": "sum"}).select([q], [p], _Timer())[0]
+    summed = Scheduler(tiny_engine).evaluate([build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2, "mode": "sum"})
+                                              .select(q, p)])[0]
     assert all(-2.0 <= h.score <= 2.0 for h in summed)
 
 
 @pytest.mark.parametrize("retriever", ["dense", "bm25"])
 def test_dtr_selects_for_a_batch_as_for_each_question_alone(tiny_engine, dense, bm25, retriever):
-    from fastgate.methods.base import _Timer
+    from fastgate.scheduler import Scheduler
 
     index = {"dense": dense, "bm25": bm25}[retriever]
     method = build_method("dtr", tiny_engine, index, {"n": 3, "k": 2})
     # unions of different sizes (padded to the largest in one AIS call), and a pair that shares every candidate
     qs = ["capital of Burkina Faso", "Hamlet", "largest planet Jupiter", "capital of Burkina Faso"]
     ps = ["Ouagadougou is a city in West Africa", "Shakespeare wrote a tragedy", "Paris and Berlin", "Ouagadougou"]
-    batch = method.select(qs, ps, _Timer())
+    batch = Scheduler(tiny_engine).evaluate([method.select(q, p) for q, p in zip(qs, ps)])  # one AIS call
     assert len(batch) == len(qs)
     for q, p, hits in zip(qs, ps, batch):
-        (alone,) = method.select([q], [p], _Timer())
+        (alone,) = Scheduler(tiny_engine).evaluate([method.select(q, p)])
         assert [h.id for h in hits] == [h.id for h in alone] and 1 <= len(hits) <= 2
         assert [h.score for h in hits] == pytest.approx([h.score for h in alone], abs=1e-5)
 
 
 def test_cbdr_reranks_by_confidence_shift(tiny_engine, bm25, checkpoints):
-    from fastgate.methods.base import _Timer
     from fastgate.prompts import closed_book_prompt, rag_prompt
+    from fastgate.scheduler import Scheduler
 
     method = build_method("cbdr", tiny_engine, bm25, _params("cbdr", checkpoints, beta=1.0, k=2))
     q = "What is the capital of Burkina Faso?"
     cands = bm25.search(q, 4)
     conf_q = float(method.gate.confidence(tiny_engine.prompt_states([closed_book_prompt(q)], 2))[0])
-    (top,) = method.rerank([q], [conf_q], [cands], _Timer())
+    (top,) = Scheduler(tiny_engine).evaluate([method.rerank(q, conf_q, cands)])
     conf_c = method.gate.confidence(tiny_engine.prompt_states([rag_prompt(q, [h.passage]) for h in cands], 2))
     inc = [float(c) - conf_q for c in conf_c]
     want = sorted(range(len(cands)), key=lambda j: -inc[j])[:2]
@@ -272,7 +273,7 @@ def test_cli_lists_every_method():
 
 def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
     from fastgate.embedder import Embedder, default_embedder_path
-    from fastgate.methods.base import _Timer
+    from fastgate.scheduler import Scheduler
 
     with pytest.raises(InputError, match="reranker_path"):
         make_config("cbdr", {"reranker": "trained"})
@@ -281,7 +282,7 @@ def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
                                                               reranker_path=path))
     q = "What is the capital of Burkina Faso?"
     cands = bm25.search(q, 4)
-    (top,) = method.rerank([q], [0.0], [cands], _Timer())
+    (top,) = Scheduler(tiny_engine).evaluate([method.rerank(q, 0.0, cands)])
     v = Embedder(path).encode([q] + [f"{h.title}. {h.text}" for h in cands])
     sims = (v[1:] @ v[0]).tolist()
     assert [h.id for h in top] == [cands[j].id for j in sorted(range(4), key=lambda j: -sims[j])[:2]]
