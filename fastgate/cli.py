@@ -208,8 +208,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
-                           paper_defaults=args.paper_defaults, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                           regroup_wait_ms=args.regroup_wait_ms, max_queue=args.max_queue, timeout_s=args.timeout,
+                           paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
+                           max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -329,12 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
     sv.add_argument("--index", default=None, help="index root (default: the default corpus)")
     sv.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
-    sv.add_argument("--max-batch", type=int, default=32, help="questions per decode batch (default: %(default)s)")
-    sv.add_argument("--max-wait-ms", type=float, default=10.0,
-                    help="how long a batch waits for more requests (default: %(default)s)")
-    sv.add_argument("--regroup-wait-ms", type=float, default=250.0,
-                    help="after a batch of n (m queued meanwhile), how long the next waits for n + m requests "
-                         "(default: %(default)s)")
+    sv.add_argument("--max-live", type=int, default=32,
+                    help="requests whose programs run at once; more wait in the queue (default: %(default)s)")
+    sv.add_argument("--max-rows", type=int, default=80,
+                    help="sequences (prompts x samples) per engine call (default: %(default)s)")
     sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
     sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")

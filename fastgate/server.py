@@ -100,8 +100,18 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
                              registry=registry)
     latency = Histogram("fastgate_request_latency_seconds", "answer request latency", registry=registry,
                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
-    batch_size = Histogram("fastgate_batch_size", "questions per decode batch", registry=registry,
-                           buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    rows = Histogram("fastgate_generation_rows", "sequences per engine generation call (programs share calls)",
+                     registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+    class_latency = Histogram("fastgate_answer_latency_seconds", "submit-to-answer latency by whether it retrieved",
+                              ["retrieved"], registry=registry,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+    live = Gauge("fastgate_live_programs", "requests whose programs are running", registry=registry)
+    gen_calls = Gauge("fastgate_generation_calls_total", "engine generation calls", registry=registry)
+    shared_calls = Gauge("fastgate_shared_generation_calls_total",
+                         "generation calls whose rows came from programs of more than one method", registry=registry)
+    ticks = Gauge("fastgate_scheduler_ticks_total", "scheduler ticks that ran requests", registry=registry)
+    cancelled = Gauge("fastgate_cancelled_total", "requests whose programs were cancelled (timeout, disconnect)",
+                      registry=registry)
     answered = Gauge("fastgate_answered_total", "questions answered", registry=registry)
     retrieved = Gauge("fastgate_retrieved_total", "answered questions that retrieved", registry=registry)
     retrieval_rate = Gauge("fastgate_retrieval_rate", "retrieved / answered", registry=registry)
@@ -137,7 +147,7 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
         try:
             record = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except asyncio.TimeoutError:
-            future.cancel()  # dropped if it has not started; else it finishes and is discarded
+            service.cancel(future)  # dropped if queued, else its program stops at the next tick
             return error(504, f"not answered within {timeout:g} s")
         except InputError as exc:
             return error(422, str(exc))
@@ -150,13 +160,21 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok" if service.running else "stopped", "model": service.model_name,
-                "method": cfg.method, "queue_depth": service.queue_depth}
+                "method": cfg.method, "queue_depth": service.queue_depth, "live_programs": service.live_programs}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         m = service.metrics
-        for size in m.drain_batch_sizes():
-            batch_size.observe(size)
+        new_rows, latencies = m.drain()
+        for n in new_rows:
+            rows.observe(n)
+        for was_retrieved, seconds in latencies:
+            class_latency.labels("yes" if was_retrieved else "no").observe(seconds)
+        live.set(service.live_programs)
+        gen_calls.set(m.generation_calls)
+        shared_calls.set(m.shared_generation_calls)
+        ticks.set(m.ticks_total)
+        cancelled.set(m.cancelled)
         answered.set(m.answered)
         retrieved.set(m.retrieved)
         retrieval_rate.set(m.retrieved / m.answered if m.answered else 0.0)

@@ -1,10 +1,12 @@
-"""The embeddable answering service: a thread-safe ``submit() -> Future`` in front of one engine, with dynamic
-batching, a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it (:mod:`fastgate.server`).
+"""The embeddable answering service: a thread-safe ``submit() -> Future`` in front of one engine, on one
+:class:`~fastgate.scheduler.Scheduler`, with a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it
+(:mod:`fastgate.server`).
 
-Concurrent requests are gathered into micro-batches: the worker takes the oldest request, waits at most
-``max_wait_ms`` for more (up to ``max_batch``; after a batch of n with m requests queued meanwhile, up to
-``regroup_wait_ms`` until n + m are in hand, so that the clients just answered rejoin), groups them by (method,
-parameters) and runs each group as one ``answer_batch`` call, i.e. one batched decode loop. Example::
+Every accepted request becomes its method's program for its question and joins the running scheduler at its next
+tick; programs of every method and parameter set share the batched calls (generation, search, embedding, gate ops),
+and a request's future resolves as soon as its own program ends: a question the gate answers closed-book does not
+wait for the ones that retrieve. A request that times out, or whose client goes away, is cancelled: its program stops
+at the next tick and consumes no more work. Example::
 
     from fastgate.service import AnswerService, ServiceConfig
 
@@ -49,10 +51,8 @@ class ServiceConfig:
     device: str = "auto"  # CUDA when available
     index: str | None = None  # index root; None: the default corpus
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
-    max_batch: int = 32  # questions per decode loop; beyond this a CPU step gets slower than it gains
-    max_wait_ms: float = 10.0  # how long the first request of a batch waits for company; bounds added latency
-    regroup_wait_ms: float = 250.0  # after a batch of n (m queued), wait up to this for n + m: its clients come back
-    regroup_share: float = 0.05  # ... but never longer than this share of that batch's run time
+    max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
+    max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
     max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
@@ -63,12 +63,10 @@ class ServiceConfig:
     locked_params: tuple[str, ...] = ("checkpoint", "reranker_path")  # file paths: set by the operator, not clients
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
+        for name in ("max_live", "max_rows", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
-        if self.max_wait_ms < 0 or self.regroup_wait_ms < 0 or not 0 <= self.regroup_share <= 1:
-            raise InputError("max_wait_ms and regroup_wait_ms must be >= 0, regroup_share in [0, 1]")
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
 
@@ -76,12 +74,14 @@ class ServiceConfig:
 @dataclass
 class _Job:
     question: str
-    request: Any  # a validated fastgate.runtime.Request; jobs with equal requests share a batch
+    request: Any  # a validated fastgate.runtime.Request
     future: Future
+    submitted: float
+    task: Any = None  # its scheduler task once admitted
 
 
 class AnswerService:
-    """Thread-safe answering with dynamic batching (see the module docstring).
+    """Thread-safe answering on one scheduler (see the module docstring).
 
     Args:
         config: the service settings.
@@ -100,6 +100,9 @@ class AnswerService:
         self._requests: dict[tuple, Any] = {}
         self._configs: dict[Any, Any] = {}
         self._lock = threading.Lock()
+        self._scheduler = None  # built with the engine, in start()
+        self._running: dict[int, _Job] = {}  # id(task) -> job, for timeouts and cancellation
+        self._cancel: list[Future] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics = _Metrics()
@@ -109,9 +112,12 @@ class AnswerService:
         """Load the model, build the default method (so the first request does not pay for it), start the worker."""
         if self._thread is not None:
             return self
+        from fastgate.scheduler import Scheduler
+
         self._method(self._request(self.config.method, None))
+        self._scheduler = Scheduler(self.runtime.engine, max_rows=self.config.max_rows)
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="fastgate-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
         self._thread.start()
         return self
 
@@ -120,7 +126,7 @@ class AnswerService:
         if self._thread is None:
             return
         if drain:
-            while not self._queue.empty() and self._thread.is_alive():
+            while (not self._queue.empty() or self._running) and self._thread.is_alive():
                 time.sleep(0.01)
         self._stop.set()
         self._thread.join()
@@ -132,6 +138,10 @@ class AnswerService:
                 break
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(FastgateError("the service stopped before answering"))
+        for job in list(self._running.values()):
+            if not job.future.done():
+                job.future.set_exception(FastgateError("the service stopped before answering"))
+        self._running.clear()
 
     @property
     def running(self) -> bool:
@@ -140,6 +150,15 @@ class AnswerService:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def live_programs(self) -> int:
+        """Requests whose programs are running."""
+        return len(self._running)
+
+    @property
+    def scheduler(self):
+        return self._scheduler
 
     @property
     def model_name(self) -> str:
@@ -232,13 +251,20 @@ class AnswerService:
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()
-        job = _Job(question, req, future)
+        job = _Job(question, req, future, time.perf_counter())
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             self.metrics.rejected()
             raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
         return future
+
+    def cancel(self, future: Future) -> None:
+        """Give up on a submitted request (timed out, or its client went away): dropped if still queued, else its
+        program stops at the next tick. Thread-safe."""
+        if not future.cancel():  # already running: the worker cancels its program
+            with self._lock:
+                self._cancel.append(future)
 
     def _retry_after(self) -> int:
         """Seconds until the queue has room, from the recent per-question service time."""
@@ -247,66 +273,63 @@ class AnswerService:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
-        expected, last_s, ended = 1, 0.0, 0.0
+        sched = self._scheduler
         while not self._stop.is_set():
+            self._admit(block=sched.idle)
+            self._expire()
+            if not sched.idle:
+                try:
+                    sched.step()
+                except Exception as exc:  # noqa: BLE001 - a failure outside any one program: fail what is running
+                    for job in list(self._running.values()):
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+                    self._running.clear()
+                    self._scheduler = sched = type(sched)(self.runtime.engine, max_rows=self.config.max_rows)
+                self.metrics.ticks(sched)
+
+    def _admit(self, block: bool) -> None:
+        """Move queued requests into the scheduler (up to ``max_live`` running); wait briefly when idle."""
+        while len(self._running) < self.config.max_live:
             try:
-                first = self._queue.get(timeout=0.05)
+                job = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
             except queue.Empty:
-                if time.perf_counter() - ended > self.config.regroup_wait_ms / 1000:
-                    expected = 1  # idle since: the last batch's clients are not coming straight back
+                return
+            block = False
+            if not job.future.set_running_or_notify_cancel():  # cancelled while queued: dropped
                 continue
-            jobs = self._gather(first, expected, last_s)
-            t0 = time.perf_counter()
-            groups: OrderedDict[Any, list[_Job]] = OrderedDict()
-            for job in jobs:
-                if job.future.set_running_or_notify_cancel():  # a request that timed out while queued is dropped
-                    groups.setdefault(job.request, []).append(job)
-            for req, group in groups.items():
-                self._run_group(req, group)
-            # the clients just answered usually come straight back; those queued meanwhile are already here
-            ended = time.perf_counter()
-            expected, last_s = len(jobs) + self._queue.qsize(), ended - t0
-
-    def _gather(self, first: _Job, expected: int, last_s: float) -> list[_Job]:
-        """The next micro-batch: ``first`` plus what arrives within ``max_wait_ms``, or, until ``expected`` requests
-        are in hand, within ``regroup_wait_ms`` (capped at ``regroup_share`` of the last run ``last_s``).
-
-        ``expected`` is the last batch's size plus the requests queued while it ran. Clients that wait for their
-        answer before asking again send their next request a few milliseconds after their batch ends; without
-        waiting for them, the clients split into two groups whose batches alternate, each group idle during the
-        other's run, and the split persists. Waiting for the last batch plus the backlog merges them into one batch.
-        A lone client (expected = 1) never waits longer than ``max_wait_ms``."""
-        c = self.config
-        now = time.perf_counter()
-        deadline = now + c.max_wait_ms / 1000
-        regroup = now + max(c.max_wait_ms, min(c.regroup_wait_ms, c.regroup_share * last_s * 1000)) / 1000
-        expected = min(expected, c.max_batch)
-        jobs = [first]
-        while len(jobs) < c.max_batch:
-            remaining = (regroup if len(jobs) < expected else deadline) - time.perf_counter()
             try:
-                jobs.append(self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return jobs
+                method = self._method(job.request)
+            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that fails to load
+                job.future.set_exception(exc)
+                continue
+            job.task = self._scheduler.submit(method, job.question, on_done=self._done)
+            self._running[id(job.task)] = job
 
-    def _run_group(self, req, group: list[_Job]) -> None:
+    def _expire(self) -> None:
+        """Cancel the programs of requests past their timeout or given up by their clients."""
+        with self._lock:
+            cancel, self._cancel = self._cancel, []
+        gone = {id(f) for f in cancel}
+        deadline = time.perf_counter() - self.config.timeout_s
+        for job in self._running.values():
+            if id(job.future) in gone or job.submitted < deadline:
+                self._scheduler.cancel(job.task)
+
+    def _done(self, task) -> None:
+        """A program ended: resolve its future now (the others keep running)."""
         from fastgate.runtime import result_record
 
-        t0 = time.perf_counter()
-        try:
-            results = self._method(req).answer_batch([j.question for j in group])
-        except Exception as exc:  # noqa: BLE001 - every accepted request gets an outcome, whatever failed
-            for j in group:
-                j.future.set_exception(exc)
-            self.metrics.batch(len(group), time.perf_counter() - t0, retrieved=0, failed=True)
+        job = self._running.pop(id(task), None)
+        if job is None or job.future.done():
             return
-        took = time.perf_counter() - t0
-        retrieved = 0
-        for j, r in zip(group, results):
-            retrieved += bool(r.retrieved)
-            j.future.set_result(result_record(r, self.model_name, req.retriever))
-        self.metrics.batch(len(group), took, retrieved=retrieved)
+        latency = time.perf_counter() - job.submitted
+        if task.error is not None:
+            job.future.set_exception(task.error)
+            self.metrics.finished(latency, retrieved=False, failed=True, cancelled=task.cancelled)
+            return
+        job.future.set_result(result_record(task.result, self.model_name, job.request.retriever))
+        self.metrics.finished(latency, retrieved=bool(task.result.retrieved))
 
 
 def _check_int_params(req, limit: int) -> None:
@@ -324,36 +347,56 @@ class _Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.batches = 0
-        self.batch_sizes: list[int] = []  # recent, for the histogram exporter to drain
         self.answered = 0
         self.retrieved = 0
         self.failed = 0
+        self.cancelled = 0
         self.rejected_total = 0
-        self._recent: list[tuple[int, float]] = []  # (questions, seconds) of the last batches
+        self.ticks_total = 0
+        self.generation_calls = 0
+        self.shared_generation_calls = 0  # engine calls whose rows came from programs of more than one method
+        self.generation_rows: list[int] = []  # sequences per engine call, recent, for the exporter to drain
+        self.latencies: list[tuple[bool, float]] = []  # (retrieved, seconds) per answered request, to drain
+        self._recent: list[float] = []  # latencies of the last answers
+        self._scheduler_id, self._seen = 0, 0
 
-    def batch(self, size: int, seconds: float, retrieved: int, failed: bool = False) -> None:
+    def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False) -> None:
         with self._lock:
-            self.batches += 1
-            self.batch_sizes.append(size)
             if failed:
-                self.failed += size
-            else:
-                self.answered += size
-                self.retrieved += retrieved
-            self._recent = (self._recent + [(size, seconds)])[-20:]
+                self.failed += 1
+                self.cancelled += bool(cancelled)
+                return
+            self.answered += 1
+            self.retrieved += bool(retrieved)
+            self.latencies.append((retrieved, seconds))
+            self._recent = (self._recent + [seconds])[-50:]
+
+    def ticks(self, scheduler) -> None:
+        """Take the scheduler's new generation calls (rows per call, methods sharing them)."""
+        with self._lock:
+            if id(scheduler) != self._scheduler_id:  # a new scheduler (after a failure) counts from zero
+                self._scheduler_id, self._seen = id(scheduler), 0
+            self.ticks_total = scheduler.ticks
+            new = scheduler.generation_calls - self._seen
+            if new > 0:
+                rows = scheduler.generation_rows[-new:]
+                self.generation_rows.extend(rows)
+                self.shared_generation_calls += sum(len(m) > 1 for m in scheduler.generation_methods[-new:])
+                self.generation_calls += new
+                self._seen = scheduler.generation_calls
 
     def rejected(self) -> None:
         with self._lock:
             self.rejected_total += 1
 
-    def drain_batch_sizes(self) -> list[int]:
+    def drain(self) -> tuple[list[int], list[tuple[bool, float]]]:
+        """Rows per generation call and per-request latencies since the last drain."""
         with self._lock:
-            out, self.batch_sizes = self.batch_sizes, []
-            return out
+            rows, self.generation_rows = self.generation_rows, []
+            lat, self.latencies = self.latencies, []
+            return rows, lat
 
     def recent_seconds_per_question(self) -> float:
+        """Mean latency of the last answers (over the programs that ran concurrently: an estimate)."""
         with self._lock:
-            q = sum(n for n, _ in self._recent)
-            s = sum(t for _, t in self._recent)
-        return s / q if q else 1.0
+            return sum(self._recent) / len(self._recent) if self._recent else 1.0

@@ -1,0 +1,169 @@
+"""The step-program scheduler: a question's result is the same alone, in a batch and when it joins a running
+scheduler beside programs of other methods; requests of one kind share one batched call; errors and cancellation
+stay with their own program."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from golden import FIXTURE, QUESTIONS, assert_same, cases, comparable, setups
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.errors import InputError
+from fastgate.programs import All, Answer, Generate, Search
+from fastgate.scheduler import CancelledError, Scheduler, Task
+
+GOLDEN = json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return setups(tmp_path_factory.mktemp("sched"))
+
+
+@pytest.fixture(scope="module")
+def methods(world):
+    from fastgate.methods import build_method
+
+    engine, retrievers, ckpts = world
+    return [build_method(name, engine, retrievers[r], params) for name, r, params in cases(ckpts)]
+
+
+def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods):
+    engine = world[0]
+    sched = Scheduler(engine)
+    pending = [(c, i) for i in range(len(QUESTIONS)) for c in range(len(methods))]  # interleaved methods
+    tasks = {}
+    tick = 0
+    while pending or not sched.idle:
+        for _ in range(1 + tick % 7):  # a few new programs join at every tick, while others run
+            if pending:
+                c, i = pending.pop(0)
+                tasks[(c, i)] = sched.submit(methods[c], QUESTIONS[i])
+        sched.step()
+        tick += 1
+    assert max(len(m) for m in sched.generation_methods) >= 3  # programs of several methods shared engine calls
+    for (c, i), task in tasks.items():
+        assert task.error is None, task.error
+        assert_same(comparable(task.result), GOLDEN[c]["results"][i], f"{GOLDEN[c]['method']} q{i} staggered")
+
+
+@pytest.mark.parametrize("case", range(len(GOLDEN)), ids=[f"{g['method']}-{g['retriever']}" for g in GOLDEN])
+def test_alone_equals_golden(case, methods):
+    for i in (2, 6):
+        got = comparable(methods[case].answer(QUESTIONS[i]))
+        assert_same(got, GOLDEN[case]["results"][i], f"{GOLDEN[case]['method']} q{i} alone")
+
+
+def test_timings_are_the_questions_own(methods):
+    never, dtr = methods[0], methods[2]
+    sched = Scheduler(never.engine)
+    fast = sched.submit(never, QUESTIONS[0])
+    slow = [sched.submit(dtr, q) for q in QUESTIONS]
+    sched.run([fast, *slow])
+    assert fast.finished < max(t.finished for t in slow)  # it did not wait for the batch's slowest question
+    assert fast.result.timings["total_s"] < max(t.result.timings["total_s"] for t in slow)
+    assert set(fast.result.timings) == {"generation_s", "total_s"}
+    retrieved = [t.result for t in slow if t.result.retrieved]
+    assert retrieved and all(r.timings["retrieval_s"] > 0 for r in retrieved)
+
+
+def test_requests_of_one_kind_share_one_call(world):
+    engine, retrievers, _ = world
+    calls = []
+    bm25 = retrievers["bm25"]
+
+    class Counting:
+        def search_batch(self, queries, k):
+            calls.append(len(queries))
+            return bm25.search_batch(queries, k)
+
+    counting = Counting()
+
+    def program(q):
+        (hits,) = yield Search(counting, (q,), 2)
+        a, b = yield All(Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=3)),
+                         Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=5, do_sample=True, top_k=5), k=2,
+                                  seed=7))
+        return Answer(a.sequences[0].text, hits), len(b.sequences)
+
+    sched = Scheduler(engine)
+    out = sched.evaluate(program(q) for q in QUESTIONS[:5])
+    assert calls == [5]  # five programs, one search_batch
+    assert sched.generation_calls == 1 and sched.generation_rows == [15]  # greedy and sampled rows in one call
+    assert [n for _, n in out] == [2] * 5
+
+
+def test_mixed_rows_equal_their_own_calls(tiny_engine):
+    """Rows with different decoding settings, taps, sample counts and seeds in one engine call give what each gives
+    alone (the scheduler relies on it)."""
+    prompts = ["Q: Who wrote Hamlet?\nA:", "The capital of France is", "Q: largest planet?\nA:"]
+    configs = [GenerationConfig(max_new_tokens=6, stop=("\n",)),
+               GenerationConfig(max_new_tokens=9, do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+               GenerationConfig(max_new_tokens=4, do_sample=True, top_k=50)]
+    taps = [TapSpec(layers=(2,)), TapSpec(eos_state=True), TapSpec(layers=(1, 3))]
+    ks, seeds = [1, 3, 2], [None, 11, 12]
+    mixed = tiny_engine.generate(prompts, configs, taps, ks, seeds)
+    assert mixed.layers == (1, 2, 3) and len(mixed.sequences) == 6
+    pos = 0
+    for p, c, t, k, s in zip(prompts, configs, taps, ks, seeds):
+        alone = tiny_engine.generate([p], c, t, k, [s])
+        for j, seq in enumerate(alone.sequences):
+            assert mixed.sequences[pos + j].token_ids == seq.token_ids
+        for layer in t.layers:
+            col = mixed.layers.index(layer)
+            torch.testing.assert_close(mixed.running_sum[pos:pos + k, col], alone.running_sum[:, t.layers.index(layer)],
+                                       rtol=1e-4, atol=1e-4)
+        if t.eos_state:
+            torch.testing.assert_close(mixed.eos_state[pos:pos + k], alone.eos_state, rtol=1e-4, atol=1e-4)
+        pos += k
+    with pytest.raises(InputError, match="different layers"):
+        tiny_engine.generate(prompts[:2], None, [TapSpec(eos_state=True, mid_layer=1), TapSpec(eos_state=True)])
+
+
+def test_a_failing_program_ends_only_itself(world):
+    engine = world[0]
+
+    def ok(q):
+        out = yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=3))
+        return out.sequences[0].text
+
+    def bad_request(q):
+        yield Generate("", GenerationConfig(max_new_tokens=3))  # an empty prompt: the engine refuses it
+        return "unreachable"
+
+    def raises(q):
+        yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=3))
+        raise RuntimeError("boom")
+
+    sched = Scheduler(engine)
+    tasks = [Task(None, "", program=ok("a")), Task(None, "", program=bad_request("b")),
+             Task(None, "", program=raises("c")), Task(None, "", program=ok("d"))]
+    sched._inbox.extend(tasks)
+    sched.run(tasks)
+    assert isinstance(tasks[0].result, str) and isinstance(tasks[3].result, str)
+    assert isinstance(tasks[1].error, InputError) and "empty" in str(tasks[1].error)
+    assert isinstance(tasks[2].error, RuntimeError)
+
+
+def test_cancelled_program_stops_consuming_work(world):
+    engine = world[0]
+    steps = []
+
+    def forever(q):
+        while True:
+            steps.append(q)
+            yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=2))
+
+    sched = Scheduler(engine)
+    task = Task(None, "", program=forever("q"))
+    sched._inbox.append(task)
+    for _ in range(3):
+        sched.step()
+    sched.cancel(task)
+    sched.step()
+    assert task.done and isinstance(task.error, CancelledError)
+    n = len(steps)
+    assert not sched.step() and len(steps) == n  # nothing of it runs any more
