@@ -1,4 +1,5 @@
-"""Serving: the embeddable service (batching, overload, timeouts) and the HTTP server on loopback (tiny model)."""
+"""Serving: the embeddable service (one scheduler, overload, timeouts, cancellation) and the HTTP server on loopback
+(tiny model)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _service(tiny_engine, small_index, **kw) -> AnswerService:
 
 @pytest.fixture(scope="module")
 def service(tiny_engine, small_index):
-    svc = _service(tiny_engine, small_index, max_wait_ms=50).start()
+    svc = _service(tiny_engine, small_index).start()
     yield svc
     svc.stop()
 
@@ -42,7 +43,7 @@ def test_submit_batches_concurrent_requests_and_matches_answer_batch(service):
     direct = service._method(service._request(None, None)).answer_batch(QUESTIONS)
     assert [r["answer"] for r in records] == [d.answer for d in direct]
     assert all(r["retrieved"] and r["model"] == "tiny" and r["retriever"] == "dense" for r in records)
-    assert max(service.metrics.batch_sizes or [len(QUESTIONS)]) > 1 or service.metrics.batches < len(QUESTIONS)
+    assert max(service.scheduler.generation_rows) > 1  # concurrent requests shared engine calls
 
 
 def test_submit_rejects_bad_input_without_queueing(service):
@@ -62,38 +63,64 @@ def test_submit_rejects_bad_input_without_queueing(service):
     assert service.queue_depth == depth
 
 
-def test_gather_waits_for_the_expected_clients_but_not_for_a_lone_one(tiny_engine, small_index):
-    from concurrent.futures import Future
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory, tiny):
+    from fastgate.probes import random_probe_params, save_probe_checkpoint
 
-    from fastgate.service import _Job
+    root = tmp_path_factory.mktemp("svc-ckpt")
+    conf = save_probe_checkpoint(root / "conf", random_probe_params(1, tiny.hidden_size, 16, seed=2),
+                                 kind="confidence", model=tiny, layers=(2,))
+    return {"cbdr": {"checkpoint": str(conf), "beta": 0.81, "n_candidates": 4}}
 
-    svc = _service(tiny_engine, small_index, max_wait_ms=5, regroup_wait_ms=400)
-    req = svc._request(None, None)
 
-    def feed(n: int, gap_s: float) -> None:
-        for _ in range(n):
-            time.sleep(gap_s)
-            svc._queue.put(_Job("q", req, Future()))
+def test_mixed_methods_share_generation_calls_and_answer_as_alone(tiny_engine, small_index, tiny_checkpoints):
+    svc = _service(tiny_engine, small_index, locked_params=()).start()
+    try:
+        kinds = [("dtr", {"tau": 0.95, "pseudo_tokens": 12}), ("cbdr", tiny_checkpoints["cbdr"]),
+                 ("seakr", {"samples": 3, "step_tokens": 6, "max_steps": 2, "n_candidates": 2, "answer_tokens": 8,
+                            "max_answer_tokens": 6, "delta": -0.9})]
+        jobs = [(m, p, q) for q in QUESTIONS[:4] for m, p in kinds]
+        futures = [svc.submit(q, m, p) for m, p, q in jobs]
+        records = [f.result(timeout=300) for f in futures]
+        assert svc.metrics.shared_generation_calls >= 1  # rows of several methods in one engine call
+        for (m, p, q), rec in zip(jobs, records):
+            alone = svc._method(svc._request(m, p)).answer(q)  # what `fastgate ask` answers
+            assert (rec["answer"], rec["retrieved"], [s["retrieve"] for s in rec["gate_steps"]]) == (
+                alone.answer, alone.retrieved, [s.retrieve for s in alone.gate_steps]), (m, q)
+            assert [h["id"] for h in rec["passages"]] == [h.id for h in alone.passages]
+    finally:
+        svc.stop()
 
-    first = _Job("q", req, Future())
-    # after a batch of 4 that ran 10 s, three late requests 30 ms apart still join (well past max_wait_ms)
-    t = threading.Thread(target=feed, args=(3, 0.03))
-    t.start()
-    assert len(svc._gather(first, expected=4, last_s=10.0)) == 4
-    t.join()
-    # the cap is a share of the last run: after a 20 ms batch the regroup wait is max_wait_ms, so they do not join
-    t = threading.Thread(target=feed, args=(3, 0.03))
-    t.start()
-    assert len(svc._gather(first, expected=4, last_s=0.02)) == 1
-    t.join()
-    while not svc._queue.empty():
-        svc._queue.get_nowait()
-    # a lone client (expected 1) is not kept waiting for company
-    t = threading.Thread(target=feed, args=(3, 0.03))
-    t.start()
-    assert len(svc._gather(first, expected=1, last_s=10.0)) == 1
-    t.join()
-    assert svc._queue.qsize() == 3  # they were left for the next batch, not lost
+
+def test_a_closed_book_answer_does_not_wait_for_the_retrieving_ones(tiny_engine, small_index):
+    svc = _service(tiny_engine, small_index).start()
+    try:
+        slow = [svc.submit(q, "seakr", {"samples": 3, "step_tokens": 6, "max_steps": 3, "delta": -1e9})
+                for q in QUESTIONS]
+        fast = svc.submit("Who wrote Hamlet?", "never")
+        fast.result(timeout=120)
+        assert not all(f.done() for f in slow)  # answered while the others still run
+        [f.result(timeout=300) for f in slow]
+    finally:
+        svc.stop()
+
+
+def test_timeout_cancels_the_program(tiny_engine, small_index):
+    from fastgate.scheduler import CancelledError
+
+    svc = _service(tiny_engine, small_index, timeout_s=0.5).start()
+    try:
+        f = svc.submit("capital of Kyrgyzstan", "seakr", {"samples": 8, "step_tokens": 32, "max_steps": 4,
+                                                          "delta": -1e9, "answer_tokens": 64})
+        with pytest.raises(CancelledError):
+            f.result(timeout=60)
+        deadline = time.time() + 30
+        while svc.live_programs and time.time() < deadline:
+            time.sleep(0.05)
+        assert svc.live_programs == 0 and svc.scheduler.idle and svc.metrics.cancelled == 1
+        assert svc.submit("Who wrote Hamlet?", "never").result(timeout=60)["answer"] is not None  # still serving
+    finally:
+        svc.stop()
 
 
 def test_overload_and_stop(tiny_engine, small_index):
@@ -181,7 +208,9 @@ def test_http_health_metrics_schema(server):
     httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
     text = httpx.get(f"{url}/metrics").text
     for name in ("fastgate_requests_total{status=\"200\"}", "fastgate_request_latency_seconds_bucket",
-                 "fastgate_batch_size_bucket", "fastgate_retrieval_rate", "fastgate_queue_depth"):
+                 "fastgate_generation_rows_bucket", "fastgate_answer_latency_seconds_bucket{le=\"0.05\",retrieved=",
+                 "fastgate_live_programs", "fastgate_shared_generation_calls_total", "fastgate_retrieval_rate",
+                 "fastgate_queue_depth"):
         assert name in text
     schema = httpx.get(f"{url}/openapi.json").json()
     assert "/v1/answer" in schema["paths"] and json.dumps(schema)
