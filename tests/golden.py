@@ -53,12 +53,12 @@ def assert_same(got: dict, want: dict, where: str = "") -> None:
 
 def setups(root: Path):
     """Engine, retrievers and the tiny checkpoints (the same random weights every time)."""
+    from conftest import SMALL_CORPUS
+
     from fastgate.engine import Engine
     from fastgate.probes import random_probe_params, save_probe_checkpoint
     from fastgate.retrieval import BM25Retriever, DenseRetriever, build_indexes
     from fastgate.testing import tiny_model
-
-    from conftest import SMALL_CORPUS
 
     tiny = tiny_model()
     corpus = root / "small.jsonl"

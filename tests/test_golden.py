@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden import FIXTURE, QUESTIONS, assert_same, cases, comparable, setups
 
 GOLDEN = json.loads(FIXTURE.read_text())
