@@ -37,15 +37,15 @@ def _percentile(v: list[float], q: float) -> float:
 
 
 def _batch_totals(url: str) -> tuple[float, float]:
-    """(questions, batches) so far, from the server's batch-size histogram."""
+    """(sequences, engine generation calls) so far, from the server's rows-per-call histogram."""
     import httpx
 
     values = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(("fastgate_batch_size_sum", "fastgate_batch_size_count")):
+        if line.startswith(("fastgate_generation_rows_sum", "fastgate_generation_rows_count")):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
-    return values.get("fastgate_batch_size_sum", 0.0), values.get("fastgate_batch_size_count", 0.0)
+    return values.get("fastgate_generation_rows_sum", 0.0), values.get("fastgate_generation_rows_count", 0.0)
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     ap.add_argument("--max-seconds", type=float, default=300, help="stop sending new requests after this per level")
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-live", type=int, default=32, help="requests whose programs run at once")
     args = ap.parse_args()
 
     import httpx
@@ -66,7 +66,7 @@ def main() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "fastgate", "serve", "--method", args.method, "--model", args.model, "--port",
-           str(port), "--max-batch", str(args.max_batch), "--max-queue", "1024", "--timeout", "600",
+           str(port), "--max-live", str(args.max_live), "--max-queue", "1024", "--timeout", "600",
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     rows = []
@@ -115,19 +115,19 @@ def main() -> None:
                          "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
                          "p50_s": statistics.median(latencies) if latencies else float("nan"),
                          "p95_s": _percentile(latencies, 0.95),
-                         "mean_batch": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_batch": args.max_batch})
+                         "mean_rows": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_live": args.max_live})
             print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
-                                    "mean_batch"])
+                                    "mean_rows"])
         metrics = httpx.get(f"{url}/metrics").text
         print("\n".join(ln for ln in metrics.splitlines() if ln.startswith(("fastgate_requests_total",
-                                                                             "fastgate_batch_size_sum",
-                                                                             "fastgate_batch_size_count"))))
+                                                                             "fastgate_generation_rows_sum",
+                                                                             "fastgate_generation_rows_count"))))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     print()
     print_table(rows, ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
-                       "mean_batch"])
+                       "mean_rows"])
     print(f"appended to {append_rows('serve', rows)}")
 
 

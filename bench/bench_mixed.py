@@ -1,0 +1,168 @@
+"""Latency under load of questions the gate skips beside questions that retrieve: does a cheap question stay cheap?
+
+Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, real model) and, with at most
+``--max-seconds`` per scenario:
+
+1. answers each candidate question alone and keeps the first ``--per-class`` the gate skips and the first that it
+   sends to retrieval (their alone latencies are the reference);
+2. ``burst``: sends the 2 × per-class questions at once; reports the skip and retrieve classes' p50 latency and the
+   skip p50 over its alone p50;
+3. ``late``: sends the retrieving questions, then one skip question 1 s later; reports its latency;
+4. ``sequential``: the same questions one by one; the burst's speedup is sequential wall time over burst wall time.
+
+With ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/old <commit>``) the same scenarios
+run against a server started from that tree, in the same run, so the two designs are compared under the same
+conditions (``--baseline-args`` passes that server's own flags). Rows go to bench/results/mixed.csv.
+
+Run: python bench/bench_mixed.py [--per-class 8] [--baseline /tmp/old --baseline-args "--max-batch 32"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_rows, print_table  # noqa: E402
+
+CANDIDATES = [  # well-known facts (skipped by the calibrated gate) and corpus facts (retrieved), alternating
+    "Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the capital of France?",
+    "What is the capital of Kyrgyzstan?", "What is the capital of Germany?", "What is the capital of Eritrea?",
+    "What is the capital of Japan?", "What is the capital of Bhutan?", "What is the capital of Italy?",
+    "What is the capital of Tuvalu?", "What is the capital of Spain?", "What is the capital of Suriname?",
+    "Who painted the Mona Lisa?", "What is the capital of Djibouti?", "What is the capital of England?",
+    "What is the capital of Lesotho?", "What is the capital of Russia?", "What is the capital of Vanuatu?",
+    "What is the capital of China?", "What is the capital of Comoros?", "What is the capital of Egypt?",
+    "What is the capital of Palau?", "Who discovered penicillin?", "What is the capital of Nauru?",
+    "What is the capital of Canada?", "What is the capital of Kiribati?", "What is the capital of Greece?",
+    "What is the capital of Malawi?", "What is the largest planet?", "What is the capital of Burundi?",
+    "What is the capital of Poland?", "What is the capital of Tajikistan?",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
+    import httpx
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "fastgate", "serve", "--method", "dtr", "--port", str(port), "--max-queue", "1024",
+           "--timeout", "600", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, env=env, cwd=tree)
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"the server from {tree} did not start")
+        time.sleep(0.5)
+
+
+def _ask(url: str, question: str) -> tuple[float, dict]:
+    import httpx
+
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/answer", json={"question": question}, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()
+
+
+def _p50(v: list[float]) -> float:
+    return statistics.median(v) if v else float("nan")
+
+
+def scenarios(url: str, per_class: int, max_seconds: float) -> dict:
+    """Run the four scenarios against the server at ``url``; the figures of one design."""
+    _ask(url, CANDIDATES[-1])  # warm-up: lazy tables, prefix cache
+    skip, retrieve, alone = [], [], {}
+    t_end = time.perf_counter() + max_seconds
+    for q in CANDIDATES:
+        if (len(skip) >= per_class and len(retrieve) >= per_class) or time.perf_counter() > t_end:
+            break
+        took, rec = _ask(url, q)
+        group = retrieve if rec["retrieved"] else skip
+        if len(group) < per_class:
+            group.append(q)
+            alone[q] = took
+    if not skip or not retrieve:
+        raise SystemExit(f"found {len(skip)} skip and {len(retrieve)} retrieve questions; add candidates")
+    mixed = [q for pair in zip(skip, retrieve) for q in pair]
+
+    def burst(questions: list[str], delays: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
+        t0 = time.perf_counter()
+
+        def one(q: str) -> tuple[str, float]:
+            time.sleep((delays or {}).get(q, 0.0))
+            return q, _ask(url, q)[0]
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            out = dict(pool.map(one, questions))
+        return time.perf_counter() - t0, out
+
+    burst_wall, lat = burst(mixed)
+    late_q = skip[0]
+    _, late = burst(retrieve + [late_q], {late_q: 1.0})
+    t0 = time.perf_counter()
+    for q in mixed:
+        _ask(url, q)
+    seq_wall = time.perf_counter() - t0
+    alone_skip = _p50([alone[q] for q in skip])
+    return {
+        "skip": len(skip), "retrieve": len(retrieve),
+        "alone_skip_p50_s": alone_skip, "alone_retrieve_p50_s": _p50([alone[q] for q in retrieve]),
+        "burst_skip_p50_s": _p50([lat[q] for q in skip]), "burst_retrieve_p50_s": _p50([lat[q] for q in retrieve]),
+        "burst_skip_x_alone": _p50([lat[q] for q in skip]) / alone_skip,
+        "late_skip_s": late[late_q], "late_skip_x_alone": late[late_q] / alone[late_q],
+        "burst_wall_s": burst_wall, "sequential_wall_s": seq_wall, "burst_speedup": seq_wall / burst_wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-class", type=int, default=8, help="skip and retrieve questions each (default: 8)")
+    ap.add_argument("--max-seconds", type=float, default=300, help="bound on the question selection per design")
+    ap.add_argument("--baseline", default=None, help="a checkout of another commit to compare with, same run")
+    ap.add_argument("--baseline-args", default="", help="extra `fastgate serve` flags for the baseline server")
+    ap.add_argument("--args", default="", help="extra `fastgate serve` flags for this tree's server")
+    args = ap.parse_args()
+    here = Path(__file__).resolve().parent.parent
+    designs = [("scheduler", here, shlex.split(args.args))]
+    if args.baseline:
+        designs.append(("baseline", Path(args.baseline).resolve(), shlex.split(args.baseline_args)))
+    rows = []
+    for name, tree, extra in designs:
+        port = _free_port()
+        proc = _start(tree, port, extra)
+        try:
+            commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+            rows.append({"design": name, "commit": commit, **scenarios(f"http://127.0.0.1:{port}", args.per_class,
+                                                                       args.max_seconds)})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        print_table(rows[-1:], list(rows[-1]))
+    append_rows("mixed", rows)
+    print()
+    print_table(rows, ["design", "alone_skip_p50_s", "burst_skip_p50_s", "burst_skip_x_alone", "late_skip_x_alone",
+                       "burst_retrieve_p50_s", "burst_wall_s", "sequential_wall_s", "burst_speedup"])
+
+
+if __name__ == "__main__":
+    main()
