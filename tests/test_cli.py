@@ -28,7 +28,7 @@ def run_main(capsys, *argv):
         (["ask", "Who?", "--method", "probing", "--model", "gemma3-270m"], "none ships for model gemma3-270m"),
         (["ask", "Who?", "--method", "cbdr", "--param", "checkpoint=/no/such/dir"], "no checkpoint directory"),
         (["ask", "Who?", "--method", "seakr", "--param", "samples=1"], "samples must be >= 2"),
-        (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle or sum"),
+        (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle, sum or adaptive"),
     ],
 )
 def test_ask_bad_input(capsys, argv, message):
