@@ -223,7 +223,14 @@ class Scheduler:
             self._finish(task, error=exc)
             return
         task._fanout = isinstance(request, All)
-        task._waiting = list(request.requests) if task._fanout else [request]
+        waiting = list(request.requests) if task._fanout else [request]
+        try:
+            for r in waiting:
+                _group_key(r)  # not a request: that program's error, found before it reaches a batch
+        except InputError as exc:
+            self._finish(task, error=exc)
+            return
+        task._waiting = waiting
         task._results = [_NONE] * len(task._waiting)
         if task._fanout and not task._waiting:
             self._advance(task, [])

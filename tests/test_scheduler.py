@@ -139,11 +139,17 @@ def test_a_failing_program_ends_only_itself(world):
         raise RuntimeError("boom")
 
     sched = Scheduler(engine)
+    def not_a_request(q):
+        yield ["a list"]
+        return "unreachable"
+
     tasks = [Task(None, "", program=ok("a")), Task(None, "", program=bad_request("b")),
-             Task(None, "", program=raises("c")), Task(None, "", program=ok("d"))]
+             Task(None, "", program=raises("c")), Task(None, "", program=not_a_request("e")),
+             Task(None, "", program=ok("d"))]
     sched._inbox.extend(tasks)
     sched.run(tasks)
-    assert isinstance(tasks[0].result, str) and isinstance(tasks[3].result, str)
+    assert isinstance(tasks[0].result, str) and isinstance(tasks[4].result, str)
+    assert isinstance(tasks[3].error, InputError) and "not a request" in str(tasks[3].error)
     assert isinstance(tasks[1].error, InputError) and "empty" in str(tasks[1].error)
     assert isinstance(tasks[2].error, RuntimeError)
 
