@@ -205,7 +205,7 @@ class Engine:
         model: a :class:`~fastgate.models.LoadedModel`.
         backend: ``auto|triton|ext|torch`` for the gating ops (tap accumulate, prober, eigenscore); ``auto``: the
             Triton kernels on CUDA, the C++ eigenscore on CPU when the extension is built, the torch references
-            otherwise (see :mod:`fastgate.ops.backend`). Chosen here, once.
+            otherwise (see :mod:`fastgate.ops.registry`). Chosen here, once, for every op: ``engine.ops``.
         prefix_cache: keep the KV cache of shared prompt prefixes (the few-shot examples every prompt starts with) and
             prefill only what follows them; 0 turns it off, else the fewest tokens worth caching.
         prefill_chunk: most tokens (rows × longest row) per prefill forward; None: 1024 on CPU, where smaller
@@ -214,15 +214,17 @@ class Engine:
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None) -> None:
-        from fastgate.ops.backend import gate_ops
+        from fastgate.ops.backend import GateOps
+        from fastgate.ops.registry import build_ops
 
         self.lm = model
         self.model = model.model
         self.tokenizer = model.tokenizer
-        # the gating ops (tap accumulate, prober, eigenscore) are bound once, for the model's device
-        self.gate_ops = gate_ops(backend, model.device)
-        self.backend = self.gate_ops.backend
-        self._accumulate = self.gate_ops.accumulate
+        # every op of SPEC §4 is bound once, for the model's device; gate_ops is the gating ops' view of the same choice
+        self.ops = build_ops(backend, model.device)
+        self.gate_ops = GateOps.of(self.ops)
+        self.backend = self.ops.backend
+        self._accumulate = self.ops.accumulate
         gen_cfg = getattr(self.model, "generation_config", None)
         eos: set[int] = set()
         for source in (getattr(gen_cfg, "eos_token_id", None), self.tokenizer.eos_token_id):

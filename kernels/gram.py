@@ -17,7 +17,9 @@ from fastgate.errors import ShapeError
 from fastgate.ops.reference import NON_FINITE_Z, check_eigenscore_args
 from fastgate.ops.reference import eigenscore as eigenscore_reference
 
-__all__ = ["eigenscore", "eigenscore_reference"]
+__all__ = ["MAX_K", "eigenscore", "eigenscore_reference"]
+
+MAX_K = 64  # most samples per request: the k×k Gram matrix and its factorisation live in registers
 
 
 @triton.jit
@@ -87,8 +89,8 @@ def eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None 
     :func:`fastgate.ops.reference.eigenscore` (a request with no valid sample gets +inf)."""
     valid = check_eigenscore_args(z, alpha, valid, scale)
     b, k, d = z.shape
-    if k > 64:
-        raise ShapeError(f"eigenscore: the fused kernel holds the k×k Gram in registers; k={k} > 64")
+    if k > MAX_K:  # the registry's eigenscore sends such inputs to the reference instead
+        raise ShapeError(f"eigenscore: the fused kernel holds the k×k Gram in registers; k={k} > {MAX_K}")
     valid = valid.to(device=z.device, dtype=torch.int8).contiguous()
     out = torch.empty(b, dtype=torch.float32, device=z.device)
     if b == 0:

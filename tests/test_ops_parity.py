@@ -11,6 +11,7 @@ import torch
 
 from fastgate import ops
 from fastgate.errors import BackendUnavailableError, ShapeError
+from fastgate.ops import registry
 
 PY = ops.load("python")
 BACKENDS = [PY]
@@ -208,7 +209,7 @@ def test_backend_selection(monkeypatch):
         ops.load("gpu")
     monkeypatch.setenv("FASTGATE_BACKEND", "torch")
     assert ops.load("auto").backend == "python"
-    monkeypatch.setattr(ops, "_import_ext", lambda: None)
+    monkeypatch.setattr(registry, "import_ext", lambda: None)
     with pytest.raises(BackendUnavailableError):
         ops.load("ext")
 
@@ -315,7 +316,7 @@ def test_gate_ops_pick_the_extension_on_cpu(monkeypatch):
     monkeypatch.setenv("FASTGATE_BACKEND", "torch")
     assert gate_ops("auto", "cpu").backend == "torch"
     monkeypatch.delenv("FASTGATE_BACKEND")
-    monkeypatch.setattr(ops, "_import_ext", lambda: None)
+    monkeypatch.setattr(registry, "import_ext", lambda: None)
     assert gate_ops("auto", "cpu").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
         gate_ops("ext", "cpu")

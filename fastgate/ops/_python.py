@@ -7,8 +7,12 @@ extension is not built. Keep the two in lock-step: same decoding, same word rule
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
+
+AisMode = Literal["angle", "sum"]
+AIS_MODES: tuple[str, ...] = ("angle", "sum")
 
 _REPLACEMENT = "\ufffd"
 
@@ -125,7 +129,7 @@ def word_logprobs(token_logprobs: np.ndarray, word_ids: np.ndarray, n_words: int
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in ("angle", "sum"):
+    if mode not in AIS_MODES:
         raise ValueError(f"ais_scores: mode must be 'angle' or 'sum', got '{mode}'")
 
 

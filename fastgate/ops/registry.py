@@ -1,0 +1,267 @@
+"""The one ops registry: every op of SPEC §4 bound, once, to an implementation for a requested backend and a device.
+
+Why one registry: the gating ops (tap accumulate, prober, eigenscore) and the CPU ops (word alignment, word log-probs,
+AIS) used to be chosen by two dispatchers that each parsed ``FASTGATE_BACKEND`` and each knew a different set of
+backends, and a fast implementation that could not run an input (the Triton eigenscore for k > 64) raised instead of
+handing the input to its reference. Here :func:`build_ops` makes every choice in one place, reads
+``FASTGATE_BACKEND`` through one function (:func:`env_backend`), records the implementation each op got
+(:attr:`Ops.backends`) and wraps each fast implementation so that an input it cannot run goes to the op's reference,
+which gives the same results.
+
+Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values and applies where ``auto`` is asked):
+
+- ``auto``: on CUDA the Triton kernels for accumulate, prober and eigenscore when ``triton`` imports; on CPU the C++
+  eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
+  the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise.
+- ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
+  ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
+- ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
+- ``torch`` (alias ``python``): every op runs its reference (``fastgate.ops.reference``, ``fastgate.ops._python``).
+
+Every choice is recorded by op name in :attr:`Ops.backends`: ``triton``, ``ext``, ``torch`` (the torch references)
+or ``python`` (the numpy references). ``triton`` is imported only when a Triton kernel is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, ModuleType
+from typing import Literal
+
+import torch
+
+from fastgate.errors import BackendUnavailableError, InputError
+from fastgate.ops import _python, reference
+from fastgate.ops._cpu import CpuOps
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "OP_NAMES",
+    "Ops",
+    "build_ops",
+    "cpu_backend",
+    "cpu_ops",
+    "env_backend",
+    "ext_available",
+    "gate_backend",
+    "import_ext",
+    "requested_backend",
+    "triton_available",
+]
+
+ENV_VAR = "FASTGATE_BACKEND"
+BACKENDS: tuple[str, ...] = ("auto", "triton", "ext", "torch", "python")
+Backend = Literal["auto", "triton", "ext", "torch", "python"]
+GateBackend = Literal["triton", "ext", "torch"]
+
+GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
+CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
+                            "ais_scores_batch", "ais_topk_batch")
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *CPU_OPS)
+
+
+def import_ext() -> ModuleType | None:
+    """The compiled extension ``fastgate._C``, or None when it is not built."""
+    try:
+        return importlib.import_module("fastgate._C")
+    except ImportError:
+        return None
+
+
+def ext_available() -> bool:
+    """Whether the compiled extension ``fastgate._C`` can be imported."""
+    return import_ext() is not None
+
+
+def triton_available() -> bool:
+    """Whether ``triton`` and the kernels import (imports them: call it only where Triton may be chosen)."""
+    try:
+        importlib.import_module("fastgate.kernels.probe")
+        importlib.import_module("fastgate.kernels.gram")
+    except ImportError:
+        return False
+    return True
+
+
+def env_backend() -> str:
+    """The backend ``FASTGATE_BACKEND`` asks for where ``auto`` is requested: ``auto`` when unset or empty.
+
+    The one place the variable is read. Raises :class:`InputError` for a value that is not a backend.
+    """
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if not raw:
+        return "auto"
+    if raw not in BACKENDS:
+        raise InputError(f"{ENV_VAR}={raw!r} is not a backend; choose one of: {', '.join(BACKENDS)}")
+    return raw
+
+
+@dataclass(frozen=True, eq=False)
+class Ops:
+    """Every op of SPEC §4, bound to one implementation each; build it with :func:`build_ops`.
+
+    The ops have the signatures and semantics of their references (:mod:`fastgate.ops.reference` for the tensor ops,
+    :class:`~fastgate.ops._cpu.CpuOps` for the CPU ops). Where the chosen fast implementation cannot run an input it
+    hands the input to the reference, so an op never fails for want of a fast path.
+    """
+
+    backend: GateBackend  # the backend of the gating ops (today's ``engine.backend``)
+    device: torch.device
+    backends: Mapping[str, str]  # op name -> "triton" | "ext" | "torch" | "python"
+    accumulate: Callable[..., None]  # (running_sum [B,L,d], states [B,L,d], weight [B]) -> None, in place
+    probe_logits: Callable[..., torch.Tensor]  # (sums [B,L,d], counts [B], ProbeParams) -> [B,L,2]
+    eigenscore: Callable[..., torch.Tensor]  # (z [B,k,d], alpha=1e-3, valid=None, scale=None) -> [B]
+    answer_nll: Callable[..., torch.Tensor]  # (token_logprobs [B,T], mask [B,T]) -> [B]
+    align_words: Callable[..., tuple[list[str], list[int]]]  # (pieces) -> (words, word_ids)
+    word_logprobs: Callable[..., torch.Tensor]  # (token_logprobs [T], word_ids [T], n_words=None) -> [W]
+    align_word_logprobs_batch: Callable[..., list]  # (batch_pieces, batch_logprobs) -> [(words, ids, lp [W])]
+    ais_scores: Callable[..., torch.Tensor]  # (q [d], p [d], docs [n,d], mode="angle") -> [n]
+    ais_scores_batch: Callable[..., torch.Tensor]  # (Q [B,d], P [B,d], D [B,n,d], mode="angle") -> [B,n]
+    ais_topk_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (Q, P, D, k, mode) -> (scores, idx) [B,k']
+
+    @property
+    def cpu_backend(self) -> Literal["ext", "python"]:
+        """The implementation of the CPU ops (align_words, word_logprobs, AIS): ``ext`` or ``python``."""
+        return self.backends["ais_scores"]  # type: ignore[return-value]
+
+
+def requested_backend(backend: str) -> str:
+    """Validate a requested backend and apply ``FASTGATE_BACKEND`` where it is ``auto``; ``python`` -> ``torch``."""
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = env_backend()
+    return "torch" if backend == "python" else backend
+
+
+def cpu_backend(backend: str) -> Literal["ext", "python"]:
+    """The implementation of the CPU ops for a requested backend: ``ext`` when the extension is built (required for
+    ``ext``), ``python`` for the references (``torch``/``python``) or without the extension."""
+    return _cpu_backend(requested_backend(backend))
+
+
+def gate_backend(backend: str, device: torch.device | str) -> GateBackend:
+    """The implementation of the gating ops (accumulate, prober, eigenscore) for a requested backend on ``device``;
+    raises when the one insisted on cannot run there."""
+    return _gate_backend(requested_backend(backend), torch.device(device))
+
+
+def _cpu_backend(backend: str) -> Literal["ext", "python"]:
+    # backend: resolved by requested_backend (FASTGATE_BACKEND applied)
+    if backend == "torch":
+        return "python"
+    if backend == "ext" and not ext_available():
+        raise BackendUnavailableError("backend 'ext' needs the C++ extension fastgate._C, which is not built: "
+                                      "reinstall with `pip install -e .` (needs cmake and a C++ compiler), or use "
+                                      "'auto', 'torch' or 'python'")
+    return "ext" if ext_available() else "python"
+
+
+def _gate_backend(backend: str, device: torch.device) -> GateBackend:
+    # backend: resolved by requested_backend (FASTGATE_BACKEND applied)
+    if backend == "torch":
+        return "torch"
+    if backend == "ext":
+        if device.type != "cpu":
+            raise BackendUnavailableError(f"backend 'ext' runs on CPU tensors, not {device.type}; use 'auto'")
+        _cpu_backend("ext")  # raises without the extension
+        return "ext"
+    if backend == "triton":
+        if not triton_available():
+            raise BackendUnavailableError("backend 'triton' needs the triton package: pip install triton (Linux), or "
+                                          "use backend='auto' or 'torch'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendUnavailableError(f"backend 'triton' runs on CUDA tensors, not {device.type} (set "
+                                          "TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)")
+        return "triton"
+    if device.type == "cuda":  # auto
+        return "triton" if triton_available() else "torch"
+    return "ext" if device.type == "cpu" and ext_available() else "torch"
+
+
+def _with_fallback(fast: Callable, ref: Callable, runs: Callable[..., bool]) -> Callable:
+    """``fast`` where ``runs(*args)`` says it can take the input, else the reference ``ref`` (same results)."""
+
+    @functools.wraps(fast)
+    def op(*args, **kwargs):
+        return fast(*args, **kwargs) if runs(*args, **kwargs) else ref(*args, **kwargs)
+
+    op.fast, op.reference = fast, ref  # type: ignore[attr-defined]
+    return op
+
+
+def _triton_ops(interpret: bool) -> dict[str, Callable]:
+    """The Triton kernels, each behind the inputs it can run: tensors on CUDA (or any device in the interpreter),
+    a contiguous float32 running sum, and at most ``gram.MAX_K`` samples for the register-resident Gram matrix."""
+    from fastgate.kernels import gram, probe
+
+    def on_device(t: torch.Tensor) -> bool:
+        return interpret or t.is_cuda
+
+    def accumulate_runs(running_sum, states, weight) -> bool:
+        return on_device(running_sum) and running_sum.dtype == torch.float32 and running_sum.is_contiguous()
+
+    def probe_runs(sums, counts, params) -> bool:
+        return on_device(sums)
+
+    def eigenscore_runs(z, *args, **kwargs) -> bool:
+        return on_device(z) and (z.ndim != 3 or z.shape[1] <= gram.MAX_K)  # bad shapes: the kernel's own error
+
+    return {
+        "accumulate": _with_fallback(probe.accumulate, reference.accumulate_taps, accumulate_runs),
+        "probe_logits": _with_fallback(probe.probe_logits, reference.probe_logits, probe_runs),
+        "eigenscore": _with_fallback(gram.eigenscore, reference.eigenscore, eigenscore_runs),
+    }
+
+
+def _ext_eigenscore(ext: CpuOps) -> Callable:
+    """The C++ eigenscore for CPU tensors; tensors elsewhere go to the reference, which keeps them there."""
+    return _with_fallback(ext.eigenscore, reference.eigenscore, lambda z, *a, **k: z.device.type == "cpu")
+
+
+def cpu_ops(backend: Literal["ext", "python"]) -> CpuOps:
+    """The CPU ops adapter of one implementation module (``ext`` raises unless the extension is built)."""
+    if backend == "python":
+        return CpuOps("python", _python)
+    ext = import_ext()
+    if ext is None:
+        raise BackendUnavailableError("the C++ extension fastgate._C is not built; reinstall with `pip install -e .` "
+                                      "(needs cmake and a C++ compiler) or use backend='python'")
+    return CpuOps("ext", ext)
+
+
+def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
+    """Bind every op of SPEC §4 for ``device``, once (see the module docstring for the backends).
+
+    Args:
+        backend: ``auto|triton|ext|torch|python``; ``auto`` defers to ``FASTGATE_BACKEND`` when it is set.
+        device: where the gating ops' tensors live (the model's device).
+
+    Raises:
+        InputError: an unknown backend (argument or ``FASTGATE_BACKEND``).
+        BackendUnavailableError: ``triton`` or ``ext`` was asked for and cannot run here.
+    """
+    device = torch.device(device)
+    backend = requested_backend(backend)  # FASTGATE_BACKEND is read here, once per build
+    gate, cpu = _gate_backend(backend, device), _cpu_backend(backend)
+    impl = cpu_ops(cpu)
+    chosen: dict[str, Callable] = {
+        "accumulate": reference.accumulate_taps,
+        "probe_logits": reference.probe_logits,
+        "eigenscore": reference.eigenscore,
+        "answer_nll": reference.answer_nll,
+        **{name: getattr(impl, name) for name in CPU_OPS},
+    }
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll")} | {name: cpu for name in CPU_OPS}
+    if gate == "triton":
+        chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
+        names.update({name: "triton" for name in GATE_OPS})
+    elif gate == "ext":
+        chosen["eigenscore"] = _ext_eigenscore(impl)
+        names["eigenscore"] = "ext"
+    return Ops(backend=gate, device=device, backends=MappingProxyType(names), **chosen)
