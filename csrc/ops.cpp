@@ -287,13 +287,17 @@ bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker) {
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
 }
 
-enum class AisMode { kAngle, kSum };
+enum class AisMode { kAngle, kSum, kAdaptive };
 
 AisMode parse_mode(const std::string& mode) {
   if (mode == "angle") return AisMode::kAngle;
   if (mode == "sum") return AisMode::kSum;
-  throw std::invalid_argument("ais_scores: mode must be 'angle' or 'sum', got '" + mode + "'");
+  if (mode == "adaptive") return AisMode::kAdaptive;
+  throw std::invalid_argument("ais_scores: mode must be 'angle', 'sum' or 'adaptive', got '" + mode + "'");
 }
+
+// DTR's released reranker (agent/reranker.py, consider_adaptive=True): alpha = slope * arccos(q·p) + intercept
+constexpr double kAdaptiveSlope = 0.05848, kAdaptiveIntercept = 0.45520;
 
 inline double clip1(double x) { return x < -1.0 ? -1.0 : (x > 1.0 ? 1.0 : x); }
 
@@ -361,13 +365,29 @@ bool ais_block(const float* q, const float* p, const float* docs, int64_t n, int
     psum += p[k] * 0.0;
   }
   if (!std::isfinite(qsum) || !std::isfinite(psum)) return false;
+  double alpha = 0.0;  // adaptive: the weight of the angle to q, from the angle between q and p (float64, once)
+  if (mode == AisMode::kAdaptive) {
+    double s0 = 0.0;
+    for (int64_t k = 0; k < d; ++k) s0 += static_cast<double>(q[k]) * static_cast<double>(p[k]);
+    alpha = kAdaptiveSlope * std::acos(clip1(s0)) + kAdaptiveIntercept;
+  }
   for (int64_t j = 0; j < n; ++j) {
     double s1, s2;
     dot2(docs + j * d, q, p, d, &s1, &s2);
     if (!std::isfinite(s1) || !std::isfinite(s2)) return false;
     s1 = clip1(s1);
     s2 = clip1(s2);
-    double v = mode == AisMode::kAngle ? s1 * s2 - std::sqrt(1.0 - s1 * s1) * std::sqrt(1.0 - s2 * s2) : s1 + s2;
+    double v;
+    switch (mode) {
+      case AisMode::kAngle:
+        v = s1 * s2 - std::sqrt(1.0 - s1 * s1) * std::sqrt(1.0 - s2 * s2);
+        break;
+      case AisMode::kAdaptive:
+        v = -(alpha * std::acos(s1) + (1.0 - alpha) * std::acos(s2));
+        break;
+      default:
+        v = s1 + s2;
+    }
     out[j] = static_cast<float>(v);
   }
   return true;

@@ -136,19 +136,26 @@ def _unit(x):
 # d crosses the C++ kernel's 32-float step (31, 32, 33) and its 1024-float block (1023, 1025, 2081)
 @pytest.mark.parametrize("n,d", [(1, 1), (1, 7), (3, 31), (3, 32), (3, 33), (13, 384), (5, 769), (2, 1023), (2, 1025),
                                  (2, 2081)])
-@pytest.mark.parametrize("mode", ["angle", "sum"])
+@pytest.mark.parametrize("mode", ["angle", "sum", "adaptive"])
 def test_ais_scores_parity_and_formula(n, d, mode):
     rng = np.random.default_rng(n * 1000 + d)
     q, p = _unit(rng.normal(size=d)).astype(np.float32), _unit(rng.normal(size=d)).astype(np.float32)
     docs = _unit(rng.normal(size=(n, d))).astype(np.float32)
     out = both("ais_scores", torch.from_numpy(q), torch.from_numpy(p), torch.from_numpy(docs), mode)
     s1, s2 = np.clip(docs @ q, -1, 1), np.clip(docs @ p, -1, 1)
-    expected = np.cos(np.arccos(s1) + np.arccos(s2)) if mode == "angle" else s1 + s2
+    if mode == "angle":
+        expected = np.cos(np.arccos(s1) + np.arccos(s2))
+    elif mode == "adaptive":  # DTR's released reranker, written out as there
+        alpha = 0.05848 * np.arccos(np.clip(np.dot(q, p), -1, 1)) + 0.45520
+        expected = -(alpha * np.arccos(s1) + (1 - alpha) * np.arccos(s2))
+    else:
+        expected = s1 + s2
     np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", [0, 31, 32, 1024, 1029])
-def test_ais_rejects_a_non_finite_document_element_in_the_vector_body_or_the_tail(where):
+@pytest.mark.parametrize("mode", ["angle", "sum", "adaptive"])
+def test_ais_rejects_a_non_finite_document_element_in_the_vector_body_or_the_tail(where, mode):
     d = 1030  # one full 1024 block (32-float steps) and a 6-float block handled element by element
     docs = torch.ones(3, d) / d**0.5
     q = p = torch.ones(d) / d**0.5
@@ -157,7 +164,13 @@ def test_ais_rejects_a_non_finite_document_element_in_the_vector_body_or_the_tai
         docs2[1, where] = bad
         for backend in BACKENDS:
             with pytest.raises(ShapeError, match="NaN or inf"):
-                backend.ais_scores(q, p, docs2)
+                backend.ais_scores(q, p, docs2, mode)
+            q2 = q.clone()
+            q2[where] = bad  # a non-finite q (which the adaptive weight also reads) is rejected too
+            with pytest.raises(ShapeError, match="NaN or inf"):
+                backend.ais_scores(q2, p, docs, mode)
+            with pytest.raises(ShapeError, match="NaN or inf"):
+                backend.ais_scores_batch(q[None], q2[None], docs[None], mode)
 
 
 def test_ais_scores_clips_similarities_outside_unit_range():
@@ -170,19 +183,32 @@ def test_ais_scores_clips_similarities_outside_unit_range():
     assert torch.isfinite(out).all()
     out_sum = both("ais_scores", q, p, docs, "sum")
     assert out_sum.tolist() == pytest.approx([1.0, -0.5, 0.0])
+    # adaptive: q ⟂ p gives α = 0.05848·π/2 + 0.45520; s1 clipped to 1 -> angle 0, to -1 -> angle π
+    alpha = 0.05848 * math.pi / 2 + 0.45520
+    out_adaptive = both("ais_scores", q, p, docs, "adaptive")
+    assert out_adaptive.tolist() == pytest.approx(
+        [-(1 - alpha) * math.pi / 2, -(alpha * math.pi + (1 - alpha) * math.acos(0.5)), -math.pi / 2], abs=1e-6)
+    # q·p itself is clipped before arccos: a q·p that rounds above 1 gives α at angle 0, not NaN
+    v = torch.tensor([0.6, 0.8]) * 1.0000001
+    assert float((v * v).sum()) > 1.0
+    out = both("ais_scores", v, v, torch.tensor([[0.6, 0.8], [0.8, -0.6]]), "adaptive")
+    assert torch.isfinite(out).all()
+    assert out.tolist() == pytest.approx([0.0, -math.pi / 2], abs=1e-6)
 
 
-def test_ais_scores_batch_matches_single_and_noncontiguous():
-    rng = np.random.default_rng(7)
-    B, n, d = 3, 11, 769
+@pytest.mark.parametrize("mode", ["angle", "sum", "adaptive"])
+@pytest.mark.parametrize("B,n,d", [(3, 11, 769), (1, 1, 1), (2, 13, 7), (5, 3, 1031)])
+def test_ais_scores_batch_matches_single_and_noncontiguous(mode, B, n, d):
+    rng = np.random.default_rng(7 + B * n * d)
     Q = torch.from_numpy(_unit(rng.normal(size=(B, d))).astype(np.float32))
-    P = torch.from_numpy(_unit(rng.normal(size=(B, d))).astype(np.float32))
+    P = torch.from_numpy(_unit(rng.normal(size=(B, 2 * d))).astype(np.float32))[:, ::2]  # non-contiguous, ‖·‖ < 1
     D = torch.from_numpy(_unit(rng.normal(size=(B, d, n))).astype(np.float32)).transpose(1, 2)  # non-contiguous
-    assert not D.is_contiguous()
-    out = both("ais_scores_batch", Q, P, D)
+    assert not D.is_contiguous() or n == 1
+    out = both("ais_scores_batch", Q, P, D, mode)
     assert out.shape == (B, n)
-    for b in range(B):
-        torch.testing.assert_close(out[b], PY.ais_scores(Q[b], P[b], D[b]), atol=1e-6, rtol=0)
+    for b in range(B):  # each row gets its own q·p (adaptive): the batch equals the single calls
+        for backend in BACKENDS:
+            torch.testing.assert_close(out[b], backend.ais_scores(Q[b], P[b], D[b], mode), atol=1e-6, rtol=0)
 
 
 def test_ais_shape_and_mode_errors():
@@ -193,8 +219,12 @@ def test_ais_shape_and_mode_errors():
             backend.ais_scores_batch(torch.zeros(2, 3), torch.zeros(1, 3), torch.zeros(2, 4, 3))
         with pytest.raises(ShapeError):
             backend.ais_scores(torch.tensor([float("nan")]), torch.zeros(1), torch.zeros(1, 1))
-        with pytest.raises(ShapeError):
+        with pytest.raises(ShapeError, match="'angle', 'sum' or 'adaptive'"):
             backend.ais_scores(torch.zeros(3), torch.zeros(3), torch.zeros(2, 3), "product")
+        with pytest.raises(ShapeError, match="'angle', 'sum' or 'adaptive'"):
+            backend.ais_topk_batch(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2, 3), 1, "Adaptive")
+        with pytest.raises(ShapeError, match="NaN or inf"):
+            backend.ais_scores(torch.tensor([float("nan")]), torch.zeros(1), torch.zeros(1, 1), "adaptive")
         docs = torch.zeros(2, 4, 3)
         docs[1, 2, 1] = float("inf")
         with pytest.raises(ShapeError, match="NaN or inf"):
@@ -247,14 +277,15 @@ def test_align_word_logprobs_batch_equals_per_sequence_calls():
 
 
 @pytest.mark.parametrize("b,n,d,k", [(1, 1, 1, 1), (3, 7, 13, 3), (2, 10, 769, 4), (4, 5, 384, 9)])
-def test_ais_topk_batch(b, n, d, k):
+@pytest.mark.parametrize("mode", ["angle", "sum", "adaptive"])
+def test_ais_topk_batch(b, n, d, k, mode):
     torch.manual_seed(n * d)
     unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s), dim=-1)  # noqa: E731
     Q, P, D = unit(b, d), unit(b, d), unit(b, n, d)
     D[0, -1] = D[0, 0]  # a tie: the lower index must come first
-    full = PY.ais_scores_batch(Q, P, D)
+    full = PY.ais_scores_batch(Q, P, D, mode)
     for backend in BACKENDS:
-        s, i = backend.ais_topk_batch(Q, P, D, k)
+        s, i = backend.ais_topk_batch(Q, P, D, k, mode)
         kk = min(k, n)
         assert s.shape == (b, kk) and i.shape == (b, kk) and i.dtype == torch.int64
         torch.testing.assert_close(s, torch.gather(full, 1, i), rtol=0, atol=1e-6)

@@ -141,3 +141,37 @@ def test_answer_nll_masks_and_empty_rows():
 def test_probe_params_types():
     p = random_probe_params(2, 6, 3)
     assert isinstance(p, ProbeParams) and (p.n_layers, p.d, p.h) == (2, 6, 3)
+
+
+# ------------------------------------------------------------------ AIS, adaptive form (numpy reference)
+def test_ais_adaptive_reference_hand_computed():
+    """DTR's released ``consider_adaptive`` score on a 2-d example worked by hand.
+
+    q = (1, 0), p = (0.6, 0.8): q·p = 0.6, arccos 0.6 = 0.927295, α = 0.05848·0.927295 + 0.45520 = 0.509428.
+    d = q: s1 = 1, s2 = 0.6  -> -(α·0 + (1-α)·0.927295)         = -0.454905
+    d ⟂ q: s1 = 0, s2 = 0.8  -> -(α·1.570796 + (1-α)·0.643501)  = -1.115891
+    d = p: s1 = 0.6, s2 = 1  -> -(α·0.927295 + (1-α)·0)         = -0.472390
+    """
+    import numpy as np
+
+    from fastgate.ops import _python
+
+    q, p = np.array([1.0, 0.0], np.float32), np.array([0.6, 0.8], np.float32)
+    docs = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32)
+    out = _python.ais_scores(q, p, docs, "adaptive")
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, [-0.454905, -1.115891, -0.472390], atol=2e-6)
+    # s1 is the cosine to the question and s2 to the pseudo-context: swapping q and p changes the weights
+    swapped = _python.ais_scores(p, q, docs, "adaptive")
+    np.testing.assert_allclose(swapped, [-0.472390, -(0.509428 * 0.643501 + 0.490572 * 1.570796), -0.454905],
+                               atol=2e-6)
+    # the batched form reads each row's own q·p
+    batch = _python.ais_scores_batch(np.stack([q, p]), np.stack([p, q]), np.stack([docs, docs]), "adaptive")
+    np.testing.assert_allclose(batch, np.stack([out, swapped]), atol=0)
+    # the ranking differs from the plain angle sum (α = 1/2) only through α: with q ⟂ p, α = 0.547061
+    q2, p2 = np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)
+    d2 = np.array([[np.cos(0.5), np.sin(0.5)], [np.cos(1.0), np.sin(1.0)]], np.float32)  # θ1 = 0.5, 1.0
+    a = 0.05848 * math.pi / 2 + 0.45520
+    np.testing.assert_allclose(_python.ais_scores(q2, p2, d2, "adaptive"),
+                               [-(a * 0.5 + (1 - a) * (math.pi / 2 - 0.5)), -(a * 1.0 + (1 - a) * (math.pi / 2 - 1.0))],
+                               atol=2e-6)

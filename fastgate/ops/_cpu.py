@@ -87,8 +87,10 @@ class CpuOps:
     ) -> torch.Tensor:
         """Dual-path AIS of ``docs [n, d]`` for one question embedding ``q [d]`` and pseudo-context ``p [d]``.
 
-        Inputs are L2-normalised; ``s1 = docs@q``, ``s2 = docs@p`` are clipped to [-1, 1]. ``angle``:
-        ``s1*s2 - sqrt(1-s1²)*sqrt(1-s2²)`` = cos(θ1+θ2) (DTR eq. 7); ``sum``: ``s1 + s2`` (DTR's released code).
+        Inputs are L2-normalised; ``s1 = docs@q``, ``s2 = docs@p`` and ``s0 = q@p`` are clipped to [-1, 1].
+        ``angle``: ``s1*s2 - sqrt(1-s1²)*sqrt(1-s2²)`` = cos(θ1+θ2) (DTR eq. 7); ``sum``: ``s1 + s2`` (DTR's released
+        code); ``adaptive``: ``-(α·arccos s1 + (1-α)·arccos s2)`` with ``α = 0.05848·arccos s0 + 0.45520`` (DTR's
+        released code, ``consider_adaptive=True``).
         """
         args = (_to_numpy_f32(q), _to_numpy_f32(p), _to_numpy_f32(docs))
         return self._float_op("ais_scores", *args, mode)

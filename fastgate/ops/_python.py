@@ -11,8 +11,11 @@ from typing import Literal
 
 import numpy as np
 
-AisMode = Literal["angle", "sum"]
-AIS_MODES: tuple[str, ...] = ("angle", "sum")
+AisMode = Literal["angle", "sum", "adaptive"]
+AIS_MODES: tuple[str, ...] = ("angle", "sum", "adaptive")
+# DTR's released reranker (agent/reranker.py, consider_adaptive=True): alpha = slope * arccos(q·p) + intercept
+ADAPTIVE_SLOPE = 0.05848
+ADAPTIVE_INTERCEPT = 0.45520
 
 _REPLACEMENT = "\ufffd"
 
@@ -130,7 +133,7 @@ def word_logprobs(token_logprobs: np.ndarray, word_ids: np.ndarray, n_words: int
 
 def _check_mode(mode: str) -> None:
     if mode not in AIS_MODES:
-        raise ValueError(f"ais_scores: mode must be 'angle' or 'sum', got '{mode}'")
+        raise ValueError(f"ais_scores: mode must be 'angle', 'sum' or 'adaptive', got '{mode}'")
 
 
 def _check_finite(name: str, *arrays: np.ndarray) -> None:
@@ -139,11 +142,15 @@ def _check_finite(name: str, *arrays: np.ndarray) -> None:
             raise ValueError(f"{name}: inputs contain NaN or inf")
 
 
-def _ais(s1: np.ndarray, s2: np.ndarray, mode: str) -> np.ndarray:
+def _ais(s1: np.ndarray, s2: np.ndarray, mode: str, s0: np.ndarray | float) -> np.ndarray:
+    """The AIS score from ``s1 = cos(q, d)``, ``s2 = cos(p, d)`` and ``s0 = cos(q, p)`` (float64; all clipped)."""
     s1 = np.clip(s1, -1.0, 1.0)
     s2 = np.clip(s2, -1.0, 1.0)
     if mode == "angle":
         return s1 * s2 - np.sqrt(1.0 - s1 * s1) * np.sqrt(1.0 - s2 * s2)
+    if mode == "adaptive":  # the angles to q and p, weighted by how far apart q and p are
+        alpha = ADAPTIVE_SLOPE * np.arccos(np.clip(s0, -1.0, 1.0)) + ADAPTIVE_INTERCEPT
+        return -(alpha * np.arccos(s1) + (1.0 - alpha) * np.arccos(s2))
     return s1 + s2
 
 
@@ -158,7 +165,7 @@ def ais_scores(q: np.ndarray, p: np.ndarray, docs: np.ndarray, mode: str = "angl
             f"ais_scores: dimension mismatch: q has d={q64.shape[0]}, p has d={p64.shape[0]}, docs has d={d64.shape[1]}"
         )
     _check_finite("ais_scores", q64, p64, d64)
-    return _ais(d64 @ q64, d64 @ p64, mode).astype(np.float32)
+    return _ais(d64 @ q64, d64 @ p64, mode, float(q64 @ p64)).astype(np.float32)
 
 
 def ais_scores_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, mode: str = "angle") -> np.ndarray:
@@ -177,7 +184,8 @@ def ais_scores_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, mode: str = "a
     _check_finite("ais_scores_batch", Q64, P64, D64)
     s1 = np.einsum("bnd,bd->bn", D64, Q64)  # [B, n]
     s2 = np.einsum("bnd,bd->bn", D64, P64)  # [B, n]
-    return _ais(s1, s2, mode).astype(np.float32)
+    s0 = np.einsum("bd,bd->b", Q64, P64)[:, None]  # [B, 1]
+    return _ais(s1, s2, mode, s0).astype(np.float32)
 
 
 def align_word_logprobs_batch(batch_pieces: Sequence[Sequence[str] | Sequence[bytes]],
