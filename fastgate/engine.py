@@ -203,7 +203,7 @@ class Engine:
 
     Args:
         model: a :class:`~fastgate.models.LoadedModel`.
-        backend: ``auto|triton|ext|torch`` for the gating ops (tap accumulate, prober, eigenscore); ``auto``: the
+        backend: ``auto|triton|ext|torch|python`` for the gating ops (tap accumulate, prober, eigenscore); ``auto``: the
             Triton kernels on CUDA, the C++ eigenscore on CPU when the extension is built, the torch references
             otherwise (see :mod:`fastgate.ops.registry`). Chosen here, once, for every op: ``engine.ops``.
         prefix_cache: keep the KV cache of shared prompt prefixes (the few-shot examples every prompt starts with) and

@@ -6,8 +6,9 @@ reference beside it:
 - ``probe.py``: the per-step tap accumulate and the fused prober (SPEC §4 op 1);
 - ``gram.py``: the batched eigenscore (SPEC §4 op 2).
 
-Importing a kernel module needs ``triton``; ``fastgate.ops.backend`` chooses between them and the torch references
-once, where the engine or gate is built.
+Importing a kernel module needs ``triton``; the ops registry (``fastgate.ops.registry.build_ops``) chooses between
+them and the torch references once, where the engine is built, and sends inputs a kernel cannot take (e.g. more than
+``gram.MAX_K`` samples) to the reference.
 """
 
 __all__: list[str] = []
