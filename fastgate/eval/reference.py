@@ -125,6 +125,9 @@ def use_reference_ops(method) -> None:
     """Switch a built method's word / AIS ops to :class:`ReferenceWordOps` (its gates already use the engine's)."""
     if hasattr(method, "ops"):
         method.ops = ReferenceWordOps()
+    gate = getattr(method, "gate", None)
+    if gate is not None and hasattr(gate, "words"):  # word gates align sentences with their own ops
+        gate.ops = method.ops
 
 
 class ReferenceEngine(Engine):
@@ -156,10 +159,13 @@ class ReferenceEngine(Engine):
                  k: int = 1, seeds: list[int] | None = None) -> GenerationBatch:
         from transformers import GenerationConfig as HFGenerationConfig
 
-        cfg = config or GenerationConfig()
-        taps = taps or TapSpec()
         if not prompts:
             raise InputError("generate: no prompts")
+        if not (config is None or isinstance(config, GenerationConfig)) or not (
+                taps is None or isinstance(taps, TapSpec)) or not isinstance(k, int):
+            return self._generate_rows(prompts, config, taps, k, seeds)
+        cfg = config or GenerationConfig()
+        taps = taps or TapSpec()
         mid = taps.mid_layer if taps.mid_layer is not None else self.n_layers // 2
         seqs: list[Generation] = []
         sums, counts, pre, eos_states = [], [], [], []
@@ -211,6 +217,37 @@ class ReferenceEngine(Engine):
             eos_state=torch.stack(eos_states) if eos_states else None,
             layers=tuple(taps.layers),
         )
+
+    def _generate_rows(self, prompts, configs, taps, ks, seeds) -> GenerationBatch:
+        """Rows with their own settings (the scheduler's calls): one prompt at a time, taps laid out as the engine
+        lays them out (running sums over the union of the layers asked for)."""
+        n = len(prompts)
+        configs = list(configs) if isinstance(configs, (list, tuple)) else [configs] * n
+        taps = list(taps) if isinstance(taps, (list, tuple)) else [taps] * n
+        ks = list(ks) if isinstance(ks, (list, tuple)) else [ks] * n
+        parts = [self.generate([p], c, t, kk, None if seeds is None or seeds[i] is None else [seeds[i]])
+                 for i, (p, c, t, kk) in enumerate(zip(prompts, configs, taps, ks))]
+        layers = tuple(sorted({x for t in taps if t is not None for x in t.layers}))
+        d = self.lm.hidden_size
+        total = sum(len(b.sequences) for b in parts)
+        running = torch.zeros((total, len(layers), d)) if layers else None
+        count = torch.zeros(total) if layers else None
+        pre = torch.zeros((total, d)) if any(b.pre_answer is not None for b in parts) else None
+        eos = torch.zeros((total, d)) if any(b.eos_state is not None for b in parts) else None
+        pos = 0
+        for b in parts:
+            m = len(b.sequences)
+            if b.running_sum is not None:
+                for j, layer in enumerate(b.layers):
+                    running[pos:pos + m, layers.index(layer)] = b.running_sum[:, j]
+                count[pos:pos + m] = b.count
+            if b.pre_answer is not None:
+                pre[pos:pos + m] = b.pre_answer
+            if b.eos_state is not None:
+                eos[pos:pos + m] = b.eos_state
+            pos += m
+        return GenerationBatch(sequences=[s for b in parts for s in b.sequences], running_sum=running, count=count,
+                               pre_answer=pre, eos_state=eos, layers=layers)
 
     @torch.inference_mode()
     def prompt_states(self, prompts: list[str], layer: int | None = None, batch_size: int = 16) -> torch.Tensor:

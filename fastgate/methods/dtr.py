@@ -12,7 +12,6 @@ from fastgate.config import GenerationConfig
 from fastgate.errors import InputError
 from fastgate.gates.uncertainty import AnswerNLLGate
 from fastgate.methods.base import Method, MethodConfig
-from fastgate.ops import load as load_ops
 from fastgate.programs import Answer, Batched, Decide, Embed, Generate, PassageVectors, Program, Search, SearchVectors
 from fastgate.prompts import pseudo_context_prompt
 from fastgate.retrieval.base import Hit
@@ -52,11 +51,10 @@ class Dtr(Method):
     description = "DTR: retrieve iff answer NLL >= tau; dual-path retrieval (q, pseudo-context) + AIS (Chen+ 2025)"
     default_retriever = "dense"
 
-    def __init__(self, engine, retriever, config: DtrConfig | None = None, ops_backend: str = "auto",
-                 embedder=None) -> None:
+    def __init__(self, engine, retriever, config: DtrConfig | None = None, embedder=None) -> None:
         super().__init__(engine, retriever, config)
         self.gate = AnswerNLLGate(self.config.tau)
-        self.ops = load_ops(ops_backend)
+        self.ops = engine.ops  # the engine's registry, chosen once
         self._embedder = embedder
         # chosen once: a dense index searches by vector and stores passage vectors; anything else searches by text
         # and its candidates are embedded for AIS

@@ -14,7 +14,6 @@ from fastgate.embedder import shared_embedder
 from fastgate.errors import InputError
 from fastgate.gates.words import FlareGate, ScaarGate
 from fastgate.methods.base import Method, MethodConfig, append_sentence
-from fastgate.ops import load as load_ops
 from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import SENTENCE_STOP, cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
@@ -38,9 +37,9 @@ class SentenceConfig(MethodConfig):
 class _SentenceLoop(Method):
     """The shared loop; subclasses build ``self.gate`` (a word gate whose steps carry the search query)."""
 
-    def __init__(self, engine, retriever, config=None, ops_backend: str = "auto") -> None:
+    def __init__(self, engine, retriever, config=None) -> None:
         super().__init__(engine, retriever, config)
-        self.ops = load_ops(ops_backend)
+        self.ops = engine.ops  # the engine's registry, chosen once
 
     def program(self, question: str) -> Program:
         c = self.config
@@ -81,8 +80,8 @@ class Flare(_SentenceLoop):
     config_class = FlareConfig
     description = "FLARE: retrieve when a word of the next sentence has probability < theta (Jiang et al., 2023)"
 
-    def __init__(self, engine, retriever, config: FlareConfig | None = None, ops_backend: str = "auto") -> None:
-        super().__init__(engine, retriever, config, ops_backend)
+    def __init__(self, engine, retriever, config: FlareConfig | None = None) -> None:
+        super().__init__(engine, retriever, config)
         self.gate = FlareGate(self.config.theta, engine, self.ops, self.config.query_with_question)
 
 
@@ -112,9 +111,8 @@ class Scaar(_SentenceLoop):
     config_class = ScaarConfig
     description = "SCAAR: word thresholds scaled by semantic contribution; percentile-filtered query"
 
-    def __init__(self, engine, retriever, config: ScaarConfig | None = None, ops_backend: str = "auto",
-                 embedder=None) -> None:
-        super().__init__(engine, retriever, config, ops_backend)
+    def __init__(self, engine, retriever, config: ScaarConfig | None = None, embedder=None) -> None:
+        super().__init__(engine, retriever, config)
         embedder = embedder or getattr(retriever, "embedder", None) or shared_embedder()
         c = self.config
         self.gate = ScaarGate(embedder, c.theta, c.alpha, c.weighting, engine, self.ops)
