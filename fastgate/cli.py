@@ -105,6 +105,7 @@ def _machine_line() -> str:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import dataclasses
     from datetime import datetime, timezone
     from pathlib import Path
 
@@ -180,7 +181,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         recs = [store.records.get((key, ex.id)) for ex in examples]
         if all(recs):
             spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
-            table.append(summarize(spec, recs))
+            table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name}, "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "

@@ -205,7 +205,10 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
     assert len((out / "results.jsonl").read_text().splitlines()) == 15
     # rerunning finds everything done
     assert main(["eval", "--method", "never", *common]) == 0
-    assert "resuming: 5/5 already done" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "resuming: 5/5 already done" in captured.err
+    # the table still names the earlier runs with their parameters
+    assert "| dtr[tau=0,retriever=bm25] | 5 |" in captured.out and "| dtr[tau=inf,retriever=bm25] | 5 |" in captured.out
     assert len((out / "results.jsonl").read_text().splitlines()) == 15
     # other settings in the same directory are refused
     assert main(["eval", "--method", "never", *common, "--seed", "4"]) == 2
