@@ -213,3 +213,20 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
     # other settings in the same directory are refused
     assert main(["eval", "--method", "never", *common, "--seed", "4"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_every_calibrated_value_is_a_valid_config():
+    from fastgate.calibration import CALIBRATED, CPU_EVAL_BUDGET, calibrated_params
+    from fastgate.methods import make_config
+
+    assert set(CALIBRATED) >= {"smollm2-135m", "qwen2.5-0.5b"}
+    for model, methods in CALIBRATED.items():
+        for method in methods:
+            for budget in ({}, CPU_EVAL_BUDGET.get(method, {})):
+                params = calibrated_params(model, method, budget)
+                config = make_config(method, params)
+                for key, value in methods[method].items():
+                    if key != "delta":  # SeaKR's δ depends on the sample count
+                        assert getattr(config, key) == value
+    # qwen2.5-0.5b's SeaKR δ is calibrated for the CPU budget's 3 samples
+    assert calibrated_params("qwen2.5-0.5b", "seakr", {"samples": 3})["delta"] == 2.56
