@@ -31,6 +31,23 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
         # 8% of questions, 67% of them answered correctly (base rate 14%)
         "cbdr": {"beta": 0.8},
     },
+    # Qwen2.5-Coder-0.5B-Instruct, calibrated on 24 questions of NQ dev (`nq:dev:balanced`, seed 0: 12 the corpus can
+    # answer, 12 it cannot; never the NQ / TriviaQA test questions docs/RESULTS.md reports), with every gate forced
+    # to skip so that the first gate's critical value is seen. Rule: the value at which 70% of those first gates
+    # retrieve (NQ is hard closed-book for this model, ACC 0.04 on them, so retrieving often pays; 70% is issue 20's
+    # retrieval budget), not the median rule used for smollm2-135m.
+    "qwen2.5-0.5b": {
+        # answer NLL 0.41–2.46, median 1.17; 17 of 24 are >= 0.77
+        "dtr": {"tau": 0.77},
+        # lowest word probability of the first CoT sentence 0.06–0.44, median 0.23; 17 of 24 are below 0.33
+        "flare": {"theta": 0.33},
+        # SCAAR's critical θ on the same first sentences: the same 0.06–0.44 (its reweighting left the minimum word)
+        "scaar": {"theta": 0.33},
+        # SeaKR, calibrated at the CPU eval budget's 3 samples only (first-step eigenscores 1.70–4.60, median 2.93;
+        # 17 of 24 are above 2.56); the method's default 20 samples has not been calibrated for this model and gets
+        # the same value (see SEAKR_DELTA_BY_SAMPLES)
+        "seakr": {"delta": 2.56},
+    },
 }
 
 
@@ -41,6 +58,7 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
 # sub-questions 6.3–7.7); the same 20 give 2.8 at k=20. δ=3.3 retrieves on 98% of held-out questions at k=3.
 SEAKR_DELTA_BY_SAMPLES: dict[str, dict[int, float]] = {
     "smollm2-135m": {3: 6.6},
+    "qwen2.5-0.5b": {3: 2.56},
 }
 
 

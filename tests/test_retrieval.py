@@ -121,3 +121,80 @@ def test_dense_hnsw_index(tmp_path, small_corpus_file):
     r = DenseRetriever(target, device="cpu")
     assert r.manifest["index_type"] == "hnsw"
     assert r.search("Which city is the capital of Kyrgyzstan?", k=1)[0].id == "p4"
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (what a build killed with -9 leaves in its directory names)."""
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def test_next_build_removes_what_killed_builds_left(tmp_path, small_corpus_file):
+    import os
+
+    root = tmp_path / "idx"
+    build_indexes(small_corpus_file, root, progress=False)
+    dead, live = _dead_pid(), os.getppid()
+    leftovers = {}
+    for kind in ("bm25", "dense"):
+        for name in (f".{kind}.building-{dead}-x1", f".{kind}.building-legacy9z",  # killed; an old version's name
+                     f".{kind}.old-{dead}-5", f".{kind}.building-{live}-busy"):  # a live concurrent build
+            (root / name).mkdir()
+            (root / name / "segment").write_text("half")
+        leftovers[kind] = f".{kind}.building-{live}-busy"
+    build_indexes(small_corpus_file, root, progress=False, force=True)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["bm25", "dense", *leftovers.values()])
+    assert BM25Retriever(root / "bm25").search("capital of Kyrgyzstan", k=1)[0].id == "p4"
+    assert DenseRetriever(root / "dense", device="cpu").search("capital of Kyrgyzstan", k=1)[0].id == "p4"
+
+
+def test_a_build_killed_between_the_two_renames_gets_its_old_index_back(tmp_path):
+    from fastgate.retrieval.base import cleanup_killed_builds
+
+    target = tmp_path / "bm25"
+    with atomic_index_dir(target, "bm25", {"n": 1}):
+        pass
+    old = tmp_path / f".bm25.old-{_dead_pid()}-1"
+    target.rename(old)  # killed after moving the old index aside, before moving the new one in
+    (tmp_path / f".bm25.building-{_dead_pid()}-x").mkdir()
+    removed = cleanup_killed_builds(target)
+    assert read_manifest(target, "bm25")["n"] == 1  # the previous index is back in place
+    assert len(removed) == 1 and removed[0].name.startswith(".bm25.building-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bm25"]
+
+
+def test_kill_9_during_a_build_then_the_next_build_cleans_up(tmp_path, small_corpus_file):
+    """A real ``kill -9`` of a process in the middle of ``fastgate index --force``'s atomic build."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "idx"
+    build_indexes(small_corpus_file, root, kinds=("bm25",), progress=False)
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from fastgate.retrieval.base import atomic_index_dir\n"
+        "with atomic_index_dir(Path(sys.argv[1]), 'bm25', {}) as tmp:\n"
+        "    (tmp / 'segment').write_bytes(b'x' * 1000)\n"
+        "    print('building', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(root / "bm25")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stale = [p.name for p in root.iterdir() if p.name.startswith(".bm25.building-")]
+    assert stale and all(n.startswith(f".bm25.building-{proc.pid}-") for n in stale)
+    assert BM25Retriever(root / "bm25").search("Hamlet", k=1)[0].id == "p5"  # the old index still answers
+    build_indexes(small_corpus_file, root, kinds=("bm25",), progress=False, force=True)
+    assert sorted(p.name for p in root.iterdir()) == ["bm25"]
+    assert BM25Retriever(root / "bm25").search("Hamlet", k=1)[0].id == "p5"

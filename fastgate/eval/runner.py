@@ -85,6 +85,9 @@ class RunSummary:
     questions_per_s: float
     gate_share: float  # gate time / answering time
     errors: int  # questions the method rejected (recorded with their error, scored 0)
+    em_se: float = float("nan")  # standard errors of the means: sample standard deviation / sqrt(n)
+    f1_se: float = float("nan")
+    acc_se: float = float("nan")
 
 
 class ResultsStore:
@@ -260,6 +263,12 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
     def mean(key: str) -> float:
         return sum(float(r.get(key) or 0) for r in records) / n
 
+    def se(key: str) -> float:
+        if n < 2:
+            return float("nan")
+        m = mean(key)
+        return math.sqrt(sum((float(r.get(key) or 0) - m) ** 2 for r in records) / (n - 1) / n)
+
     ok = [r for r in records if "error" not in r]
     wall = sum(r["latency_s"] / r["batch_size"] for r in ok)
     answer_s = sum(r["timings"].get("total_s", 0.0) / r["batch_size"] for r in ok)
@@ -273,12 +282,14 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
         latency_p50_s=_percentile(latencies, 0.5), latency_p95_s=_percentile(latencies, 0.95),
         questions_per_s=len(ok) / wall if wall > 0 else float("nan"),
         gate_share=gate_s / answer_s if answer_s > 0 else 0.0, errors=n - len(ok),
+        em_se=se("em"), f1_se=se("f1"), acc_se=se("acc"),
     )
 
 
 _COLUMNS = [  # (field, header, format)
     ("run", "run", "{}"), ("n", "n", "{}"), ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("acc", "ACC", "{:.3f}"),
-    ("retrieval_rate", "retrieved", "{:.0%}"), ("retrievals_per_q", "retrievals/q", "{:.2f}"),
+    ("acc_se", "± ACC (SE)", "{:.3f}"), ("retrieval_rate", "retrieved", "{:.0%}"),
+    ("retrievals_per_q", "retrievals/q", "{:.2f}"),
     ("lm_calls_per_q", "LM calls/q", "{:.2f}"), ("tokens_per_q", "tokens/q", "{:.1f}"),
     ("latency_p50_s", "latency p50 (s)", "{:.2f}"), ("latency_p95_s", "latency p95 (s)", "{:.2f}"),
     ("questions_per_s", "q/s", "{:.2f}"), ("gate_share", "gate time", "{:.2%}"), ("errors", "errors", "{}"),
@@ -325,6 +336,9 @@ def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path
         pts = sorted(zip(xs, ys))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="0.6", zorder=1)
     ax.scatter(xs, ys, zorder=2)
+    errs = [s.acc_se for s in summaries]
+    if all(e == e for e in errs):  # standard errors known (not NaN): ±1 SE bars
+        ax.errorbar(xs, ys, yerr=errs, fmt="none", ecolor="0.5", elinewidth=0.8, capsize=2, zorder=1)
     names = list(labels) if labels is not None else [s.run for s in summaries]
     for name, x, y in zip(names, xs, ys):
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, annotation_clip=False)

@@ -15,8 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastgate.corpus import Passage
 from fastgate.errors import IndexError_, InputError
+from fastgate.paths import remove_stale
 
-__all__ = ["Hit", "Retriever", "atomic_index_dir", "read_manifest"]
+__all__ = ["Hit", "Retriever", "atomic_index_dir", "cleanup_killed_builds", "read_manifest"]
 
 MANIFEST = "fastgate_index.json"
 INDEX_FORMAT = 1
@@ -62,22 +63,52 @@ def check_k(k: int) -> None:
         raise InputError(f"k must be a positive integer, got {k!r}")
 
 
+def cleanup_killed_builds(target: Path) -> list[Path]:
+    """Remove what killed builds of ``target`` left beside it: ``.<name>.building-<pid>-*`` directories and
+    ``.<name>.old-<pid>-*`` previous indexes of processes that no longer run (concurrent builds of live processes are
+    left alone). A build killed between moving the old index aside and moving the new one in leaves no ``target``:
+    the old index is then put back, so the index keeps answering. Returns what was removed."""
+    target = Path(target)
+    parent = target.parent
+    if not target.exists():
+        stale_old = [p for p in parent.glob(f".{target.name}.old-*") if _dead_owner(p, f".{target.name}.old-")]
+        complete = [p for p in stale_old if (p / MANIFEST).is_file()]
+        if complete:
+            os.replace(max(complete, key=lambda p: p.stat().st_mtime), target)
+    return remove_stale(parent, f".{target.name}.building-") + remove_stale(parent, f".{target.name}.old-")
+
+
+def _dead_owner(path: Path, prefix: str) -> bool:
+    pid = path.name[len(prefix):].split("-", 1)[0]
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return int(pid) == os.getpid()
+
+
 @contextmanager
 def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[Path]:
     """Build an index in a temporary sibling directory and move it into place only when complete.
 
-    The manifest is written last; a crash mid-build leaves the previous index (or none), never a half one.
+    The manifest is written last; a crash mid-build leaves the previous index (or none), never a half one, and the
+    next build removes what a killed one left (:func:`cleanup_killed_builds`).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    cleanup_killed_builds(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
         manifest = {"kind": kind, "format": INDEX_FORMAT, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         trash = None
         if target.exists():
-            trash = target.parent / f".{target.name}.old-{os.getpid()}"
+            trash = target.parent / f".{target.name}.old-{os.getpid()}-{time.time_ns()}"
             os.replace(target, trash)
         os.replace(tmp, target)
         if trash is not None:

