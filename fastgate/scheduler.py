@@ -186,8 +186,13 @@ class Scheduler:
         return [t.result for t in tasks]
 
     def step(self) -> bool:
-        """One tick: admit, advance every program to its next request, run each group of requests as one batched
-        call, deliver the results. Returns whether programs are still live."""
+        """One tick: admit, advance every program until it waits on the model (running the cheap requests it makes
+        on the way: searches, embeddings, gate ops, batch ops, each kind as one call per round), then run all pending
+        generations and prefills as batched engine calls and deliver the results. Returns whether programs are still
+        live.
+
+        Running the cheap requests first keeps programs in step on the expensive ones: programs whose paths diverge
+        (one retrieves before its next generation, another does not) still meet in the same engine call."""
         with self._lock:
             new, self._inbox = self._inbox, []
         for task in new:
@@ -197,16 +202,35 @@ class Scheduler:
             if task.cancelled and not task.done:
                 self._finish(task, error=CancelledError("the request was cancelled"))
         self._live = [t for t in self._live if not t.done]
-        pending = [(t, i, r) for t in self._live for i, r in enumerate(t._waiting or ()) if t._results[i] is _NONE]
+        ran = False
+        for _ in range(_CHEAP_ROUNDS):  # bounded: a program that only ever searches cannot hold the tick
+            pending = self._pending()
+            cheap = [item for item in pending if not isinstance(item[2], (Generate, PromptStates))]
+            if not cheap:
+                break
+            ran = True
+            self._execute(cheap)
+            self._resume()
+        pending = [item for item in self._pending() if isinstance(item[2], (Generate, PromptStates))]
         if pending:
-            self.ticks += 1
+            ran = True
             self._execute(pending)
+            self._resume()
+        if ran:
+            self.ticks += 1
+        return bool(self._live) or bool(self._inbox)
+
+    def _pending(self) -> list[tuple[Task, int, Any]]:
+        return [(t, i, r) for t in self._live if not t.done for i, r in enumerate(t._waiting or ())
+                if t._results[i] is _NONE]
+
+    def _resume(self) -> None:
+        """Send their results to the programs whose requests are all answered."""
         for task in list(self._live):
-            if not task.done and all(r is not _NONE for r in task._results):
+            if not task.done and task._waiting is not None and all(r is not _NONE for r in task._results):
                 results = task._results if task._fanout else task._results[0]
                 self._advance(task, results)
         self._live = [t for t in self._live if not t.done]
-        return bool(self._live) or bool(self._inbox)
 
     def _advance(self, task: Task, value: Any, start: bool = False) -> None:
         """Send ``value`` into the program; record what it yields next (or its end)."""
@@ -378,6 +402,7 @@ class Scheduler:
 
 
 _NONE = object()  # a result slot not filled yet
+_CHEAP_ROUNDS = 16  # rounds of searches / gate ops / embeddings per tick before the engine calls run
 
 _RUNNERS: dict[str, Callable[[Scheduler, list], list]] = {
     "generate": Scheduler._run_generate,
