@@ -584,6 +584,8 @@ class Engine:
             reason: list[FinishReason] = ["length"] * n
             stops: list[str | None] = [None] * n
             eos_set = set(self.eos_ids)
+            # the sequences whose rows are in the KV cache, in cache order; finished rows leave it (see below)
+            cache_rows = list(range(n))
             steps = forwards = 0
             taps_s = 0.0
             while True:
@@ -641,22 +643,48 @@ class Engine:
                         feed[i], attend[i] = self.eos_id, 1
                         capture_eos[i] = True
                         state[i] = _DONE
-                if not any(attend):
+                live = [i for i in cache_rows if attend[i]]
+                if not live:
                     break
-                feed_t = torch.tensor(feed, dtype=torch.long, device=self.device)[:, None]  # [N, 1]
-                attend_t = torch.tensor(attend, dtype=mask.dtype, device=self.device)[:, None]  # [N, 1]
+                if len(live) <= len(cache_rows) // 2:
+                    # Half the rows have finished: drop them from the cache, so that the steps left (often one
+                    # long answer among short ones) run at the batch size still generating. A row never comes
+                    # back once finished, so this happens at most log2(N) times (each copies the cache once).
+                    at = {i: r for r, i in enumerate(cache_rows)}
+                    keep = torch.tensor([at[i] for i in live], device=self.device)
+                    cache.batch_select_indices(keep)
+                    mask = mask[keep]
+                    cache_rows = live
+                whole = len(cache_rows) == n
+                rows_t = None if whole else torch.tensor(cache_rows, device=self.device)  # [M] sequence ids
+                feed_t = torch.tensor([feed[i] for i in cache_rows], dtype=torch.long,
+                                      device=self.device)[:, None]  # [M, 1]
+                attend_t = torch.tensor([attend[i] for i in cache_rows], dtype=mask.dtype,
+                                        device=self.device)[:, None]  # [M, 1]
                 mask = torch.cat([mask, attend_t], dim=1)
-                logits = self._forward(feed_t, mask, cache, 1)
+                out = self._forward(feed_t, mask, cache, 1)  # [M, V]
+                if whole:
+                    logits = out
+                else:
+                    logits[rows_t] = out  # the rows of finished sequences keep stale logits: never read again
                 forwards += 1
                 t_taps = time.perf_counter()
                 if running_sum is not None:
-                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in layers], dim=1)  # [N, L, d]
-                    weight = torch.tensor(counts_now, dtype=torch.float32, device=self.device)  # [N]
-                    self._accumulate(running_sum, states, weight)
-                    count += weight
+                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in layers], dim=1)  # [M, L, d]
+                    weight = torch.tensor([counts_now[i] for i in cache_rows], dtype=torch.float32,
+                                          device=self.device)  # [M]
+                    if whole:
+                        self._accumulate(running_sum, states, weight)
+                        count += weight
+                    else:
+                        sums = running_sum[rows_t]  # [M, L, d] (a copy: accumulate works in place)
+                        self._accumulate(sums, states, weight)
+                        running_sum[rows_t] = sums
+                        count[rows_t] += weight
                 if eos_state is not None and any(capture_eos):
-                    eos_rows = torch.tensor([i for i in range(n) if capture_eos[i]], device=self.device)
-                    eos_state[eos_rows] = hooks.outputs[mid][eos_rows, -1, :].to(torch.float32)
+                    eos_rows = [r for r, i in enumerate(cache_rows) if capture_eos[i]]
+                    eos_state[[cache_rows[r] for r in eos_rows]] = hooks.outputs[mid][eos_rows, -1, :].to(
+                        torch.float32)
                 taps_s += time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
         finally:
             if hooks is not None:

@@ -356,3 +356,30 @@ def test_prompt_states_with_prefix_cache_and_chunks(tiny):
     fast = Engine(tiny, prefix_cache=8, prefill_chunk=40)
     torch.testing.assert_close(fast.prompt_states(prompts, 2, batch_size=2), plain, atol=1e-4, rtol=1e-4)
     assert fast.prefix_hits == 3
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_finished_rows_leave_the_batch_and_nothing_changes(tiny_engine, monkeypatch, sampled):
+    """Rows that finish early are dropped from the KV cache (half at a time); every row's tokens, log-probs and taps
+    still equal its generation alone."""
+    from transformers import DynamicCache
+
+    selects = []
+    real = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, idx: (selects.append(len(idx)), real(self, idx))[1])
+    lengths = [1, 2, 3, 14, 2]  # one long answer among short ones: the batch shrinks 5 -> 2 -> 1
+    cfgs = [GenerationConfig(max_new_tokens=m, stop_at_eos=False, do_sample=sampled, temperature=0.9)
+            for m in lengths]
+    taps = TapSpec(layers=(0, 2), eos_state=True, pre_answer=True)
+    seeds = [11, 12, 13, 14, 15] if sampled else None
+    batch = tiny_engine.generate(PROMPTS, cfgs, taps, seeds=seeds)
+    assert selects == [2, 1]
+    for i, prompt in enumerate(PROMPTS):
+        alone = tiny_engine.generate([prompt], [cfgs[i]], [taps], seeds=[seeds[i]] if sampled else None)
+        seq, one = batch.sequences[i], alone.sequences[0]
+        assert seq.token_ids == one.token_ids and len(seq.token_ids) == lengths[i]
+        assert seq.token_logprobs == pytest.approx(one.token_logprobs, abs=1e-4)
+        torch.testing.assert_close(batch.running_sum[i], alone.running_sum[0], atol=1e-4, rtol=1e-4)
+        assert batch.count[i].item() == alone.count[0].item() == lengths[i]
+        torch.testing.assert_close(batch.eos_state[i], alone.eos_state[0], atol=1e-4, rtol=1e-4)
