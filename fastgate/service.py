@@ -53,6 +53,7 @@ class ServiceConfig:
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
     max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
+    admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
     max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
@@ -69,6 +70,8 @@ class ServiceConfig:
                 raise InputError(f"{name} must be >= 1")
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
+        if not 0 <= self.admit_wait_ms <= 1000:
+            raise InputError(f"admit_wait_ms must be in [0, 1000], got {self.admit_wait_ms}")
 
 
 @dataclass
@@ -289,13 +292,25 @@ class AnswerService:
                 self.metrics.ticks(sched)
 
     def _admit(self, block: bool) -> None:
-        """Move queued requests into the scheduler (up to ``max_live`` running); wait briefly when idle."""
+        """Move queued requests into the scheduler (up to ``max_live`` running).
+
+        When idle, wait for a request, then up to ``admit_wait_ms`` for the rest of its burst: requests sent together
+        reach the server over a few milliseconds, and those that miss the first tick would wait for its whole engine
+        call (a lone request pays the window once)."""
+        window_end = None
         while len(self._running) < self.config.max_live:
             try:
-                job = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+                if block:
+                    job = self._queue.get(timeout=0.05)
+                elif window_end is not None and (left := window_end - time.perf_counter()) > 0:
+                    job = self._queue.get(timeout=left)
+                else:
+                    job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            block = False
+            if block:
+                block = False
+                window_end = time.perf_counter() + self.config.admit_wait_ms / 1000
             if not job.future.set_running_or_notify_cancel():  # cancelled while queued: dropped
                 continue
             try:

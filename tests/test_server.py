@@ -105,6 +105,21 @@ def test_a_closed_book_answer_does_not_wait_for_the_retrieving_ones(tiny_engine,
         svc.stop()
 
 
+@pytest.mark.parametrize("wait_ms", [0.0, 200.0])
+def test_a_burst_arriving_over_milliseconds_starts_in_one_engine_call(tiny_engine, small_index, wait_ms):
+    svc = _service(tiny_engine, small_index, admit_wait_ms=wait_ms).start()
+    try:
+        futures = []
+        for q in QUESTIONS[:3]:
+            futures.append(svc.submit(q, "never"))
+            time.sleep(0.02)  # a burst over HTTP reaches the server spread out like this
+        [f.result(timeout=60) for f in futures]
+        rows = svc.scheduler.generation_rows
+        assert (rows == [3]) if wait_ms else (len(rows) > 1)  # without the window the first request runs alone
+    finally:
+        svc.stop()
+
+
 def test_timeout_cancels_the_program(tiny_engine, small_index):
     from fastgate.scheduler import CancelledError
 
