@@ -8,7 +8,6 @@ that share one prefill. ``generate(output_hidden_states=True)`` materialises eve
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -236,6 +235,7 @@ class Engine:
             raise InputError(f"model {model.name} has no EOS token")
         self.eos_ids = sorted(eos)
         self.eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
+        self.eos_id_set = frozenset(self.eos_ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.n_layers = model.n_layers
         self.device = model.device
@@ -487,7 +487,6 @@ class Engine:
             A :class:`GenerationBatch` with ``Σ k_i`` sequences, prompt-major (the samples of prompt i follow those of
             prompt i-1).
         """
-        from transformers import DynamicCache
 
         if not prompts:
             raise InputError("generate: no prompts")
@@ -518,232 +517,19 @@ class Engine:
                 raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
         want_pre = any(t.pre_answer for t in row_taps)
         want_eos = any(t.eos_state for t in row_taps)
-        t_start = time.perf_counter()
-        rows, truncated = self._encode(prompts, [c.max_new_tokens for c in cfgs])
-        prompt_lens = [len(r) for r in rows]
-        if self.prefix_cache:
-            self._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
-        tap_layers = tuple(sorted(set(layers) | ({mid} if (want_pre or want_eos) else set())))
-        hooks = _Taps(self.model, tap_layers) if tap_layers else None
-        # sequence i is sample j of prompt owner[i]
-        owner = [p for p in range(b) for _ in range(ks[p])]
-        sample = [j for p in range(b) for j in range(ks[p])]
-        n = len(owner)
-        seq_cfg = [cfgs[p] for p in owner]
-        seq_taps = [row_taps[p] for p in owner]
+        from fastgate.decode import DecodeLoop
+
+        # One config: sampled rows without a seed share one generator (its config's seed), and with no seeds at all
+        # they draw together over the whole batch (their draws then depend on the batch, as they always have).
         generator = None
-        row_generators: list[torch.Generator | None] = [None] * n
-        for i in range(n):
-            c, p = seq_cfg[i], owner[i]
-            if not c.do_sample:
-                continue
-            seed = seeds[p] if seeds is not None else None
-            if seed is None and per_row:
-                seed = c.seed if c.seed is not None else 0
-            if seed is not None:
-                row_generators[i] = torch.Generator(device=self.device).manual_seed(
-                    (int(seed) * 1_000_003 + sample[i]) % (2**63))
-            elif generator is None and c.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(c.seed)
-        # rows that sample with the same settings are processed together (row-wise ops: identical per row)
-        groups: dict[tuple, list[int]] = {}
-        for i, c in enumerate(seq_cfg):
-            if c.do_sample:
-                groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(i)
-        greedy_rows = [i for i, c in enumerate(seq_cfg) if not c.do_sample]
-        try:
-            cache = DynamicCache(config=self.model.config)
-            # the pre-answer tap reads the hooks after the prefill: one forward, so they hold every row
-            logits, mask = self._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
-            t_prefill = time.perf_counter()
-            pre_answer = None
-            if want_pre:
-                pre_answer = hooks.outputs[mid][:, -1, :].to(torch.float32)  # [B, d]
-            if n != b:
-                if all(x == ks[0] for x in ks):
-                    cache.batch_repeat_interleave(ks[0])
-                else:
-                    cache.batch_select_indices(torch.tensor(owner, device=self.device))
-                index = torch.tensor(owner, device=self.device)
-                logits, mask = logits[index], mask[index]
-                pre_answer = pre_answer[index] if pre_answer is not None else None
-            seq_prompt = [prompt_lens[p] for p in owner]
-            seq_trunc = [truncated[p] for p in owner]
-            d = self.lm.hidden_size
-            running_sum = count = None
-            if layers:
-                running_sum = torch.zeros((n, len(layers), d), dtype=torch.float32, device=self.device)
-                count = torch.zeros(n, dtype=torch.float32, device=self.device)
-            eos_state = torch.zeros((n, d), dtype=torch.float32, device=self.device) if want_eos else None
-
-            state = [_ACTIVE] * n
-            tokens: list[list[int]] = [[] for _ in range(n)]
-            logps: list[list[float]] = [[] for _ in range(n)]
-            texts = [""] * n
-            answer_len = [0] * n
-            reason: list[FinishReason] = ["length"] * n
-            stops: list[str | None] = [None] * n
-            eos_set = set(self.eos_ids)
-            # the sequences whose rows are in the KV cache, in cache order; finished rows leave it (see below)
-            cache_rows = list(range(n))
-            steps = forwards = 0
-            taps_s = 0.0
-            while True:
-                # 1. choose the next token of every active sequence
-                active_rows = [i for i in range(n) if state[i] == _ACTIVE]
-                if active_rows:
-                    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-                    chosen = logits.argmax(-1) if greedy_rows else torch.zeros(n, dtype=torch.long,
-                                                                               device=self.device)  # [N]
-                    for rows_g in groups.values():
-                        live = [i for i in rows_g if state[i] == _ACTIVE]
-                        if not live:
-                            continue
-                        whole = len(rows_g) == n
-                        sub = logits if whole else logits[torch.tensor(rows_g, device=self.device)]
-                        probs = _process_logits(sub, seq_cfg[rows_g[0]]).softmax(-1)  # [G, V]
-                        pos = {i: j for j, i in enumerate(rows_g)}
-                        if all(row_generators[i] is None for i in live) and whole:
-                            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
-                            continue
-                        for i in live:
-                            chosen[i] = torch.multinomial(probs[pos[i]], 1, generator=row_generators[i]
-                                                          if row_generators[i] is not None else generator)[0]
-                    chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [N]
-                    chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
-                    steps += 1
-                    for i in active_rows:
-                        tok = chosen_l[i]
-                        tokens[i].append(tok)
-                        logps[i].append(chosen_lp_l[i])
-                        self._update_finish(i, tok, tokens, texts, answer_len, reason, stops, state, seq_cfg[i],
-                                            eos_set, seq_taps[i])
-                # 2. decide what each row feeds next
-                feed = [self.pad_id] * n
-                attend = [0] * n
-                counts_now = [0.0] * n
-                capture_eos = [False] * n
-                for i in range(n):
-                    s = state[i]
-                    if s == _ACTIVE:
-                        feed[i], attend[i] = tokens[i][-1], 1
-                        counts_now[i] = 1.0
-                    elif s == _FLUSH_LAST:
-                        last = tokens[i][-1]
-                        feed[i], attend[i] = last, 1
-                        is_eos = last in eos_set
-                        counts_now[i] = 0.0 if is_eos else 1.0
-                        eos_tap = seq_taps[i].eos_state
-                        if eos_tap and is_eos:
-                            capture_eos[i] = True
-                            state[i] = _DONE
-                        else:
-                            state[i] = _FLUSH_EOS if eos_tap else _DONE
-                    elif s == _FLUSH_EOS:
-                        feed[i], attend[i] = self.eos_id, 1
-                        capture_eos[i] = True
-                        state[i] = _DONE
-                live = [i for i in cache_rows if attend[i]]
-                if not live:
-                    break
-                if len(live) <= len(cache_rows) // 2:
-                    # Half the rows have finished: drop them from the cache, so that the steps left (often one
-                    # long answer among short ones) run at the batch size still generating. A row never comes
-                    # back once finished, so this happens at most log2(N) times (each copies the cache once).
-                    at = {i: r for r, i in enumerate(cache_rows)}
-                    keep = torch.tensor([at[i] for i in live], device=self.device)
-                    cache.batch_select_indices(keep)
-                    mask = mask[keep]
-                    cache_rows = live
-                whole = len(cache_rows) == n
-                rows_t = None if whole else torch.tensor(cache_rows, device=self.device)  # [M] sequence ids
-                feed_t = torch.tensor([feed[i] for i in cache_rows], dtype=torch.long,
-                                      device=self.device)[:, None]  # [M, 1]
-                attend_t = torch.tensor([attend[i] for i in cache_rows], dtype=mask.dtype,
-                                        device=self.device)[:, None]  # [M, 1]
-                mask = torch.cat([mask, attend_t], dim=1)
-                out = self._forward(feed_t, mask, cache, 1)  # [M, V]
-                if whole:
-                    logits = out
-                else:
-                    logits[rows_t] = out  # the rows of finished sequences keep stale logits: never read again
-                forwards += 1
-                t_taps = time.perf_counter()
-                if running_sum is not None:
-                    states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in layers], dim=1)  # [M, L, d]
-                    weight = torch.tensor([counts_now[i] for i in cache_rows], dtype=torch.float32,
-                                          device=self.device)  # [M]
-                    if whole:
-                        self._accumulate(running_sum, states, weight)
-                        count += weight
-                    else:
-                        sums = running_sum[rows_t]  # [M, L, d] (a copy: accumulate works in place)
-                        self._accumulate(sums, states, weight)
-                        running_sum[rows_t] = sums
-                        count[rows_t] += weight
-                if eos_state is not None and any(capture_eos):
-                    eos_rows = [r for r, i in enumerate(cache_rows) if capture_eos[i]]
-                    eos_state[[cache_rows[r] for r in eos_rows]] = hooks.outputs[mid][eos_rows, -1, :].to(
-                        torch.float32)
-                taps_s += time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
-        finally:
-            if hooks is not None:
-                hooks.close()
-        t_end = time.perf_counter()
-        sequences = [
-            Generation(
-                text=texts[i],
-                token_ids=tokens[i],
-                token_logprobs=logps[i],
-                answer_tokens=answer_len[i],
-                finish_reason=reason[i],
-                prompt_tokens=int(seq_prompt[i]),
-                truncated=bool(seq_trunc[i]),
-                stop_string=stops[i],
-            )
-            for i in range(n)
-        ]
-        return GenerationBatch(
-            sequences=sequences,
-            running_sum=running_sum,
-            count=count,
-            pre_answer=pre_answer,
-            eos_state=eos_state,
-            layers=layers,
-            steps=steps,
-            forwards=forwards,
-            timings={"prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill, "total_s": t_end - t_start,
-                     "taps_s": taps_s},
-        )
-
-    def _update_finish(self, i, tok, tokens, texts, answer_len, reason, stops, state, cfg, eos_set, taps) -> None:
-        """Record token ``tok`` of sequence ``i`` and move it out of ACTIVE if it stops."""
-        finished: FinishReason | None = None
-        matched: str | None = None
-        if cfg.stop_at_eos and tok in eos_set:
-            finished = "eos"
-            ans = tokens[i][:-1]
-            text = self.tokenizer.decode(ans, skip_special_tokens=True)
-            texts[i], answer_len[i] = text, len(ans)
-        else:
-            text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-            cut = -1
-            for s in cfg.stop:
-                pos = text.find(s)
-                if pos >= 0 and (cut < 0 or pos < cut):
-                    cut, matched = pos, s
-            if cut >= 0:
-                finished = "stop"
-                stops[i] = matched
-                texts[i] = text[:cut]
-                answer_len[i] = self._tokens_before(tokens[i], cut)
-            else:
-                texts[i], answer_len[i] = text, len(tokens[i])
-                if len(tokens[i]) >= cfg.max_new_tokens:
-                    finished = "length"
-        if finished is not None:
-            reason[i] = finished
-            state[i] = _FLUSH_LAST if taps.needs_flush else _DONE
+        if not per_row and cfgs[0].do_sample and cfgs[0].seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(cfgs[0].seed)
+        loop = DecodeLoop(self, mid, shared_rng=not per_row and seeds is None, generator=generator)
+        specs = [(prompts[i], cfgs[i], row_taps[i], ks[i], seeds[i] if seeds is not None else None) for i in range(b)]
+        (ticket,) = loop.add(specs, one_ticket=(layers, want_pre, want_eos), per_row=per_row)
+        while ticket.result is None:
+            loop.step()
+        return ticket.result
 
     def _tokens_before(self, token_ids: list[int], n_chars: int) -> int:
         """Number of leading tokens whose text starts before character ``n_chars`` of the decoded continuation."""

@@ -1,0 +1,463 @@
+"""The decode loop: sequences join it at any step and leave it at the step they finish.
+
+:meth:`Engine.generate <fastgate.engine.Engine.generate>` runs one loop from a single admission to its end (a closed
+batch). The scheduler keeps one loop running and admits the generations its programs ask for at every tick, so a
+question never waits for another question's generation to end, only for the step in progress.
+
+Why our own loop rather than ``transformers.generation.continuous_batching``: the gates need, per row, running sums of
+chosen layers' hidden states, the pre-answer state, a forced EOS step after a sample stops, k samples forked from one
+prefill and a generator per sampled row (so that draws never depend on the batch); HF's loop exposes none of them.
+
+Rows that join are prefilled on their own, then their KV cache is left-padded to the loop's width and concatenated
+(positions come from the attention mask, so padding changes nothing); finished rows leave when half the loop has
+finished or when rows join, and columns that are padding for every row are trimmed then. Both copy the cache: a
+preallocated slot cache written in place is the next step (issue 16).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine import (
+    _ACTIVE,
+    _DONE,
+    _FLUSH_EOS,
+    _FLUSH_LAST,
+    FinishReason,
+    Generation,
+    GenerationBatch,
+    _process_logits,
+    _Taps,
+)
+
+__all__ = ["DecodeLoop", "Ticket", "mergeable"]
+
+
+def mergeable(engine) -> bool:
+    """Whether rows of ``engine``'s model can join a running loop: every cache layer is a plain growing layer (a
+    sliding-window layer keeps only its window, so caches of different lengths cannot be aligned by padding)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=engine.model.config)
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sequence of the loop."""
+
+    ticket: Ticket
+    cfg: GenerationConfig
+    taps: TapSpec
+    gen: torch.Generator | None  # its own sampling generator (None: the loop's shared one)
+    prompt_len: int
+    truncated: bool
+    state: int = _ACTIVE
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    text: str = ""
+    answer_len: int = 0
+    reason: FinishReason = "length"
+    stop: str | None = None
+    pre_answer: torch.Tensor | None = None  # [d] float32
+    eos_state: torch.Tensor | None = None  # [d] float32
+    sums: torch.Tensor | None = None  # [L_ticket, d] float32, set when the row finishes
+    count: float = 0.0
+    final: bool = False  # finished and its results taken: it may leave the loop
+
+
+class Ticket:
+    """One admitted generation (its rows: the k samples of one prompt, or a whole closed batch); ``result`` is set at
+    the step its last row finishes."""
+
+    def __init__(self, owner: Any, layers: tuple[int, ...], pre_answer: bool, eos_state: bool) -> None:
+        self.owner = owner
+        self.layers = layers
+        self.want_pre = pre_answer
+        self.want_eos = eos_state
+        self.rows: list[_Row] = []
+        self.result: GenerationBatch | None = None
+        self.cancelled = False
+        self.forwards = 0
+        self.prefill_s = 0.0
+        self.taps_s = 0.0
+        self.t_start = time.perf_counter()
+        self.t_prefilled = self.t_start
+
+
+@dataclass(frozen=True)
+class _Spec:
+    prompt: str
+    config: GenerationConfig
+    taps: TapSpec
+    k: int
+    seed: int | None
+
+
+class DecodeLoop:
+    """Rows of many generations decoding together, one step at a time.
+
+    Args:
+        engine: the :class:`~fastgate.engine.Engine` whose model and helpers it uses.
+        mid: the layer of the pre-answer / EOS states (rows asking for them at another layer need another loop).
+        shared_rng: sampled rows without a seed draw from one generator for the whole batch (``generate`` with one
+            config and no seeds: the draws then depend on the batch, as before); such a loop never drops rows, so
+            the random stream stays the one a closed batch consumes.
+        generator: that shared generator (None: torch's global one).
+    """
+
+    def __init__(self, engine, mid: int, shared_rng: bool = False, generator: torch.Generator | None = None) -> None:
+        self.engine = engine
+        self.mid = mid
+        self.shared_rng = shared_rng
+        self.generator = generator
+        self.rows: list[_Row] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [M, T] 1 where a row attends
+        self.logits: torch.Tensor | None = None  # [M, V] float32, each row's next-token logits
+        self.layers: tuple[int, ...] = ()  # the tapped layers summed for every row (the union of the rows' asks)
+        self.running: torch.Tensor | None = None  # [M, L, d] float32
+        self.count: torch.Tensor | None = None  # [M] float32
+        self.steps = 0
+        self.forwards = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def size(self) -> int:
+        """Rows not finished yet (the rows a new admission competes with)."""
+        return sum(not r.final for r in self.rows)
+
+    @property
+    def busy(self) -> bool:
+        return any(not r.final for r in self.rows)
+
+    # ------------------------------------------------------------------ admission
+    def add(self, specs: list[_Spec] | list[tuple], owners: list[Any] | None = None, one_ticket: Any = None,
+            per_row: bool = True) -> list[Ticket]:
+        """Prefill ``specs`` (prompt, config, taps, k, seed) and add their rows; one :class:`Ticket` per spec, or
+        one for all of them when ``one_ticket`` is a (layers, pre_answer, eos_state) triple (``generate``)."""
+        from transformers import DynamicCache
+
+        eng = self.engine
+        specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
+        t0 = time.perf_counter()
+        b = len(specs)
+        rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
+        want_pre = any(s.taps.pre_answer for s in specs)
+        if eng.prefix_cache:
+            eng._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
+        if one_ticket is not None:
+            layers, pre, eos = one_ticket
+            tickets = [Ticket(owners[0] if owners else None, layers, pre, eos)]
+            owner_ticket = [0] * b
+        else:
+            tickets = [Ticket(owners[i] if owners else None, tuple(s.taps.layers), s.taps.pre_answer, s.taps.eos_state)
+                       for i, s in enumerate(specs)]
+            owner_ticket = list(range(b))
+        cache = DynamicCache(config=eng.model.config)
+        hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
+        try:
+            logits, mask = eng._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
+            pre_answer = hooks.outputs[self.mid][:, -1, :].to(torch.float32) if hooks is not None else None  # [B, d]
+        finally:
+            if hooks is not None:
+                hooks.close()
+        # sequence i is sample j of prompt owner[i]
+        owner = [p for p in range(b) for _ in range(specs[p].k)]
+        sample = [j for p in range(b) for j in range(specs[p].k)]
+        n = len(owner)
+        if n != b:
+            if all(s.k == specs[0].k for s in specs):
+                cache.batch_repeat_interleave(specs[0].k)
+            else:
+                cache.batch_select_indices(torch.tensor(owner, device=eng.device))
+            index = torch.tensor(owner, device=eng.device)
+            logits, mask = logits[index], mask[index]
+            pre_answer = pre_answer[index] if pre_answer is not None else None
+        new_rows = []
+        for i in range(n):
+            p = owner[i]
+            s = specs[p]
+            gen = None
+            if s.config.do_sample:
+                seed = s.seed
+                if seed is None and per_row:
+                    seed = s.config.seed if s.config.seed is not None else 0
+                if seed is not None:
+                    gen = torch.Generator(device=eng.device).manual_seed((int(seed) * 1_000_003 + sample[i]) % (2**63))
+            row = _Row(tickets[owner_ticket[p]], s.config, s.taps, gen, len(rows[p]), bool(truncated[p]))
+            if pre_answer is not None:
+                row.pre_answer = pre_answer[i]
+            row.ticket.rows.append(row)
+            new_rows.append(row)
+        t1 = time.perf_counter()
+        for t in tickets:
+            t.t_start, t.t_prefilled, t.prefill_s = t0, t1, t1 - t0
+        layers = tuple(sorted(set(self.layers) | {x for s in specs for x in s.taps.layers}))
+        d = eng.lm.hidden_size
+        running = torch.zeros((n, len(layers), d), dtype=torch.float32, device=eng.device) if layers else None
+        count = torch.zeros(n, dtype=torch.float32, device=eng.device)
+        self._join(new_rows, cache, mask, logits, layers, running, count)
+        return tickets
+
+    def _join(self, rows: list[_Row], cache, mask, logits, layers, running, count) -> None:
+        """Concatenate a prefilled block of rows to the loop (dropping finished rows first)."""
+        if self.rows:
+            self._select([r for r, row in enumerate(self.rows) if not row.final])
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
+            self.layers, self.running, self.count = layers, running, count
+            return
+        from transformers import DynamicCache
+
+        eng = self.engine
+        if layers != self.layers:  # the running sums of both blocks laid out over the union of layers
+            self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
+            self.layers = layers
+        width = max(self.mask.shape[1], mask.shape[1])
+        merged = DynamicCache(config=eng.model.config)
+        for layer in range(len(cache.layers)):
+            a, b = self.cache.layers[layer], cache.layers[layer]
+            keys = torch.cat([_pad_left(a.keys, width), _pad_left(b.keys, width)])  # [M + N, heads, W, head_dim]
+            values = torch.cat([_pad_left(a.values, width), _pad_left(b.values, width)])
+            merged.update(keys, values, layer)
+        self.cache = merged
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])  # [M + N, W]
+        self.logits = torch.cat([self.logits, logits])
+        if self.layers:
+            self.running = torch.cat([self.running, running])
+        self.count = torch.cat([self.count, count])
+        self.rows = self.rows + rows
+
+    def _relayout(self, running, old: tuple[int, ...], new: tuple[int, ...], m: int):
+        out = torch.zeros((m, len(new), self.engine.lm.hidden_size), dtype=torch.float32, device=self.engine.device)
+        for j, layer in enumerate(old):
+            out[:, new.index(layer)] = running[:, j]
+        return out
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in order) and trim the columns that are now padding for every row."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.cache, self.mask, self.logits, self.running, self.count = [], None, None, None, None, None
+            self.layers = ()
+            return
+        idx = torch.tensor(keep, device=self.engine.device)
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask[idx]
+        self.logits = self.logits[idx]
+        if self.running is not None:
+            self.running = self.running[idx]
+        self.count = self.count[idx]
+        self.rows = [self.rows[r] for r in keep]
+        used = self.mask.any(0).nonzero()
+        first = int(used[0]) if used.numel() else self.mask.shape[1]
+        if first > 0 and all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers):
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:]
+                layer.values = layer.values[:, :, first:]
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop ``ticket``'s rows: they stop attending at the next step and leave with the finished rows."""
+        ticket.cancelled = True
+        for row in ticket.rows:
+            row.state, row.final = _DONE, True
+
+    # ------------------------------------------------------------------ decoding
+    @torch.inference_mode()
+    def step(self) -> list[Ticket]:
+        """One decode iteration: choose every active row's next token, feed it, read the taps. Returns the tickets
+        whose last row finished in it."""
+        rows = self.rows
+        if not rows:
+            return []
+        eng = self.engine
+        m = len(rows)
+        active = [r for r in range(m) if rows[r].state == _ACTIVE]
+        if active:
+            self.steps += 1
+            self._choose(active)
+        # decide what each row feeds next
+        feed = [eng.pad_id] * m
+        attend = [0] * m
+        counts_now = [0.0] * m
+        capture_eos = [False] * m
+        for r, row in enumerate(rows):
+            s = row.state
+            if row.final:
+                continue
+            if s == _ACTIVE:
+                feed[r], attend[r], counts_now[r] = row.tokens[-1], 1, 1.0
+            elif s == _FLUSH_LAST:
+                last = row.tokens[-1]
+                feed[r], attend[r] = last, 1
+                is_eos = last in eng.eos_id_set
+                counts_now[r] = 0.0 if is_eos else 1.0
+                if row.taps.eos_state and is_eos:
+                    capture_eos[r] = True
+                    row.state = _DONE
+                else:
+                    row.state = _FLUSH_EOS if row.taps.eos_state else _DONE
+            elif s == _FLUSH_EOS:
+                feed[r], attend[r] = eng.eos_id, 1
+                capture_eos[r] = True
+                row.state = _DONE
+        done = self._finalize([r for r in range(m) if not attend[r]])
+        keep = [r for r in range(m) if attend[r]]
+        if not keep:
+            self._select([])
+            return done
+        if len(keep) <= m // 2 and not self.shared_rng:
+            # Half the rows have finished: they leave, so that the steps left (often one long answer among short
+            # ones) run at the batch size still generating. A shared random stream keeps every row (see __init__).
+            self._select(keep)
+            feed, attend = [feed[r] for r in keep], [attend[r] for r in keep]
+            counts_now, capture_eos = [counts_now[r] for r in keep], [capture_eos[r] for r in keep]
+            rows = self.rows
+        feed_t = torch.tensor(feed, dtype=torch.long, device=eng.device)[:, None]  # [M, 1]
+        attend_t = torch.tensor(attend, dtype=self.mask.dtype, device=eng.device)[:, None]  # [M, 1]
+        self.mask = torch.cat([self.mask, attend_t], dim=1)
+        tap_layers = tuple(sorted(set(self.layers) | ({self.mid} if any(capture_eos) else set())))
+        hooks = _Taps(eng.model, tap_layers) if tap_layers else None
+        try:
+            self.logits = eng._forward(feed_t, self.mask, self.cache, 1)  # [M, V]
+            self.forwards += 1
+            t_taps = time.perf_counter()
+            if self.running is not None:
+                states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in self.layers], dim=1)  # [M, L, d]
+                weight = torch.tensor(counts_now, dtype=torch.float32, device=eng.device)  # [M]
+                eng._accumulate(self.running, states, weight)
+                self.count += weight
+            if any(capture_eos):
+                mid = hooks.outputs[self.mid]
+                for r in range(len(rows)):
+                    if capture_eos[r]:
+                        rows[r].eos_state = mid[r, -1, :].to(torch.float32)
+            taps_s = time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
+        finally:
+            if hooks is not None:
+                hooks.close()
+        for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
+            ticket.forwards += 1
+            ticket.taps_s += taps_s
+        return done + self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
+
+    def _choose(self, active: list[int]) -> None:
+        """Choose the next token of every active row (greedy or sampled with its settings) and record it."""
+        eng, rows, logits = self.engine, self.rows, self.logits
+        m = len(rows)
+        logprobs = torch.log_softmax(logits, dim=-1)  # [M, V]
+        greedy = any(not rows[r].cfg.do_sample for r in range(m))
+        chosen = logits.argmax(-1) if greedy else torch.zeros(m, dtype=torch.long, device=eng.device)  # [M]
+        # rows that sample with the same settings are processed together (row-wise ops: identical per row)
+        groups: dict[tuple, list[int]] = {}
+        for r in (range(m) if self.shared_rng else active):
+            c = rows[r].cfg
+            if c.do_sample:
+                groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(r)
+        is_active = set(active)
+        for rows_g in groups.values():
+            live = [r for r in rows_g if r in is_active]
+            if not live:
+                continue
+            whole = len(rows_g) == m
+            sub = logits if whole else logits[torch.tensor(rows_g, device=eng.device)]
+            probs = _process_logits(sub, rows[rows_g[0]].cfg).softmax(-1)  # [G, V]
+            if self.shared_rng and whole and all(rows[r].gen is None for r in live):
+                chosen = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [M]
+                continue
+            pos = {r: j for j, r in enumerate(rows_g)}
+            for r in live:
+                gen = rows[r].gen if rows[r].gen is not None else self.generator
+                chosen[r] = torch.multinomial(probs[pos[r]], 1, generator=gen)[0]
+        chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [M]
+        chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
+        for r in active:
+            row = rows[r]
+            row.tokens.append(chosen_l[r])
+            row.logps.append(chosen_lp_l[r])
+            self._update_finish(row)
+
+    def _update_finish(self, row: _Row) -> None:
+        """Record the row's new token and move it out of ACTIVE if it stops."""
+        eng, cfg, tokens = self.engine, row.cfg, row.tokens
+        finished: FinishReason | None = None
+        if cfg.stop_at_eos and tokens[-1] in eng.eos_id_set:
+            finished = "eos"
+            row.text = eng.tokenizer.decode(tokens[:-1], skip_special_tokens=True)
+            row.answer_len = len(tokens) - 1
+        else:
+            text = eng.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut, matched = -1, None
+            for s in cfg.stop:
+                pos = text.find(s)
+                if pos >= 0 and (cut < 0 or pos < cut):
+                    cut, matched = pos, s
+            if cut >= 0:
+                finished = "stop"
+                row.stop = matched
+                row.text = text[:cut]
+                row.answer_len = eng._tokens_before(tokens, cut)
+            else:
+                row.text, row.answer_len = text, len(tokens)
+                if len(tokens) >= cfg.max_new_tokens:
+                    finished = "length"
+        if finished is not None:
+            row.reason = finished
+            row.state = _FLUSH_LAST if row.taps.needs_flush else _DONE
+
+    def _finalize(self, finished: list[int]) -> list[Ticket]:
+        """Take the results of rows ``finished`` (done, their taps complete); the tickets this completes."""
+        done = []
+        col = {layer: j for j, layer in enumerate(self.layers)}
+        for r in finished:
+            row = self.rows[r]
+            if row.final:
+                continue
+            row.final = True
+            if row.ticket.layers:
+                cols = torch.tensor([col[x] for x in row.ticket.layers], device=self.engine.device)
+                row.sums = self.running[r].index_select(0, cols)  # [L_ticket, d]
+            row.count = float(self.count[r])
+            ticket = row.ticket
+            if not ticket.cancelled and ticket.result is None and all(x.final for x in ticket.rows):
+                ticket.result = self._result(ticket)
+                done.append(ticket)
+        return done
+
+    def _result(self, ticket: Ticket) -> GenerationBatch:
+        rows, dev = ticket.rows, self.engine.device
+        d = self.engine.lm.hidden_size
+        t_end = time.perf_counter()
+        return GenerationBatch(
+            sequences=[Generation(text=r.text, token_ids=r.tokens, token_logprobs=r.logps, answer_tokens=r.answer_len,
+                                  finish_reason=r.reason, prompt_tokens=r.prompt_len, truncated=r.truncated,
+                                  stop_string=r.stop) for r in rows],
+            running_sum=torch.stack([r.sums for r in rows]) if ticket.layers else None,  # [k, L, d]
+            count=torch.tensor([r.count for r in rows], dtype=torch.float32, device=dev) if ticket.layers else None,
+            pre_answer=torch.stack([r.pre_answer for r in rows]) if ticket.want_pre else None,  # [k, d]
+            eos_state=torch.stack([r.eos_state if r.eos_state is not None else torch.zeros(d, device=dev)
+                                   for r in rows]) if ticket.want_eos else None,  # [k, d]
+            layers=ticket.layers,
+            steps=max((len(r.tokens) for r in rows), default=0),
+            forwards=ticket.forwards,
+            timings={"prefill_s": ticket.prefill_s, "decode_s": t_end - ticket.t_prefilled,
+                     "total_s": t_end - ticket.t_start, "taps_s": ticket.taps_s},
+        )
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` (time on dim 2 for a cache tensor [M, heads, T, head_dim], dim 1 for a mask [M, T]) left-padded with
+    zeros to ``width``."""
+    t = x.shape[2] if x.dim() == 4 else x.shape[1]
+    if t == width:
+        return x
+    return F.pad(x, (0, 0, width - t, 0)) if x.dim() == 4 else F.pad(x, (width - t, 0))
