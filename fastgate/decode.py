@@ -348,7 +348,10 @@ class DecodeLoop:
         for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
             ticket.forwards += 1
             ticket.taps_s += taps_s
-        return done + self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
+        done += self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
+        if not self.busy:
+            self._select([])  # the last rows finished: hold nothing
+        return done
 
     def _choose(self, active: list[int]) -> None:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""

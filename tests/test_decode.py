@@ -1,0 +1,90 @@
+"""The decode loop on a tiny random Llama: rows joining a running loop and leaving it give what they give alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.decode import DecodeLoop, mergeable
+
+G = GenerationConfig
+SPECS = [  # (prompt, config, taps, k, seed): lengths, stops, sampling and taps all differ
+    ("Q: What is the capital of France?\nA:", G(max_new_tokens=12, stop_at_eos=False), TapSpec(layers=(1,)), 1, None),
+    ("Hi", G(max_new_tokens=3, stop_at_eos=False), TapSpec(), 1, None),
+    ("The quick brown fox jumps over", G(max_new_tokens=9, do_sample=True, temperature=0.8, top_k=20),
+     TapSpec(layers=(0, 2), eos_state=True), 2, 7),
+    ("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)), TapSpec(pre_answer=True, eos_state=True), 1, None),
+    ("🙂 naïve café", G(max_new_tokens=16, do_sample=True, top_p=0.9), TapSpec(layers=(2,)), 3, 11),
+]
+
+
+def _alone(engine, spec):
+    prompt, cfg, taps, k, seed = spec
+    return engine.generate([prompt], [cfg], [taps], [k], [seed])
+
+
+def _same(got, want):
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
+    assert [s.text for s in got.sequences] == [s.text for s in want.sequences]
+    assert [s.finish_reason for s in got.sequences] == [s.finish_reason for s in want.sequences]
+    for a, b in zip(got.sequences, want.sequences):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert got.layers == want.layers
+    for name in ("running_sum", "count", "pre_answer", "eos_state"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine):
+    assert mergeable(tiny_engine)
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    results = {}
+
+    def run(steps):
+        for _ in range(steps):
+            for t in loop.step():
+                results[t.owner] = t.result
+
+    loop.add(SPECS[:2], owners=[0, 1])
+    run(2)
+    loop.add(SPECS[2:3], owners=[2])  # joins rows two steps in, with a longer prompt
+    run(4)
+    assert 1 in results  # the 3-token row finished and left while the others run
+    loop.add(SPECS[3:], owners=[3, 4])
+    while loop.busy:
+        run(1)
+    assert sorted(results) == [0, 1, 2, 3, 4]
+    for i, spec in enumerate(SPECS):
+        _same(results[i], _alone(tiny_engine, spec))
+    assert not loop.rows and loop.mask is None  # everything left: nothing is held
+
+
+def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    long = ("Q: What is the capital of France?\nA:", G(max_new_tokens=30, stop_at_eos=False), TapSpec(), 1, None)
+    short = [(f"word {i} " * 12, G(max_new_tokens=2, stop_at_eos=False), TapSpec(), 1, None) for i in range(3)]
+    loop.add([long, *short])
+    width0 = loop.mask.shape[1]
+    for _ in range(4):
+        loop.step()
+    assert len(loop.rows) == 1  # the three short rows left together
+    assert loop.mask.shape[1] < width0  # the long prompts' columns were padding for the row left
+    assert loop.cache.layers[0].keys.shape[2] == loop.mask.shape[1]
+    while loop.busy:
+        loop.step()
+
+
+def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine):
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    tickets = loop.add(SPECS[:3], owners=[0, 1, 2])
+    loop.step()
+    loop.cancel(tickets[0])
+    done = {}
+    while loop.busy:
+        done.update({t.owner: t.result for t in loop.step()})
+    assert sorted(done) == [1, 2] and tickets[0].result is None
+    for i in (1, 2):
+        _same(done[i], _alone(tiny_engine, SPECS[i]))
