@@ -1,12 +1,14 @@
 """One scheduler for every question: runs many per-question programs (:mod:`fastgate.programs`) together.
 
 Each :meth:`Scheduler.step` (a tick) admits the programs submitted since the last one, advances every program until
-it waits on a request, groups the pending requests by kind and runs each group as one batched call: all generations
-through one engine call (rows may differ in decoding settings, taps, sample counts and seeds), one ``search_batch``
-per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per batch op. Programs
-of different methods and parameters share these calls. A program's result is delivered as soon as its own program
-ends; programs that finish early never wait for the others (the batch-synchronous ``answer_batch`` of earlier
-versions returned when its slowest question ended).
+it waits on a request, groups the pending requests by kind and runs each group as one batched call: one
+``search_batch`` per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per
+batch op. Generations join one running :class:`~fastgate.decode.DecodeLoop` (rows may differ in decoding settings,
+taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back to its
+program at that step, and a new one joins at the next, so no question waits for another's generation to end.
+Programs of different methods and parameters share these calls. A program's result is delivered as soon as its own
+program ends (the batch-synchronous ``answer_batch`` of earlier versions returned when its slowest question ended).
+Models whose cache cannot be merged (sliding-window layers) run each tick's generations as one closed engine call.
 
 Why our own scheduler: the methods need taps, seeded k-sample fan-outs, gate ops and retrieval between decode calls,
 which inference servers' schedulers (vLLM, SGLang) do not offer as one batchable program; SGLang's frontend programs
@@ -115,15 +117,22 @@ class Scheduler:
 
     Args:
         engine: the engine every generation and prefill runs on.
-        max_rows: the most sequences (prompts × samples) in one engine call; more are split into several calls
-            within a tick. Bounds the KV cache (SeaKR's k samples × candidates × questions add up fast).
+        max_rows: the most sequences (prompts × samples) decoding at once; more wait for rows to finish (closed
+            calls: are split into several calls). Bounds the KV cache (SeaKR's k samples × candidates × questions).
+        continuous: generations join a running decode loop (default: when the model's cache allows it).
     """
 
-    def __init__(self, engine: Engine, max_rows: int = 80) -> None:
+    def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None) -> None:
+        from fastgate.decode import mergeable
+
         if max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         self.engine = engine
         self.max_rows = max_rows
+        # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
+        self.continuous = mergeable(engine) if continuous is None else continuous
+        self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
+        self._inflight: dict[int, tuple[Any, Any, Task, int, Generate]] = {}  # id(ticket) -> (loop, ticket, ...)
         self._inbox: list[Task] = []
         self._lock = threading.Lock()
         self._live: list[Task] = []
@@ -202,6 +211,7 @@ class Scheduler:
             if task.cancelled and not task.done:
                 self._finish(task, error=CancelledError("the request was cancelled"))
         self._live = [t for t in self._live if not t.done]
+        self._drop_orphans()
         ran = False
         for _ in range(_CHEAP_ROUNDS):  # bounded: a program that only ever searches cannot hold the tick
             pending = self._pending()
@@ -212,10 +222,19 @@ class Scheduler:
             self._execute(cheap)
             self._resume()
         pending = [item for item in self._pending() if isinstance(item[2], (Generate, PromptStates))]
-        if pending:
+        if pending and not self.continuous:
             ran = True
             self._execute(pending)
-            self._resume()
+        elif pending:
+            ran = True
+            prefills = [item for item in pending if isinstance(item[2], PromptStates)]
+            if prefills:
+                self._execute(prefills)
+            self._admit_generations([item for item in pending if isinstance(item[2], Generate)])
+        if self._inflight:
+            ran = True
+            self._decode_step()
+        self._resume()
         if ran:
             self.ticks += 1
         return bool(self._live) or bool(self._inbox)
@@ -227,7 +246,8 @@ class Scheduler:
     def _resume(self) -> None:
         """Send their results to the programs whose requests are all answered."""
         for task in list(self._live):
-            if not task.done and task._waiting is not None and all(r is not _NONE for r in task._results):
+            if not task.done and task._waiting is not None and all(r is not _NONE and r is not _RUNNING
+                                                                    for r in task._results):
                 results = task._results if task._fanout else task._results[0]
                 self._advance(task, results)
         self._live = [t for t in self._live if not t.done]
@@ -279,6 +299,84 @@ class Scheduler:
                                                  {**task.trace.timings, "total_s": task.finished - task.submitted})
         if task.on_done is not None:
             task.on_done(task)
+
+    # ------------------------------------------------------------------ the decode loop
+    def _admit_generations(self, items: list[tuple[Task, int, Generate]]) -> None:
+        """Prefill pending generations into the decode loop, up to ``max_rows`` decoding rows; the rest wait."""
+        from fastgate.decode import DecodeLoop
+
+        rows = sum(loop.size for loop in self._loops.values())
+        by_loop: dict[int, list[tuple[Task, int, Generate]]] = defaultdict(list)
+        for item in items:
+            k = item[2].k
+            if rows and rows + k > self.max_rows:
+                break  # these wait for rows to finish (in order: a large fan-out is not overtaken for ever)
+            rows += k
+            mid = _mid(self.engine, item[2])
+            if mid is None:
+                mid = next(iter(self._loops), self.engine.n_layers // 2)
+            by_loop[mid].append(item)
+        for mid, group in by_loop.items():
+            loop = self._loops.get(mid)
+            if loop is None:
+                loop = self._loops[mid] = DecodeLoop(self.engine, mid)
+            self._calls += 1
+            t0 = time.perf_counter()
+            try:
+                tickets = loop.add([(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group], owners=group)
+            except Exception as exc:
+                if len(group) == 1:
+                    self._finish(group[0][0], error=exc)
+                    continue
+                tickets = []  # find the request that failed; the others still join
+                for item in group:
+                    try:
+                        tickets += loop.add([(item[2].prompt, item[2].config, item[2].taps, item[2].k, item[2].seed)],
+                                            owners=[item])
+                    except Exception as one:  # noqa: BLE001 - that request's own error
+                        self._finish(item[0], error=one)
+            elapsed = time.perf_counter() - t0
+            for ticket in tickets:
+                task, i, req = ticket.owner
+                task._results[i] = _RUNNING
+                task._time(self._calls, "generation_s", elapsed)
+                self._inflight[id(ticket)] = (loop, ticket, task, i, req)
+
+    def _decode_step(self) -> None:
+        """One decode step of every loop; generations that finished go back to their programs."""
+        for mid, loop in list(self._loops.items()):
+            if not loop.busy:
+                continue
+            self._calls += 1
+            members = [(task, ticket) for lp, ticket, task, _, _ in self._inflight.values() if lp is loop]
+            rows = loop.size
+            t0 = time.perf_counter()
+            try:
+                done = loop.step()
+            except Exception as exc:  # the whole loop is lost: its programs end with the error
+                del self._loops[mid]
+                for task, ticket in members:
+                    self._inflight.pop(id(ticket), None)
+                    if not task.done:
+                        self._finish(task, error=exc)
+                continue
+            elapsed = time.perf_counter() - t0
+            self.generation_calls += 1
+            self.generation_rows = (self.generation_rows + [rows])[-1000:]
+            methods = frozenset(t.method.name for t, _ in members if t.method is not None)
+            self.generation_methods = (self.generation_methods + [methods])[-1000:]
+            for task, _ in members:
+                task._time(self._calls, "generation_s", elapsed)
+            for ticket in done:
+                _, _, task, i, req = self._inflight.pop(id(ticket))
+                self._deliver(task, i, req, ticket.result, 0.0)
+
+    def _drop_orphans(self) -> None:
+        """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
+        for key, (loop, ticket, task, _, _) in list(self._inflight.items()):
+            if task.done:
+                loop.cancel(ticket)
+                del self._inflight[key]
 
     # ------------------------------------------------------------------ batched execution
     def _execute(self, pending: list[tuple[Task, int, Any]]) -> None:
@@ -402,6 +500,7 @@ class Scheduler:
 
 
 _NONE = object()  # a result slot not filled yet
+_RUNNING = object()  # a result slot whose generation is in the decode loop
 _CHEAP_ROUNDS = 16  # rounds of searches / gate ops / embeddings per tick before the engine calls run
 
 _RUNNERS: dict[str, Callable[[Scheduler, list], list]] = {

@@ -31,9 +31,10 @@ def methods(world):
     return [build_method(name, engine, retrievers[r], params) for name, r, params in cases(ckpts)]
 
 
-def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods):
+@pytest.mark.parametrize("continuous", [True, False], ids=["decode-loop", "closed-calls"])
+def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods, continuous):
     engine = world[0]
-    sched = Scheduler(engine)
+    sched = Scheduler(engine, continuous=continuous)
     pending = [(c, i) for i in range(len(QUESTIONS)) for c in range(len(methods))]  # interleaved methods
     tasks = {}
     tick = 0
@@ -70,7 +71,8 @@ def test_timings_are_the_questions_own(methods):
     assert retrieved and all(r.timings["retrieval_s"] > 0 for r in retrieved)
 
 
-def test_requests_of_one_kind_share_one_call(world):
+@pytest.mark.parametrize("continuous", [True, False], ids=["decode-loop", "closed-calls"])
+def test_requests_of_one_kind_share_one_call(world, continuous):
     engine, retrievers, _ = world
     calls = []
     bm25 = retrievers["bm25"]
@@ -89,10 +91,13 @@ def test_requests_of_one_kind_share_one_call(world):
                                   seed=7))
         return Answer(a.sequences[0].text, hits), len(b.sequences)
 
-    sched = Scheduler(engine)
+    sched = Scheduler(engine, continuous=continuous)
     out = sched.evaluate(program(q) for q in QUESTIONS[:5])
     assert calls == [5]  # five programs, one search_batch
-    assert sched.generation_calls == 1 and sched.generation_rows == [15]  # greedy and sampled rows in one call
+    if continuous:  # greedy and sampled rows joined the loop together and decoded in the same steps
+        assert sched.generation_rows[0] == 15 and len(sched.generation_rows) == sched.generation_calls <= 5
+    else:  # in one closed call
+        assert sched.generation_calls == 1 and sched.generation_rows == [15]
     assert [n for _, n in out] == [2] * 5
 
 
@@ -173,3 +178,28 @@ def test_cancelled_program_stops_consuming_work(world):
     assert task.done and isinstance(task.error, CancelledError)
     n = len(steps)
     assert not sched.step() and len(steps) == n  # nothing of it runs any more
+
+
+def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world):
+    engine = world[0]
+    sched = Scheduler(engine)
+
+    def gen(q, n):
+        (out,) = (yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=n, stop_at_eos=False))).sequences
+        return out.token_ids
+
+    long = Task(None, "", program=gen(QUESTIONS[0], 40))
+    sched._inbox.append(long)
+    for _ in range(3):
+        sched.step()
+    short = Task(None, "", program=gen(QUESTIONS[1], 2))
+    sched._inbox.append(short)
+    ticks = 0
+    while not short.done:
+        sched.step()
+        ticks += 1
+    assert not long.done and ticks <= 4  # joined at the next step, answered two steps later
+    sched.run([long])
+    alone = [engine.generate([f"Q: {q}\nA:"], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0]
+             for q, n in ((QUESTIONS[0], 40), (QUESTIONS[1], 2))]
+    assert long.result == alone[0].token_ids and short.result == alone[1].token_ids
