@@ -35,6 +35,7 @@ from fastgate.engine import (
     _process_logits,
     _Taps,
 )
+from fastgate.kv_cache import new_cache, plain_layers
 
 __all__ = ["DecodeLoop", "Ticket", "mergeable"]
 
@@ -42,10 +43,7 @@ __all__ = ["DecodeLoop", "Ticket", "mergeable"]
 def mergeable(engine) -> bool:
     """Whether rows of ``engine``'s model can join a running loop: every cache layer is a plain growing layer (a
     sliding-window layer keeps only its window, so caches of different lengths cannot be aligned by padding)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=engine.model.config)
-    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+    return plain_layers(new_cache(engine.model.config))
 
 
 @dataclass(eq=False)
@@ -142,8 +140,6 @@ class DecodeLoop:
             per_row: bool = True) -> list[Ticket]:
         """Prefill ``specs`` (prompt, config, taps, k, seed) and add their rows; one :class:`Ticket` per spec, or
         one for all of them when ``one_ticket`` is a (layers, pre_answer, eos_state) triple (``generate``)."""
-        from transformers import DynamicCache
-
         eng = self.engine
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
         t0 = time.perf_counter()
@@ -160,7 +156,7 @@ class DecodeLoop:
             tickets = [Ticket(owners[i] if owners else None, tuple(s.taps.layers), s.taps.pre_answer, s.taps.eos_state)
                        for i, s in enumerate(specs)]
             owner_ticket = list(range(b))
-        cache = DynamicCache(config=eng.model.config)
+        cache = new_cache(eng.model.config)
         hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
         try:
             logits, mask = eng._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
@@ -214,14 +210,12 @@ class DecodeLoop:
             self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
             self.layers, self.running, self.count = layers, running, count
             return
-        from transformers import DynamicCache
-
         eng = self.engine
         if layers != self.layers:  # the running sums of both blocks laid out over the union of layers
             self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
             self.layers = layers
         width = max(self.mask.shape[1], mask.shape[1])
-        merged = DynamicCache(config=eng.model.config)
+        merged = new_cache(eng.model.config)
         for layer in range(len(cache.layers)):
             a, b = self.cache.layers[layer], cache.layers[layer]
             keys = torch.cat([_pad_left(a.keys, width), _pad_left(b.keys, width)])  # [M + N, heads, W, head_dim]
@@ -259,7 +253,7 @@ class DecodeLoop:
         self.rows = [self.rows[r] for r in keep]
         used = self.mask.any(0).nonzero()
         first = int(used[0]) if used.numel() else self.mask.shape[1]
-        if first > 0 and all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers):
+        if first > 0 and plain_layers(self.cache):
             self.mask = self.mask[:, first:]
             for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, first:]

@@ -17,6 +17,7 @@ import torch
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
+from fastgate.kv_cache import plain_layers
 from fastgate.models import LoadedModel
 from fastgate.ops.reference import accumulate_taps
 
@@ -351,7 +352,7 @@ class Engine:
         if prefix is not None:
             self.prefix_hits += len(rows)
         chunks = self._prefill_chunks([len(r) - p for r in rows]) if chunked else [list(range(len(rows)))]
-        if len(chunks) == 1 or not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+        if len(chunks) == 1 or not plain_layers(cache):
             return self._prefill_rows(rows, prefix, cache)
         from transformers import DynamicCache
 

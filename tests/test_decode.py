@@ -88,3 +88,24 @@ def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine):
     assert sorted(done) == [1, 2] and tickets[0].result is None
     for i in (1, 2):
         _same(done[i], _alone(tiny_engine, SPECS[i]))
+
+
+def test_growing_layer_appends_in_place_and_equals_dynamic_layer():
+    from transformers.cache_utils import DynamicLayer
+
+    from fastgate.kv_cache import GrowingLayer
+
+    grow, plain = GrowingLayer.cls()(), DynamicLayer()
+    g = torch.Generator().manual_seed(0)
+    for n in (7, 1, 1, 3, 1):  # a prefill, then decode steps, one multi-token append
+        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
+        got, want = grow.update(k, v), plain.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ptr = grow.keys.data_ptr()
+    grow.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+    assert grow.keys.data_ptr() == ptr  # appended in place: the buffer did not move
+    grow.batch_select_indices(torch.tensor([1]))  # replaced from outside: the next append moves to a new buffer
+    plain.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+    plain.batch_select_indices(torch.tensor([1]))
+    k = torch.ones(1, 3, 1, 4)
+    assert torch.equal(grow.update(k, k)[0], plain.update(k, k)[0])
