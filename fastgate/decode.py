@@ -136,6 +136,7 @@ class DecodeLoop:
         return any(not r.final for r in self.rows)
 
     # ------------------------------------------------------------------ admission
+    @torch.inference_mode()
     def add(self, specs: list[_Spec] | list[tuple], owners: list[Any] | None = None, one_ticket: Any = None,
             per_row: bool = True) -> list[Ticket]:
         """Prefill ``specs`` (prompt, config, taps, k, seed) and add their rows; one :class:`Ticket` per spec, or
@@ -215,13 +216,17 @@ class DecodeLoop:
             self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
             self.layers = layers
         width = max(self.mask.shape[1], mask.shape[1])
-        merged = new_cache(eng.model.config)
-        for layer in range(len(cache.layers)):
-            a, b = self.cache.layers[layer], cache.layers[layer]
-            keys = torch.cat([_pad_left(a.keys, width), _pad_left(b.keys, width)])  # [M + N, heads, W, head_dim]
-            values = torch.cat([_pad_left(a.values, width), _pad_left(b.values, width)])
-            merged.update(keys, values, layer)
-        self.cache = merged
+        if all(hasattr(layer, "join") for layer in self.cache.layers):
+            for a, b in zip(self.cache.layers, cache.layers):  # in place when the rows fit (see GrowingLayer)
+                a.join(b.keys, b.values)
+        else:
+            merged = new_cache(eng.model.config)
+            for layer in range(len(cache.layers)):
+                a, b = self.cache.layers[layer], cache.layers[layer]
+                keys = torch.cat([_pad_left(a.keys, width), _pad_left(b.keys, width)])  # [M + N, heads, W, head_dim]
+                values = torch.cat([_pad_left(a.values, width), _pad_left(b.values, width)])
+                merged.update(keys, values, layer)
+            self.cache = merged
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])  # [M + N, W]
         self.logits = torch.cat([self.logits, logits])
         if self.layers:
@@ -244,7 +249,6 @@ class DecodeLoop:
             self.layers = ()
             return
         idx = torch.tensor(keep, device=self.engine.device)
-        self.cache.batch_select_indices(idx)
         self.mask = self.mask[idx]
         self.logits = self.logits[idx]
         if self.running is not None:
@@ -253,9 +257,14 @@ class DecodeLoop:
         self.rows = [self.rows[r] for r in keep]
         used = self.mask.any(0).nonzero()
         first = int(used[0]) if used.numel() else self.mask.shape[1]
-        if first > 0 and plain_layers(self.cache):
-            self.mask = self.mask[:, first:]
+        first = first if plain_layers(self.cache) else 0  # a sliding window's columns are not the mask's
+        self.mask = self.mask[:, first:]
+        if all(hasattr(layer, "select") for layer in self.cache.layers):
             for layer in self.cache.layers:
+                layer.select(idx, first)
+        else:
+            self.cache.batch_select_indices(idx)
+            for layer in (self.cache.layers if first else ()):
                 layer.keys = layer.keys[:, :, first:]
                 layer.values = layer.values[:, :, first:]
 

@@ -55,34 +55,68 @@ class GrowingLayer:
 def _make_growing_layer(base):
     class _GrowingLayer(base):
         spare = 64  # the fewest spare columns a new buffer gets
+        spare_rows = 4  # the fewest spare rows (sequences that may join without moving the others)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
-            self._buf_k = self._buf_v = None
+            self._buf_k = self._buf_v = None  # [rows capacity, heads, columns capacity, head_dim]
 
-        def _in_place(self, n: int) -> bool:
-            k, buf = self.keys, self._buf_k
-            return (buf is not None and k.dim() == 4 and k.data_ptr() == buf.data_ptr() and k.stride() == buf.stride()
-                    and k.shape[0] == buf.shape[0] and k.shape[2] + n <= buf.shape[2])
+        def _ours(self) -> bool:
+            """Whether ``keys`` is still the view of our buffer we last handed out (nobody replaced it)."""
+            return self._buf_k is not None and self.keys is self._view_k
+
+        def _publish(self, m: int, t: int) -> None:
+            self._view_k, self._view_v = self._buf_k[:m, :, :t], self._buf_v[:m, :, :t]  # views: no copy
+            self.keys, self.values = self._view_k, self._view_v
+
+        def _reallocate(self, m: int, need: int, like: torch.Tensor, keys=None, values=None) -> None:
+            """Fresh buffers with room for ``m`` rows × ``need`` columns and spare; ``keys`` / ``values``
+            [m, h, t, d] copied in (once) as the first t columns."""
+            rows, cols = m + max(self.spare_rows, m // 2), need + max(self.spare, need // 4)
+            h, d = like.shape[1], like.shape[3]
+            self._buf_k = like.new_zeros((rows, h, cols, d))
+            self._buf_v = like.new_zeros((rows, h, cols, d))
+            t = 0 if keys is None else keys.shape[2]
+            if t:
+                self._buf_k[:m, :, :t] = keys
+                self._buf_v[:m, :, :t] = values
+            self._publish(m, t)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n = key_states.shape[-2]  # key_states [B, heads, n, head_dim]
+            m, n = key_states.shape[0], key_states.shape[-2]  # key_states [M, heads, n, head_dim]
             t = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-            if not self._in_place(n):
-                cap = t + n + max(self.spare, (t + n) // 4)
-                b, h, _, d = key_states.shape
-                buf_k = key_states.new_empty((b, h, cap, d))  # [B, heads, capacity, head_dim]
-                buf_v = value_states.new_empty((b, value_states.shape[1], cap, value_states.shape[3]))
-                if t:
-                    buf_k[:, :, :t] = self.keys
-                    buf_v[:, :, :t] = self.values
-                self._buf_k, self._buf_v = buf_k, buf_v
-            self._buf_k[:, :, t:t + n] = key_states
-            self._buf_v[:, :, t:t + n] = value_states
-            self.keys, self.values = self._buf_k[:, :, :t + n], self._buf_v[:, :, :t + n]  # views: no copy
+            if not (self._ours() and self.keys.shape[0] == m and t + n <= self._buf_k.shape[2]):
+                self._reallocate(m, t + n, key_states, self.keys if t else None, self.values if t else None)
+            self._buf_k[:m, :, t:t + n] = key_states
+            self._buf_v[:m, :, t:t + n] = value_states
+            self._publish(m, t + n)
             return self.keys, self.values
+
+        def join(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Add rows ``keys`` / ``values`` [N, heads, T', head_dim] after ours, right-aligned (left-padded with
+            zeros) to our width T. In place when the buffer has room for them and T' <= T; else everything moves
+            once to a bigger buffer."""
+            m, t = self.keys.shape[0], self.keys.shape[2]
+            n, tb = keys.shape[0], keys.shape[2]
+            width = max(t, tb)
+            if not (self._ours() and m + n <= self._buf_k.shape[0] and width == t):
+                old_k, old_v = self.keys, self.values
+                self._reallocate(m + n, width, keys)
+                self._buf_k[:m, :, width - t:width] = old_k  # right-aligned: left padding stays zero
+                self._buf_v[:m, :, width - t:width] = old_v
+            else:
+                self._buf_k[m:m + n, :, :width] = 0  # a row that left may have used these slots
+                self._buf_v[m:m + n, :, :width] = 0
+            self._buf_k[m:m + n, :, width - tb:width] = keys
+            self._buf_v[m:m + n, :, width - tb:width] = values
+            self._publish(m + n, width)
+
+        def select(self, index: torch.Tensor, first: int = 0) -> None:
+            """Keep rows ``index`` and columns from ``first`` on (a compaction: one copy into a fresh buffer)."""
+            keys, values = self.keys[index, :, first:], self.values[index, :, first:]
+            self._reallocate(keys.shape[0], keys.shape[2], keys, keys, values)
 
     _GrowingLayer.__name__ = _GrowingLayer.__qualname__ = "GrowingLayer"
     return _GrowingLayer

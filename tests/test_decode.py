@@ -109,3 +109,26 @@ def test_growing_layer_appends_in_place_and_equals_dynamic_layer():
     plain.batch_select_indices(torch.tensor([1]))
     k = torch.ones(1, 3, 1, 4)
     assert torch.equal(grow.update(k, k)[0], plain.update(k, k)[0])
+
+
+def test_growing_layer_joins_rows_in_place_and_selects():
+    from fastgate.kv_cache import GrowingLayer
+
+    layer = GrowingLayer.cls()()
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 2, 9, 4, generator=g)
+    layer.update(a, a + 1)
+    ptr = layer.keys.data_ptr()
+    b = torch.randn(2, 2, 5, 4, generator=g)  # narrower: left-padded to our 9 columns
+    layer.join(b, b + 1)
+    want = torch.cat([a, torch.nn.functional.pad(b, (0, 0, 4, 0))])
+    assert torch.equal(layer.keys, want) and torch.equal(layer.values, torch.cat([a + 1, torch.nn.functional.pad(
+        b + 1, (0, 0, 4, 0))]))
+    assert layer.keys.data_ptr() == ptr  # the rows fitted: nothing moved
+    c = torch.randn(1, 2, 12, 4, generator=g)  # wider: everything moves once, right-aligned
+    layer.join(c, c)
+    assert torch.equal(layer.keys, torch.cat([torch.nn.functional.pad(want, (0, 0, 3, 0)), c]))
+    layer.select(torch.tensor([5, 0]), first=3)  # rows: a (3), b (2), c
+    assert torch.equal(layer.keys, torch.stack([c[0, :, 3:], want[0]]))
+    step = torch.randn(2, 2, 1, 4, generator=g)
+    assert torch.equal(layer.update(step, step)[0][:, :, -1:], step)
