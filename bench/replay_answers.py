@@ -22,8 +22,9 @@ KEEP = ("run", "id", "question", "answer", "retrieved", "passages", "retrieval_c
         "generated_tokens", "gate_steps", "truncated")
 
 
-def run_all(n: int, batch_size: int, out: Path) -> list[dict]:
-    """Answer ``n`` held-out questions with every method under the CPU eval budget; the records in run order."""
+def run_all(n: int, batch_size: int, out: Path, methods: list[str] | None = None) -> list[dict]:
+    """Answer ``n`` held-out questions with every method (or ``methods``) under the CPU eval budget; the records in
+    run order."""
     from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.datasets import load_qa, sample_examples
     from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
@@ -31,7 +32,7 @@ def run_all(n: int, batch_size: int, out: Path) -> list[dict]:
     from fastgate.runtime import Runtime, check_request
 
     runs = []
-    for name in METHODS:
+    for name in methods or METHODS:
         req = check_request(name, dict(CPU_EVAL_BUDGET.get(name, {})), None, "smollm2-135m")
         runs.append(RunSpec(req.method, req.retriever, req.params))
     examples = sample_examples(load_qa("heldout"), n, 0)
@@ -72,16 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", action="store_true", help="write the fixture instead of comparing with it")
     ap.add_argument("--n", type=int, default=32, help="held-out questions (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=32, help="questions per answer_batch (default: %(default)s)")
+    ap.add_argument("--methods", default=None, help="comma-separated methods to replay (default: all eight)")
+    ap.add_argument("--out", default=None, help="keep the results here (a rerun resumes); default: a temp dir")
     args = ap.parse_args(argv)
+    methods = args.methods.split(",") if args.methods else None
+    if methods and args.record:
+        ap.error("--record writes the whole fixture: all methods")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        records = run_all(args.n, args.batch_size, Path(tmp))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        records = run_all(args.n, args.batch_size, Path(args.out), methods)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = run_all(args.n, args.batch_size, Path(tmp), methods)
     elapsed = time.perf_counter() - t0
     if args.record:
         FIXTURE.write_text("".join(json.dumps(r) + "\n" for r in records))
         print(f"recorded {len(records)} results in {elapsed:.0f} s -> {FIXTURE}")
         return 0
     want = [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
+    if methods:
+        want = [w for w in want if w["run"].split("[")[0] in methods]
     diffs = compare(records, want)
     for d in diffs:
         print(d)

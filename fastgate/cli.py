@@ -221,7 +221,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
-                           admit_wait_ms=args.admit_wait_ms, max_queue=args.max_queue, timeout_s=args.timeout,
+                           admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
+                           max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -366,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests whose programs run at once; more wait in the queue (default: %(default)s)")
     sv.add_argument("--max-rows", type=int, default=80,
                     help="sequences (prompts x samples) per engine call (default: %(default)s)")
+    sv.add_argument("--admit-every", type=int, default=8,
+                    help="generations join a decoding loop every N steps (at once when idle) (default: %(default)s)")
     sv.add_argument("--admit-wait-ms", type=float, default=10.0,
                     help="an idle server waits this long after a request for the rest of its burst (default: "
                          "%(default)s)")

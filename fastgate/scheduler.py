@@ -120,14 +120,22 @@ class Scheduler:
         max_rows: the most sequences (prompts × samples) decoding at once; more wait for rows to finish (closed
             calls: are split into several calls). Bounds the KV cache (SeaKR's k samples × candidates × questions).
         continuous: generations join a running decode loop (default: when the model's cache allows it).
+        admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): each
+            admission's prefill stalls every decoding row, so admissions batched this way keep the decode moving and
+            prefill several prompts in one go; a new generation waits at most this many steps.
     """
 
-    def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None) -> None:
+    def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
+                 admit_every: int = 8) -> None:
         from fastgate.decode import mergeable
 
         if max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
+        if admit_every < 1:
+            raise InputError(f"admit_every must be >= 1, got {admit_every}")
         self.engine = engine
+        self.admit_every = admit_every
+        self._since_admit = 0  # decode steps since generations last joined a busy loop
         self.max_rows = max_rows
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
         self.continuous = mergeable(engine) if continuous is None else continuous
@@ -230,7 +238,13 @@ class Scheduler:
             prefills = [item for item in pending if isinstance(item[2], PromptStates)]
             if prefills:
                 self._execute(prefills)
-            self._admit_generations([item for item in pending if isinstance(item[2], Generate)])
+            gens = [item for item in pending if isinstance(item[2], Generate)]
+            busy = any(loop.busy for loop in self._loops.values())
+            if gens and (not busy or self._since_admit >= self.admit_every - 1):
+                self._admit_generations(gens)
+                self._since_admit = 0
+            elif gens:
+                self._since_admit += 1
         if self._inflight:
             ran = True
             self._decode_step()

@@ -100,15 +100,17 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
                              registry=registry)
     latency = Histogram("fastgate_request_latency_seconds", "answer request latency", registry=registry,
                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
-    rows = Histogram("fastgate_generation_rows", "sequences per engine generation call (programs share calls)",
+    rows = Histogram("fastgate_generation_rows",
+                     "sequences per decode step (per closed generation call without the decode loop)",
                      registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     class_latency = Histogram("fastgate_answer_latency_seconds", "submit-to-answer latency by whether it retrieved",
                               ["retrieved"], registry=registry,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
     live = Gauge("fastgate_live_programs", "requests whose programs are running", registry=registry)
-    gen_calls = Gauge("fastgate_generation_calls_total", "engine generation calls", registry=registry)
+    gen_calls = Gauge("fastgate_generation_calls_total",
+                      "decode steps (closed generation calls without the decode loop)", registry=registry)
     shared_calls = Gauge("fastgate_shared_generation_calls_total",
-                         "generation calls whose rows came from programs of more than one method", registry=registry)
+                         "decode steps whose rows came from programs of more than one method", registry=registry)
     ticks = Gauge("fastgate_scheduler_ticks_total", "scheduler ticks that ran requests", registry=registry)
     cancelled = Gauge("fastgate_cancelled_total", "requests whose programs were cancelled (timeout, disconnect)",
                       registry=registry)

@@ -53,6 +53,7 @@ class ServiceConfig:
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
     max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
+    admit_every: int = 8  # generations join a decoding loop every N steps: fewer prefill stalls, batched prefills
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -64,7 +65,8 @@ class ServiceConfig:
     locked_params: tuple[str, ...] = ("checkpoint", "reranker_path")  # file paths: set by the operator, not clients
 
     def __post_init__(self) -> None:
-        for name in ("max_live", "max_rows", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
+        for name in ("max_live", "max_rows", "admit_every", "max_queue", "max_question_chars", "max_tokens_limit",
+                     "max_int_param",
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
@@ -118,7 +120,8 @@ class AnswerService:
         from fastgate.scheduler import Scheduler
 
         self._method(self._request(self.config.method, None))
-        self._scheduler = Scheduler(self.runtime.engine, max_rows=self.config.max_rows)
+        self._scheduler = Scheduler(self.runtime.engine, max_rows=self.config.max_rows,
+                                    admit_every=self.config.admit_every)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
         self._thread.start()
@@ -288,7 +291,8 @@ class AnswerService:
                         if not job.future.done():
                             job.future.set_exception(exc)
                     self._running.clear()
-                    self._scheduler = sched = type(sched)(self.runtime.engine, max_rows=self.config.max_rows)
+                    self._scheduler = sched = type(sched)(self.runtime.engine, max_rows=self.config.max_rows,
+                                                          admit_every=self.config.admit_every)
                 self.metrics.ticks(sched)
 
     def _admit(self, block: bool) -> None:
@@ -369,8 +373,8 @@ class _Metrics:
         self.rejected_total = 0
         self.ticks_total = 0
         self.generation_calls = 0
-        self.shared_generation_calls = 0  # engine calls whose rows came from programs of more than one method
-        self.generation_rows: list[int] = []  # sequences per engine call, recent, for the exporter to drain
+        self.shared_generation_calls = 0  # decode steps with rows of several methods
+        self.generation_rows: list[int] = []  # sequences per decode step, recent, for the exporter
         self.latencies: list[tuple[bool, float]] = []  # (retrieved, seconds) per answered request, to drain
         self._recent: list[float] = []  # latencies of the last answers
         self._scheduler_id, self._seen = 0, 0

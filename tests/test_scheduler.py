@@ -180,9 +180,10 @@ def test_cancelled_program_stops_consuming_work(world):
     assert not sched.step() and len(steps) == n  # nothing of it runs any more
 
 
-def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world):
+@pytest.mark.parametrize("admit_every", [1, 5])
+def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, admit_every):
     engine = world[0]
-    sched = Scheduler(engine)
+    sched = Scheduler(engine, admit_every=admit_every)
 
     def gen(q, n):
         (out,) = (yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=n, stop_at_eos=False))).sequences
@@ -198,7 +199,8 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world):
     while not short.done:
         sched.step()
         ticks += 1
-    assert not long.done and ticks <= 4  # joined at the next step, answered two steps later
+    assert not long.done  # answered while the long one runs
+    assert ticks == admit_every + 1  # joined at the admit_every-th step and decoded its 2 tokens with the long one
     sched.run([long])
     alone = [engine.generate([f"Q: {q}\nA:"], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0]
              for q, n in ((QUESTIONS[0], 40), (QUESTIONS[1], 2))]
