@@ -49,7 +49,7 @@ MODEL ?= smollm2-135m
 ifeq ($(MODEL),qwen2.5-0.5b)
 TRAIN_DATA := nq:dev:balanced
 CONF_ARGS := --n 600
-PROBER_ARGS := --n 120 --hidden 128 --epochs 10 --lr 1e-3 --batch-size 8
+PROBER_ARGS := --n 80 --hidden 128 --epochs 10 --lr 1e-3 --batch-size 8
 else
 TRAIN_DATA := default
 CONF_ARGS :=

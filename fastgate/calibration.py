@@ -47,6 +47,10 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
         # 17 of 24 are above 2.56); the method's default 20 samples has not been calibrated for this model and gets
         # the same value (see SEAKR_DELTA_BY_SAMPLES)
         "seakr": {"delta": 2.56},
+        # CBDR with the shipped confidence model (trained on 600 NQ dev questions, 7% answered right closed-book):
+        # Conf on its training rows is 0.23–0.61, median 0.35 (right answers 0.366 on average, wrong 0.350: a weak
+        # signal); skip iff Conf > 0.37 leaves 70% of them retrieving
+        "cbdr": {"beta": 0.37},
     },
 }
 

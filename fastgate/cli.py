@@ -242,23 +242,23 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from fastgate.models import MODELS, prepare
     from fastgate.retrieval import RETRIEVERS, build_indexes
 
+    specs = []
+    if args.benchmarks:  # every name is checked before any work starts
+        from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark
+
+        names = list(BENCHMARKS) if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",")]
+        for name in names:
+            spec = parse_benchmark(name)
+            specs += [parse_benchmark(spec.name, split, "answerable") for split in BENCHMARKS[spec.name].splits]
     if args.model in MODELS:
         path = prepare(args.model)
         print(f"model {args.model}: {path}")
     kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
     for kind, path in build_indexes("default", None, kinds=kinds, progress=True).items():
         print(f"{kind} index: {path}")
-    if args.benchmarks:
-        from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark
-
-        names = list(BENCHMARKS) if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",")]
-        specs = []
-        for name in names:  # check every name before the work starts
-            spec = parse_benchmark(name)
-            specs += [parse_benchmark(spec.name, split, "answerable") for split in BENCHMARKS[spec.name].splits]
-        for spec in specs:
-            n_yes = len(load_benchmark(spec, progress=True))
-            print(f"{spec.name} {spec.split}: {n_yes} answerable from the corpus")
+    for spec in specs:
+        n_yes = len(load_benchmark(spec, progress=True))
+        print(f"{spec.name} {spec.split}: {n_yes} answerable from the corpus")
     return 0
 
 

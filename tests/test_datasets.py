@@ -221,3 +221,13 @@ def test_eval_cli_on_a_benchmark(capsys, monkeypatch, tmp_path, tiny, small_inde
     assert "--split and --subset apply to the benchmarks" in capsys.readouterr().err
     assert main(["eval", "--method", "never", "--data", "webq:dev", *common]) == 2
     assert "unknown split of webq 'dev'" in capsys.readouterr().err
+
+
+def test_prepare_rejects_an_unknown_benchmark_before_any_work(capsys, monkeypatch, tmp_path):
+    import fastgate.models
+    from fastgate.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.models, "prepare", lambda *a, **k: pytest.fail("converted a model first"))
+    assert main(["prepare", "--benchmarks", "nq,hotpot"]) == 2
+    assert "unknown benchmark 'hotpot'" in capsys.readouterr().err
