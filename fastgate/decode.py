@@ -1,17 +1,17 @@
 """The decode loop: sequences join it at any step and leave it at the step they finish.
 
 :meth:`Engine.generate <fastgate.engine.Engine.generate>` runs one loop from a single admission to its end (a closed
-batch). The scheduler keeps one loop running and admits the generations its programs ask for at every tick, so a
-question never waits for another question's generation to end, only for the step in progress.
+batch). The scheduler keeps one loop running and admits the generations its programs ask for between steps, so a
+question never waits for another question's generation to end.
 
 Why our own loop rather than ``transformers.generation.continuous_batching``: the gates need, per row, running sums of
 chosen layers' hidden states, the pre-answer state, a forced EOS step after a sample stops, k samples forked from one
 prefill and a generator per sampled row (so that draws never depend on the batch); HF's loop exposes none of them.
 
-Rows that join are prefilled on their own, then their KV cache is left-padded to the loop's width and concatenated
-(positions come from the attention mask, so padding changes nothing); finished rows leave when half the loop has
-finished or when rows join, and columns that are padding for every row are trimmed then. Both copy the cache: a
-preallocated slot cache written in place is the next step (issue 16).
+Rows that join are prefilled on their own, then written after the loop's rows, left-padded to its width (positions
+come from the attention mask, so padding changes nothing), in place when the cache's buffers have room
+(:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the loop has finished or when rows join,
+and columns that are padding for every row are trimmed then (one copy of the cache).
 """
 
 from __future__ import annotations
@@ -122,8 +122,6 @@ class DecodeLoop:
         self.layers: tuple[int, ...] = ()  # the tapped layers summed for every row (the union of the rows' asks)
         self.running: torch.Tensor | None = None  # [M, L, d] float32
         self.count: torch.Tensor | None = None  # [M] float32
-        self.steps = 0
-        self.forwards = 0
 
     # ------------------------------------------------------------------ state
     @property
@@ -211,22 +209,15 @@ class DecodeLoop:
             self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
             self.layers, self.running, self.count = layers, running, count
             return
-        eng = self.engine
+        if not all(hasattr(layer, "join") for layer in self.cache.layers):
+            raise RuntimeError("this model's KV cache cannot take rows into a running loop (sliding-window layers): "
+                               "give each loop one admission, as Engine.generate does")
         if layers != self.layers:  # the running sums of both blocks laid out over the union of layers
             self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
             self.layers = layers
         width = max(self.mask.shape[1], mask.shape[1])
-        if all(hasattr(layer, "join") for layer in self.cache.layers):
-            for a, b in zip(self.cache.layers, cache.layers):  # in place when the rows fit (see GrowingLayer)
-                a.join(b.keys, b.values)
-        else:
-            merged = new_cache(eng.model.config)
-            for layer in range(len(cache.layers)):
-                a, b = self.cache.layers[layer], cache.layers[layer]
-                keys = torch.cat([_pad_left(a.keys, width), _pad_left(b.keys, width)])  # [M + N, heads, W, head_dim]
-                values = torch.cat([_pad_left(a.values, width), _pad_left(b.values, width)])
-                merged.update(keys, values, layer)
-            self.cache = merged
+        for a, b in zip(self.cache.layers, cache.layers):  # in place when the rows fit (see GrowingLayer.join)
+            a.join(b.keys, b.values)
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])  # [M + N, W]
         self.logits = torch.cat([self.logits, logits])
         if self.layers:
@@ -255,18 +246,14 @@ class DecodeLoop:
             self.running = self.running[idx]
         self.count = self.count[idx]
         self.rows = [self.rows[r] for r in keep]
-        used = self.mask.any(0).nonzero()
-        first = int(used[0]) if used.numel() else self.mask.shape[1]
-        first = first if plain_layers(self.cache) else 0  # a sliding window's columns are not the mask's
-        self.mask = self.mask[:, first:]
         if all(hasattr(layer, "select") for layer in self.cache.layers):
+            used = self.mask.any(0).nonzero()
+            first = int(used[0]) if used.numel() else self.mask.shape[1]  # leading columns no row attends
+            self.mask = self.mask[:, first:]
             for layer in self.cache.layers:
                 layer.select(idx, first)
-        else:
+        else:  # a sliding-window cache: its columns are not the mask's, so rows only
             self.cache.batch_select_indices(idx)
-            for layer in (self.cache.layers if first else ()):
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop ``ticket``'s rows: they stop attending at the next step and leave with the finished rows."""
@@ -286,7 +273,6 @@ class DecodeLoop:
         m = len(rows)
         active = [r for r in range(m) if rows[r].state == _ACTIVE]
         if active:
-            self.steps += 1
             self._choose(active)
         # decide what each row feeds next
         feed = [eng.pad_id] * m
@@ -332,7 +318,6 @@ class DecodeLoop:
         hooks = _Taps(eng.model, tap_layers) if tap_layers else None
         try:
             self.logits = eng._forward(feed_t, self.mask, self.cache, 1)  # [M, V]
-            self.forwards += 1
             t_taps = time.perf_counter()
             if self.running is not None:
                 states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in self.layers], dim=1)  # [M, L, d]
@@ -460,10 +445,6 @@ class DecodeLoop:
         )
 
 
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` (time on dim 2 for a cache tensor [M, heads, T, head_dim], dim 1 for a mask [M, T]) left-padded with
-    zeros to ``width``."""
-    t = x.shape[2] if x.dim() == 4 else x.shape[1]
-    if t == width:
-        return x
-    return F.pad(x, (0, 0, width - t, 0)) if x.dim() == 4 else F.pad(x, (width - t, 0))
+def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``mask [M, T]`` left-padded with zeros to ``[M, width]``."""
+    return mask if mask.shape[1] == width else F.pad(mask, (width - mask.shape[1], 0))

@@ -5,7 +5,8 @@ it waits on a request, groups the pending requests by kind and runs each group a
 ``search_batch`` per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per
 batch op. Generations join one running :class:`~fastgate.decode.DecodeLoop` (rows may differ in decoding settings,
 taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back to its
-program at that step, and a new one joins at the next, so no question waits for another's generation to end.
+program at that step, and a new one joins within ``admit_every`` steps (at once when the loop is idle), so no
+question waits for another's generation to end.
 Programs of different methods and parameters share these calls. A program's result is delivered as soon as its own
 program ends (the batch-synchronous ``answer_batch`` of earlier versions returned when its slowest question ended).
 Models whose cache cannot be merged (sliding-window layers) run each tick's generations as one closed engine call.
@@ -140,7 +141,7 @@ class Scheduler:
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
         self.continuous = mergeable(engine) if continuous is None else continuous
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
-        self._inflight: dict[int, tuple[Any, Any, Task, int, Generate]] = {}  # id(ticket) -> (loop, ticket, ...)
+        self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
         self._inbox: list[Task] = []
         self._lock = threading.Lock()
         self._live: list[Task] = []
@@ -354,7 +355,7 @@ class Scheduler:
                 task, i, req = ticket.owner
                 task._results[i] = _RUNNING
                 task._time(self._calls, "generation_s", elapsed)
-                self._inflight[id(ticket)] = (loop, ticket, task, i, req)
+                self._inflight[id(ticket)] = (loop, ticket)
 
     def _decode_step(self) -> None:
         """One decode step of every loop; generations that finished go back to their programs."""
@@ -362,7 +363,7 @@ class Scheduler:
             if not loop.busy:
                 continue
             self._calls += 1
-            members = [(task, ticket) for lp, ticket, task, _, _ in self._inflight.values() if lp is loop]
+            members = [(ticket.owner[0], ticket) for lp, ticket in self._inflight.values() if lp is loop]
             rows = loop.size
             t0 = time.perf_counter()
             try:
@@ -382,13 +383,14 @@ class Scheduler:
             for task, _ in members:
                 task._time(self._calls, "generation_s", elapsed)
             for ticket in done:
-                _, _, task, i, req = self._inflight.pop(id(ticket))
+                self._inflight.pop(id(ticket))
+                task, i, req = ticket.owner
                 self._deliver(task, i, req, ticket.result, 0.0)
 
     def _drop_orphans(self) -> None:
         """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
-        for key, (loop, ticket, task, _, _) in list(self._inflight.items()):
-            if task.done:
+        for key, (loop, ticket) in list(self._inflight.items()):
+            if ticket.owner[0].done:
                 loop.cancel(ticket)
                 del self._inflight[key]
 
