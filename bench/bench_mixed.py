@@ -8,19 +8,27 @@ Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, re
 2. ``burst``: sends the 2 × per-class questions at once; reports the skip and retrieve classes' p50 latency and the
    skip p50 over its alone p50;
 3. ``late``: sends the retrieving questions, then one skip question 1 s later; reports its latency;
-4. ``sequential``: the same questions one by one; the burst's speedup is sequential wall time over burst wall time.
+4. ``sequential``: the same questions one by one; the burst's speedup is sequential wall time over burst wall time;
+5. ``poisson``: an open loop: ``--poisson-requests`` questions (skip and retrieve alternating) arriving as a Poisson
+   process (fixed seed) at each fraction in ``--poisson`` of the sustainable rate, taken as the first design's burst
+   throughput (questions / burst wall time) so every design sees the same arrivals; reports p50/p95/p99 latency per
+   class (``poisson50_skip_p95_s`` is the 95th percentile of skip questions at 50% of that rate).
 
 With ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/old <commit>``) the same scenarios
 run against a server started from that tree, in the same run, so the two designs are compared under the same
-conditions (``--baseline-args`` passes that server's own flags). Rows go to bench/results/mixed.csv.
+conditions (``--baseline-args`` passes that server's own flags); ``--variant NAME=FLAGS`` adds a server of this tree
+with other flags (e.g. ``--variant "whole-prefill=--prefill-budget 0"``). Rows go to bench/results/mixed.csv.
 
-Run: python bench/bench_mixed.py [--per-class 8] [--baseline /tmp/old --baseline-args "--max-batch 32"]
+Run: python bench/bench_mixed.py [--per-class 8] [--poisson 0.5,0.8] [--variant NAME=FLAGS]
+     [--baseline /tmp/old --baseline-args "--max-batch 32"]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import shlex
 import socket
 import statistics
@@ -87,8 +95,44 @@ def _p50(v: list[float]) -> float:
     return statistics.median(v) if v else float("nan")
 
 
-def scenarios(url: str, per_class: int, max_seconds: float) -> dict:
-    """Run the four scenarios against the server at ``url``; the figures of one design."""
+def _pct(v: list[float], q: float) -> float:
+    """The q-quantile of ``v`` (nearest rank)."""
+    if not v:
+        return float("nan")
+    s = sorted(v)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def poisson(url: str, skip: list[str], retrieve: list[str], rate: float, n: int, max_seconds: float,
+            seed: int = 0) -> dict[str, list[float]]:
+    """Send ``n`` questions (skip / retrieve alternating) at Poisson arrivals of ``rate`` per second (stop sending
+    after ``max_seconds``); the latencies per class."""
+    rng = random.Random(seed)
+    mixed = [q for pair in zip(skip, retrieve) for q in pair]
+    t, plan = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        if t > max_seconds:
+            break
+        plan.append((t, mixed[i % len(mixed)], "skip" if i % 2 == 0 else "retrieve"))
+    t0 = time.perf_counter()
+
+    def one(item):
+        at, q, cls = item
+        time.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        return cls, _ask(url, q)[0]
+
+    out: dict[str, list[float]] = {"skip": [], "retrieve": []}
+    with ThreadPoolExecutor(max(1, len(plan))) as pool:
+        for cls, took in pool.map(one, plan):
+            out[cls].append(took)
+    return out
+
+
+def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[float], n_poisson: int,
+              rate: float | None) -> dict:
+    """Run the scenarios against the server at ``url``; the figures of one design (``rate``: the sustainable rate
+    of the Poisson runs; None: this design's burst throughput)."""
     _ask(url, CANDIDATES[-1])  # warm-up: lazy tables, prefix cache
     skip, retrieve, alone = [], [], {}
     t_end = time.perf_counter() + max_seconds
@@ -123,6 +167,14 @@ def scenarios(url: str, per_class: int, max_seconds: float) -> dict:
         _ask(url, q)
     seq_wall = time.perf_counter() - t0
     alone_skip = _p50([alone[q] for q in skip])
+    rate = rate or len(mixed) / burst_wall
+    open_loop = {"sustainable_qps": rate}
+    for f in fractions:
+        lat = poisson(url, skip, retrieve, f * rate, n_poisson, max_seconds)
+        tag = f"poisson{round(f * 100)}"
+        for cls in ("skip", "retrieve"):
+            for q in (0.5, 0.95, 0.99):
+                open_loop[f"{tag}_{cls}_p{round(q * 100)}_s"] = _pct(lat[cls], q)
     return {
         "skip": len(skip), "retrieve": len(retrieve),
         "alone_skip_p50_s": alone_skip, "alone_retrieve_p50_s": _p50([alone[q] for q in retrieve]),
@@ -130,6 +182,7 @@ def scenarios(url: str, per_class: int, max_seconds: float) -> dict:
         "burst_skip_x_alone": _p50([lat[q] for q in skip]) / alone_skip,
         "late_skip_s": late[late_q], "late_skip_x_alone": late[late_q] / alone[late_q],
         "burst_wall_s": burst_wall, "sequential_wall_s": seq_wall, "burst_speedup": seq_wall / burst_wall,
+        **open_loop,
     }
 
 
@@ -140,9 +193,18 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a checkout of another commit to compare with, same run")
     ap.add_argument("--baseline-args", default="", help="extra `fastgate serve` flags for the baseline server")
     ap.add_argument("--args", default="", help="extra `fastgate serve` flags for this tree's server")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="another server of this tree with these flags (repeatable)")
+    ap.add_argument("--poisson", default="0.5,0.8", help="open-loop arrival rates as fractions of the sustainable "
+                    "rate, comma-separated; empty: none (default: 0.5,0.8)")
+    ap.add_argument("--poisson-requests", type=int, default=24, help="questions per open-loop rate (default: 24)")
     args = ap.parse_args()
+    fractions = [float(f) for f in args.poisson.split(",") if f.strip()]
     here = Path(__file__).resolve().parent.parent
     designs = [("scheduler", here, shlex.split(args.args))]
+    for v in args.variant:
+        name, _, flags = v.partition("=")
+        designs.append((name, here, shlex.split(flags)))
     if args.baseline:
         designs.append(("baseline", Path(args.baseline).resolve(), shlex.split(args.baseline_args)))
     rows = []
@@ -152,8 +214,10 @@ def main() -> None:
         try:
             commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip()
-            rows.append({"design": name, "commit": commit, **scenarios(f"http://127.0.0.1:{port}", args.per_class,
-                                                                       args.max_seconds)})
+            rate = rows[0]["sustainable_qps"] if rows else None  # every design sees the same arrivals
+            rows.append({"design": name, "commit": commit, "flags": " ".join(extra),
+                         **scenarios(f"http://127.0.0.1:{port}", args.per_class, args.max_seconds, fractions,
+                                     args.poisson_requests, rate)})
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -162,6 +226,11 @@ def main() -> None:
     print()
     print_table(rows, ["design", "alone_skip_p50_s", "burst_skip_p50_s", "burst_skip_x_alone", "late_skip_x_alone",
                        "burst_retrieve_p50_s", "burst_wall_s", "sequential_wall_s", "burst_speedup"])
+    for f in fractions:
+        tag = f"poisson{round(f * 100)}"
+        print()
+        print_table(rows, ["design", "sustainable_qps"] + [f"{tag}_{c}_p{q}_s" for c in ("skip", "retrieve")
+                                                           for q in (50, 95, 99)])
 
 
 if __name__ == "__main__":

@@ -222,6 +222,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
+                           prefill_budget=args.prefill_budget,
                            max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
@@ -369,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences (prompts x samples) per engine call (default: %(default)s)")
     sv.add_argument("--admit-every", type=int, default=8,
                     help="generations join a decoding loop every N steps (at once when idle) (default: %(default)s)")
+    sv.add_argument("--prefill-budget", type=int, default=256,
+                    help="prompt tokens prefilled per decode step, in chunks between steps; 0: whole prompts when "
+                         "they join (default: %(default)s)")
     sv.add_argument("--admit-wait-ms", type=float, default=10.0,
                     help="an idle server waits this long after a request for the rest of its burst (default: "
                          "%(default)s)")

@@ -8,10 +8,13 @@ Why our own loop rather than ``transformers.generation.continuous_batching``: th
 chosen layers' hidden states, the pre-answer state, a forced EOS step after a sample stops, k samples forked from one
 prefill and a generator per sampled row (so that draws never depend on the batch); HF's loop exposes none of them.
 
-Rows that join are prefilled on their own, then written after the loop's rows, left-padded to its width (positions
-come from the attention mask, so padding changes nothing), in place when the cache's buffers have room
-(:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the loop has finished or when rows join,
-and columns that are padding for every row are trimmed then (one copy of the cache).
+Rows that join are prefilled on their own, either whole at admission (:meth:`DecodeLoop.add`) or in chunks of columns
+between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the scheduler's way, as Sarathi and vLLM
+do: one 500-token prompt then never stalls the running rows for its whole prefill, and the prefill with the fewest
+tokens left goes first, so a short prompt is not held behind long ones). They are then written after the loop's rows,
+left-padded to its width (positions come from the attention mask, so padding changes nothing), in place when the
+cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the loop has
+finished or when rows join, and columns that are padding for every row are trimmed then (one copy of the cache).
 """
 
 from __future__ import annotations
@@ -98,6 +101,40 @@ class _Spec:
     seed: int | None
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """Prompts being prefilled a chunk of columns at a time (rows of similar length, left-padded together)."""
+
+    specs: list[_Spec]
+    tickets: list[Ticket]
+    rows: list[list[int]]
+    truncated: list[bool]
+    cache: Any = None
+    ids: torch.Tensor | None = None  # [N, S] the rows' own tokens after the shared prefix, left-padded
+    mask: torch.Tensor | None = None  # [N, P + S]
+    prefix: int = 0  # P: columns copied from the prefix cache
+    done: int = 0  # columns of ``ids`` prefilled so far
+
+    @property
+    def left(self) -> int:
+        """Tokens (rows × columns) still to prefill."""
+        width = self.ids.shape[1] if self.ids is not None else max(len(r) for r in self.rows)
+        return len(self.rows) * (width - self.done)
+
+    def start(self, engine) -> None:
+        """The cache, with the shared prefix's keys / values copied in, and the padded ids and mask."""
+        self.cache = new_cache(engine.model.config)
+        prefix = engine._shared_prefix(self.rows)
+        n = len(self.rows)
+        self.prefix = 0 if prefix is None else len(prefix)
+        if prefix is not None:
+            engine.prefix_hits += n
+            for layer, (k, v) in enumerate(engine._prefix_kv(prefix)):
+                self.cache.update(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous(), layer)
+        self.ids, own = engine._pad([r[self.prefix:] for r in self.rows])
+        self.mask = torch.cat([torch.ones((n, self.prefix), dtype=own.dtype, device=own.device), own], dim=1)
+
+
 class DecodeLoop:
     """Rows of many generations decoding together, one step at a time.
 
@@ -122,39 +159,32 @@ class DecodeLoop:
         self.layers: tuple[int, ...] = ()  # the tapped layers summed for every row (the union of the rows' asks)
         self.running: torch.Tensor | None = None  # [M, L, d] float32
         self.count: torch.Tensor | None = None  # [M] float32
+        self.prefilling: list[_Prefill] = []  # admitted prompts whose prefill has not ended (see admit)
 
     # ------------------------------------------------------------------ state
     @property
     def size(self) -> int:
-        """Rows not finished yet (the rows a new admission competes with)."""
-        return sum(not r.final for r in self.rows)
+        """Rows not finished yet, those still prefilling included (the rows a new admission competes with)."""
+        return sum(not r.final for r in self.rows) + sum(s.k for job in self.prefilling for s in job.specs)
 
     @property
     def busy(self) -> bool:
-        return any(not r.final for r in self.rows)
+        return bool(self.prefilling) or any(not r.final for r in self.rows)
 
     # ------------------------------------------------------------------ admission
     @torch.inference_mode()
     def add(self, specs: list[_Spec] | list[tuple], owners: list[Any] | None = None, one_ticket: Any = None,
             per_row: bool = True) -> list[Ticket]:
-        """Prefill ``specs`` (prompt, config, taps, k, seed) and add their rows; one :class:`Ticket` per spec, or
-        one for all of them when ``one_ticket`` is a (layers, pre_answer, eos_state) triple (``generate``)."""
+        """Prefill ``specs`` (prompt, config, taps, k, seed) now, whole, and add their rows; one :class:`Ticket` per
+        spec, or one for all of them when ``one_ticket`` is a (layers, pre_answer, eos_state) triple (``generate``)."""
         eng = self.engine
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
         t0 = time.perf_counter()
-        b = len(specs)
         rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
         want_pre = any(s.taps.pre_answer for s in specs)
         if eng.prefix_cache:
             eng._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
-        if one_ticket is not None:
-            layers, pre, eos = one_ticket
-            tickets = [Ticket(owners[0] if owners else None, layers, pre, eos)]
-            owner_ticket = [0] * b
-        else:
-            tickets = [Ticket(owners[i] if owners else None, tuple(s.taps.layers), s.taps.pre_answer, s.taps.eos_state)
-                       for i, s in enumerate(specs)]
-            owner_ticket = list(range(b))
+        tickets, owner_ticket = self._tickets(specs, owners, one_ticket)
         cache = new_cache(eng.model.config)
         hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
         try:
@@ -163,6 +193,37 @@ class DecodeLoop:
         finally:
             if hooks is not None:
                 hooks.close()
+        for t in tickets:
+            t.t_start = t0
+        self._enter(specs, [tickets[i] for i in owner_ticket], rows, truncated, cache, mask, logits, pre_answer,
+                    per_row)
+        return tickets
+
+    def admit(self, specs: list[_Spec] | list[tuple], owners: list[Any] | None = None) -> list[Ticket]:
+        """Queue ``specs`` for a chunked prefill: :meth:`step` prefills at most its token budget of them per step
+        (shortest first) before decoding, and their rows join the loop at the step their prefill ends. One
+        :class:`Ticket` per spec. Prompts are encoded (and checked) now: a bad prompt raises here."""
+        eng = self.engine
+        specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
+        rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
+        tickets, _ = self._tickets(specs, owners, None)
+        for idx in eng._prefill_chunks([len(r) for r in rows]):  # rows of similar length prefill together
+            self.prefilling.append(_Prefill([specs[i] for i in idx], [tickets[i] for i in idx], [rows[i] for i in idx],
+                                            [truncated[i] for i in idx]))
+        return tickets
+
+    def _tickets(self, specs: list[_Spec], owners, one_ticket) -> tuple[list[Ticket], list[int]]:
+        if one_ticket is not None:
+            layers, pre, eos = one_ticket
+            return [Ticket(owners[0] if owners else None, layers, pre, eos)], [0] * len(specs)
+        return [Ticket(owners[i] if owners else None, tuple(s.taps.layers), s.taps.pre_answer, s.taps.eos_state)
+                for i, s in enumerate(specs)], list(range(len(specs)))
+
+    def _enter(self, specs: list[_Spec], tickets: list[Ticket], rows: list[list[int]], truncated: list[bool], cache,
+               mask, logits, pre_answer, per_row: bool = True) -> None:
+        """Fork the k samples of each prefilled prompt (``tickets[p]`` is prompt p's) and join their rows."""
+        eng = self.engine
+        b = len(specs)
         # sequence i is sample j of prompt owner[i]
         owner = [p for p in range(b) for _ in range(specs[p].k)]
         sample = [j for p in range(b) for j in range(specs[p].k)]
@@ -186,20 +247,56 @@ class DecodeLoop:
                     seed = s.config.seed if s.config.seed is not None else 0
                 if seed is not None:
                     gen = torch.Generator(device=eng.device).manual_seed((int(seed) * 1_000_003 + sample[i]) % (2**63))
-            row = _Row(tickets[owner_ticket[p]], s.config, s.taps, gen, len(rows[p]), bool(truncated[p]))
+            row = _Row(tickets[p], s.config, s.taps, gen, len(rows[p]), bool(truncated[p]))
             if pre_answer is not None:
                 row.pre_answer = pre_answer[i]
+            if tickets[p].cancelled:
+                row.state, row.final = _DONE, True
             row.ticket.rows.append(row)
             new_rows.append(row)
         t1 = time.perf_counter()
         for t in tickets:
-            t.t_start, t.t_prefilled, t.prefill_s = t0, t1, t1 - t0
+            t.t_prefilled, t.prefill_s = t1, t1 - t.t_start
         layers = tuple(sorted(set(self.layers) | {x for s in specs for x in s.taps.layers}))
         d = eng.lm.hidden_size
         running = torch.zeros((n, len(layers), d), dtype=torch.float32, device=eng.device) if layers else None
         count = torch.zeros(n, dtype=torch.float32, device=eng.device)
         self._join(new_rows, cache, mask, logits, layers, running, count)
-        return tickets
+
+    def _prefill_some(self, budget: int | None) -> int:
+        """Advance the queued prefills by at most ``budget`` tokens (rows × columns, padding included; None: all of
+        them), the prefill with the fewest tokens left first (a short prompt is not held behind long ones); those
+        that end join the loop. Returns the tokens run."""
+        eng = self.engine
+        ran = 0
+        while self.prefilling and (budget is None or ran < budget):
+            self.prefilling = [job for job in self.prefilling if not all(t.cancelled for t in job.tickets)]
+            if not self.prefilling:
+                break
+            job = min(self.prefilling, key=lambda j: j.left)
+            if job.cache is None:
+                job.start(eng)
+            n = len(job.rows)
+            cols = job.ids.shape[1] - job.done
+            if budget is not None:
+                cols = min(cols, max(1, (budget - ran) // n))
+            last = job.done + cols == job.ids.shape[1]
+            want_pre = last and any(s.taps.pre_answer for s in job.specs)
+            hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
+            try:
+                end = job.prefix + job.done + cols
+                logits = eng._forward(job.ids[:, job.done:job.done + cols], job.mask[:, :end], job.cache, cols)
+                pre_answer = hooks.outputs[self.mid][:, -1, :].to(torch.float32) if hooks is not None else None
+            finally:
+                if hooks is not None:
+                    hooks.close()
+            job.done += cols
+            ran += n * cols
+            if last:
+                self.prefilling.remove(job)
+                self._enter(job.specs, job.tickets, job.rows, job.truncated, job.cache, job.mask, logits,
+                            pre_answer)
+        return ran
 
     def _join(self, rows: list[_Row], cache, mask, logits, layers, running, count) -> None:
         """Concatenate a prefilled block of rows to the loop (dropping finished rows first)."""
@@ -256,16 +353,20 @@ class DecodeLoop:
             self.cache.batch_select_indices(idx)
 
     def cancel(self, ticket: Ticket) -> None:
-        """Stop ``ticket``'s rows: they stop attending at the next step and leave with the finished rows."""
+        """Stop ``ticket``'s rows: they stop attending at the next step and leave with the finished rows (a
+        prefill whose tickets are all cancelled is dropped before its next chunk)."""
         ticket.cancelled = True
         for row in ticket.rows:
             row.state, row.final = _DONE, True
 
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
-    def step(self) -> list[Ticket]:
-        """One decode iteration: choose every active row's next token, feed it, read the taps. Returns the tickets
+    def step(self, prefill_budget: int | None = None) -> list[Ticket]:
+        """One decode iteration: first up to ``prefill_budget`` tokens of the queued prefills (None: all of them;
+        see :meth:`admit`), then choose every active row's next token, feed it, read the taps. Returns the tickets
         whose last row finished in it."""
+        if self.prefilling:
+            self._prefill_some(prefill_budget)
         rows = self.rows
         if not rows:
             return []

@@ -124,18 +124,24 @@ class Scheduler:
         admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): each
             admission's prefill stalls every decoding row, so admissions batched this way keep the decode moving and
             prefill several prompts in one go; a new generation waits at most this many steps.
+        prefill_budget: with the decode loop, the most prompt tokens (rows × columns, padding included) prefilled
+            per step, in chunks between decode steps (see :meth:`DecodeLoop.admit`); None or 0: a generation's prompt
+            is prefilled whole when it joins.
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
-                 admit_every: int = 8) -> None:
+                 admit_every: int = 8, prefill_budget: int | None = None) -> None:
         from fastgate.decode import mergeable
 
         if max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         if admit_every < 1:
             raise InputError(f"admit_every must be >= 1, got {admit_every}")
+        if prefill_budget is not None and prefill_budget < 0:
+            raise InputError(f"prefill_budget must be >= 0, got {prefill_budget}")
         self.engine = engine
         self.admit_every = admit_every
+        self.prefill_budget = prefill_budget or None
         self._since_admit = 0  # decode steps since generations last joined a busy loop
         self.max_rows = max_rows
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
@@ -338,7 +344,8 @@ class Scheduler:
             self._calls += 1
             t0 = time.perf_counter()
             try:
-                tickets = loop.add([(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group], owners=group)
+                join = loop.admit if self.prefill_budget else loop.add
+                tickets = join([(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group], owners=group)
             except Exception as exc:
                 if len(group) == 1:
                     self._finish(group[0][0], error=exc)
@@ -346,8 +353,8 @@ class Scheduler:
                 tickets = []  # find the request that failed; the others still join
                 for item in group:
                     try:
-                        tickets += loop.add([(item[2].prompt, item[2].config, item[2].taps, item[2].k, item[2].seed)],
-                                            owners=[item])
+                        tickets += join([(item[2].prompt, item[2].config, item[2].taps, item[2].k, item[2].seed)],
+                                         owners=[item])
                     except Exception as one:  # noqa: BLE001 - that request's own error
                         self._finish(item[0], error=one)
             elapsed = time.perf_counter() - t0
@@ -367,7 +374,7 @@ class Scheduler:
             rows = loop.size
             t0 = time.perf_counter()
             try:
-                done = loop.step()
+                done = loop.step(self.prefill_budget)
             except Exception as exc:  # the whole loop is lost: its programs end with the error
                 del self._loops[mid]
                 for task, ticket in members:

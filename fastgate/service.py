@@ -54,6 +54,7 @@ class ServiceConfig:
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
     max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
     admit_every: int = 8  # generations join a decoding loop every N steps: fewer prefill stalls, batched prefills
+    prefill_budget: int = 256  # prompt tokens prefilled per decode step, in chunks; 0: whole prompts at admission
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -70,6 +71,8 @@ class ServiceConfig:
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
+        if self.prefill_budget < 0:
+            raise InputError("prefill_budget must be >= 0")
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
         if not 0 <= self.admit_wait_ms <= 1000:
@@ -120,8 +123,7 @@ class AnswerService:
         from fastgate.scheduler import Scheduler
 
         self._method(self._request(self.config.method, None))
-        self._scheduler = Scheduler(self.runtime.engine, max_rows=self.config.max_rows,
-                                    admit_every=self.config.admit_every)
+        self._scheduler = self._new_scheduler(Scheduler)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
         self._thread.start()
@@ -291,9 +293,12 @@ class AnswerService:
                         if not job.future.done():
                             job.future.set_exception(exc)
                     self._running.clear()
-                    self._scheduler = sched = type(sched)(self.runtime.engine, max_rows=self.config.max_rows,
-                                                          admit_every=self.config.admit_every)
+                    self._scheduler = sched = self._new_scheduler(type(sched))
                 self.metrics.ticks(sched)
+
+    def _new_scheduler(self, cls):
+        return cls(self.runtime.engine, max_rows=self.config.max_rows, admit_every=self.config.admit_every,
+                   prefill_budget=self.config.prefill_budget)
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).

@@ -62,6 +62,47 @@ def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine):
     assert not loop.rows and loop.mask is None  # everything left: nothing is held
 
 
+@pytest.mark.parametrize("budget", [1, 7, 40])
+def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budget):
+    """Prompts admitted for a chunked prefill (a few columns per step, beside running rows) give what they give
+    alone, whatever the budget; the running rows keep decoding while they prefill."""
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    results = {}
+
+    def run(steps):
+        for _ in range(steps):
+            for t in loop.step(prefill_budget=budget):
+                results[t.owner] = t.result
+
+    loop.admit(SPECS[:2], owners=[0, 1])
+    run(3)
+    loop.admit(SPECS[2:], owners=[2, 3, 4])
+    decoded = len(loop.rows[0].tokens) if loop.rows else 0
+    run(2)
+    assert not loop.rows or loop.rows[0].final or len(loop.rows[0].tokens) > decoded  # decoding went on
+    while loop.busy:
+        run(1)
+    assert sorted(results) == [0, 1, 2, 3, 4]
+    for i, spec in enumerate(SPECS):
+        _same(results[i], _alone(tiny_engine, spec))
+    assert not loop.rows and not loop.prefilling
+
+
+def test_chunked_prefill_respects_the_budget_and_runs_the_shortest_first(tiny_engine):
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    cfg = G(max_new_tokens=2, stop_at_eos=False)
+    (long,) = loop.admit([("word " * 40, cfg, TapSpec(), 1, None)], owners=["long"])
+    (short,) = loop.admit([("Hi there", cfg, TapSpec(), 1, None)], owners=["short"])
+    assert loop.size == 2 and loop.busy
+    assert loop._prefill_some(8) == 8  # the short prompt whole (fewer tokens left), then 8 - its length of the long
+    assert short.rows and not long.rows  # the short one joined; the long one is still prefilling
+    assert loop.prefilling[0].done == 8 - short.rows[0].prompt_len
+    loop.cancel(long)
+    while loop.busy:
+        loop.step(prefill_budget=8)
+    assert short.result is not None and long.result is None and not loop.prefilling
+
+
 def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
     loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
     long = ("Q: What is the capital of France?\nA:", G(max_new_tokens=30, stop_at_eos=False), TapSpec(), 1, None)

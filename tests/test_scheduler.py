@@ -31,10 +31,14 @@ def methods(world):
     return [build_method(name, engine, retrievers[r], params) for name, r, params in cases(ckpts)]
 
 
-@pytest.mark.parametrize("continuous", [True, False], ids=["decode-loop", "closed-calls"])
-def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods, continuous):
+MODES = {"decode-loop": {"continuous": True}, "chunked-prefill": {"continuous": True, "prefill_budget": 8},
+         "closed-calls": {"continuous": False}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods, mode):
     engine = world[0]
-    sched = Scheduler(engine, continuous=continuous)
+    sched = Scheduler(engine, **MODES[mode])
     pending = [(c, i) for i in range(len(QUESTIONS)) for c in range(len(methods))]  # interleaved methods
     tasks = {}
     tick = 0
@@ -180,10 +184,10 @@ def test_cancelled_program_stops_consuming_work(world):
     assert not sched.step() and len(steps) == n  # nothing of it runs any more
 
 
-@pytest.mark.parametrize("admit_every", [1, 5])
-def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, admit_every):
+@pytest.mark.parametrize(("admit_every", "budget"), [(1, None), (5, None), (1, 64)])
+def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, admit_every, budget):
     engine = world[0]
-    sched = Scheduler(engine, admit_every=admit_every)
+    sched = Scheduler(engine, admit_every=admit_every, prefill_budget=budget)
 
     def gen(q, n):
         (out,) = (yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=n, stop_at_eos=False))).sequences
@@ -201,6 +205,7 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, a
         ticks += 1
     assert not long.done  # answered while the long one runs
     assert ticks == admit_every + 1  # joined at the admit_every-th step and decoded its 2 tokens with the long one
+    # (with a budget the short prompt prefills within the budget of its first step, then joins in that step)
     sched.run([long])
     alone = [engine.generate([f"Q: {q}\nA:"], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0]
              for q, n in ((QUESTIONS[0], 40), (QUESTIONS[1], 2))]
