@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, print_table  # noqa: E402
-
 import torch  # noqa: E402
+from _common import append_rows, print_table  # noqa: E402
 
 import fastgate.decode as decode  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
@@ -95,6 +94,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     ids = engine.tokenizer(FILLER * (1 + max(contexts) // 30))["input_ids"]
     prompts = {c: [engine.tokenizer.decode(ids[i:i + c]) for i in range(args.batch)] for c in contexts}
+    dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
     weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     designs = ["fastgate", "hf-dynamic"]
     times: dict[tuple[str, int], list[float]] = {(d, c): [] for d in designs for c in contexts}
@@ -119,7 +119,7 @@ def main() -> None:
                          "step_ms": step * 1e3, "bound_ms": bound * 1e3, "of_bound": bound / step,
                          "vs_short": step / base, "weights_MB": weights / 1e6, "kv_MB": kv / 1e6,
                          "read_GBps": bw / 1e9, "threads": torch.get_num_threads(), "model": args.model,
-                         "device": str(lm.device), "dtype": str(next(lm.model.parameters()).dtype).replace("torch.", "")})
+                         "device": str(lm.device), "dtype": dtype})
     print_table(rows, ["design", "batch", "context", "cache_width", "step_ms", "bound_ms", "of_bound", "vs_short",
                        "kv_MB", "read_GBps"])
     print(f"appended to {append_rows('engine', rows)}")

@@ -222,7 +222,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, index=args.index,
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
-                           prefill_budget=args.prefill_budget,
+                           prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
                            max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
@@ -373,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-budget", type=int, default=256,
                     help="prompt tokens prefilled per decode step, in chunks between steps; 0: whole prompts when "
                          "they join (default: %(default)s)")
+    sv.add_argument("--kv-budget-mb", type=float, default=2048.0,
+                    help="KV cache of the decode loop in MiB; generations wait for room beyond it, one that cannot "
+                         "fit alone gets 422 (default: %(default)s)")
     sv.add_argument("--admit-wait-ms", type=float, default=10.0,
                     help="an idle server waits this long after a request for the rest of its burst (default: "
                          "%(default)s)")

@@ -38,7 +38,7 @@ from fastgate.engine import (
     _process_logits,
     _Taps,
 )
-from fastgate.kv_cache import new_cache, plain_layers
+from fastgate.kv_cache import cache_bytes, new_cache, plain_layers
 
 __all__ = ["DecodeLoop", "Ticket", "mergeable"]
 
@@ -123,9 +123,9 @@ class _Prefill:
 
     def start(self, engine) -> None:
         """The cache, with the shared prefix's keys / values copied in, and the padded ids and mask."""
-        self.cache = new_cache(engine.model.config)
         prefix = engine._shared_prefix(self.rows)
         n = len(self.rows)
+        self.cache = new_cache(engine.model.config, max_cells=n * max(len(r) for r in self.rows))  # no spare
         self.prefix = 0 if prefix is None else len(prefix)
         if prefix is not None:
             engine.prefix_hits += n
@@ -145,10 +145,14 @@ class DecodeLoop:
             config and no seeds: the draws then depend on the batch, as before); such a loop never drops rows, so
             the random stream stays the one a closed batch consumes.
         generator: that shared generator (None: torch's global one).
+        max_cells: the most rows × columns the loop's cache buffers take, spare included (None: no bound); keeping
+            the rows' needs within it is the caller's admission control (:meth:`cells_after`).
     """
 
-    def __init__(self, engine, mid: int, shared_rng: bool = False, generator: torch.Generator | None = None) -> None:
+    def __init__(self, engine, mid: int, shared_rng: bool = False, generator: torch.Generator | None = None,
+                 max_cells: int | None = None) -> None:
         self.engine = engine
+        self.max_cells = max_cells
         self.mid = mid
         self.shared_rng = shared_rng
         self.generator = generator
@@ -171,6 +175,26 @@ class DecodeLoop:
     def busy(self) -> bool:
         return bool(self.prefilling) or any(not r.final for r in self.rows)
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the loop's KV caches hold now (the running rows' buffers and the prefills'), spare included."""
+        return cache_bytes(self.cache) + sum(cache_bytes(job.cache) for job in list(self.prefilling))
+
+    def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
+        """The most rows × columns the cache can reach if generations ``joining`` ((prompt tokens, rows, new tokens)
+        each) join now and nothing else does: every row right-aligned to the widest prompt, the width growing until
+        the row with the most steps left ends (a forced EOS and a flush step included)."""
+        live = [r for r in self.rows if not r.final]
+        width = self.mask.shape[1] if live else 0
+        steps = [r.cfg.max_new_tokens - len(r.tokens) + 2 for r in live]
+        for job in self.prefilling:
+            width = max(width, max(len(r) for r in job.rows))
+            steps += [s.config.max_new_tokens + 2 for s in job.specs]
+        for prompt, _, new in joining:
+            width = max(width, prompt)
+            steps.append(new + 2)
+        return (self.size + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
+
     # ------------------------------------------------------------------ admission
     @torch.inference_mode()
     def add(self, specs: list[_Spec] | list[tuple], owners: list[Any] | None = None, one_ticket: Any = None,
@@ -185,7 +209,7 @@ class DecodeLoop:
         if eng.prefix_cache:
             eng._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
         tickets, owner_ticket = self._tickets(specs, owners, one_ticket)
-        cache = new_cache(eng.model.config)
+        cache = new_cache(eng.model.config, max_cells=self.max_cells)
         hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
         try:
             logits, mask = eng._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
@@ -210,7 +234,18 @@ class DecodeLoop:
         for idx in eng._prefill_chunks([len(r) for r in rows]):  # rows of similar length prefill together
             self.prefilling.append(_Prefill([specs[i] for i in idx], [tickets[i] for i in idx], [rows[i] for i in idx],
                                             [truncated[i] for i in idx]))
+        self._cap()
         return tickets
+
+    def _cap(self) -> None:
+        """Bound the spare of the loop's buffers by ``max_cells`` less what the queued prefills' caches may take, so
+        that the loop and its prefills together stay within it."""
+        if self.max_cells is None or self.cache is None:
+            return
+        held = sum(len(job.rows) * max(len(r) for r in job.rows) for job in self.prefilling)
+        for layer in self.cache.layers:
+            if hasattr(layer, "max_cells"):
+                layer.max_cells = max(1, self.max_cells - held)
 
     def _tickets(self, specs: list[_Spec], owners, one_ticket) -> tuple[list[Ticket], list[int]]:
         if one_ticket is not None:
@@ -294,6 +329,7 @@ class DecodeLoop:
             ran += n * cols
             if last:
                 self.prefilling.remove(job)
+                self._cap()
                 self._enter(job.specs, job.tickets, job.rows, job.truncated, job.cache, job.mask, logits,
                             pre_answer)
         return ran
@@ -305,6 +341,7 @@ class DecodeLoop:
         if not self.rows:
             self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
             self.layers, self.running, self.count = layers, running, count
+            self._cap()  # a prefill's cache had no spare; the loop's may have up to its bound
             return
         if not all(hasattr(layer, "join") for layer in self.cache.layers):
             raise RuntimeError("this model's KV cache cannot take rows into a running loop (sliding-window layers): "

@@ -7,6 +7,10 @@ a view of the filled part, exactly what ``DynamicLayer`` would hold. When the ca
 replaces the layer's tensors (batch selection, a merge), the next append moves them into a fresh buffer with room to
 grow (amortised: a quarter of the length, at least ``spare`` columns).
 
+A cache built with ``max_cells`` never gives a layer's buffer more than that many rows × columns of spare: the
+spare shrinks to fit (a need beyond it is still met exactly; keeping needs within the budget is the scheduler's
+admission control, see :class:`fastgate.scheduler.Scheduler`).
+
 Layers that are not plain growing layers (sliding windows) are left as HF builds them.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GrowingLayer", "new_cache", "plain_layers"]
+__all__ = ["GrowingLayer", "cache_bytes", "cell_bytes", "new_cache", "plain_layers"]
 
 
 def _dynamic_layer():
@@ -30,14 +34,41 @@ def plain_layers(cache) -> bool:
     return all(isinstance(layer, base) and not getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
-def new_cache(config):
-    """An empty ``DynamicCache`` for ``config`` whose plain layers are :class:`GrowingLayer`."""
+def new_cache(config, max_cells: int | None = None):
+    """An empty ``DynamicCache`` for ``config`` whose plain layers are :class:`GrowingLayer` (buffers of at most
+    ``max_cells`` rows × columns of spare each, see the module docstring)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
     grow = GrowingLayer.cls()
     cache.layers = [grow() if type(layer) is _dynamic_layer() else layer for layer in cache.layers]
+    for layer in cache.layers:
+        if isinstance(layer, grow):
+            layer.max_cells = max_cells
     return cache
+
+
+def cell_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes one token of one sequence takes in the KV cache of every layer (keys and values)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds: its growing layers' whole buffers (spare included), other layers' tensors."""
+    if cache is None:
+        return 0
+    total = 0
+    for layer in cache.layers:
+        buf = getattr(layer, "_buf_k", None)
+        if buf is not None:
+            total += 2 * buf.numel() * buf.element_size()
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.dim() == 4 and not (buf is not None and keys is layer._view_k):
+            total += 2 * keys.numel() * keys.element_size()  # tensors set from outside (a fork, a selection)
+    return total
 
 
 class GrowingLayer:
@@ -56,6 +87,7 @@ def _make_growing_layer(base):
     class _GrowingLayer(base):
         spare = 64  # the fewest spare columns a new buffer gets
         spare_rows = 4  # the fewest spare rows (sequences that may join without moving the others)
+        max_cells: int | None = None  # rows × columns the spare may fill up to (set by new_cache)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
@@ -73,6 +105,10 @@ def _make_growing_layer(base):
             """Fresh buffers with room for ``m`` rows × ``need`` columns and spare; ``keys`` / ``values``
             [m, h, t, d] copied in (once) as the first t columns."""
             rows, cols = m + max(self.spare_rows, m // 2), need + max(self.spare, need // 4)
+            if self.max_cells is not None and rows * cols > self.max_cells:  # less spare (rows first), within it
+                rows = max(m, min(rows, self.max_cells // cols))
+                if rows * cols > self.max_cells:
+                    cols = max(need, self.max_cells // rows)
             h, d = like.shape[1], like.shape[3]
             self._buf_k = like.new_zeros((rows, h, cols, d))
             self._buf_v = like.new_zeros((rows, h, cols, d))

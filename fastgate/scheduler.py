@@ -33,6 +33,7 @@ import torch
 from fastgate.engine import Engine, GenerationBatch
 from fastgate.errors import FastgateError, InputError
 from fastgate.gates.base import GateStep
+from fastgate.kv_cache import cell_bytes
 from fastgate.programs import (
     All,
     Answer,
@@ -127,10 +128,16 @@ class Scheduler:
         prefill_budget: with the decode loop, the most prompt tokens (rows × columns, padding included) prefilled
             per step, in chunks between decode steps (see :meth:`DecodeLoop.admit`); None or 0: a generation's prompt
             is prefilled whole when it joins.
+        kv_budget: with the decode loop, the most bytes the running rows' KV cache may take (None: no bound). A
+            generation joins only if the cache's worst case with it (every row right-aligned to the widest prompt,
+            grown until the longest row ends) fits; otherwise it waits for rows to finish, in arrival order, and a
+            generation that cannot fit even alone fails with :class:`~fastgate.errors.InputError`. Buffers never
+            take more than the budget as spare. (Closed calls, for sliding-window models, are bounded by
+            ``max_rows`` only.)
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
-                 admit_every: int = 8, prefill_budget: int | None = None) -> None:
+                 admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None) -> None:
         from fastgate.decode import mergeable
 
         if max_rows < 1:
@@ -142,6 +149,11 @@ class Scheduler:
         self.engine = engine
         self.admit_every = admit_every
         self.prefill_budget = prefill_budget or None
+        if kv_budget is not None and kv_budget < 1:
+            raise InputError(f"kv_budget must be >= 1 byte, got {kv_budget}")
+        self.kv_budget = kv_budget
+        self._cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
+        self._max_cells = None if kv_budget is None else max(1, kv_budget // self._cell)
         self._since_admit = 0  # decode steps since generations last joined a busy loop
         self.max_rows = max_rows
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
@@ -180,6 +192,12 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return self.live == 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the decode loops' KV caches hold now (spare included). Read from other threads too: the lists are
+        copied first (each copy is atomic under the GIL)."""
+        return sum(loop.kv_bytes for loop in list(self._loops.values()))
 
     # ------------------------------------------------------------------ running
     def run(self, tasks: list[Task]) -> list[Task]:
@@ -328,19 +346,40 @@ class Scheduler:
 
         rows = sum(loop.size for loop in self._loops.values())
         by_loop: dict[int, list[tuple[Task, int, Generate]]] = defaultdict(list)
+        joining: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # mid -> (prompt, rows, new) admitted now
         for item in items:
-            k = item[2].k
+            if item[0].done:
+                continue  # ended by an earlier request of its fan-out
+            req = item[2]
+            k = req.k
             if rows and rows + k > self.max_rows:
                 break  # these wait for rows to finish (in order: a large fan-out is not overtaken for ever)
-            rows += k
-            mid = _mid(self.engine, item[2])
+            mid = _mid(self.engine, req)
             if mid is None:
                 mid = next(iter(self._loops), self.engine.n_layers // 2)
+            if self._max_cells is not None:
+                new = req.config.max_new_tokens
+                prompt = min(self.engine.count_tokens(req.prompt), self.engine.lm.max_context - new - 1)
+                ask = (prompt, k, new)
+                alone = k * (prompt + new + 2)
+                if alone > self._max_cells:
+                    self._finish(item[0], error=InputError(
+                        f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows x "
+                        f"{prompt + new + 2} tokens), more than the budget of {self.kv_budget / 2**20:.0f} MiB"))
+                    continue
+                cells = sum(loop.cells_after(joining[m]) for m, loop in self._loops.items() if m != mid)
+                loop = self._loops.get(mid)
+                cells += loop.cells_after([*joining[mid], ask]) if loop is not None else \
+                    _cells([*joining[mid], ask])
+                if cells > self._max_cells:
+                    break  # waits for rows to finish (in order)
+                joining[mid].append(ask)
+            rows += k
             by_loop[mid].append(item)
         for mid, group in by_loop.items():
             loop = self._loops.get(mid)
             if loop is None:
-                loop = self._loops[mid] = DecodeLoop(self.engine, mid)
+                loop = self._loops[mid] = DecodeLoop(self.engine, mid, max_cells=self._max_cells)
             self._calls += 1
             t0 = time.perf_counter()
             try:
@@ -560,6 +599,13 @@ def _group_key(req: Any) -> tuple:
     if isinstance(req, Batched):
         return ("batched", _fn_key(req.fn))
     raise InputError(f"a program yielded {type(req).__name__}, which is not a request (see fastgate.programs)")
+
+
+def _cells(joining: list[tuple[int, int, int]]) -> int:
+    """:meth:`DecodeLoop.cells_after` of an empty loop."""
+    if not joining:
+        return 0
+    return sum(k for _, k, _ in joining) * (max(p for p, _, _ in joining) + max(n for _, _, n in joining) + 2)
 
 
 def _fn_key(fn: Callable) -> tuple:

@@ -162,7 +162,8 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok" if service.running else "stopped", "model": service.model_name,
-                "method": cfg.method, "queue_depth": service.queue_depth, "live_programs": service.live_programs}
+                "method": cfg.method, "queue_depth": service.queue_depth, "live_programs": service.live_programs,
+                "kv_budget_mb": cfg.kv_budget_mb, "kv_used_mb": round(service.kv_used_bytes / 2**20, 1)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

@@ -55,6 +55,7 @@ class ServiceConfig:
     max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
     admit_every: int = 8  # generations join a decoding loop every N steps: fewer prefill stalls, batched prefills
     prefill_budget: int = 256  # prompt tokens prefilled per decode step, in chunks; 0: whole prompts at admission
+    kv_budget_mb: float = 2048.0  # KV cache of the decode loop; generations wait beyond it (SmolLM2: ~45 KiB/token)
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -71,6 +72,8 @@ class ServiceConfig:
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
+        if not self.kv_budget_mb > 0:
+            raise InputError("kv_budget_mb must be > 0")
         if self.prefill_budget < 0:
             raise InputError("prefill_budget must be >= 0")
         if not self.timeout_s > 0:
@@ -163,6 +166,12 @@ class AnswerService:
     def live_programs(self) -> int:
         """Requests whose programs are running."""
         return len(self._running)
+
+    @property
+    def kv_used_bytes(self) -> int:
+        """Bytes the decode loop's KV cache holds now (0 when stopped)."""
+        sched = self._scheduler
+        return sched.kv_bytes if sched is not None else 0
 
     @property
     def scheduler(self):
@@ -298,7 +307,7 @@ class AnswerService:
 
     def _new_scheduler(self, cls):
         return cls(self.runtime.engine, max_rows=self.config.max_rows, admit_every=self.config.admit_every,
-                   prefill_budget=self.config.prefill_budget)
+                   prefill_budget=self.config.prefill_budget, kv_budget=int(self.config.kv_budget_mb * 2**20))
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).

@@ -210,3 +210,36 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, a
     alone = [engine.generate([f"Q: {q}\nA:"], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0]
              for q, n in ((QUESTIONS[0], 40), (QUESTIONS[1], 2))]
     assert long.result == alone[0].token_ids and short.result == alone[1].token_ids
+
+
+@pytest.mark.parametrize("budget", [None, 16], ids=["whole-prefill", "chunked-prefill"])
+def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budget):
+    """Six generations under a KV budget for about two rows: never more rows or bytes than it allows, each answer
+    equals its generation alone, a generation that cannot fit even alone fails clearly, and the memory goes back."""
+    from fastgate.kv_cache import cell_bytes
+
+    engine = world[0]
+    cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    prompts = [f"Q: {q}\nA:" for q in QUESTIONS[:6]]
+    kv_budget = 2 * (max(engine.count_tokens(p) for p in prompts) + 6 + 2) * cell + cell
+
+    def gen(prompt):
+        (out,) = (yield Generate(prompt, cfg)).sequences
+        return out.token_ids
+
+    sched = Scheduler(engine, kv_budget=kv_budget, prefill_budget=budget)
+    too_big = Task(None, "", program=gen("word " * 200))
+    tasks = [Task(None, "", program=gen(p)) for p in prompts]
+    sched._inbox.extend([tasks[0], too_big, *tasks[1:]])
+    peak_rows = peak_bytes = 0
+    while not all(t.done for t in tasks):
+        sched.step()
+        peak_rows = max(peak_rows, sum(loop.size for loop in sched._loops.values()))
+        peak_bytes = max(peak_bytes, sched.kv_bytes)
+    assert 1 <= peak_rows <= 2  # the others waited for room
+    assert 0 < peak_bytes <= kv_budget
+    assert isinstance(too_big.error, InputError) and "KV cache" in str(too_big.error)
+    assert [t.error for t in tasks] == [None] * 6
+    assert [t.result for t in tasks] == [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
+    assert sched.kv_bytes == 0 and sched.idle  # nothing is held after the burst
