@@ -31,8 +31,8 @@ def methods(world):
     return [build_method(name, engine, retrievers[r], params) for name, r, params in cases(ckpts)]
 
 
-MODES = {"decode-loop": {"continuous": True}, "chunked-prefill": {"continuous": True, "prefill_budget": 8},
-         "closed-calls": {"continuous": False}}
+MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},
+         "chunked-prefill": {"continuous": True, "prefill_budget": 8}, "closed-calls": {"continuous": False}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -219,8 +219,10 @@ def test_http_bad_requests(server, payload, status, message):
 
 def test_http_health_metrics_schema(server):
     url, _ = server
-    assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
+    health = httpx.get(f"{url}/healthz").json()
+    assert health["status"] == "ok" and health["kv_budget_mb"] > 0 and health["kv_used_mb"] >= 0
     httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
+    assert httpx.get(f"{url}/healthz").json()["kv_used_mb"] == 0  # an idle loop holds no cache
     text = httpx.get(f"{url}/metrics").text
     for name in ("fastgate_requests_total{status=\"200\"}", "fastgate_request_latency_seconds_bucket",
                  "fastgate_generation_rows_bucket", "fastgate_answer_latency_seconds_bucket{le=\"0.05\",retrieved=",
