@@ -53,6 +53,10 @@ class Generate:
     ``taps.layers``, pre-answer / EOS states).
 
     ``seed`` makes sampled draws depend only on (seed, sample index), never on the other rows of the call.
+
+    ``answer`` marks the generation whose text, stripped, is the question's answer as soon as it is asked for (the
+    program returns it unchanged): the scheduler reports its text to the question's listener as it is decoded, so a
+    server can stream it (:mod:`fastgate.openai_api`). It changes nothing that is computed.
     """
 
     prompt: str
@@ -60,6 +64,7 @@ class Generate:
     taps: TapSpec = field(default_factory=TapSpec)
     k: int = 1
     seed: int | None = None
+    answer: bool = False
 
     def __post_init__(self) -> None:
         if self.k < 1:

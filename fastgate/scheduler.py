@@ -15,6 +15,12 @@ Why our own scheduler: the methods need taps, seeded k-sample fan-outs, gate ops
 which inference servers' schedulers (vLLM, SGLang) do not offer as one batchable program; SGLang's frontend programs
 are the model for the per-question style.
 
+Progress: a task submitted with a ``listener`` gets events as its program runs (a server streams them): each gate
+decision (``{"event": "gate", "step": ...}``) and search (``{"event": "retrieval", ...}``) when it is delivered, and the
+text of its answer generation (a :class:`~fastgate.programs.Generate` with ``answer=True``) after every decode step that
+changed it (``{"event": "answer", "text": ..., "stop": [...], "done": False}``) and once complete (``"done": True``).
+The listener runs on the scheduler's thread: it must be quick and thread-safe (e.g. put the event on a queue).
+
 The scheduler is not thread-safe except for :meth:`submit` and :meth:`cancel`: one thread calls :meth:`step`.
 """
 
@@ -63,6 +69,8 @@ class Trace:
     retrieval_calls: int = 0
     lm_calls: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # of every LM call; the k samples of one prompt share its prefill and count it once
+    finish_reason: str = "stop"  # the answer generation's: "length" if it stopped at its token limit
     gate_steps: list[GateStep] = field(default_factory=list)
     passages: list[Hit] = field(default_factory=list)
     truncated: bool = False
@@ -81,11 +89,12 @@ class Task:
     """One running program (one question of one method)."""
 
     def __init__(self, method, question: str, on_done: Callable[[Task], None] | None = None,
-                 program: Generator | None = None) -> None:
+                 program: Generator | None = None, listener: Callable[[dict], None] | None = None) -> None:
         self.method = method
         self.question = question
         self.program = program  # a bare program (no method): its return value is the result
         self.on_done = on_done
+        self.listener = listener  # progress events (see the module docstring)
         self.trace = Trace()
         self.submitted = time.perf_counter()
         self.finished: float | None = None
@@ -160,6 +169,7 @@ class Scheduler:
         self.continuous = mergeable(engine) if continuous is None else continuous
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
         self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
+        self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
         self._inbox: list[Task] = []
         self._lock = threading.Lock()
         self._live: list[Task] = []
@@ -171,9 +181,11 @@ class Scheduler:
         self.generation_methods: list[frozenset[str]] = []  # the methods whose rows shared each generate call
 
     # ------------------------------------------------------------------ admission
-    def submit(self, method, question: str, on_done: Callable[[Task], None] | None = None) -> Task:
-        """Queue ``method``'s program for ``question`` (already validated); it joins at the next tick. Thread-safe."""
-        task = Task(method, question, on_done)
+    def submit(self, method, question: str, on_done: Callable[[Task], None] | None = None,
+               listener: Callable[[dict], None] | None = None) -> Task:
+        """Queue ``method``'s program for ``question`` (already validated); it joins at the next tick. ``listener``
+        gets its progress events (see the module docstring). Thread-safe."""
+        task = Task(method, question, on_done, listener=listener)
         with self._lock:
             self._inbox.append(task)
         return task
@@ -402,6 +414,8 @@ class Scheduler:
                 task._results[i] = _RUNNING
                 task._time(self._calls, "generation_s", elapsed)
                 self._inflight[id(ticket)] = (loop, ticket)
+                if req.answer and task.listener is not None:
+                    self._streams[id(ticket)] = [ticket, ""]
 
     def _decode_step(self) -> None:
         """One decode step of every loop; generations that finished go back to their programs."""
@@ -428,10 +442,40 @@ class Scheduler:
             self.generation_methods = (self.generation_methods + [methods])[-1000:]
             for task, _ in members:
                 task._time(self._calls, "generation_s", elapsed)
+            if self._streams:
+                self._stream_text(loop)
             for ticket in done:
                 self._inflight.pop(id(ticket))
                 task, i, req = ticket.owner
                 self._deliver(task, i, req, ticket.result, 0.0)
+
+    def _stream_text(self, loop) -> None:
+        """Send the text of the answer generations decoding in ``loop`` to their listeners, where a step changed it
+        (a finished one is sent complete when it is delivered)."""
+        for key, entry in list(self._streams.items()):
+            ticket, sent = entry
+            if key not in self._inflight or ticket.owner[0].done:
+                del self._streams[key]
+                continue
+            if self._inflight[key][0] is not loop or not ticket.rows or ticket.result is not None:
+                continue
+            text = ticket.rows[0].text
+            if text != sent:
+                entry[1] = text
+                req = ticket.owner[2]
+                self._emit(ticket.owner[0], {"event": "answer", "text": text, "stop": list(req.config.stop),
+                                             "done": False})
+
+    @staticmethod
+    def _emit(task: Task, event: dict) -> None:
+        """Give ``event`` to the task's listener; one that fails is dropped (the program goes on)."""
+        listener = task.listener
+        if listener is None:
+            return
+        try:
+            listener(event)
+        except Exception:  # noqa: BLE001 - e.g. the client's event loop has closed
+            task.listener = None
 
     def _drop_orphans(self) -> None:
         """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
@@ -485,13 +529,25 @@ class Scheduler:
         if isinstance(req, Generate):
             trace.lm_calls += 1
             trace.generated_tokens += sum(len(s.token_ids) for s in out.sequences)
+            trace.prompt_tokens += out.sequences[0].prompt_tokens if out.sequences else 0
             trace.truncated = trace.truncated or any(s.truncated for s in out.sequences)
+            if req.answer and out.sequences:
+                seq = out.sequences[0]
+                trace.finish_reason = "length" if seq.finish_reason == "length" else "stop"
+                self._emit(task, {"event": "answer", "text": seq.text, "stop": list(req.config.stop), "done": True})
         elif isinstance(req, PromptStates):
             trace.lm_calls += 1
+            trace.prompt_tokens += sum(self.engine.count_tokens(p) for p in req.prompts)
         elif isinstance(req, (Search, SearchVectors)):
             trace.retrieval_calls += 1
+            if task.listener is not None:
+                self._emit(task, {"event": "retrieval",
+                                  "queries": list(req.queries) if isinstance(req, Search) else None,
+                                  "hits": [[{"id": h.id, "title": h.title, "score": float(h.score)} for h in hits]
+                                           for hits in out]})
         elif isinstance(req, Decide):
             trace.gate_steps.append(out)
+            self._emit(task, {"event": "gate", "step": out.to_dict()})
         phase = req.phase if isinstance(req, Batched) else _PHASES[type(req)]
         task._time(self._calls, phase, elapsed)
         task._results[i] = out

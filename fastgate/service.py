@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,7 @@ class _Job:
     future: Future
     submitted: float
     task: Any = None  # its scheduler task once admitted
+    listener: Any = None  # progress events of its program (fastgate.scheduler), for streaming
 
 
 class AnswerService:
@@ -241,8 +243,11 @@ class AnswerService:
         return method
 
     def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
-               max_tokens: int | None = None) -> Future:
+               max_tokens: int | None = None, listener: Callable[[dict], None] | None = None) -> Future:
         """Queue a question; the future resolves to the ``fastgate ask --json`` record of its answer.
+
+        ``listener`` gets its program's progress events (gate decisions, searches, the answer's text as it is
+        decoded; see :mod:`fastgate.scheduler`) on the worker thread: it must be quick and thread-safe.
 
         Raises:
             InputError: an invalid question, method or parameter (nothing is queued).
@@ -268,7 +273,7 @@ class AnswerService:
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()
-        job = _Job(question, req, future, time.perf_counter())
+        job = _Job(question, req, future, time.perf_counter(), listener=listener)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -336,7 +341,7 @@ class AnswerService:
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that fails to load
                 job.future.set_exception(exc)
                 continue
-            job.task = self._scheduler.submit(method, job.question, on_done=self._done)
+            job.task = self._scheduler.submit(method, job.question, on_done=self._done, listener=job.listener)
             self._running[id(job.task)] = job
 
     def _expire(self) -> None:

@@ -49,6 +49,8 @@ class MethodResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: this question's total and its calls' phases
     truncated: bool = False  # a prompt was cut on the left to fit the context
     method: str = ""
+    prompt_tokens: int = 0  # prompt tokens of every LM call (k samples of one prompt count it once)
+    finish_reason: str = "stop"  # "length" when the answer's own generation stopped at its token limit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,8 @@ class MethodResult:
             "gate_steps": [s.to_dict() for s in self.gate_steps],
             "timings": self.timings,
             "truncated": self.truncated,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
         }
 
 
@@ -148,14 +152,15 @@ class Method:
     def answer_config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.config.max_answer_tokens, stop=ANSWER_STOP)
 
-    def closed_book(self, question: str) -> Generate:
-        """The request for a greedy closed-book answer."""
-        return Generate(closed_book_prompt(question), self.answer_config())
+    def closed_book(self, question: str, answer: bool = False) -> Generate:
+        """The request for a greedy closed-book answer (``answer``: its text is the question's answer, see
+        :class:`~fastgate.programs.Generate`)."""
+        return Generate(closed_book_prompt(question), self.answer_config(), answer=answer)
 
-    def with_passages(self, question: str, hits: Sequence[Hit]) -> Generate:
+    def with_passages(self, question: str, hits: Sequence[Hit], answer: bool = False) -> Generate:
         """The request for a greedy answer from ``hits``."""
         return Generate(rag_prompt(question, [h.passage for h in hits], self.config.passage_words),
-                        self.answer_config())
+                        self.answer_config(), answer=answer)
 
     # ------------------------------------------------------------------ running
     def program(self, question: str) -> Program:  # pragma: no cover - abstract
@@ -168,7 +173,7 @@ class Method:
                             passages=list(trace.passages), retrieval_calls=trace.retrieval_calls,
                             lm_calls=trace.lm_calls, generated_tokens=trace.generated_tokens,
                             gate_steps=list(trace.gate_steps), timings=dict(timings), truncated=trace.truncated,
-                            method=self.name)
+                            method=self.name, prompt_tokens=trace.prompt_tokens, finish_reason=trace.finish_reason)
 
     def answer(self, question: str) -> MethodResult:
         """Answer one question."""

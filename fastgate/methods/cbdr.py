@@ -67,11 +67,11 @@ class Cbdr(Method):
         (state,) = yield PromptStates((closed_book_prompt(question),), self.gate.layer)  # one half-depth prefill
         step = yield Decide(self.gate, state)  # skip iff Conf > beta
         if not step.retrieve:
-            answer = (yield self.closed_book(question)).sequences[0]
+            answer = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(answer.text.strip())
         (cands,) = yield Search(self.retriever, (question,), c.n_candidates)
         hits = yield from self.rerank(question, step.score, cands)
-        answer = (yield self.with_passages(question, hits)).sequences[0]
+        answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
 
     def rerank(self, question: str, conf_q: float, cands: list[Hit]) -> Program:

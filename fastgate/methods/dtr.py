@@ -79,7 +79,7 @@ class Dtr(Method):
         pseudo = (yield Generate(pseudo_context_prompt(question), pseudo_cfg)).sequences[0]
         passage = pseudo.text.strip() or question  # an empty pseudo-context: fall back to the question
         hits = yield from self.select(question, passage)
-        answer = (yield self.with_passages(question, hits)).sequences[0]
+        answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
 
     def select(self, question: str, pseudo: str) -> Program:

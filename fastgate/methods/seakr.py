@@ -70,8 +70,8 @@ class Seakr(Method):
     def _seed(self, question: str, salt: int) -> int:
         return (zlib.crc32(question.encode("utf-8")) * 7919 + salt * 104729 + self.config.seed) % (2**31)
 
-    def _greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> Generate:
-        return Generate(prompt, GenerationConfig(max_new_tokens=max_tokens, stop=stop))
+    def _greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...], answer: bool = False) -> Generate:
+        return Generate(prompt, GenerationConfig(max_new_tokens=max_tokens, stop=stop), answer=answer)
 
     def _samples(self, prompt: str, max_tokens: int, stop: tuple[str, ...], seed: int) -> Generate:
         """k sampled continuations of ``prompt`` with their EOS states (the eigenscore's input)."""
@@ -132,7 +132,8 @@ class Seakr(Method):
         c = self.config
         prefix = strip_answer(rationale).rstrip() + " " + ANSWER_PHRASE
         r_prompt = seakr_prompt(question, prefix, (), c.passage_words)
-        r_answer = (yield self._greedy(r_prompt, c.max_answer_tokens, SENTENCE_STOP)).sequences[0]
+        # without passages the rationale path's answer is the answer (a streaming server can send it as decoded)
+        r_answer = (yield self._greedy(r_prompt, c.max_answer_tokens, SENTENCE_STOP, answer=not knowledge)).sequences[0]
         if not knowledge:
             return r_answer.text.strip()
         k_prompt = cot_prompt(question, [h.passage for h in knowledge], c.passage_words)

@@ -16,7 +16,7 @@ class NeverRetrieve(Method):
     needs_retriever = False
 
     def program(self, question: str) -> Program:
-        answer = (yield self.closed_book(question)).sequences[0]
+        answer = (yield self.closed_book(question, answer=True)).sequences[0]
         return Answer(answer.text.strip())
 
 
@@ -28,5 +28,5 @@ class AlwaysRetrieve(Method):
 
     def program(self, question: str) -> Program:
         (hits,) = yield Search(self.retriever, (question,), self.config.k)
-        answer = (yield self.with_passages(question, hits)).sequences[0]
+        answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
