@@ -1,16 +1,19 @@
 """HTTP serving: ``fastgate serve`` (FastAPI + uvicorn) in front of an :class:`~fastgate.service.AnswerService`.
 
-Endpoints: ``POST /v1/answer`` (the ``fastgate ask --json`` record), ``GET /healthz``, ``GET /metrics`` (Prometheus)
-and the OpenAPI schema at ``/openapi.json``. Status codes: 422 invalid input (with a message saying what is wrong),
-503 + ``Retry-After`` when the queue is full, 504 when a request is not answered within the timeout, 500 only for an
-internal failure (the server keeps running). Non-finite gate scores (an eigenscore with no valid sample is +inf)
-are sent as ``null``: JSON has no infinity.
+Endpoints: ``POST /v1/answer`` (the ``fastgate ask --json`` record), the OpenAI-compatible
+``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models`` with streaming
+(:mod:`fastgate.openai_api`; OpenAI-style error bodies and 400 for invalid input there), ``GET /healthz``,
+``GET /metrics`` (Prometheus) and the OpenAPI schema at ``/openapi.json``. Status codes: 422 invalid input (with a
+message saying what is wrong), 503 + ``Retry-After`` when the queue is full, 504 when a request is not answered within
+the timeout, 500 only for an internal failure (the server keeps running). Non-finite gate scores (an eigenscore with
+no valid sample is +inf) are sent as ``null``: JSON has no infinity.
 """
 
 # no `from __future__ import annotations`: FastAPI and pydantic read the annotations of the models and endpoints
 # defined inside create_app at runtime
 import asyncio
 import math
+import os
 import time
 from typing import Any
 
@@ -39,14 +42,17 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def create_app(service: AnswerService, timeout_s: float | None = None):
-    """The FastAPI application serving ``service`` (which the caller starts and stops)."""
+def create_app(service: AnswerService, timeout_s: float | None = None, replica: str | None = None):
+    """The FastAPI application serving ``service`` (which the caller starts and stops); ``replica`` names this server
+    process in OpenAI responses and ``/healthz`` (Ray Serve runs several)."""
     _lazy_imports()
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+    from fastgate.openai_api import OPENAI_PATHS, add_openai_routes, openai_error, validation_message
 
     cfg = service.config
     timeout = timeout_s if timeout_s is not None else cfg.timeout_s
@@ -89,6 +95,8 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
         gate_steps: list[GateStepModel]
         timings: dict[str, float | None]
         truncated: bool
+        prompt_tokens: int
+        finish_reason: str
         model: str
         retriever: str | None
 
@@ -128,7 +136,11 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path in OPENAI_PATHS:  # OpenAI clients expect 400 and their error shape
+            message, param = validation_message(exc)
+            requests_total.labels("400").inc()
+            return JSONResponse(openai_error(400, message, param, "invalid_value"), status_code=400)
         parts = []
         for e in exc.errors()[:5]:
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
@@ -163,7 +175,11 @@ def create_app(service: AnswerService, timeout_s: float | None = None):
     async def healthz() -> dict[str, Any]:
         return {"status": "ok" if service.running else "stopped", "model": service.model_name,
                 "method": cfg.method, "queue_depth": service.queue_depth, "live_programs": service.live_programs,
-                "kv_budget_mb": cfg.kv_budget_mb, "kv_used_mb": round(service.kv_used_bytes / 2**20, 1)}
+                "kv_budget_mb": cfg.kv_budget_mb, "kv_used_mb": round(service.kv_used_bytes / 2**20, 1),
+                "replica": replica, "pid": os.getpid()}
+
+    add_openai_routes(app, service, timeout, count=lambda status: requests_total.labels(str(status)).inc(),
+                      observe=latency.observe, replica=replica)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible endpoints, called with the real ``openai`` client against a server on loopback (tiny model):
+chat and completions, streaming and not, method parameters in ``extra_body``, the ``fastgate`` extension, ``usage``,
+4xx for unsupported fields, and a client disconnecting mid-stream."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from fastgate.methods import METHODS  # noqa: E402
+from fastgate.prompts import closed_book_prompt  # noqa: E402
+from fastgate.runtime import Runtime  # noqa: E402
+from fastgate.service import AnswerService, ServiceConfig  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan"]
+SLOW_SEAKR = {"samples": 8, "step_tokens": 32, "max_steps": 4, "delta": -1e9, "answer_tokens": 64}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tiny_engine, small_index):
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    svc = AnswerService(ServiceConfig(method="dtr", params=(("tau", 0.0),), index=str(small_index)), runtime).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    import uvicorn
+
+    from fastgate.server import create_app
+
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(service, timeout_s=60, replica="r0"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _direct(service, method: str, params: dict, question: str):
+    """What the service's own method answers for ``question`` (as ``fastgate ask``)."""
+    return service._method(service._request(method, params)).answer(question)
+
+
+def test_models_lists_one_model_per_method(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [f"fastgate-{name}" for name in METHODS]
+    default = [m for m in models if m.model_extra["fastgate"]["default"]]
+    assert [m.id for m in default] == ["fastgate-dtr"] and default[0].model_extra["fastgate"]["lm"] == "tiny"
+
+
+def test_chat_completion_with_extra_body_parameters(client, service):
+    q = QUESTIONS[0]
+    resp = client.chat.completions.create(
+        model="fastgate-dtr", max_tokens=8, temperature=0.7,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}],
+        extra_body={"tau": 0.0, "k": 2})
+    want = _direct(service, "dtr", {"tau": 0.0, "k": 2, "max_answer_tokens": 8}, q)
+    assert resp.object == "chat.completion" and resp.model == "fastgate-dtr" and resp.id.startswith("chatcmpl-")
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == want.answer
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    ext = resp.model_extra["fastgate"]
+    assert ext["retrieved"] is True and ext["method"] == "dtr" and ext["replica"] == "r0"
+    assert [p["id"] for p in ext["passages"]] == [h.id for h in want.passages] and len(ext["passages"]) == 2
+    assert all(set(p) == {"id", "title", "score"} for p in ext["passages"])
+    assert [s["retrieve"] for s in ext["gate_steps"]] == [True] and ext["lm_calls"] == 3
+    assert {"total_s", "generation_s", "retrieval_s"} <= set(ext["timings"])
+    assert sorted(ext["ignored"]) == ["messages before the last", "temperature"]
+    # usage sums every LM call: the closed-book answer, the pseudo-context and the answer from passages
+    closed = service.runtime.engine.count_tokens(closed_book_prompt(q))
+    assert resp.usage.prompt_tokens == want.prompt_tokens > closed
+    assert resp.usage.completion_tokens == want.generated_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completion_usage_is_the_one_lm_call_of_never(client, service):
+    q = QUESTIONS[1]
+    resp = client.completions.create(model="fastgate-never", prompt=q, max_tokens=6)
+    want = _direct(service, "never", {"max_answer_tokens": 6}, q)
+    assert resp.object == "text_completion" and resp.choices[0].text == want.answer
+    assert resp.model_extra["fastgate"]["retrieved"] is False
+    assert resp.usage.prompt_tokens == service.runtime.engine.count_tokens(closed_book_prompt(q))
+    assert resp.usage.completion_tokens == want.generated_tokens
+    assert resp.choices[0].finish_reason == want.finish_reason
+
+
+def _collect(stream) -> tuple[str, list[dict], list]:
+    """(content, fastgate events, chunks) of a chat or completion stream."""
+    content, events, chunks = "", [], list(stream)
+    for c in chunks:
+        ext = (c.model_extra or {}).get("fastgate")
+        if ext is not None:
+            events.append(ext)
+        for choice in c.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            content += piece or ""
+    return content, events, chunks
+
+
+def test_chat_stream_sends_gate_and_retrieval_then_the_answer_as_decoded(client, service):
+    q = QUESTIONS[2]
+    kwargs = {"model": "fastgate-dtr", "max_tokens": 12, "messages": [{"role": "user", "content": q}],
+              "extra_body": {"tau": 0.0}}
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    content, events, chunks = _collect(stream)
+    assert content == whole.choices[0].message.content  # the deltas concatenate to the answer
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "gate" and "retrieval" in kinds and kinds[-1] == "done"
+    assert events[0]["step"]["retrieve"] is True and events[0]["step"]["gate"] == "answer_nll"
+    hits = [e for e in events if e["event"] == "retrieval"][0]["hits"]
+    assert hits and all({"id", "title", "score"} <= set(h) for h in hits[0])
+    done = events[-1]
+    assert done["answer"] == content and done["passages"] == whole.model_extra["fastgate"]["passages"]
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1  # sent as decoded, not in one piece
+    first_piece = chunks.index(pieces[0])
+    assert all(chunks.index(c) < first_piece for c in chunks if (c.model_extra or {}).get("fastgate", {}).get(
+        "event") in ("gate", "retrieval"))  # the gate and the retrievals come before the answer
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("method,params", [("flare", {"max_sentences": 2, "sentence_tokens": 8, "theta": 0.9}),
+                                           ("always", {"k": 1})])
+def test_completion_stream_equals_the_non_streamed_answer(client, method, params):
+    kwargs = {"model": f"fastgate-{method}", "prompt": QUESTIONS[0], "max_tokens": 8, "extra_body": params}
+    whole = client.completions.create(**kwargs)
+    content, events, _ = _collect(client.completions.create(stream=True, **kwargs))
+    assert content == whole.choices[0].text
+    steps = whole.model_extra["fastgate"]["gate_steps"]
+    assert [e["step"]["retrieve"] for e in events if e["event"] == "gate"] == [s["retrieve"] for s in steps]
+    assert sum(e["event"] == "retrieval" for e in events) == whole.model_extra["fastgate"]["retrieval_calls"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"stop": ["."]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_unsupported_standard_fields_get_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": "Hamlet?"}],
+                                       **extra)
+    assert err.value.status_code == 400 and param in err.value.message and err.value.param == param
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+def test_invalid_requests_get_openai_style_errors(client):
+    user = [{"role": "user", "content": "Who wrote Hamlet?"}]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=user)
+    assert err.value.code == "model_not_found" and "fastgate-dtr" in err.value.message
+    for kwargs, message in [
+        ({"messages": user, "extra_body": {"bogus": 1}}, "unknown parameter"),
+        ({"messages": user, "extra_body": {"k": 2.5}}, "expects int"),
+        ({"messages": user, "extra_body": {"params": {"k": 2}, "k": 3}}, "both"),
+        ({"messages": [*user, {"role": "assistant", "content": "Shakespeare"}]}, "last message"),
+        ({"messages": [{"role": "user", "content": "  "}]}, "empty"),
+        ({"messages": user, "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="fastgate-never", **kwargs)
+        assert message in err.value.message, (kwargs, err.value.message)
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model="fastgate-never", prompt=["a?", "b?"])
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_program(client, service):
+    cancelled, answered = service.metrics.cancelled, service.metrics.answered
+    stream = client.chat.completions.create(model="fastgate-seakr", stream=True, extra_body=SLOW_SEAKR,
+                                            messages=[{"role": "user", "content": "capital of Kyrgyzstan"}])
+    first = next(iter(stream))  # the stream has started: the program runs
+    assert first.choices[0].delta.role == "assistant"
+    deadline = time.time() + 30
+    while not service.live_programs and time.time() < deadline:
+        time.sleep(0.02)
+    assert service.live_programs == 1
+    stream.close()  # the client goes away
+    deadline = time.time() + 60
+    while service.live_programs and time.time() < deadline:
+        time.sleep(0.05)
+    assert service.live_programs == 0 and service.scheduler.idle
+    assert service.metrics.cancelled == cancelled + 1 and service.metrics.answered == answered  # stopped, not run out
+    whole = client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": "Hi?"}])
+    assert whole.choices[0].message.content is not None  # still serving
