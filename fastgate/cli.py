@@ -216,6 +216,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     params = _parse_params(args.param)
     check_request(args.method, params, None, args.model)  # fail before loading the model or binding the port
+    if args.ray:
+        from fastgate.ray_serve import RayServeConfig, _ray
+
+        _ray()  # not installed: the install hint now, before anything starts
+        ray_config = RayServeConfig(replicas=args.replicas, address=args.address, host=args.host, port=args.port,
+                                    num_cpus=args.num_cpus)
+    elif args.replicas != 1 or args.address is not None:
+        raise InputError("--replicas and --address need --ray")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
@@ -225,6 +233,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
                            max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
+    if args.ray:
+        from fastgate.ray_serve import serve_ray
+
+        serve_ray(config, ray_config)
+        return 0
     serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -356,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(ev)
     ev.set_defaults(func=_cmd_eval)
 
-    sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, /healthz, /metrics)",
+    sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible "
+                                      "/v1/chat/completions, /v1/completions, /v1/models, /healthz, /metrics)",
                         description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
     sv.add_argument("--method", default="dtr", help="default method of requests that name none (default: %(default)s)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
@@ -382,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
     sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
+    sv.add_argument("--ray", action="store_true",
+                    help="run --replicas engine replicas on Ray Serve behind its HTTP proxy (pip install "
+                         "'fastgate[ray]')")
+    sv.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: %(default)s)")
+    sv.add_argument("--address", default=None,
+                    help="with --ray: an existing Ray cluster (auto, or HOST:PORT of `ray start --head`); default: "
+                         "start a local Ray")
+    sv.add_argument("--num-cpus", type=float, default=1.0,
+                    help="with --ray: CPUs reserved per replica (default: %(default)s)")
     _add_model_args(sv)
     sv.set_defaults(func=_cmd_serve)
 

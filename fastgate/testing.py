@@ -9,7 +9,7 @@ import torch
 
 from fastgate.models import LoadedModel
 
-__all__ = ["tiny_model", "TINY_CORPUS"]
+__all__ = ["tiny_model", "tiny_runtime", "TINY_CORPUS"]
 
 TINY_CORPUS = [
     "Q: What is the capital of France?\nA: Paris",
@@ -63,3 +63,12 @@ def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: i
         model.lm_head.weight.mul_(4.0)
     fingerprint = hashlib.sha256(f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
+
+
+def tiny_runtime(index: str | None = None):
+    """A :class:`~fastgate.runtime.Runtime` on the tiny model over the indexes at ``index`` (for servers in other
+    processes, e.g. Ray Serve replicas in tests: every process builds the same weights)."""
+    from fastgate.engine import Engine
+    from fastgate.runtime import Runtime
+
+    return Runtime("tiny", index=index, engine=Engine(tiny_model()))

@@ -39,6 +39,17 @@ def test_ask_bad_input(capsys, argv, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--replicas", "2"], "--replicas and --address need --ray"),
+    (["serve", "--ray", "--replicas", "0"], "replicas must be >= 1"),
+])
+def test_serve_ray_bad_input(capsys, argv, message):
+    if "--ray" in argv:
+        pytest.importorskip("ray.serve")
+    code, _, err = run_main(capsys, *argv)
+    assert code == 2 and message in err and err.startswith("fastgate: error: ")
+
+
 def test_ask_missing_and_corrupt_index(capsys, tmp_path, small_index):
     code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path / "nope"))
     assert code == 2 and "no bm25 index" in err

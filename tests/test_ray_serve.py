@@ -1,0 +1,132 @@
+"""Scale-out on Ray Serve: a local Ray with 2 replicas of the tiny model behind Ray Serve's HTTP proxy on loopback.
+Concurrent requests are spread over both replicas and answered as in one process; a replica killed mid-load is
+replaced, no request hangs, and the service recovers. Bounded: every request has a client timeout and every wait a
+deadline."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve")
+
+pytestmark = pytest.mark.ray
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan", "largest planet",
+             "When was the Eiffel Tower completed?", "capital of Germany"]
+PARAMS = (("tau", 0.0),)  # DTR always retrieves: every request runs three generations and a dense search
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_url(small_index):
+    import ray
+    from ray import serve
+
+    from fastgate.ray_serve import RayServeConfig, build_app
+    from fastgate.service import ServiceConfig
+    from fastgate.testing import tiny_runtime
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = ServiceConfig(method="dtr", params=PARAMS, index=str(small_index))
+        app = build_app(config, RayServeConfig(replicas=2, num_cpus=1, health_check_period_s=1.0),
+                        runtime_factory=functools.partial(tiny_runtime, str(small_index)), timeout_s=60)
+        serve.run(app, name="fastgate", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single_process_answers(tiny_engine, small_index):
+    from fastgate.runtime import Runtime
+    from fastgate.service import AnswerService, ServiceConfig
+
+    svc = AnswerService(ServiceConfig(method="dtr", params=PARAMS, index=str(small_index)),
+                        Runtime("tiny", index=str(small_index), engine=tiny_engine))
+    return {r.question: r.answer for r in svc._method(svc._request(None, None)).answer_batch(QUESTIONS)}
+
+
+def _ask(client, question: str) -> tuple[str, str]:
+    resp = client.chat.completions.create(model="fastgate-dtr", messages=[{"role": "user", "content": question}])
+    return resp.choices[0].message.content, resp.model_extra["fastgate"]["replica"]
+
+
+def _client(url: str, timeout: float = 120):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def test_concurrent_requests_are_spread_over_both_replicas_and_answered_as_in_one_process(ray_url,
+                                                                                         single_process_answers):
+    client = _client(ray_url)
+    replicas: set[str] = set()
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(4):  # rounds of 6 concurrent requests until both replicas have answered (bounded)
+            results = list(pool.map(lambda q: (q, *_ask(client, q)), QUESTIONS))
+            for question, answer, replica in results:
+                assert answer == single_process_answers[question], (question, replica)
+                replicas.add(replica)
+            if len(replicas) == 2:
+                break
+    assert len(replicas) == 2, replicas
+
+
+def test_a_killed_replica_is_replaced_and_no_request_hangs(ray_url, single_process_answers):
+    import httpx
+
+    client = _client(ray_url, timeout=90)  # a request that hung would fail the test with APITimeoutError
+    seen: dict[str, int] = {}
+    deadline = time.time() + 60
+    while len(seen) < 2 and time.time() < deadline:
+        health = httpx.get(f"{ray_url}/healthz", timeout=30).json()
+        seen[health["replica"]] = health["pid"]
+    assert len(seen) == 2
+    victim, pid = sorted(seen.items())[0]
+
+    def ask(q: str):
+        try:
+            return _ask(client, q)
+        except openai.APIStatusError as exc:  # the requests that were on the killed replica: an error, not a hang
+            return exc.status_code
+        except openai.APIConnectionError as exc:
+            if isinstance(exc, openai.APITimeoutError):
+                raise
+            return "connection"
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(ask, q) for q in QUESTIONS * 2]
+        time.sleep(0.5)  # mid-load: the requests are in flight on both replicas
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result(timeout=120) for f in futures]
+    answered = [(q, o) for q, o in zip(QUESTIONS * 2, outcomes) if isinstance(o, tuple)]
+    assert answered, outcomes  # the surviving replica went on answering
+    assert all(answer == single_process_answers[q] for q, (answer, _) in answered)
+    # recovery: Ray starts a new replica; both replicas answer again, and nothing from the killed one
+    replicas: set[str] = set()
+    deadline = time.time() + 120
+    while len(replicas) < 2 and time.time() < deadline:
+        try:
+            answer, replica = _ask(client, QUESTIONS[0])
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(0.5)
+            continue
+        assert answer == single_process_answers[QUESTIONS[0]]
+        replicas.add(replica)
+    assert len(replicas) == 2 and victim not in replicas, (replicas, victim)
