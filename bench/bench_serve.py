@@ -6,7 +6,14 @@ by ``--max-seconds`` per level. Concurrency 1 is sequential processing: the spee
 it. Every request must get a 200 (a lost or failed request is counted and reported). Appends to
 bench/results/serve.csv.
 
+With ``--ray --replicas N`` the same levels run twice on ``fastgate serve --ray`` (Ray Serve's HTTP proxy in front of
+engine replicas, a local Ray): with 1 replica and with N, and ``speedup_vs_1_replica`` compares their throughput at
+each level. On a 2-core CPU expect none: the replicas share the cores (each gets one: Ray sets its torch threads to
+its CPUs), so the point there is that it runs and loses nothing; on a cluster each replica brings its own cores or GPU.
+``mean_rows`` is left empty with Ray: ``/metrics`` is per replica.
+
 Run: python bench/bench_serve.py [--method dtr] [--clients 1,4,16,64] [--requests 64] [--max-seconds 300]
+     python bench/bench_serve.py --ray --replicas 2 --clients 1,8 --requests 16
 """
 
 from __future__ import annotations
@@ -56,22 +63,43 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     ap.add_argument("--max-seconds", type=float, default=300, help="stop sending new requests after this per level")
     ap.add_argument("--max-live", type=int, default=32, help="requests whose programs run at once")
+    ap.add_argument("--ray", action="store_true", help="serve on Ray Serve: compare 1 replica with --replicas")
+    ap.add_argument("--replicas", type=int, default=2, help="with --ray: the replicas compared with 1")
     args = ap.parse_args()
-
-    import httpx
 
     from fastgate.eval.datasets import load_qa, sample_examples
 
     questions = [e.question for e in sample_examples(load_qa("heldout"), 256, seed=1)]
+    rows = []
+    for replicas in ([1, args.replicas] if args.ray else [None]):
+        rows += _run_server(args, questions, replicas)
+    if args.ray:
+        single = {r["clients"]: r["qps"] for r in rows if r["replicas"] == 1}
+        for r in rows:
+            r["speedup_vs_1_replica"] = r["qps"] / single[r["clients"]] if single.get(r["clients"]) else float("nan")
+    columns = ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s", "mean_rows"]
+    if args.ray:
+        columns = ["replicas", *columns, "speedup_vs_1_replica"]
+    print()
+    print_table(rows, columns)
+    print(f"appended to {append_rows('serve', rows)}")
+
+
+def _run_server(args, questions: list[str], replicas: int | None) -> list[dict]:
+    """Start a server (``replicas``: on Ray Serve with that many replicas), run every concurrency level, stop it."""
+    import httpx
+
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "fastgate", "serve", "--method", args.method, "--model", args.model, "--port",
            str(port), "--max-live", str(args.max_live), "--max-queue", "1024", "--timeout", "600",
            "--log-level", "warning"]
+    if replicas is not None:
+        cmd += ["--ray", "--replicas", str(replicas)]
     proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     rows = []
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 600  # Ray starts, then every replica loads the model and the indexes
         while True:
             try:
                 if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
@@ -81,13 +109,14 @@ def main() -> None:
             if proc.poll() is not None or time.time() > deadline:
                 raise SystemExit("the server did not start")
             time.sleep(0.5)
-        with httpx.Client(timeout=600) as client:  # warm-up: lazy tables, first batch
-            client.post(f"{url}/v1/answer", json={"question": questions[-1]})
+        with httpx.Client(timeout=600) as client:  # warm-up: lazy tables, first batch (on every replica)
+            for q in questions[-(replicas or 1):]:
+                client.post(f"{url}/v1/answer", json={"question": q})
         base = None
         for c in [int(x) for x in args.clients.split(",")]:
             latencies: list[float] = []
             failures = 0
-            q0, b0 = _batch_totals(url)
+            q0, b0 = _batch_totals(url) if replicas is None else (0.0, 0.0)
             t_start = time.perf_counter()
             stop_at = t_start + args.max_seconds
             counter = iter(range(args.requests))
@@ -108,27 +137,25 @@ def main() -> None:
             with ThreadPoolExecutor(c) as pool:
                 list(pool.map(worker, range(c)))
             wall = time.perf_counter() - t_start
-            q1, b1 = _batch_totals(url)
+            q1, b1 = _batch_totals(url) if replicas is None else (0.0, 0.0)
             qps = len(latencies) / wall
             base = base or qps
-            rows.append({"method": args.method, "model": args.model, "clients": c, "answered": len(latencies),
+            rows.append({"method": args.method, "model": args.model, "replicas": replicas or "",
+                         "clients": c, "answered": len(latencies),
                          "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
                          "p50_s": statistics.median(latencies) if latencies else float("nan"),
                          "p95_s": _percentile(latencies, 0.95),
                          "mean_rows": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_live": args.max_live})
             print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
                                     "mean_rows"])
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url}/metrics").text  # with Ray: one replica's
         print("\n".join(ln for ln in metrics.splitlines() if ln.startswith(("fastgate_requests_total",
                                                                              "fastgate_generation_rows_sum",
                                                                              "fastgate_generation_rows_count"))))
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    print()
-    print_table(rows, ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
-                       "mean_rows"])
-    print(f"appended to {append_rows('serve', rows)}")
+        proc.terminate()  # the Ray server shuts Serve and its local Ray down on SIGTERM
+        proc.wait(timeout=120)
+    return rows
 
 
 if __name__ == "__main__":
