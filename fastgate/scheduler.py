@@ -5,8 +5,8 @@ it waits on a request, groups the pending requests by kind and runs each group a
 ``search_batch`` per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per
 batch op. Generations join one running :class:`~fastgate.decode.DecodeLoop` (rows may differ in decoding settings,
 taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back to its
-program at that step, and a new one joins within ``admit_every`` steps (at once when the loop is idle), so no
-question waits for another's generation to end.
+program at that step, and a new one joins at the next (its prompt prefilled in chunks between decode steps, at most
+``prefill_budget`` tokens a step, within the ``kv_budget``), so no question waits for another's generation to end.
 Programs of different methods and parameters share these calls. A program's result is delivered as soon as its own
 program ends (the batch-synchronous ``answer_batch`` of earlier versions returned when its slowest question ended).
 Models whose cache cannot be merged (sliding-window layers) run each tick's generations as one closed engine call.
@@ -122,9 +122,10 @@ class Scheduler:
         max_rows: the most sequences (prompts × samples) decoding at once; more wait for rows to finish (closed
             calls: are split into several calls). Bounds the KV cache (SeaKR's k samples × candidates × questions).
         continuous: generations join a running decode loop (default: when the model's cache allows it).
-        admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): each
-            admission's prefill stalls every decoding row, so admissions batched this way keep the decode moving and
-            prefill several prompts in one go; a new generation waits at most this many steps.
+        admit_every: generations join a loop that is decoding every this many steps (at once when it is idle). With
+            a chunked prefill (``prefill_budget``) joining costs the running rows at most the budget a step, so 1;
+            with whole prefills, a larger value batches them and keeps the decode moving between them, and a new
+            generation waits at most this many steps.
         prefill_budget: with the decode loop, the most prompt tokens (rows × columns, padding included) prefilled
             per step, in chunks between decode steps (see :meth:`DecodeLoop.admit`); None or 0: a generation's prompt
             is prefilled whole when it joins. 256 tokens cost about three decode steps of 16 rows on a 2-core CPU.
@@ -137,7 +138,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
-                 admit_every: int = 8, prefill_budget: int | None = 256, kv_budget: int | None = None) -> None:
+                 admit_every: int = 1, prefill_budget: int | None = 256, kv_budget: int | None = None) -> None:
         from fastgate.decode import mergeable
 
         if max_rows < 1:
