@@ -335,9 +335,14 @@ class DecodeLoop:
         return ran
 
     def _join(self, rows: list[_Row], cache, mask, logits, layers, running, count) -> None:
-        """Concatenate a prefilled block of rows to the loop (dropping finished rows first)."""
+        """Concatenate a prefilled block of rows to the loop. Finished rows are dropped first (a copy of the cache)
+        only when they are half the loop or the block does not fit in place anyway; else they stay, masked, until
+        the step that finds half the loop finished (joins come often: a copy at each would cost more than the
+        finished rows' share of a few decode steps)."""
         if self.rows:
-            self._select([r for r, row in enumerate(self.rows) if not row.final])
+            live = [r for r, row in enumerate(self.rows) if not row.final]
+            if len(live) < len(self.rows) and (2 * len(live) <= len(self.rows) or not self._fits(cache, mask)):
+                self._select(live)
         if not self.rows:
             self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
             self.layers, self.running, self.count = layers, running, count
@@ -358,6 +363,12 @@ class DecodeLoop:
             self.running = torch.cat([self.running, running])
         self.count = torch.cat([self.count, count])
         self.rows = self.rows + rows
+
+    def _fits(self, cache, mask) -> bool:
+        """Whether rows with ``cache`` / ``mask`` can be written into the loop's buffers in place (no copy)."""
+        layer = self.cache.layers[0]
+        return (getattr(layer, "_buf_k", None) is not None and layer._ours() and mask.shape[1] <= self.mask.shape[1]
+                and len(self.rows) + mask.shape[0] <= layer._buf_k.shape[0])
 
     def _relayout(self, running, old: tuple[int, ...], new: tuple[int, ...], m: int):
         out = torch.zeros((m, len(new), self.engine.lm.hidden_size), dtype=torch.float32, device=self.engine.device)
