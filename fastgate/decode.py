@@ -9,12 +9,15 @@ chosen layers' hidden states, the pre-answer state, a forced EOS step after a sa
 prefill and a generator per sampled row (so that draws never depend on the batch); HF's loop exposes none of them.
 
 Rows that join are prefilled on their own, either whole at admission (:meth:`DecodeLoop.add`) or in chunks of columns
-between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the scheduler's way, as Sarathi and vLLM
+between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the service's way, as Sarathi and vLLM
 do: one 500-token prompt then never stalls the running rows for its whole prefill, and the prefill with the fewest
-tokens left goes first, so a short prompt is not held behind long ones). They are then written after the loop's rows,
-left-padded to its width (positions come from the attention mask, so padding changes nothing), in place when the
-cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the loop has
-finished or when rows join, and columns that are padding for every row are trimmed then (one copy of the cache).
+tokens left goes first, so a short prompt is not held behind long ones). Unlike Sarathi, a chunk runs as its own
+forward pass, not in the decode rows' pass (that needs attention over ragged rows): on a CPU every pass streams the
+weights once, so chunking trades throughput for latency (docs/RESULTS.md). Prefilled rows are written after the
+loop's rows, left-padded to its width (positions come from the attention mask, so padding changes nothing), in place
+when the cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the
+loop has finished, or when rows join and a copy is due anyway; columns that are padding for every row are trimmed
+then (one copy of the cache).
 """
 
 from __future__ import annotations
