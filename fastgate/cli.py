@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests whose programs run at once; more wait in the queue (default: %(default)s)")
     sv.add_argument("--max-rows", type=int, default=80,
                     help="sequences (prompts x samples) per engine call (default: %(default)s)")
-    sv.add_argument("--admit-every", type=int, default=8,
+    sv.add_argument("--admit-every", type=int, default=1,
                     help="generations join a decoding loop every N steps (at once when idle) (default: %(default)s)")
     sv.add_argument("--prefill-budget", type=int, default=256,
                     help="prompt tokens prefilled per decode step, in chunks between steps; 0: whole prompts when "

@@ -9,12 +9,15 @@ chosen layers' hidden states, the pre-answer state, a forced EOS step after a sa
 prefill and a generator per sampled row (so that draws never depend on the batch); HF's loop exposes none of them.
 
 Rows that join are prefilled on their own, either whole at admission (:meth:`DecodeLoop.add`) or in chunks of columns
-between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the scheduler's way, as Sarathi and vLLM
+between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the service's way, as Sarathi and vLLM
 do: one 500-token prompt then never stalls the running rows for its whole prefill, and the prefill with the fewest
-tokens left goes first, so a short prompt is not held behind long ones). They are then written after the loop's rows,
-left-padded to its width (positions come from the attention mask, so padding changes nothing), in place when the
-cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the loop has
-finished or when rows join, and columns that are padding for every row are trimmed then (one copy of the cache).
+tokens left goes first, so a short prompt is not held behind long ones). Unlike Sarathi, a chunk runs as its own
+forward pass, not in the decode rows' pass (that needs attention over ragged rows): on a CPU every pass streams the
+weights once, so chunking trades throughput for latency (docs/RESULTS.md). Prefilled rows are written after the
+loop's rows, left-padded to its width (positions come from the attention mask, so padding changes nothing), in place
+when the cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the
+loop has finished, or when rows join and a copy is due anyway; columns that are padding for every row are trimmed
+then (one copy of the cache).
 """
 
 from __future__ import annotations
@@ -335,9 +338,14 @@ class DecodeLoop:
         return ran
 
     def _join(self, rows: list[_Row], cache, mask, logits, layers, running, count) -> None:
-        """Concatenate a prefilled block of rows to the loop (dropping finished rows first)."""
+        """Concatenate a prefilled block of rows to the loop. Finished rows are dropped first (a copy of the cache)
+        only when they are half the loop or the block does not fit in place anyway; else they stay, masked, until
+        the step that finds half the loop finished (joins come often: a copy at each would cost more than the
+        finished rows' share of a few decode steps)."""
         if self.rows:
-            self._select([r for r, row in enumerate(self.rows) if not row.final])
+            live = [r for r, row in enumerate(self.rows) if not row.final]
+            if len(live) < len(self.rows) and (2 * len(live) <= len(self.rows) or not self._fits(cache, mask)):
+                self._select(live)
         if not self.rows:
             self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
             self.layers, self.running, self.count = layers, running, count
@@ -358,6 +366,12 @@ class DecodeLoop:
             self.running = torch.cat([self.running, running])
         self.count = torch.cat([self.count, count])
         self.rows = self.rows + rows
+
+    def _fits(self, cache, mask) -> bool:
+        """Whether rows with ``cache`` / ``mask`` can be written into the loop's buffers in place (no copy)."""
+        layer = self.cache.layers[0]
+        return (getattr(layer, "_buf_k", None) is not None and layer._ours() and mask.shape[1] <= self.mask.shape[1]
+                and len(self.rows) + mask.shape[0] <= layer._buf_k.shape[0])
 
     def _relayout(self, running, old: tuple[int, ...], new: tuple[int, ...], m: int):
         out = torch.zeros((m, len(new), self.engine.lm.hidden_size), dtype=torch.float32, device=self.engine.device)

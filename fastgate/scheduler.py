@@ -5,8 +5,8 @@ it waits on a request, groups the pending requests by kind and runs each group a
 ``search_batch`` per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per
 batch op. Generations join one running :class:`~fastgate.decode.DecodeLoop` (rows may differ in decoding settings,
 taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back to its
-program at that step, and a new one joins within ``admit_every`` steps (at once when the loop is idle), so no
-question waits for another's generation to end.
+program at that step, and a new one joins at the next (its prompt prefilled in chunks between decode steps, at most
+``prefill_budget`` tokens a step, within the ``kv_budget``), so no question waits for another's generation to end.
 Programs of different methods and parameters share these calls. A program's result is delivered as soon as its own
 program ends (the batch-synchronous ``answer_batch`` of earlier versions returned when its slowest question ended).
 Models whose cache cannot be merged (sliding-window layers) run each tick's generations as one closed engine call.
@@ -131,12 +131,18 @@ class Scheduler:
         max_rows: the most sequences (prompts × samples) decoding at once; more wait for rows to finish (closed
             calls: are split into several calls). Bounds the KV cache (SeaKR's k samples × candidates × questions).
         continuous: generations join a running decode loop (default: when the model's cache allows it).
-        admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): each
-            admission's prefill stalls every decoding row, so admissions batched this way keep the decode moving and
-            prefill several prompts in one go; a new generation waits at most this many steps.
+        admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): with
+            whole prefills, a larger value batches them (fewer, larger forwards) and keeps the decode moving between
+            them; a new generation waits at most this many steps. With a chunked prefill, 1.
         prefill_budget: with the decode loop, the most prompt tokens (rows × columns, padding included) prefilled
             per step, in chunks between decode steps (see :meth:`DecodeLoop.admit`); None or 0: a generation's prompt
-            is prefilled whole when it joins. 256 tokens cost about three decode steps of 16 rows on a 2-core CPU.
+            is prefilled whole when it joins.
+
+    The defaults favour throughput (batch evaluation: ``answer_batch``): every forward pass costs a fixed ~140 ms on
+    a 2-core CPU (the weights streamed once) besides ~2 ms a prompt token, so fewer, larger prefills win. A server
+    that must keep cheap requests cheap under load uses ``prefill_budget=256, admit_every=1`` (the service's
+    default): a prefill then stalls the running rows for at most 256 tokens a step, at the cost of more forwards
+    (docs/RESULTS.md has both measured).
         kv_budget: with the decode loop, the most bytes the running rows' KV cache may take (None: no bound). A
             generation joins only if the cache's worst case with it (every row right-aligned to the widest prompt,
             grown until the longest row ends) fits; otherwise it waits for rows to finish, in arrival order, and a
@@ -146,7 +152,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
-                 admit_every: int = 8, prefill_budget: int | None = 256, kv_budget: int | None = None) -> None:
+                 admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None) -> None:
         from fastgate.decode import mergeable
 
         if max_rows < 1:
