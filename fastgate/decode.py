@@ -132,10 +132,7 @@ class _Prefill:
         self.prefix = 0 if prefix is None else len(prefix)
         if prefix is not None:
             engine.prefix_hits += n
-            for layer, (k, v) in enumerate(engine._prefix_kv(prefix)):
-                self.cache.update(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous(), layer)
-        self.ids, own = engine._pad([r[self.prefix:] for r in self.rows])
-        self.mask = torch.cat([torch.ones((n, self.prefix), dtype=own.dtype, device=own.device), own], dim=1)
+        self.ids, self.mask = engine._prefix_inputs(self.rows, prefix, self.cache)
 
 
 class DecodeLoop:

@@ -393,15 +393,20 @@ class Engine:
     def _prefill_rows(self, rows: list[list[int]], prefix: tuple[int, ...] | None, cache
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over ``rows`` (after the cached ``prefix``, if any) into ``cache``."""
+        ids, mask = self._prefix_inputs(rows, prefix, cache)
+        return self._forward(ids, mask, cache, ids.shape[1]), mask
+
+    def _prefix_inputs(self, rows: list[list[int]], prefix: tuple[int, ...] | None, cache
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the cached ``prefix``'s keys / values (if any) into ``cache``; the rows' own tokens after it,
+        left-padded ``ids [N, S]``, and the ``mask [N, P + S]`` of prefix and own tokens."""
         if prefix is None:
-            ids, mask = self._pad(rows)
-            return self._forward(ids, mask, cache, ids.shape[1]), mask
+            return self._pad(rows)
         p, n = len(prefix), len(rows)
         for layer, (k, v) in enumerate(self._prefix_kv(prefix)):
             cache.update(k.expand(n, -1, -1, -1).contiguous(), v.expand(n, -1, -1, -1).contiguous(), layer)
         ids, own = self._pad([r[p:] for r in rows])
-        mask = torch.cat([torch.ones((n, p), dtype=own.dtype, device=own.device), own], dim=1)  # [N, P + S]
-        return self._forward(ids, mask, cache, ids.shape[1]), mask
+        return ids, torch.cat([torch.ones((n, p), dtype=own.dtype, device=own.device), own], dim=1)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache, n_new: int) -> torch.Tensor:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -n_new:]  # [N, n_new]

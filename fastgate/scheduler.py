@@ -385,10 +385,10 @@ class Scheduler:
                         f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows x "
                         f"{prompt + new + 2} tokens), more than the budget of {self.kv_budget / 2**20:.0f} MiB"))
                     continue
-                cells = sum(loop.cells_after(joining[m]) for m, loop in self._loops.items() if m != mid)
-                loop = self._loops.get(mid)
-                cells += loop.cells_after([*joining[mid], ask]) if loop is not None else \
-                    _cells([*joining[mid], ask])
+                if mid not in self._loops:  # an empty loop holds nothing: building one allocates nothing
+                    self._loops[mid] = DecodeLoop(self.engine, mid, max_cells=self._max_cells)
+                cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
+                            for m, loop in self._loops.items())
                 if cells > self._max_cells:
                     break  # waits for rows to finish (in order)
                 joining[mid].append(ask)
@@ -661,13 +661,6 @@ def _group_key(req: Any) -> tuple:
     if isinstance(req, Batched):
         return ("batched", _fn_key(req.fn))
     raise InputError(f"a program yielded {type(req).__name__}, which is not a request (see fastgate.programs)")
-
-
-def _cells(joining: list[tuple[int, int, int]]) -> int:
-    """:meth:`DecodeLoop.cells_after` of an empty loop."""
-    if not joining:
-        return 0
-    return sum(k for _, k, _ in joining) * (max(p for p, _, _ in joining) + max(n for _, _, n in joining) + 2)
 
 
 def _fn_key(fn: Callable) -> tuple:
