@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import torch
 
 from fastgate.models import LoadedModel
 
-__all__ = ["tiny_model", "tiny_runtime", "TINY_CORPUS"]
+__all__ = ["free_port", "serve_in_thread", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
 
 TINY_CORPUS = [
     "Q: What is the capital of France?\nA: Paris",
@@ -72,3 +77,32 @@ def tiny_runtime(index: str | None = None):
     from fastgate.runtime import Runtime
 
     return Runtime("tiny", index=index, engine=Engine(tiny_model()))
+
+
+def free_port() -> int:
+    """A loopback port free now (for test and benchmark servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, timeout_s: float = 30) -> Iterator[int]:
+    """Serve the ASGI ``app`` with uvicorn on a free loopback port in a daemon thread; yields the port, stops it
+    after."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout_s
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    if not srv.started:
+        raise RuntimeError(f"the test server did not start within {timeout_s:g} s")
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

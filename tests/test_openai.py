@@ -4,8 +4,6 @@ chat and completions, streaming and not, method parameters in ``extra_body``, th
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
@@ -22,11 +20,6 @@ QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of 
 SLOW_SEAKR = {"samples": 8, "step_tokens": 32, "max_steps": 4, "delta": -1e9, "answer_tokens": 64}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def service(tiny_engine, small_index):
@@ -38,22 +31,11 @@ def service(tiny_engine, small_index):
 
 @pytest.fixture(scope="module")
 def client(service):
-    import uvicorn
-
     from fastgate.server import create_app
+    from fastgate.testing import serve_in_thread
 
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(service, timeout_s=60, replica="r0"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(service, timeout_s=60, replica="r0")) as port:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _direct(service, method: str, params: dict, question: str):

@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from fastgate.testing import free_port
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -25,11 +26,6 @@ QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of 
 PARAMS = (("tau", 0.0),)  # DTR always retrieves: every request runs three generations and a dense search
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ray_url(small_index):
@@ -40,7 +36,7 @@ def ray_url(small_index):
     from fastgate.service import ServiceConfig
     from fastgate.testing import tiny_runtime
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

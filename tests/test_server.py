@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -156,30 +155,14 @@ def test_overload_and_stop(tiny_engine, small_index):
 
 
 # ---------------------------------------------------------------------------------------------------- HTTP
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(service):
-    import uvicorn
-
     from fastgate.server import create_app
+    from fastgate.testing import serve_in_thread
 
     app = create_app(service, timeout_s=60)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}", app
 
 
 def test_http_concurrent_answers_match_the_cli_records(server, service):
