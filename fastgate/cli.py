@@ -231,7 +231,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
                            prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
-                           max_queue=args.max_queue, timeout_s=args.timeout,
+                           layout=args.layout, max_queue=args.max_queue, timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     if args.ray:
         from fastgate.ray_serve import serve_ray
@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-budget-mb", type=float, default=2048.0,
                     help="KV cache of the decode loop in MiB; generations wait for room beyond it, one that cannot "
                          "fit alone gets 422 (default: %(default)s)")
+    sv.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
+                    help="packed: each decode step and its prompt chunks run as one forward (Llama / Qwen2 / "
+                         "Mistral); padded: rows left-padded, prompts prefilled in forwards of their own; auto: "
+                         "packed where the model allows it (default: %(default)s)")
     sv.add_argument("--admit-wait-ms", type=float, default=10.0,
                     help="an idle server waits this long after a request for the rest of its burst (default: "
                          "%(default)s)")

@@ -259,11 +259,8 @@ class DecodeLoop:
         """Fork the k samples of each prefilled prompt (``tickets[p]`` is prompt p's) and join their rows."""
         eng = self.engine
         b = len(specs)
-        # sequence i is sample j of prompt owner[i]
         owner = [p for p in range(b) for _ in range(specs[p].k)]
-        sample = [j for p in range(b) for j in range(specs[p].k)]
-        n = len(owner)
-        if n != b:
+        if len(owner) != b:
             if all(s.k == specs[0].k for s in specs):
                 cache.batch_repeat_interleave(specs[0].k)
             else:
@@ -271,6 +268,20 @@ class DecodeLoop:
             index = torch.tensor(owner, device=eng.device)
             logits, mask = logits[index], mask[index]
             pre_answer = pre_answer[index] if pre_answer is not None else None
+        new_rows, layers, running, count = self._new_rows(specs, tickets, rows, truncated, pre_answer, per_row)
+        self._join(new_rows, cache, mask, logits, layers, running, count)
+
+    def _new_rows(self, specs: list[_Spec], tickets: list[Ticket], rows: list[list[int]], truncated: list[bool],
+                  pre_answer, per_row: bool = True) -> tuple[list[_Row], tuple[int, ...], Any, torch.Tensor]:
+        """The rows of prefilled prompts ``specs`` (k samples each, prompt-major, ``pre_answer [N, d]`` already
+        forked), each sampled row with its own generator; the loop's tapped layers with theirs, and zeroed running
+        sums / counts for them."""
+        eng = self.engine
+        b = len(specs)
+        # sequence i is sample j of prompt owner[i]
+        owner = [p for p in range(b) for _ in range(specs[p].k)]
+        sample = [j for p in range(b) for j in range(specs[p].k)]
+        n = len(owner)
         new_rows = []
         for i in range(n):
             p = owner[i]
@@ -296,7 +307,7 @@ class DecodeLoop:
         d = eng.lm.hidden_size
         running = torch.zeros((n, len(layers), d), dtype=torch.float32, device=eng.device) if layers else None
         count = torch.zeros(n, dtype=torch.float32, device=eng.device)
-        self._join(new_rows, cache, mask, logits, layers, running, count)
+        return new_rows, layers, running, count
 
     def _prefill_some(self, budget: int | None) -> int:
         """Advance the queued prefills by at most ``budget`` tokens (rows × columns, padding included; None: all of
@@ -420,10 +431,49 @@ class DecodeLoop:
             return []
         eng = self.engine
         m = len(rows)
+        feed, attend, counts_now, capture_eos = self._feeds()
+        done = self._finalize([r for r in range(m) if not attend[r]])
+        keep = [r for r in range(m) if attend[r]]
+        if not keep:
+            self._select([])
+            return done
+        if len(keep) <= m // 2 and not self.shared_rng:
+            # Half the rows have finished: they leave, so that the steps left (often one long answer among short
+            # ones) run at the batch size still generating. A shared random stream keeps every row (see __init__).
+            self._select(keep)
+            feed, attend = [feed[r] for r in keep], [attend[r] for r in keep]
+            counts_now, capture_eos = [counts_now[r] for r in keep], [capture_eos[r] for r in keep]
+            rows = self.rows
+        feed_t = torch.tensor(feed, dtype=torch.long, device=eng.device)[:, None]  # [M, 1]
+        attend_t = torch.tensor(attend, dtype=self.mask.dtype, device=eng.device)[:, None]  # [M, 1]
+        self.mask = torch.cat([self.mask, attend_t], dim=1)
+        tap_layers = tuple(sorted(set(self.layers) | ({self.mid} if any(capture_eos) else set())))
+        hooks = _Taps(eng.model, tap_layers) if tap_layers else None
+        try:
+            self.logits = eng._forward(feed_t, self.mask, self.cache, 1)  # [M, V]
+            t_taps = time.perf_counter()
+            self._read_taps(lambda layer: hooks.outputs[layer][:, -1, :], counts_now, capture_eos)
+            taps_s = time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
+        finally:
+            if hooks is not None:
+                hooks.close()
+        for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
+            ticket.forwards += 1
+            ticket.taps_s += taps_s
+        done += self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
+        if not self.busy:
+            self._select([])  # the last rows finished: hold nothing
+        return done
+
+    def _feeds(self) -> tuple[list[int], list[int], list[float], list[bool]]:
+        """Choose every active row's next token, then what each row feeds this step: its token (attend 1; counted
+        in the running sums unless it is a flushed EOS), a forced EOS whose state is read, or nothing (a finished
+        row: attend 0). Advances the rows' flush states."""
+        eng, rows = self.engine, self.rows
+        m = len(rows)
         active = [r for r in range(m) if rows[r].state == _ACTIVE]
         if active:
             self._choose(active)
-        # decide what each row feeds next
         feed = [eng.pad_id] * m
         attend = [0] * m
         counts_now = [0.0] * m
@@ -448,47 +498,22 @@ class DecodeLoop:
                 feed[r], attend[r] = eng.eos_id, 1
                 capture_eos[r] = True
                 row.state = _DONE
-        done = self._finalize([r for r in range(m) if not attend[r]])
-        keep = [r for r in range(m) if attend[r]]
-        if not keep:
-            self._select([])
-            return done
-        if len(keep) <= m // 2 and not self.shared_rng:
-            # Half the rows have finished: they leave, so that the steps left (often one long answer among short
-            # ones) run at the batch size still generating. A shared random stream keeps every row (see __init__).
-            self._select(keep)
-            feed, attend = [feed[r] for r in keep], [attend[r] for r in keep]
-            counts_now, capture_eos = [counts_now[r] for r in keep], [capture_eos[r] for r in keep]
-            rows = self.rows
-        feed_t = torch.tensor(feed, dtype=torch.long, device=eng.device)[:, None]  # [M, 1]
-        attend_t = torch.tensor(attend, dtype=self.mask.dtype, device=eng.device)[:, None]  # [M, 1]
-        self.mask = torch.cat([self.mask, attend_t], dim=1)
-        tap_layers = tuple(sorted(set(self.layers) | ({self.mid} if any(capture_eos) else set())))
-        hooks = _Taps(eng.model, tap_layers) if tap_layers else None
-        try:
-            self.logits = eng._forward(feed_t, self.mask, self.cache, 1)  # [M, V]
-            t_taps = time.perf_counter()
-            if self.running is not None:
-                states = torch.stack([hooks.outputs[layer][:, -1, :] for layer in self.layers], dim=1)  # [M, L, d]
-                weight = torch.tensor(counts_now, dtype=torch.float32, device=eng.device)  # [M]
-                eng._accumulate(self.running, states, weight)
-                self.count += weight
-            if any(capture_eos):
-                mid = hooks.outputs[self.mid]
-                for r in range(len(rows)):
-                    if capture_eos[r]:
-                        rows[r].eos_state = mid[r, -1, :].to(torch.float32)
-            taps_s = time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
-        finally:
-            if hooks is not None:
-                hooks.close()
-        for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
-            ticket.forwards += 1
-            ticket.taps_s += taps_s
-        done += self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
-        if not self.busy:
-            self._select([])  # the last rows finished: hold nothing
-        return done
+        return feed, attend, counts_now, capture_eos
+
+    def _read_taps(self, state, counts_now: list[float], capture_eos: list[bool]) -> None:
+        """Add this step's states (``state(layer) -> [M, d]``) to the rows' running sums and keep the forced EOS
+        states."""
+        eng = self.engine
+        if self.running is not None:
+            states = torch.stack([state(layer) for layer in self.layers], dim=1)  # [M, L, d]
+            weight = torch.tensor(counts_now, dtype=torch.float32, device=eng.device)  # [M]
+            eng._accumulate(self.running, states, weight)
+            self.count += weight
+        if any(capture_eos):
+            mid = state(self.mid)  # [M, d]
+            for r, row in enumerate(self.rows):
+                if capture_eos[r]:
+                    row.eos_state = mid[r].to(torch.float32)
 
     def _choose(self, active: list[int]) -> None:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""

@@ -149,11 +149,17 @@ class Scheduler:
             generation that cannot fit even alone fails with :class:`~fastgate.errors.InputError`. Buffers never
             take more than the budget as spare. (Closed calls, for sliding-window models, are bounded by
             ``max_rows`` only.)
+        layout: ``packed`` (the default where the model allows it, see :func:`fastgate.packed.packable`): each step
+            is one forward of the decode rows' tokens and the step's prompt chunks, the rows' keys / values in
+            fixed store rows written in place; ``padded``: the rows left-padded into one batch, prompts prefilled in
+            forwards of their own (:class:`~fastgate.decode.DecodeLoop`, the only layout for sliding-window models).
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
-                 admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None) -> None:
-        from fastgate.decode import mergeable
+                 admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None,
+                 layout: str = "auto") -> None:
+        from fastgate.decode import DecodeLoop, mergeable
+        from fastgate.packed import PackedLoop, packable
 
         if max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
@@ -173,6 +179,14 @@ class Scheduler:
         self.max_rows = max_rows
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
         self.continuous = mergeable(engine) if continuous is None else continuous
+        if layout not in ("auto", "packed", "padded"):
+            raise InputError(f"layout must be auto, packed or padded, got {layout!r}")
+        if layout == "packed" and not packable(engine):
+            raise InputError(f"model {engine.lm.name} cannot run packed passes (sliding-window layers or an "
+                             "attention that is not transformers' interface): use layout='padded'")
+        # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward (fastgate.packed)
+        self.layout = ("packed" if packable(engine) else "padded") if layout == "auto" else layout
+        self._loop_cls = PackedLoop.cls() if self.layout == "packed" else DecodeLoop
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
         self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
         self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
@@ -360,8 +374,6 @@ class Scheduler:
     # ------------------------------------------------------------------ the decode loop
     def _admit_generations(self, items: list[tuple[Task, int, Generate]]) -> None:
         """Prefill pending generations into the decode loop, up to ``max_rows`` decoding rows; the rest wait."""
-        from fastgate.decode import DecodeLoop
-
         rows = sum(loop.size for loop in self._loops.values())
         by_loop: dict[int, list[tuple[Task, int, Generate]]] = defaultdict(list)
         joining: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # mid -> (prompt, rows, new) admitted now
@@ -379,14 +391,14 @@ class Scheduler:
                 new = req.config.max_new_tokens
                 prompt = min(self.engine.count_tokens(req.prompt), self.engine.lm.max_context - new - 1)
                 ask = (prompt, k, new)
-                alone = k * (prompt + new + 2)
+                alone = self._loop_cls(self.engine, self.engine.n_layers // 2).cells_after([ask])  # holds nothing
                 if alone > self._max_cells:
                     self._finish(item[0], error=InputError(
-                        f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows x "
+                        f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows of "
                         f"{prompt + new + 2} tokens), more than the budget of {self.kv_budget / 2**20:.0f} MiB"))
                     continue
                 if mid not in self._loops:  # an empty loop holds nothing: building one allocates nothing
-                    self._loops[mid] = DecodeLoop(self.engine, mid, max_cells=self._max_cells)
+                    self._loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
                 cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
                             for m, loop in self._loops.items())
                 if cells > self._max_cells:
@@ -397,11 +409,12 @@ class Scheduler:
         for mid, group in by_loop.items():
             loop = self._loops.get(mid)
             if loop is None:
-                loop = self._loops[mid] = DecodeLoop(self.engine, mid, max_cells=self._max_cells)
+                loop = self._loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
             self._calls += 1
             t0 = time.perf_counter()
             try:
-                join = loop.admit if self.prefill_budget else loop.add
+                # a packed loop prefills queued prompts in its next step's pass (whole ones without a budget)
+                join = loop.admit if self.prefill_budget or self.layout == "packed" else loop.add
                 tickets = join([(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group], owners=group)
             except Exception as exc:
                 if len(group) == 1:

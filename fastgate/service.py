@@ -58,6 +58,7 @@ class ServiceConfig:
     prefill_budget: int = 256  # prompt tokens per decode step, so cheap requests stay cheap; 0 (+ admit_every 8):
     # whole prompts at admission, fewer forwards, ~20% more throughput when saturated (docs/RESULTS.md)
     kv_budget_mb: float = 2048.0  # KV cache of the decode loop; generations wait beyond it (SmolLM2: ~45 KiB/token)
+    layout: str = "auto"  # packed (decode rows + prompt chunks in one forward) where the model allows it, else padded
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -78,6 +79,8 @@ class ServiceConfig:
             raise InputError("kv_budget_mb must be > 0")
         if self.prefill_budget < 0:
             raise InputError("prefill_budget must be >= 0")
+        if self.layout not in ("auto", "packed", "padded"):
+            raise InputError(f"layout must be auto, packed or padded, got {self.layout!r}")
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
         if not 0 <= self.admit_wait_ms <= 1000:
@@ -175,6 +178,12 @@ class AnswerService:
         """Bytes the decode loop's KV cache holds now (0 when stopped)."""
         sched = self._scheduler
         return sched.kv_bytes if sched is not None else 0
+
+    @property
+    def layout(self) -> str:
+        """The decode loop's layout the scheduler chose (``packed`` or ``padded``; the configured one when stopped)."""
+        sched = self._scheduler
+        return sched.layout if sched is not None else self.config.layout
 
     @property
     def scheduler(self):
@@ -313,7 +322,8 @@ class AnswerService:
 
     def _new_scheduler(self, cls):
         return cls(self.runtime.engine, max_rows=self.config.max_rows, admit_every=self.config.admit_every,
-                   prefill_budget=self.config.prefill_budget, kv_budget=int(self.config.kv_budget_mb * 2**20))
+                   prefill_budget=self.config.prefill_budget, kv_budget=int(self.config.kv_budget_mb * 2**20),
+                   layout=self.config.layout)
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).

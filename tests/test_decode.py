@@ -7,6 +7,7 @@ import torch
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.decode import DecodeLoop, mergeable
+from fastgate.packed import PackedLoop, packable
 
 G = GenerationConfig
 SPECS = [  # (prompt, config, taps, k, seed): lengths, stops, sampling and taps all differ
@@ -38,9 +39,19 @@ def _same(got, want):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine):
-    assert mergeable(tiny_engine)
-    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+def _loop(kind, engine):
+    """A padded (:class:`DecodeLoop`) or packed (:class:`PackedLoop`) loop: every test holds for both layouts."""
+    cls = DecodeLoop if kind == "padded" else PackedLoop.cls()
+    return cls(engine, mid=engine.n_layers // 2)
+
+
+LAYOUTS = pytest.mark.parametrize("kind", ["padded", "packed"])
+
+
+@LAYOUTS
+def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine, kind):
+    assert mergeable(tiny_engine) and packable(tiny_engine)
+    loop = _loop(kind, tiny_engine)
     results = {}
 
     def run(steps):
@@ -62,11 +73,12 @@ def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine):
     assert not loop.rows and loop.mask is None  # everything left: nothing is held
 
 
+@LAYOUTS
 @pytest.mark.parametrize("budget", [1, 7, 40])
-def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budget):
+def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budget, kind):
     """Prompts admitted for a chunked prefill (a few columns per step, beside running rows) give what they give
     alone, whatever the budget; the running rows keep decoding while they prefill."""
-    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    loop = _loop(kind, tiny_engine)
     results = {}
 
     def run(steps):
@@ -77,9 +89,10 @@ def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budg
     loop.admit(SPECS[:2], owners=[0, 1])
     run(3)
     loop.admit(SPECS[2:], owners=[2, 3, 4])
-    decoded = len(loop.rows[0].tokens) if loop.rows else 0
+    first = loop.rows[0] if loop.rows else None
+    decoded = len(first.tokens) if first is not None else 0
     run(2)
-    assert not loop.rows or loop.rows[0].final or len(loop.rows[0].tokens) > decoded  # decoding went on
+    assert first is None or first.final or len(first.tokens) > decoded  # decoding went on
     while loop.busy:
         run(1)
     assert sorted(results) == [0, 1, 2, 3, 4]
@@ -118,8 +131,9 @@ def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
         loop.step()
 
 
-def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine):
-    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+@LAYOUTS
+def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine, kind):
+    loop = _loop(kind, tiny_engine)
     tickets = loop.add(SPECS[:3], owners=[0, 1, 2])
     loop.step()
     loop.cancel(tickets[0])

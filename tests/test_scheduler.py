@@ -99,7 +99,9 @@ def test_requests_of_one_kind_share_one_call(world, continuous):
     out = sched.evaluate(program(q) for q in QUESTIONS[:5])
     assert calls == [5]  # five programs, one search_batch
     if continuous:  # greedy and sampled rows joined the loop together and decoded in the same steps
-        assert sched.generation_rows[0] == 15 and len(sched.generation_rows) == sched.generation_calls <= 5
+        # (a packed loop's first step is the prompts' pass; their first tokens are fed in the next)
+        assert sched.generation_rows[0] == 15
+        assert len(sched.generation_rows) == sched.generation_calls <= 5 + (sched.layout == "packed")
     else:  # in one closed call
         assert sched.generation_calls == 1 and sched.generation_rows == [15]
     assert [n for _, n in out] == [2] * 5
@@ -204,8 +206,9 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, a
         sched.step()
         ticks += 1
     assert not long.done  # answered while the long one runs
-    assert ticks == admit_every + 1  # joined at the admit_every-th step and decoded its 2 tokens with the long one
-    # (with a budget the short prompt prefills within the budget of its first step, then joins in that step)
+    # joined at the admit_every-th step and decoded its 2 tokens with the long one (with a budget the short prompt
+    # prefills within the budget of its first step); a packed pass ends a prefill, the next one feeds its first token
+    assert ticks == admit_every + 1 + (sched.layout == "packed")
     sched.run([long])
     alone = [engine.generate([f"Q: {q}\nA:"], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0]
              for q, n in ((QUESTIONS[0], 40), (QUESTIONS[1], 2))]
