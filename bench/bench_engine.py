@@ -4,10 +4,12 @@ A decode step reads every weight once and every row's KV cache once; on a CPU (a
 else should bound it. This script decodes a batch of ``--batch`` rows whose prompts are ``--contexts`` tokens long
 and reports the median step time for two KV-cache designs in one run:
 
-- ``fastgate``: :class:`fastgate.decode.DecodeLoop` on :class:`fastgate.kv_cache.GrowingLayer` (appends in place
+- ``padded``: :class:`fastgate.decode.DecodeLoop` on :class:`fastgate.kv_cache.GrowingLayer` (appends in place
   into spare capacity);
 - ``hf-dynamic``: the same loop on HF's ``DynamicCache`` (``torch.cat`` of the whole cache at every step: the design
-  before the growing layer).
+  before the growing layer);
+- ``packed``: :class:`fastgate.packed.PackedLoop` (the rows' tokens packed into one ``[1, M]`` forward, keys / values
+  in fixed store rows written in place and read with a per-row length mask: the service's default layout).
 
 Each row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same run
 (a ``sum`` over a buffer far larger than the caches, with the threads torch uses), ``of_bound`` = bound / step (1.0
@@ -58,8 +60,32 @@ def hf_cache(config):
     return DynamicCache(config=config)
 
 
+def packed_step_time(engine: Engine, prompts: list[str], steps: int) -> tuple[float, int, int]:
+    """:func:`step_time` for the packed loop: the KV bytes are what a step reads (rows × the widest row)."""
+    from fastgate.packed import PackedLoop
+
+    cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)
+    loop = PackedLoop.cls()(engine, mid=engine.lm.n_layers // 2)
+    with torch.inference_mode():
+        loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
+        loop.step()  # the rows' first tokens come from the prefill's logits: warm-up
+        times, width, kv = [], 0, 0
+        for i in range(steps):
+            t = time.perf_counter()
+            loop.step()
+            times.append(time.perf_counter() - t)
+            if i == steps // 2:
+                width = max(loop.lens)
+                store = loop.store
+                kv = 2 * store.n_layers * len(loop.rows) * store.kv_heads * width * store.head_dim * (
+                    store.keys[0].element_size())
+    return statistics.median(times), width, kv
+
+
 def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tuple[float, int, int]:
     """Median seconds per decode step, the cache width and its bytes at the middle step."""
+    if design == "packed":
+        return packed_step_time(engine, prompts, steps)
     original = decode.new_cache
     decode.new_cache = hf_cache if design == "hf-dynamic" else original
     try:
@@ -96,7 +122,7 @@ def main() -> None:
     prompts = {c: [engine.tokenizer.decode(ids[i:i + c]) for i in range(args.batch)] for c in contexts}
     dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
     weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    designs = ["fastgate", "hf-dynamic"]
+    designs = ["packed", "padded", "hf-dynamic"]
     times: dict[tuple[str, int], list[float]] = {(d, c): [] for d in designs for c in contexts}
     widths: dict[int, tuple[int, int]] = {}
     bandwidth = []

@@ -11,9 +11,9 @@ prefill and a generator per sampled row (so that draws never depend on the batch
 Rows that join are prefilled on their own, either whole at admission (:meth:`DecodeLoop.add`) or in chunks of columns
 between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, the service's way, as Sarathi and vLLM
 do: one 500-token prompt then never stalls the running rows for its whole prefill, and the prefill with the fewest
-tokens left goes first, so a short prompt is not held behind long ones). Unlike Sarathi, a chunk runs as its own
-forward pass, not in the decode rows' pass (that needs attention over ragged rows): on a CPU every pass streams the
-weights once, so chunking trades throughput for latency (docs/RESULTS.md). Prefilled rows are written after the
+tokens left goes first, so a short prompt is not held behind long ones). In this padded layout a chunk runs as its
+own forward pass; :class:`fastgate.packed.PackedLoop` (the scheduler's default where the model allows it) runs the
+chunks in the decode rows' pass, as Sarathi does, with attention over ragged rows. Prefilled rows are written after the
 loop's rows, left-padded to its width (positions come from the attention mask, so padding changes nothing), in place
 when the cache's buffers have room (:class:`~fastgate.kv_cache.GrowingLayer`). Finished rows leave when half the
 loop has finished, or when rows join and a copy is due anyway; columns that are padding for every row are trimmed

@@ -187,3 +187,44 @@ def test_growing_layer_joins_rows_in_place_and_selects():
     assert torch.equal(layer.keys, torch.stack([c[0, :, 3:], want[0]]))
     step = torch.randn(2, 2, 1, 4, generator=g)
     assert torch.equal(layer.update(step, step)[0][:, :, -1:], step)
+
+
+def test_a_packed_pass_equals_each_sequence_alone(tiny_engine):
+    """The packed attention (fastgate.packed) against HF's own forward of each sequence: decode rows of 1, 7 and 13
+    tokens beside a prompt prefilled in two chunks (columns 0-4, then 5-10), in one pass each time."""
+    from fastgate.packed import PackedPlan, PrefillSeg, SlotStore, packed_forward
+
+    model = tiny_engine.model
+    cfg = model.config
+    hkv, hd, n_layers = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 13, 11)]
+    nxt = torch.randint(5, cfg.vocab_size, (3,), generator=gen).tolist()
+
+    def buffers(n):
+        return [(torch.zeros(1, hkv, n, hd), torch.zeros(1, hkv, n, hd)) for _ in range(n_layers)]
+
+    with torch.inference_mode():
+        alone = [model(input_ids=torch.tensor([s])).logits[0, -1] for s in
+                 [seqs[0] + nxt[:1], seqs[1] + nxt[1:2], seqs[2] + nxt[2:], seqs[3]]]
+        kv = [buffers(len(s)) for s in seqs]
+        segs, ids, pos, off = [], [], [], 0
+        for s, b, n in zip(seqs, kv, (1, 7, 13, 5)):  # pass 1: three prompts whole, the fourth's first 5 tokens
+            segs.append(PrefillSeg(off, n, 0, b))
+            ids += s[:n]
+            pos += range(n)
+            off += n
+        packed_forward(model, torch.tensor(ids), torch.tensor(pos), PackedPlan(None, 0, None, 0, None, segs),
+                       torch.tensor([0]))
+        store = SlotStore(n_layers, hkv, hd, torch.float32, "cpu")
+        store.reserve(3, 20, 0, 0)
+        for r in range(3):
+            store.write_rows(r, kv[r], len(seqs[r]), 1)
+        lens = torch.tensor([1, 7, 13])
+        width = 14
+        plan = PackedPlan(store, 3, lens, width, (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :],
+                          [PrefillSeg(3, 6, 5, kv[3])], torch.arange(3))
+        got = packed_forward(model, torch.tensor(nxt + seqs[3][5:]), torch.cat([lens, torch.arange(5, 11)]), plan,
+                             torch.tensor([0, 1, 2, 8]))  # [4, V]
+    for i in range(4):
+        torch.testing.assert_close(got[i], alone[i].float(), atol=1e-4, rtol=1e-4)
