@@ -54,7 +54,7 @@ def read_bandwidth(mb: int = 1024, repeat: int = 5) -> float:
     return x.numel() * 4 / statistics.median(samples)
 
 
-def hf_cache(config):
+def hf_cache(config, max_cells=None):
     from transformers import DynamicCache
 
     return DynamicCache(config=config)

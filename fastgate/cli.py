@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences (prompts x samples) per engine call (default: %(default)s)")
     sv.add_argument("--admit-every", type=int, default=1,
                     help="generations join a decoding loop every N steps (at once when idle) (default: %(default)s)")
-    sv.add_argument("--prefill-budget", type=int, default=256,
+    sv.add_argument("--prefill-budget", type=int, default=512,
                     help="prompt tokens prefilled per decode step, in chunks between steps; 0: whole prompts when "
                          "they join (default: %(default)s)")
     sv.add_argument("--kv-budget-mb", type=float, default=2048.0,

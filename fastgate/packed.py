@@ -237,7 +237,7 @@ def _make_packed_loop(base):
 
     class _PackedLoop(base):
         """A :class:`~fastgate.decode.DecodeLoop` whose every step is one packed pass: the decode rows' tokens and
-        up to the step's prefill budget of prompt tokens (the prompt with the fewest tokens left first). Rows keep
+        up to the step's prefill budget of prompt tokens (prompts in arrival order). Rows keep
         store rows 0 .. M-1 in loop order; a finished row's place is taken by the last row (one row's copy)."""
 
         def __init__(self, engine, mid: int, max_cells: int | None = None, **kwargs) -> None:
@@ -388,7 +388,9 @@ def _make_packed_loop(base):
             m = len(feed) if decode else 0
             segs: list[tuple[_Job, int]] = []  # (job, tokens this pass)
             ran = 0
-            for job in sorted(self.prefilling, key=lambda j: j.left):  # the fewest tokens left first
+            # in arrival order, as vLLM and Sarathi do: the fewest-tokens-left order of the padded loop starved long
+            # RAG prompts behind a stream of short ones (16 closed-loop clients: p95 50.3 s against 46.1 s)
+            for job in self.prefilling:
                 if only is not None and id(job.ticket) not in only:
                     continue
                 if budget is not None and ran >= budget:

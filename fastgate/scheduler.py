@@ -140,9 +140,9 @@ class Scheduler:
 
     The defaults favour throughput (batch evaluation: ``answer_batch``): every forward pass costs a fixed ~140 ms on
     a 2-core CPU (the weights streamed once) besides ~2 ms a prompt token, so fewer, larger prefills win. A server
-    that must keep cheap requests cheap under load uses ``prefill_budget=256, admit_every=1`` (the service's
-    default): a prefill then stalls the running rows for at most 256 tokens a step, at the cost of more forwards
-    (docs/RESULTS.md has both measured).
+    that must keep cheap requests cheap under load uses ``prefill_budget=512, admit_every=1`` (the service's
+    default): a prefill then stalls the running rows for at most 512 tokens a step; in the packed layout the chunk
+    runs in the decode rows' own forward, so this costs no extra pass (docs/RESULTS.md has both layouts measured).
         kv_budget: with the decode loop, the most bytes the running rows' KV cache may take (None: no bound). A
             generation joins only if the cache's worst case with it (every row right-aligned to the widest prompt,
             grown until the longest row ends) fits; otherwise it waits for rows to finish, in arrival order, and a

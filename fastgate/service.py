@@ -55,8 +55,8 @@ class ServiceConfig:
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
     max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
     admit_every: int = 1  # generations join a decoding loop every N steps (chunked prefill makes 1 cheap)
-    prefill_budget: int = 256  # prompt tokens per decode step, so cheap requests stay cheap; 0 (+ admit_every 8):
-    # whole prompts at admission, fewer forwards, ~20% more throughput when saturated (docs/RESULTS.md)
+    prefill_budget: int = 512  # prompt tokens per decode step, so cheap requests stay cheap; packed, they ride in the
+    # decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
     kv_budget_mb: float = 2048.0  # KV cache of the decode loop; generations wait beyond it (SmolLM2: ~45 KiB/token)
     layout: str = "auto"  # packed (decode rows + prompt chunks in one forward) where the model allows it, else padded
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
