@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=None, help="comma-separated methods to replay (default: all eight)")
     ap.add_argument("--out", default=None, help="keep the results here (a rerun resumes); default: a temp dir")
     ap.add_argument("--serving", action="store_true",
-                    help="schedule as `fastgate serve` does (chunked prefill of the service default budget a step, admit every step) "
-                         "instead of the batch defaults")
+                    help="schedule as `fastgate serve` does (its layout, prefill budget a step, admission every "
+                         "step) instead of the batch defaults")
     args = ap.parse_args(argv)
     if args.serving:
         _serving_scheduler()

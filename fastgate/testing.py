@@ -14,7 +14,7 @@ import torch
 
 from fastgate.models import LoadedModel
 
-__all__ = ["free_port", "serve_in_thread", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
+__all__ = ["free_port", "serve_in_thread", "tiny_gemma3", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
 
 TINY_CORPUS = [
     "Q: What is the capital of France?\nA: Paris",
@@ -68,6 +68,25 @@ def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: i
         model.lm_head.weight.mul_(4.0)
     fingerprint = hashlib.sha256(f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
+
+
+def tiny_gemma3(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: int = 384) -> LoadedModel:
+    """A tiny random Gemma-3 text model (sliding-window layers every layer but the last, window 8) with the same
+    tokenizer: the model family whose KV cache cannot take rows into a running loop (fp32, CPU, deterministic)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = _tokenizer(vocab_size)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+        sliding_window=8, layer_types=["sliding_attention"] * (n_layers - 1) + ["full_attention"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    fingerprint = hashlib.sha256(f"tiny-gemma3-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
+    return LoadedModel(name="tiny-gemma3", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
 
 
 def tiny_runtime(index: str | None = None):

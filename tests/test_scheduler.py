@@ -31,8 +31,11 @@ def methods(world):
     return [build_method(name, engine, retrievers[r], params) for name, r, params in cases(ckpts)]
 
 
-MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},
-         "chunked-prefill": {"continuous": True, "prefill_budget": 8}, "closed-calls": {"continuous": False}}
+MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the packed layout (the default)
+         "chunked-prefill": {"continuous": True, "prefill_budget": 8},
+         "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
+         "padded-chunked-prefill": {"continuous": True, "prefill_budget": 8, "layout": "padded"},
+         "closed-calls": {"continuous": False}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -215,8 +218,9 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, a
     assert long.result == alone[0].token_ids and short.result == alone[1].token_ids
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("budget", [None, 16], ids=["whole-prefill", "chunked-prefill"])
-def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budget):
+def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budget, layout):
     """Six generations under a KV budget for about two rows: never more rows or bytes than it allows, each answer
     equals its generation alone, a generation that cannot fit even alone fails clearly, and the memory goes back."""
     from fastgate.kv_cache import cell_bytes
@@ -231,7 +235,7 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
         (out,) = (yield Generate(prompt, cfg)).sequences
         return out.token_ids
 
-    sched = Scheduler(engine, kv_budget=kv_budget, prefill_budget=budget)
+    sched = Scheduler(engine, kv_budget=kv_budget, prefill_budget=budget, layout=layout)
     too_big = Task(None, "", program=gen("word " * 200))
     tasks = [Task(None, "", program=gen(p)) for p in prompts]
     sched._inbox.extend([tasks[0], too_big, *tasks[1:]])
@@ -246,3 +250,30 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
     assert [t.error for t in tasks] == [None] * 6
     assert [t.result for t in tasks] == [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
     assert sched.kv_bytes == 0 and sched.idle  # nothing is held after the burst
+
+
+def test_a_sliding_window_model_runs_padded_closed_calls_and_answers_as_alone():
+    """Gemma-3's sliding-window layers cannot take rows into a running loop: the scheduler chooses closed calls
+    (and refuses a packed layout clearly), and each generation equals its own."""
+    from fastgate.engine import Engine
+    from fastgate.packed import packable
+    from fastgate.testing import tiny_gemma3
+
+    engine = Engine(tiny_gemma3())
+    assert not packable(engine)
+    with pytest.raises(InputError, match="cannot run packed"):
+        Scheduler(engine, layout="packed")
+    with pytest.raises(InputError, match="layout must be"):
+        Scheduler(engine, layout="sideways")
+    sched = Scheduler(engine)
+    assert sched.layout == "padded" and not sched.continuous
+    cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False)  # past the window of 8
+
+    def gen(q):
+        (out,) = (yield Generate(f"Q: {q}\nA:", cfg)).sequences
+        return out.token_ids
+
+    tasks = [Task(None, "", program=gen(q)) for q in QUESTIONS[:3]]
+    sched.run([sched._inbox.append(t) or t for t in tasks])
+    assert [t.result for t in tasks] == [engine.generate([f"Q: {q}\nA:"], cfg).sequences[0].token_ids
+                                         for q in QUESTIONS[:3]]
