@@ -60,37 +60,26 @@ def hf_cache(config, max_cells=None):
     return DynamicCache(config=config)
 
 
-def packed_step_time(engine: Engine, prompts: list[str], steps: int) -> tuple[float, int, int]:
-    """:func:`step_time` for the packed loop: the KV bytes are what a step reads (rows × the widest row)."""
-    from fastgate.packed import PackedLoop
-
-    cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)
-    loop = PackedLoop.cls()(engine, mid=engine.lm.n_layers // 2)
-    with torch.inference_mode():
-        loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
-        loop.step()  # the rows' first tokens come from the prefill's logits: warm-up
-        times, width, kv = [], 0, 0
-        for i in range(steps):
-            t = time.perf_counter()
-            loop.step()
-            times.append(time.perf_counter() - t)
-            if i == steps // 2:
-                width = max(loop.lens)
-                store = loop.store
-                kv = 2 * store.n_layers * len(loop.rows) * store.kv_heads * width * store.head_dim * (
-                    store.keys[0].element_size())
-    return statistics.median(times), width, kv
+def cache_read(loop) -> tuple[int, int]:
+    """The columns a step of ``loop`` attends and the KV bytes it reads: the padded cache whole, or for the packed
+    store its rows × the widest row."""
+    if hasattr(loop, "store"):
+        width, store = max(loop.lens), loop.store
+        return width, (2 * store.n_layers * len(loop.rows) * store.kv_heads * width * store.head_dim
+                       * store.keys[0].element_size())
+    return loop.mask.shape[1], sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in loop.cache.layers)
 
 
 def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tuple[float, int, int]:
     """Median seconds per decode step, the cache width and its bytes at the middle step."""
-    if design == "packed":
-        return packed_step_time(engine, prompts, steps)
+    from fastgate.packed import PackedLoop
+
     original = decode.new_cache
     decode.new_cache = hf_cache if design == "hf-dynamic" else original
     try:
         cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)  # every row decodes every step
-        loop = decode.DecodeLoop(engine, mid=engine.lm.n_layers // 2)
+        cls = PackedLoop if design == "packed" else decode.DecodeLoop
+        loop = cls(engine, mid=engine.lm.n_layers // 2)
         with torch.inference_mode():
             loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
             loop.step()  # the first token comes from the prefill's logits: warm-up
@@ -100,8 +89,7 @@ def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tu
                 loop.step()
                 times.append(time.perf_counter() - t)
                 if i == steps // 2:
-                    width = loop.mask.shape[1]
-                    kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in loop.cache.layers)
+                    width, kv = cache_read(loop)
         return statistics.median(times), width, kv
     finally:
         decode.new_cache = original

@@ -355,20 +355,28 @@ class DecodeLoop:
             if len(live) < len(self.rows) and (2 * len(live) <= len(self.rows) or not self._fits(cache, mask)):
                 self._select(live)
         if not self.rows:
-            self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
-            self.layers, self.running, self.count = layers, running, count
+            self.cache, self.mask = cache, mask
+            self._append(rows, logits, layers, running, count)
             self._cap()  # a prefill's cache had no spare; the loop's may have up to its bound
             return
         if not all(hasattr(layer, "join") for layer in self.cache.layers):
             raise RuntimeError("this model's KV cache cannot take rows into a running loop (sliding-window layers): "
                                "give each loop one admission, as Engine.generate does")
-        if layers != self.layers:  # the running sums of both blocks laid out over the union of layers
-            self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
-            self.layers = layers
         width = max(self.mask.shape[1], mask.shape[1])
         for a, b in zip(self.cache.layers, cache.layers):  # in place when the rows fit (see GrowingLayer.join)
             a.join(b.keys, b.values)
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])  # [M + N, W]
+        self._append(rows, logits, layers, running, count)
+
+    def _append(self, rows: list[_Row], logits, layers, running, count) -> None:
+        """Add joining rows' logits ``[N, V]``, running sums ``[N, L', d]`` over ``layers`` and counts ``[N]`` after
+        the loop's (its cache is the caller's)."""
+        if not self.rows:
+            self.rows, self.logits, self.layers, self.running, self.count = rows, logits, layers, running, count
+            return
+        if layers != self.layers:  # the running sums of both blocks laid out over the union of layers
+            self.running = self._relayout(self.running, self.layers, layers, len(self.rows))
+            self.layers = layers
         self.logits = torch.cat([self.logits, logits])
         if self.layers:
             self.running = torch.cat([self.running, running])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GrowingLayer", "cache_bytes", "cell_bytes", "new_cache", "plain_layers"]
+__all__ = ["GrowingLayer", "cache_bytes", "cell_bytes", "new_cache", "plain_layers", "within_cells"]
 
 
 def _dynamic_layer():
@@ -46,6 +46,16 @@ def new_cache(config, max_cells: int | None = None):
         if isinstance(layer, grow):
             layer.max_cells = max_cells
     return cache
+
+
+def within_cells(rows: int, cols: int, need_rows: int, need_cols: int, max_cells: int | None) -> tuple[int, int]:
+    """A buffer of ``rows`` × ``cols`` (spare included) with less spare, rows first, where it would pass
+    ``max_cells``; never below ``need_rows`` × ``need_cols`` (a need beyond the bound is still met)."""
+    if max_cells is not None and rows * cols > max_cells:
+        rows = max(need_rows, min(rows, max_cells // cols))
+        if rows * cols > max_cells:
+            cols = max(need_cols, max_cells // rows)
+    return rows, cols
 
 
 def cell_bytes(config, dtype: torch.dtype) -> int:
@@ -104,11 +114,8 @@ def _make_growing_layer(base):
         def _reallocate(self, m: int, need: int, like: torch.Tensor, keys=None, values=None) -> None:
             """Fresh buffers with room for ``m`` rows × ``need`` columns and spare; ``keys`` / ``values``
             [m, h, t, d] copied in (once) as the first t columns."""
-            rows, cols = m + max(self.spare_rows, m // 2), need + max(self.spare, need // 4)
-            if self.max_cells is not None and rows * cols > self.max_cells:  # less spare (rows first), within it
-                rows = max(m, min(rows, self.max_cells // cols))
-                if rows * cols > self.max_cells:
-                    cols = max(need, self.max_cells // rows)
+            rows, cols = within_cells(m + max(self.spare_rows, m // 2), need + max(self.spare, need // 4), m, need,
+                                      self.max_cells)
             h, d = like.shape[1], like.shape[3]
             self._buf_k = like.new_zeros((rows, h, cols, d))
             self._buf_v = like.new_zeros((rows, h, cols, d))

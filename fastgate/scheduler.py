@@ -186,7 +186,8 @@ class Scheduler:
                              "attention that is not transformers' interface): use layout='padded'")
         # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward (fastgate.packed)
         self.layout = ("packed" if packable(engine) else "padded") if layout == "auto" else layout
-        self._loop_cls = PackedLoop.cls() if self.layout == "packed" else DecodeLoop
+        self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
+        self._empty_loop = self._loop_cls(engine, engine.n_layers // 2)  # never admits: asked what one row alone takes
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
         self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
         self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
@@ -391,7 +392,7 @@ class Scheduler:
                 new = req.config.max_new_tokens
                 prompt = min(self.engine.count_tokens(req.prompt), self.engine.lm.max_context - new - 1)
                 ask = (prompt, k, new)
-                alone = self._loop_cls(self.engine, self.engine.n_layers // 2).cells_after([ask])  # holds nothing
+                alone = self._empty_loop.cells_after([ask])
                 if alone > self._max_cells:
                     self._finish(item[0], error=InputError(
                         f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows of "

@@ -41,7 +41,7 @@ def _same(got, want):
 
 def _loop(kind, engine):
     """A padded (:class:`DecodeLoop`) or packed (:class:`PackedLoop`) loop: every test holds for both layouts."""
-    cls = DecodeLoop if kind == "padded" else PackedLoop.cls()
+    cls = DecodeLoop if kind == "padded" else PackedLoop
     return cls(engine, mid=engine.n_layers // 2)
 
 
