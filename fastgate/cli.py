@@ -231,7 +231,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
                            prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
-                           layout=args.layout, max_queue=args.max_queue, timeout_s=args.timeout,
+                           layout=args.layout, prefill_order=args.prefill_order, max_queue=args.max_queue,
+                           timeout_s=args.timeout,
                            params=tuple(sorted(params.items())))
     if args.ray:
         from fastgate.ray_serve import serve_ray
@@ -348,8 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmarks: test (report on it) or dev (NQ and TriviaQA only; for calibration) "
                          "(default: test)")
     ev.add_argument("--subset", default=None, choices=["all", "answerable", "unanswerable", "balanced"],
-                    help="benchmarks: questions whose gold answer is (answerable) or is not (unanswerable) in one of "
-                         "the BM25 top-20 passages of the corpus, both alternating (balanced), or all (default: all)")
+                    help="benchmarks: questions whose gold answer the BM25 top-3 passages show as the methods read "
+                         "them (answerable) or none of the top 20 holds (unanswerable), both alternating (balanced), "
+                         "or all (default: all)")
     ev.add_argument("--n", type=int, default=None,
                     help="evaluate the first N questions of the seeded order (default: all)")
     ev.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
@@ -394,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="packed: each decode step and its prompt chunks run as one forward (Llama / Qwen2 / "
                          "Mistral); padded: rows left-padded, prompts prefilled in forwards of their own; auto: "
                          "packed where the model allows it (default: %(default)s)")
+    sv.add_argument("--prefill-order", choices=["program", "arrival"], default="program",
+                    help="packed layout: prefill the oldest request's prompts first (program) or each prompt in "
+                         "the order it was asked for (arrival) (default: %(default)s)")
     sv.add_argument("--admit-wait-ms", type=float, default=10.0,
                     help="an idle server waits this long after a request for the rest of its burst (default: "
                          "%(default)s)")

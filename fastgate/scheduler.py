@@ -153,11 +153,14 @@ class Scheduler:
             is one forward of the decode rows' tokens and the step's prompt chunks, the rows' keys / values in
             fixed store rows written in place; ``padded``: the rows left-padded into one batch, prompts prefilled in
             forwards of their own (:class:`~fastgate.decode.DecodeLoop`, the only layout for sliding-window models).
+        prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
+            so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
+            ones; ``arrival``: each prompt in the order its generation was asked for.
     """
 
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
                  admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None,
-                 layout: str = "auto") -> None:
+                 layout: str = "auto", prefill_order: str = "program") -> None:
         from fastgate.decode import DecodeLoop, mergeable
         from fastgate.packed import PackedLoop, packable
 
@@ -187,6 +190,9 @@ class Scheduler:
         # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward (fastgate.packed)
         self.layout = ("packed" if packable(engine) else "padded") if layout == "auto" else layout
         self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
+        if prefill_order not in ("program", "arrival"):
+            raise InputError(f"prefill_order must be program or arrival, got {prefill_order!r}")
+        self.prefill_order = prefill_order
         self._empty_loop = self._loop_cls(engine, engine.n_layers // 2)  # never admits: asked what one row alone takes
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
         self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
@@ -415,8 +421,7 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 # a packed loop prefills queued prompts in its next step's pass (whole ones without a budget)
-                join = loop.admit if self.prefill_budget or self.layout == "packed" else loop.add
-                tickets = join([(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group], owners=group)
+                tickets = self._join(loop, group)
             except Exception as exc:
                 if len(group) == 1:
                     self._finish(group[0][0], error=exc)
@@ -424,8 +429,7 @@ class Scheduler:
                 tickets = []  # find the request that failed; the others still join
                 for item in group:
                     try:
-                        tickets += join([(item[2].prompt, item[2].config, item[2].taps, item[2].k, item[2].seed)],
-                                         owners=[item])
+                        tickets += self._join(loop, [item])
                     except Exception as one:  # noqa: BLE001 - that request's own error
                         self._finish(item[0], error=one)
             elapsed = time.perf_counter() - t0
@@ -436,6 +440,15 @@ class Scheduler:
                 self._inflight[id(ticket)] = (loop, ticket)
                 if req.answer and task.listener is not None:
                     self._streams[id(ticket)] = [ticket, ""]
+
+    def _join(self, loop, group: list) -> list:
+        """Generations ``group`` ((task, i, request) each) join ``loop``; one ticket each."""
+        specs = [(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group]
+        if self.layout == "packed":  # a packed loop prefills queued prompts in its next passes
+            priority = [task.submitted for task, _, _ in group] if self.prefill_order == "program" else None
+            return loop.admit(specs, owners=group, priority=priority)
+        join = loop.admit if self.prefill_budget else loop.add
+        return join(specs, owners=group)
 
     def _decode_step(self) -> None:
         """One decode step of every loop; generations that finished go back to their programs."""

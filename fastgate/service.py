@@ -59,6 +59,8 @@ class ServiceConfig:
     # decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
     kv_budget_mb: float = 2048.0  # KV cache of the decode loop; generations wait beyond it (SmolLM2: ~45 KiB/token)
     layout: str = "auto"  # packed (decode rows + prompt chunks in one forward) where the model allows it, else padded
+    prefill_order: str = "program"  # packed: the oldest request's prompts first, so a RAG prompt after its gate does
+    # not queue behind newer requests (closed-loop p95, docs/RESULTS.md); "arrival": in the order asked for
     admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
     max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
     timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
@@ -81,6 +83,8 @@ class ServiceConfig:
             raise InputError("prefill_budget must be >= 0")
         if self.layout not in ("auto", "packed", "padded"):
             raise InputError(f"layout must be auto, packed or padded, got {self.layout!r}")
+        if self.prefill_order not in ("program", "arrival"):
+            raise InputError(f"prefill_order must be program or arrival, got {self.prefill_order!r}")
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
         if not 0 <= self.admit_wait_ms <= 1000:
@@ -323,7 +327,7 @@ class AnswerService:
     def _new_scheduler(self, cls):
         return cls(self.runtime.engine, max_rows=self.config.max_rows, admit_every=self.config.admit_every,
                    prefill_budget=self.config.prefill_budget, kv_budget=int(self.config.kv_budget_mb * 2**20),
-                   layout=self.config.layout)
+                   layout=self.config.layout, prefill_order=self.config.prefill_order)
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).

@@ -116,6 +116,25 @@ def test_chunked_prefill_respects_the_budget_and_runs_the_shortest_first(tiny_en
     assert short.result is not None and long.result is None and not loop.prefilling
 
 
+def test_packed_prefill_runs_the_lowest_priority_key_first_then_arrival(tiny_engine):
+    loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    cfg = G(max_new_tokens=2, stop_at_eos=False)
+    specs = {w: (f"{w} " * 12, cfg, TapSpec(), 1, None) for w in ("one", "two", "three", "four")}  # no shared prefix
+    first, second = loop.admit([specs["one"], specs["two"]], owners=["first", "second"], priority=[5.0, 5.0])
+    (older,) = loop.admit([specs["three"]], owners=["older"], priority=[1.0])  # asked last, by an older request
+    (plain,) = loop.admit([specs["four"]], owners=["plain"])  # no key: 0.0, before all of them
+    assert [job.ticket.owner for job in loop.prefilling] == ["plain", "older", "first", "second"]
+    n = len(loop.prefilling[0].ids)
+    loop.step(prefill_budget=n + 3)  # plain whole, then 3 tokens of the older request's prompt
+    assert plain.rows and not older.rows and loop.prefilling[0].ticket is older and loop.prefilling[0].done == 3
+    with pytest.raises(ValueError, match="2 keys for 1 prompts"):
+        loop.admit([specs["one"]], priority=[1.0, 2.0])
+    while loop.busy:
+        loop.step(prefill_budget=n + 3)
+    for ticket, word in ((first, "one"), (second, "two"), (older, "three"), (plain, "four")):
+        _same(ticket.result, _alone(tiny_engine, specs[word]))
+
+
 def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
     loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
     long = ("Q: What is the capital of France?\nA:", G(max_new_tokens=30, stop_at_eos=False), TapSpec(), 1, None)

@@ -277,3 +277,38 @@ def test_a_sliding_window_model_runs_padded_closed_calls_and_answers_as_alone():
     sched.run([sched._inbox.append(t) or t for t in tasks])
     assert [t.result for t in tasks] == [engine.generate([f"Q: {q}\nA:"], cfg).sequences[0].token_ids
                                          for q in QUESTIONS[:3]]
+
+
+@pytest.mark.parametrize("order", ["program", "arrival"])
+def test_prefill_order_puts_the_oldest_requests_prompt_first(world, order):
+    engine = world[0]
+    with pytest.raises(InputError, match="prefill_order must be"):
+        Scheduler(engine, prefill_order="sideways")
+    sched = Scheduler(engine, admit_every=1, prefill_budget=4, layout="packed", prefill_order=order)  # queued
+    cfg = GenerationConfig(max_new_tokens=2, stop_at_eos=False)
+
+    def gate_then_rag(q):  # a short generation, then a long prompt (a gate, then its RAG answer)
+        yield Generate(q, cfg)
+        (out,) = (yield Generate("omega " * 30 + q, cfg)).sequences
+        return out.token_ids
+
+    def one(q):  # no prefix shared with the other prompt: the prefix cache does not skip the queue
+        (out,) = (yield Generate("alpha " * 30 + q, cfg)).sequences
+        return out.token_ids
+
+    old = Task(None, "", program=gate_then_rag("Hi"))
+    sched._inbox.append(old)
+    sched.step()
+    new = Task(None, "", program=one(QUESTIONS[1]))  # its long prompt is queued before the old one's second
+    sched._inbox.append(new)
+    sched.step()
+    assert [job.ticket.owner[0] for job in sched._loops[engine.n_layers // 2].prefilling] == [new]
+    (loop,) = sched._loops.values()
+    for _ in range(20):
+        if len(loop.prefilling) == 2:
+            break
+        sched.step()
+    queued = [job.ticket.owner[0] for job in loop.prefilling]
+    assert queued == ([old, new] if order == "program" else [new, old])
+    sched.run([old, new])
+    assert old.error is None and new.error is None
