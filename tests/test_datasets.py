@@ -9,6 +9,8 @@ import pytest
 
 from fastgate.errors import CorpusError, InputError, MissingDependencyError, UnknownNameError
 from fastgate.eval.datasets import (
+    READ_DEPTH,
+    READ_WORDS,
     BenchmarkSpec,
     QAExample,
     benchmark_questions,
@@ -142,30 +144,38 @@ class FakeRetriever:
 
 
 def test_answerability_rule_whole_words_after_normalisation(tmp_path):
+    far = " ".join(["filler"] * READ_WORDS) + " Venus"  # the answer is past the words a prompt shows
     examples = [
         QAExample("a", "q-a", ("The Beatles",)),  # normalised: "beatles"
         QAExample("b", "q-b", ("Bell",)),  # "Bellevue" must not count: whole words only
         QAExample("c", "q-c", ("2",)),  # found only at rank 3
         QAExample("d", "q-d", ("Paris",)),  # beyond the depth
+        QAExample("e", "q-e", ("Venus",)),  # at rank 1 but cut from what the prompt shows; shown at rank 3
+        QAExample("f", "q-f", ("Mars",)),  # only in a passage the prompt cuts
     ]
     retriever = FakeRetriever({
         "q-a": ["a band called beatles, from Liverpool."],
         "q-b": ["Bellevue is a city.", "A bellhop rang."],
         "q-c": ["one", "three", "Mars has 2 moons."],
         "q-d": ["x", "y", "z", "Paris"],
+        "q-e": [far, "y", "Venus is hot."],
+        "q-f": ["x", far.replace("Venus", "Mars")],
     })
     cache = tmp_path / "split.json"
     ranks = corpus_answerability(examples, retriever, depth=3, cache=cache, progress=False)
-    assert ranks == {"a": 1, "b": None, "c": 3, "d": None}
+    assert ranks == {"a": (1, 1), "b": (None, None), "c": (3, 3), "d": (None, None), "e": (1, 3), "f": (2, None)}
+    assert [r.answerable for r in ranks.values()] == [True, False, True, False, True, False]
+    assert [r.unanswerable for r in ranks.values()] == [False, True, False, True, False, False]  # f: neither
     # cached: a second call searches nothing; a corrupt cache is recomputed
     calls = retriever.calls
     assert corpus_answerability(examples, retriever, depth=3, cache=cache, progress=False) == ranks
     assert retriever.calls == calls
     cache.write_text("{not json")
     assert corpus_answerability(examples, retriever, depth=3, cache=cache, progress=False) == ranks
-    assert retriever.calls == calls + 4
-    # another depth does not reuse ranks computed for a smaller one
-    assert corpus_answerability(examples, retriever, depth=4, cache=cache, progress=False)["d"] == 4
+    assert retriever.calls == calls + 6
+    # another depth does not reuse ranks computed for a smaller one; a gold answer found at rank 4 is not read
+    deeper = corpus_answerability(examples, retriever, depth=4, cache=cache, progress=False)["d"]
+    assert deeper == (4, 4) and not deeper.answerable and not deeper.unanswerable
 
 
 def test_subsets_balanced_prefix_and_seed(jar, small_index, monkeypatch, tmp_path, capsys):
@@ -176,9 +186,9 @@ def test_subsets_balanced_prefix_and_seed(jar, small_index, monkeypatch, tmp_pat
     no = load_benchmark("nq:test:unanswerable", **kw)
     assert sorted(e.id for e in yes) == ["nq-test-1", "nq-test-2", "nq-test-3"]
     assert sorted(e.id for e in no) == ["nq-test-4", "nq-test-5", "nq-test-6"]
-    assert all(e.meta["answerable"] and e.meta["rank"] >= 1 for e in yes)
+    assert all(e.meta["answerable"] and 1 <= e.meta["rank"] <= e.meta["shown_rank"] <= READ_DEPTH for e in yes)
     assert all(not e.meta["answerable"] and e.meta["rank"] is None for e in no)
-    assert "6 questions, 3 answerable from the corpus" in capsys.readouterr().err
+    assert "6 questions, 3 answerable" in capsys.readouterr().err
     mix = load_benchmark("nq:test:balanced", **kw)
     assert [e.meta["answerable"] for e in mix] == [True, False] * 3
     for n in range(1, 7):  # every prefix is balanced and the same questions for any n
@@ -192,7 +202,7 @@ def test_subsets_balanced_prefix_and_seed(jar, small_index, monkeypatch, tmp_pat
     assert load_benchmark("nq", n=2, **kw) == everything[:2]
     # the split is cached on disk, keyed by corpus and benchmark
     cached = list((tmp_path / "home" / "splits").rglob("*.json"))
-    assert [p.name for p in cached] == ["nq-test-bm25top20-v1.json"] and "small-" in cached[0].parent.name
+    assert [p.name for p in cached] == ["nq-test-bm25top20-v2.json"] and "small-" in cached[0].parent.name
     with pytest.raises(InputError, match="n must be >= 1"):
         load_benchmark("nq", n=0, **kw)
     empty = make_jar(tmp_path / "e.jar", {"wq.test": WQ_TEST.replace("Jupiter", "Neptune")})

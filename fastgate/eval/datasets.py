@@ -17,7 +17,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastgate.corpus import iter_jsonl_objects
 from fastgate.errors import CorpusError, InputError, MissingDependencyError, UnknownNameError
@@ -25,6 +25,9 @@ from fastgate.errors import CorpusError, InputError, MissingDependencyError, Unk
 __all__ = [
     "ANSWERABILITY_DEPTH",
     "BENCHMARKS",
+    "READ_DEPTH",
+    "READ_WORDS",
+    "Ranks",
     "SUBSETS",
     "BenchmarkSpec",
     "QAExample",
@@ -200,11 +203,16 @@ BENCHMARKS: dict[str, BenchmarkInfo] = {
     "squad": BenchmarkInfo("squad", "squad", ("test",), "SQuAD v1.1 dev as open-domain test (10,570; no dev split)"),
 }
 SUBSETS = ("all", "answerable", "unanswerable", "balanced")
-# The corpus can answer a question when a gold answer occurs as a whole word sequence (after SQuAD normalisation) in
-# one of the BM25 top-ANSWERABILITY_DEPTH passages retrieved for the question. Bump _SPLIT_VERSION when the rule
-# changes: it keys the on-disk cache.
+# A question is *answerable* when the passages the methods read show a gold answer: it occurs as a whole word sequence
+# (after SQuAD normalisation) in the title or first READ_WORDS words of one of the BM25 top-READ_DEPTH passages (the
+# methods' k and passage_words). It is *unanswerable* when no passage of the BM25 top-ANSWERABILITY_DEPTH holds it
+# anywhere. Questions between the two (a gold answer deeper, or cut off) are in neither half. Rule version 1 called
+# every gold answer in the top 20 answerable: most of those the methods never read (docs/RESULTS.md). Bump
+# _SPLIT_VERSION when the rule changes: it keys the on-disk cache.
 ANSWERABILITY_DEPTH = 20
-_SPLIT_VERSION = 1
+READ_DEPTH = 3
+READ_WORDS = 120
+_SPLIT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -336,23 +344,42 @@ def _contains_answer(text: str, golds: tuple[str, ...]) -> bool:
     return any(g and f" {g} " in padded for g in (normalize_answer(x) for x in golds))
 
 
-def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = ANSWERABILITY_DEPTH,
-                         cache: str | Path | None = None, progress: bool = True) -> dict[str, int | None]:
-    """For each question, the 1-based BM25 rank of the first passage that contains a gold answer, or None.
+class Ranks(NamedTuple):
+    """Where a question's gold answer is in its BM25 passages (1-based ranks, None: not in the searched depth)."""
 
-    The rule: a question is *answerable from the corpus* when a gold answer occurs, as a whole word sequence after
-    SQuAD normalisation (lower case, no punctuation or articles), in the title or text of one of the ``depth``
-    passages the retriever returns for the question. Deterministic for a given index; the ranks are cached in
-    ``cache`` (a JSON file, written atomically) so later runs and other depths up to ``depth`` cost nothing.
+    found: int | None  # the first passage whose title or text holds a gold answer
+    shown: int | None  # the first passage whose title and first READ_WORDS words (what a prompt shows) hold one
+
+    @property
+    def answerable(self) -> bool:
+        """The passages the methods read (the top READ_DEPTH, as prompts show them) hold a gold answer."""
+        return self.shown is not None and self.shown <= READ_DEPTH
+
+    @property
+    def unanswerable(self) -> bool:
+        """No searched passage holds a gold answer."""
+        return self.found is None
+
+
+def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = ANSWERABILITY_DEPTH,
+                         cache: str | Path | None = None, progress: bool = True) -> dict[str, Ranks]:
+    """For each question, where a gold answer first occurs in the ``depth`` passages BM25 returns for it.
+
+    A gold answer counts when it occurs as a whole word sequence after SQuAD normalisation (lower case, no punctuation
+    or articles): ``found`` in a passage's title or text, ``shown`` in its title or first READ_WORDS words (the
+    prompts' cut, :func:`fastgate.prompts.passage_text`). Deterministic for a given index; the ranks are cached in
+    ``cache`` (a JSON file, written atomically) so later runs cost nothing.
     """
-    ranks: dict[str, int | None] = {}
+    from fastgate.prompts import passage_text
+
+    ranks: dict[str, Ranks] = {}
     cache_path = Path(cache) if cache is not None else None
     if cache_path is not None and cache_path.is_file():
         try:
             stored = json.loads(cache_path.read_text())
             if stored.get("depth") == depth and stored.get("version") == _SPLIT_VERSION:
-                ranks = {k: v for k, v in stored["ranks"].items()}
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError):
+                ranks = {k: Ranks(*v) for k, v in stored["ranks"].items()}
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError):
             ranks = {}  # a corrupt cache is recomputed
     todo = [e for e in examples if e.id not in ranks]
     if todo:
@@ -362,12 +389,14 @@ def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = A
 
             it = tqdm(todo, desc=f"corpus split (BM25 top-{depth})", unit="q")
         for ex in it:
-            rank = None
+            found = shown = None
             for i, hit in enumerate(retriever.search(ex.question, k=depth), start=1):
-                if _contains_answer(f"{hit.title} {hit.text}", ex.answers):
-                    rank = i
+                if found is None and _contains_answer(f"{hit.title} {hit.text}", ex.answers):
+                    found = i
+                if found is not None and _contains_answer(passage_text(hit, READ_WORDS), ex.answers):
+                    shown = i
                     break
-            ranks[ex.id] = rank
+            ranks[ex.id] = Ranks(found, shown)
         if cache_path is not None:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
@@ -400,9 +429,11 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
     """Questions of a benchmark split and corpus subset, in a seeded order; the first ``n`` (all when None).
 
     Subsets: ``all``; ``answerable`` / ``unanswerable`` by :func:`corpus_answerability` against the default corpus's
-    BM25 index (or ``index``); ``balanced``: answerable and unanswerable questions alternate (each class shuffled
-    with ``seed``), so every prefix holds equal numbers (±1) and is the same questions for any ``n``. Each example's
-    ``meta`` has ``answerable`` and ``rank`` when a subset other than ``all`` is asked for. The counts go to stderr.
+    BM25 index (or ``index``): a gold answer shown in the top READ_DEPTH passages as prompts show them / in none of
+    the top ANSWERABILITY_DEPTH (questions between are in neither); ``balanced``: answerable and unanswerable
+    questions alternate (each class shuffled with ``seed``), so every prefix holds equal numbers (±1) and is the same
+    questions for any ``n``. Each example's ``meta`` has ``answerable``, ``rank`` (the first passage holding a gold
+    answer) and ``shown_rank`` when a subset other than ``all`` is asked for. The counts go to stderr.
     """
     import random
 
@@ -420,12 +451,14 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
         retriever = open_retriever("bm25", index)
     ranks = corpus_answerability(examples, retriever, cache=_split_cache(retriever, spec), progress=progress)
     labelled = [QAExample(e.id, e.question, e.answers, e.evidence_title, e.source,
-                          {**e.meta, "answerable": ranks[e.id] is not None, "rank": ranks[e.id]}) for e in order]
-    yes = [e for e in labelled if e.meta["answerable"]]
-    no = [e for e in labelled if not e.meta["answerable"]]
+                          {**e.meta, "answerable": ranks[e.id].answerable, "rank": ranks[e.id].found,
+                           "shown_rank": ranks[e.id].shown}) for e in order]
+    yes = [e for e in labelled if ranks[e.id].answerable]
+    no = [e for e in labelled if ranks[e.id].unanswerable]
     if progress:
-        print(f"fastgate: {spec.name} {spec.split}: {len(examples)} questions, {len(yes)} answerable from the corpus "
-              f"(a gold answer in the BM25 top-{ANSWERABILITY_DEPTH}), {len(no)} not", file=sys.stderr)
+        print(f"fastgate: {spec.name} {spec.split}: {len(examples)} questions, {len(yes)} answerable (a gold answer "
+              f"shown in the BM25 top-{READ_DEPTH} the methods read), {len(no)} unanswerable (none in the top "
+              f"{ANSWERABILITY_DEPTH}), {len(examples) - len(yes) - len(no)} between", file=sys.stderr)
     chosen = {"answerable": yes, "unanswerable": no, "balanced": _interleave(yes, no)}[spec.subset]
     if not chosen:
         raise CorpusError(f"{spec} is empty: no {spec.subset} question for this corpus")
