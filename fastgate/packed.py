@@ -274,13 +274,13 @@ class PackedLoop(DecodeLoop):
         scheduler gives each generation its program's submission time, so the oldest request finishes first)."""
         eng = self.engine
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
+        keys = [0.0] * len(specs) if priority is None else list(priority)
+        if len(keys) != len(specs):
+            raise ValueError(f"priority has {len(keys)} keys for {len(specs)} prompts")
         rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
         if eng.prefix_cache and len(rows) > 1:
             eng._shared_prefix(rows)  # a prefix common to the batch is cached now, and found by each prompt
         tickets, _ = self._tickets(specs, owners, None)
-        keys = [0.0] * len(specs) if priority is None else list(priority)
-        if len(keys) != len(specs):
-            raise ValueError(f"priority has {len(keys)} keys for {len(specs)} prompts")
         for spec, ticket, ids, cut, key in zip(specs, tickets, rows, truncated, keys):
             self._arrivals += 1
             self.prefilling.append(_Job(spec, ticket, ids, cut, priority=(key, self._arrivals)))
