@@ -420,7 +420,6 @@ class Scheduler:
             self._calls += 1
             t0 = time.perf_counter()
             try:
-                # a packed loop prefills queued prompts in its next step's pass (whole ones without a budget)
                 tickets = self._join(loop, group)
             except Exception as exc:
                 if len(group) == 1:
@@ -444,7 +443,7 @@ class Scheduler:
     def _join(self, loop, group: list) -> list:
         """Generations ``group`` ((task, i, request) each) join ``loop``; one ticket each."""
         specs = [(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group]
-        if self.layout == "packed":  # a packed loop prefills queued prompts in its next passes
+        if self.layout == "packed":  # a packed loop prefills queued prompts in its next passes (whole without a budget)
             priority = [task.submitted for task, _, _ in group] if self.prefill_order == "program" else None
             return loop.admit(specs, owners=group, priority=priority)
         join = loop.admit if self.prefill_budget else loop.add
