@@ -18,6 +18,7 @@ import torch
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
 from fastgate.kv_cache import plain_layers
+from fastgate.lm_head import DEFAULT_COLUMNS, slice_head
 from fastgate.models import LoadedModel
 from fastgate.ops.reference import accumulate_taps
 
@@ -210,10 +211,13 @@ class Engine:
             prefill only what follows them; 0 turns it off, else the fewest tokens worth caching.
         prefill_chunk: most tokens (rows × longest row) per prefill forward; None: 1024 on CPU, where smaller
             forwards run faster per token, and 0 (one forward for the batch) on GPU.
+        head_columns: on a float32 CPU model, compute the LM head this many vocabulary columns at a time (bitwise the
+            same logits, 25–30% faster at 4–32 rows; :mod:`fastgate.lm_head`); 0: the plain product. This sets the
+            shared model's head, so the last engine built on a model decides.
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS) -> None:
         from fastgate.ops.backend import GateOps
         from fastgate.ops.registry import build_ops
 
@@ -249,6 +253,7 @@ class Engine:
         if prefill_chunk < 0:
             raise InputError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.sliced_head = slice_head(self.model, head_columns)  # chosen once, here (raises on columns < 0)
         # prefix token ids -> per-layer (keys, values) [1, heads, P, head_dim], least recently used first
         self._prefixes: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.prefix_hits = 0  # prompts whose prefill started from a cached prefix (for tests and stats)
