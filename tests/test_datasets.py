@@ -241,3 +241,12 @@ def test_prepare_rejects_an_unknown_benchmark_before_any_work(capsys, monkeypatc
     monkeypatch.setattr(fastgate.models, "prepare", lambda *a, **k: pytest.fail("converted a model first"))
     assert main(["prepare", "--benchmarks", "nq,hotpot"]) == 2
     assert "unknown benchmark 'hotpot'" in capsys.readouterr().err
+
+
+def test_the_split_rule_reads_what_the_methods_read():
+    """READ_DEPTH / READ_WORDS repeat MethodConfig's k / passage_words (the dataset loader does not import the
+    methods); if a default changes, the split rule must follow it and _SPLIT_VERSION must be bumped."""
+    from fastgate.eval.datasets import READ_DEPTH, READ_WORDS
+    from fastgate.methods.base import MethodConfig
+
+    assert (READ_DEPTH, READ_WORDS) == (MethodConfig().k, MethodConfig().passage_words)
