@@ -304,7 +304,8 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     gguf = locate_gguf(spec)
     _check_gguf(spec, gguf)
     if not quiet:
-        print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; ~30 s)", file=sys.stderr)
+        print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; "
+              f"~{max(30, round(spec.size / 4e7) * 10)} s on 2 cores)", file=sys.stderr)
     t0 = time.perf_counter()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
