@@ -3,12 +3,15 @@
     python docs/results/nq_tables.py docs/results/nq-balanced-qwen2.5-0.5b docs/results/nq-balanced-smollm2-135m
 
 Each directory's records are summarised over all its questions and over its answerable / unanswerable halves (by the
-cached corpus split of ``fastgate.eval.datasets``); writes ``<dir>/tables.md`` and ``<dir>/acc-vs-retrieval.png``.
+cached corpus split of ``fastgate.eval.datasets``), and every run is compared with ``always`` on the questions both
+answered (paired ACC difference with its standard error, answers fixed and broken, retrieval rate relative to
+``always``'s); writes ``<dir>/tables.md`` and ``<dir>/acc-vs-retrieval.png``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +28,26 @@ def _rows(store, runs, examples, keep) -> list:
         if recs and all(recs):
             rows.append(replace(summarize(RunSpec(recs[0]["method"], recs[0].get("retriever")), recs), run=run))
     return rows
+
+
+def paired(store, runs, examples, base: str = "always") -> str:
+    """Each run against ``base`` on the questions both have: mean ACC difference ± SE, fixed / broken answers."""
+    lines = [f"**paired with `{base}`** (same questions; ± one standard error of the mean difference)\n",
+             f"| run | n | ACC − {base} | ± SE | fixed | broken | retrievals / {base}'s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        pairs = [(store.records[(run, e.id)], store.records[(base, e.id)]) for e in examples
+                 if (run, e.id) in store.records and (base, e.id) in store.records]
+        if run == base or len(pairs) < 2:
+            continue
+        d = [float(a["acc"]) - float(b["acc"]) for a, b in pairs]
+        n, m = len(d), sum(d) / len(d)
+        se = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n)
+        ret = sum(a.get("retrieval_calls") or 0 for a, _ in pairs) / max(1, sum(b.get("retrieval_calls") or 0
+                                                                             for _, b in pairs))
+        lines.append(f"| {run} | {n} | {m:+.3f} | {se:.3f} | {sum(x > 0 for x in d)} | {sum(x < 0 for x in d)} | "
+                     f"{ret:.0%} |")
+    return "\n".join(lines) + "\n"
 
 
 def tables(out: Path) -> str:
@@ -48,6 +71,7 @@ def tables(out: Path) -> str:
                 full = rows
             what = f"first {size} of the {len(examples)}, " if size < len(examples) else ""
             text.append(f"**{label}** ({what}{rows[0].n if rows else 0} questions)\n\n" + markdown_table(rows))
+    text.append(paired(store, runs, examples))
     plot_accuracy_vs_retrieval(full, out / "acc-vs-retrieval.png",
                                f"{settings['data']} ({full[0].n} q), {settings['model']}",
                                labels=[s.method for s in full])
