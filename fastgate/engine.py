@@ -8,6 +8,7 @@ that share one prefill. ``generate(output_hidden_states=True)`` materialises eve
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -224,6 +225,10 @@ class Engine:
         self.lm = model
         self.model = model.model
         self.tokenizer = model.tokenizer
+        # transformers 5.x renamed forward's `past_key_values` to `cache` (the old name warns on every call from 5.2x on
+        # and goes in 5.40); the name this model's forward takes is looked up once, here
+        params = inspect.signature(type(self.model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # every op of SPEC §4 is bound once, for the model's device; gate_ops is the gating ops' view of the same choice
         self.ops = build_ops(backend, model.device)
         self.gate_ops = GateOps.of(self.ops)
@@ -310,7 +315,7 @@ class Engine:
         if kv is None:
             cache = DynamicCache(config=self.model.config)
             t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, P]
-            self.model(input_ids=t, attention_mask=torch.ones_like(t), past_key_values=cache, use_cache=True,
+            self.model(input_ids=t, attention_mask=torch.ones_like(t), **{self._cache_kw: cache}, use_cache=True,
                        logits_to_keep=1)
             kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, heads, P, head_dim] each
             self._prefixes[ids] = kv
@@ -419,7 +424,7 @@ class Engine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **{self._cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         )
