@@ -134,6 +134,27 @@ def test_evaluate_records_scores_and_resumes(runtime, tmp_path):
         assert r["acc"] >= r["em"]  # an exact match contains the gold answer
 
 
+def test_resume_refuses_records_made_with_other_calibrated_values(runtime, tmp_path, monkeypatch):
+    from fastgate import calibration
+
+    monkeypatch.setitem(calibration.CALIBRATED, "tiny", {"dtr": {"tau": 0.5}})
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run = RunSpec("dtr", "bm25")
+    evaluate(runtime, [run], EXAMPLES[:2], store, batch_size=2, progress=False)
+    assert {r["params"]["tau"] for r in store.records.values()} == {0.5}  # each record keeps its values
+    evaluate(runtime, [run], EXAMPLES[:3], ResultsStore(store.path), batch_size=2, progress=False)  # same values
+    assert len(store.path.read_text().splitlines()) == 3
+    monkeypatch.setitem(calibration.CALIBRATED, "tiny", {"dtr": {"tau": 0.9}})  # a recalibration
+    before = store.path.read_bytes()
+    with pytest.raises(InputError, match=r"made with tau=0\.5, but this run would use tau=0\.9"):
+        evaluate(runtime, [run], EXAMPLES, ResultsStore(store.path), batch_size=2, progress=False)
+    assert store.path.read_bytes() == before  # nothing appended under the old key
+    # naming the value makes a run of its own, which resumes nothing
+    [s] = evaluate(runtime, [RunSpec("dtr", "bm25", (("tau", 0.9),))], EXAMPLES[:2], ResultsStore(store.path),
+                   batch_size=2, progress=False)
+    assert s.n == 2
+
+
 def test_rejected_question_is_recorded_not_fatal(runtime, tmp_path):
     store = ResultsStore(tmp_path / "results.jsonl")
     huge = QAExample("big", "word " * 5000, ("x",))

@@ -192,6 +192,18 @@ def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[st
         return [_record(run, ex, base, 0.0, 1)]
 
 
+def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> None:
+    """Refuse to resume or summarise ``run`` over records made with other parameter values (a recalibration)."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and "params" in rec and rec["params"] != params:
+            changed = sorted(k for k in set(params) | set(rec["params"]) if params.get(k) != rec["params"].get(k))
+            was = ", ".join(f"{k}={rec['params'].get(k)}" for k in changed)
+            now = ", ".join(f"{k}={params.get(k)}" for k in changed)
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with "
+                             f"{was}, but this run would use {now} (the calibrated values changed?): evaluate into a "
+                             f"new --out directory, or name the values with --param (a run of its own)")
+
+
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None) -> list[RunSummary]:
@@ -216,15 +228,21 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         raise InputError(f"batch size must be >= 1, got {batch_size}")
     summaries = []
     for run in runs:
+        request = Request(run.method, run.retriever, run.params)
+        # a run's key names only the user's parameters; the calibrated values under them can change between versions,
+        # so each record keeps the values it was made with and a resume under other values is refused
+        params = json.loads(json.dumps(runtime.effective_params(request), sort_keys=True, default=str))
+        _check_params(store, run, params)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
-            method = runtime.build(Request(run.method, run.retriever, run.params))
+            method = runtime.build(request)
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
-                    store.append(_answer_batch(method, run, batch, runtime.model_name))
+                    store.append([{**rec, "params": params} for rec in _answer_batch(method, run, batch,
+                                                                                     runtime.model_name)])
                     stored += len(batch)
                     if bar is not None:
                         bar.update(len(batch))
