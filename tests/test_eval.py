@@ -153,6 +153,11 @@ def test_resume_refuses_records_made_with_other_calibrated_values(runtime, tmp_p
     [s] = evaluate(runtime, [RunSpec("dtr", "bm25", (("tau", 0.9),))], EXAMPLES[:2], ResultsStore(store.path),
                    batch_size=2, progress=False)
     assert s.n == 2
+    # the CLI gives values as text: "0.9" is the same value and resumes the same run
+    seen = []
+    evaluate(runtime, [RunSpec("dtr", "bm25", (("tau", "0.9"),))], EXAMPLES[:3], ResultsStore(store.path),
+             batch_size=2, progress=False, on_batch=lambda run, n: seen.append(n))
+    assert seen == [3]
 
 
 def test_rejected_question_is_recorded_not_fatal(runtime, tmp_path):
