@@ -195,8 +195,10 @@ def test_load_qa_heldout_is_the_documented_split():
 
 # ---------------------------------------------------------------------------------------------------- the CLI
 @pytest.mark.parametrize("argv,message", [
-    (["eval"], "either --method M or --all"),
-    (["eval", "--all", "--method", "dtr"], "either --method M or --all"),
+    (["eval", "--all", "--method", "dtr"], "either --method M or --all, not both"),
+    (["eval", "--method", " , "], "names no method"),
+    (["eval", "--method", "never,magic"], "unknown method 'magic'"),
+    (["eval", "--method", "dtr,flare", "--sweep", "tau=1"], "--sweep takes one --method"),
     (["eval", "--method", "magic"], "unknown method 'magic'"),
     (["eval", "--all", "--sweep", "tau=1"], "--sweep takes one --method"),
     (["eval", "--method", "dtr", "--sweep", "tau"], "--sweep expects param=v1,v2"),
@@ -236,6 +238,12 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
     # the table still names the earlier runs with their parameters
     assert "| dtr[tau=0,retriever=bm25] | 5 |" in captured.out and "| dtr[tau=inf,retriever=bm25] | 5 |" in captured.out
     assert len((out / "results.jsonl").read_text().splitlines()) == 15
+    # no --method: the baselines and the default gate, all resumed or answered in one invocation
+    assert main(["eval", *common]) == 0
+    captured = capsys.readouterr()
+    assert "no --method: evaluating never, always, dtr" in captured.err
+    assert "| always | 5 |" in captured.out and "| dtr | 5 |" in captured.out
+    assert len((out / "results.jsonl").read_text().splitlines()) == 25  # never was done; always and dtr added
     # other settings in the same directory are refused
     assert main(["eval", "--method", "never", *common, "--seed", "4"]) == 2
     assert "other settings" in capsys.readouterr().err
