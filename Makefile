@@ -70,7 +70,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check fastgate kernels tests bench setup.py
+	$(BIN)/ruff check fastgate kernels tests bench setup.py docs/results
 
 clean:
 	rm -rf build *.egg-info fastgate/_C*.so .pytest_cache
