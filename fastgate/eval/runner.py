@@ -192,19 +192,6 @@ def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[st
         return [_record(run, ex, base, 0.0, 1)]
 
 
-def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
-    """JSON-plain values, numbers given as text (``--param tau=0.84``) as numbers: the same value compares equal."""
-    def plain(v: Any) -> Any:
-        if isinstance(v, str):
-            try:
-                return json.loads(v)
-            except ValueError:
-                return v
-        return v
-
-    return json.loads(json.dumps({k: plain(v) for k, v in params.items()}, sort_keys=True, default=str))
-
-
 def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> None:
     """Refuse to resume or summarise ``run`` over records made with other parameter values (a recalibration)."""
     for (key, qid), rec in store.records.items():
@@ -235,6 +222,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     Returns:
         One :class:`RunSummary` per run over ``examples``.
     """
+    from fastgate.methods import make_config
     from fastgate.runtime import Request
 
     if batch_size < 1:
@@ -244,7 +232,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         request = Request(run.method, run.retriever, run.params)
         # a run's key names only the user's parameters; the calibrated values under them can change between versions,
         # so each record keeps the values it was made with and a resume under other values is refused
-        params = _plain_params(runtime.effective_params(request))
+        effective = runtime.effective_params(request)
+        config = make_config(run.method, effective)  # typed, as the method gets them: "0.84" (CLI) and 0.84 are equal
+        params = json.loads(json.dumps({k: getattr(config, k) for k in effective}, sort_keys=True, default=str))
         _check_params(store, run, params)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
