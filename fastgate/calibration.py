@@ -55,6 +55,12 @@ CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
         # 200 dev questions at the eval's setting (5 candidates): Conf 0.26–0.59, median 0.34; 140 of 200 are <= 0.365
         # (151 at 0.37)
         "cbdr": {"beta": 0.365},
+        # Probing-RAG with the shipped probers (trained on 80 NQ dev questions): at the paper's θ=0 every question
+        # retrieves (the probers learned the 88% majority, "retrieve"). Same 70% rule on the first 200 questions of
+        # `nq:dev:balanced` that the probers were not trained on (the first 220 of the list less 20 training ones),
+        # gates forced to skip: score Σp(retrieve) − Σp(no) 0.85–7.21, median 5.86; 140 of 200 are > 5.32, and
+        # retrieve iff score > −θ
+        "probing": {"theta": -5.32},
     },
     # Qwen2.5-Coder-1.5B-Instruct: DTR only (the other methods are not calibrated for it and it ships no CBDR or
     # Probing-RAG checkpoint), by the same 70% rule on the first gate of the same 200 NQ dev questions: answer NLL
