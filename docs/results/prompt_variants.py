@@ -20,6 +20,16 @@ from fastgate.retrieval import open_retriever
 
 INSTRUCTION = "Use the passages to answer the question."
 
+# Reading demonstrations: each example shows passages (one of them a distractor) and the answer copied from them.
+READ_FEW_SHOT = (
+    "[1] Nineteen Eighty-Four: Nineteen Eighty-Four is a dystopian novel by the English writer George Orwell, "
+    "published in 1949.\n[2] Animal Farm: Animal Farm is a satirical allegorical novella published in 1945.\n"
+    "Q: Who wrote the novel 1984?\nA: George Orwell\n\n"
+    "[1] Solar System: The Solar System is the gravitationally bound system of the Sun and the objects that orbit "
+    "it.\n[2] Jupiter: Jupiter is the fifth planet from the Sun and the largest in the Solar System.\n"
+    "Q: What is the largest planet in the Solar System?\nA: Jupiter\n\n"
+)
+
 
 def _variants(tokenizer) -> dict:
     def chat(q, ps):
@@ -36,6 +46,12 @@ def _variants(tokenizer) -> dict:
         "rev": lambda q, ps: rag_prompt(q, ps[::-1]),
         "fewfirst": lambda q, ps: f"{FEW_SHOT_QA}{INSTRUCTION}\n{format_passages(ps)}\n\nQ: {q}\nA:",
         "fewfirst_rev": lambda q, ps: f"{FEW_SHOT_QA}{INSTRUCTION}\n{format_passages(ps[::-1])}\n\nQ: {q}\nA:",
+        "readfew": lambda q, ps: f"{INSTRUCTION}\n\n{READ_FEW_SHOT}{format_passages(ps)}\nQ: {q}\nA:",
+        "readfew_qa": lambda q, ps: (f"{INSTRUCTION}\n\n{READ_FEW_SHOT}{format_passages(ps)}\n\n{FEW_SHOT_QA}"
+                                     f"Q: {q}\nA:"),
+        "copy": lambda q, ps: (f"Answer the question with words copied from the passages.\n{format_passages(ps)}"
+                               f"\n\n{FEW_SHOT_QA}Q: {q}\nA:"),
+        "k2": lambda q, ps: rag_prompt(q, ps[:2]),
         "short": lambda q, ps: (f"Use the passages to answer the question with a few words.\n{format_passages(ps)}"
                                 f"\n\nQuestion: {q}\nShort answer:"),
     }
