@@ -160,6 +160,33 @@ def test_resume_refuses_records_made_with_other_calibrated_values(runtime, tmp_p
     assert seen == [3]
 
 
+def _rewrite_params(path, edit) -> None:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in recs:
+        r["params"] = edit(r["params"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_resume_refuses_records_made_with_another_default(runtime, tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run = RunSpec("dtr", "bm25")
+    evaluate(runtime, [run], EXAMPLES[:2], store, batch_size=2, progress=False)
+    [rec] = list(store.records.values())[:1]
+    assert rec["params"]["pseudo_tokens"] == 64 and rec["params"]["k"] == 3  # the whole config, not just tau
+    # records from a version whose default differed (a paper default changed under the same run key)
+    _rewrite_params(store.path, lambda p: {**p, "pseudo_tokens": 32})
+    before = store.path.read_bytes()
+    with pytest.raises(InputError, match=r"made with pseudo_tokens=32, but this run would use pseudo_tokens=64"):
+        evaluate(runtime, [run], EXAMPLES[:3], ResultsStore(store.path), batch_size=2, progress=False)
+    assert store.path.read_bytes() == before
+    # records written before the whole config was kept name only the calibrated values: they still resume
+    _rewrite_params(store.path, lambda p: {"tau": p["tau"]})
+    seen = []
+    evaluate(runtime, [run], EXAMPLES[:3], ResultsStore(store.path), batch_size=2, progress=False,
+             on_batch=lambda run, n: seen.append(n))
+    assert seen == [3]
+
+
 def test_rejected_question_is_recorded_not_fatal(runtime, tmp_path):
     store = ResultsStore(tmp_path / "results.jsonl")
     huge = QAExample("big", "word " * 5000, ("x",))

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -193,14 +193,18 @@ def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[st
 
 
 def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> None:
-    """Refuse to resume or summarise ``run`` over records made with other parameter values (a recalibration)."""
+    """Refuse to resume or summarise ``run`` over records made with other parameter values (a recalibration, a
+    changed default)."""
     for (key, qid), rec in store.records.items():
-        if key == run.key and "params" in rec and rec["params"] != params:
-            changed = sorted(k for k in set(params) | set(rec["params"]) if params.get(k) != rec["params"].get(k))
+        if key != run.key or "params" not in rec:
+            continue
+        # records written before they kept the whole config hold only the calibrated values: compare what both name
+        changed = sorted(k for k in set(params) & set(rec["params"]) if params[k] != rec["params"][k])
+        if changed:
             was = ", ".join(f"{k}={rec['params'].get(k)}" for k in changed)
             now = ", ".join(f"{k}={params.get(k)}" for k in changed)
             raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with "
-                             f"{was}, but this run would use {now} (the calibrated values changed?): evaluate into a "
+                             f"{was}, but this run would use {now} (calibrated values or defaults changed?): evaluate into a "
                              f"new --out directory, or name the values with --param (a run of its own)")
 
 
@@ -230,11 +234,11 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     summaries = []
     for run in runs:
         request = Request(run.method, run.retriever, run.params)
-        # a run's key names only the user's parameters; the calibrated values under them can change between versions,
-        # so each record keeps the values it was made with and a resume under other values is refused
-        effective = runtime.effective_params(request)
-        config = make_config(run.method, effective)  # typed, as the method gets them: "0.84" (CLI) and 0.84 are equal
-        params = json.loads(json.dumps({k: getattr(config, k) for k in effective}, sort_keys=True, default=str))
+        # a run's key names only the user's parameters; the calibrated values and paper defaults under them can change
+        # between versions, so each record keeps the whole config it was made with and a resume under another is refused
+        config = make_config(run.method, runtime.effective_params(request))  # typed: "0.84" (CLI) and 0.84 are equal
+        values = {f.name: getattr(config, f.name) for f in fields(config)}
+        params = json.loads(json.dumps(values, sort_keys=True, default=str))
         _check_params(store, run, params)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
