@@ -204,8 +204,8 @@ def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> 
             was = ", ".join(f"{k}={rec['params'].get(k)}" for k in changed)
             now = ", ".join(f"{k}={params.get(k)}" for k in changed)
             raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with "
-                             f"{was}, but this run would use {now} (calibrated values or defaults changed?): evaluate into a "
-                             f"new --out directory, or name the values with --param (a run of its own)")
+                             f"{was}, but this run would use {now} (calibrated values or defaults changed?): evaluate "
+                             f"into a new --out directory, or name the values with --param (a run of its own)")
 
 
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
