@@ -2,13 +2,18 @@
 
 Why: the output projection ``hidden [M, K] @ W.T`` with ``W [V, K]`` and a 49k–152k-token vocabulary is the largest
 product of a decode step (SmolLM2-135M: 28 M of its 135 M weights; Qwen2.5-0.5B: 136 M of 494 M). With torch 2.13's
-MKL sgemm on this 2-core EPYC it runs 25–30% slower at 4–32 rows than the same product taken in 2048-column slices
-(``bench/bench_lm_head.py``). Every logit is the same K-long dot product either way, so the results are bitwise the
-same (tests check it on awkward shapes, and the real-model replay checks whole answers). At one row the slices gain
-nothing, and on GPU cuBLAS picks its own tiling, so both keep the plain product.
+MKL sgemm on a 2-core EPYC it runs 25–30% slower at 4–32 rows than the same product taken in 2048-column slices
+(``bench/bench_lm_head.py``). Every logit is the same K-long dot product either way, but the order in which MKL sums
+it depends on the kernel it picks for the product's shape and the machine: on that EPYC every shape tested gave
+bitwise the plain product; on a 2-core Xeon with AVX-512, Qwen2.5-0.5B's head (K 896) differs in the last bit at 4–15
+rows and some awkward shapes differ at one row. So :class:`SlicedHead` checks, the first time it sees a row count,
+whether the slices give bitwise the plain product for that shape on this machine (on random data: the summation order
+depends on shapes, not values) and keeps the plain product for the shapes where they do not. The answers never depend
+on the slicing; the speed does. At one row the slices gain nothing, and on GPU cuBLAS picks its own tiling, so both
+keep the plain product.
 
 :func:`slice_head` turns a model's ``lm_head`` into a :class:`SlicedHead` once, when the engine is built
-(the choice is made at construction, never per call).
+(the choice is made at construction, never per call; the per-row-count check is made once per shape and remembered).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ def sliced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or None; returns ``[..., N]`` (``x``'s dtype). Slices start at
     multiples of ``columns``, a multiple of :data:`QUANTUM`: with MKL, slices of other widths or offsets run other
-    kernels and can differ from the plain product in the last bit (measured: 156 of 648 awkward shapes for evenly
-    spread widths, none for these).
+    kernels and can differ from the plain product in the last bit (measured on a 2-core EPYC: 156 of 648 awkward
+    shapes for evenly spread widths, none for these). On other machines these can differ too, for some row counts:
+    :class:`SlicedHead` checks each row count before it uses the slices.
 
     Raises:
         InputError: ``columns`` is not a positive multiple of :data:`QUANTUM`, or ``x``'s last dimension is not
@@ -62,14 +68,36 @@ def sliced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class SlicedHead(nn.Linear):
     """An ``nn.Linear`` LM head computed in column slices of :attr:`columns` output features when ``x`` holds two
-    rows or more (one row: the plain product)."""
+    rows or more and, for that row count, the slices give bitwise the plain product on this machine (one row, or a
+    shape where they do not: the plain product).
+
+    :attr:`bitwise` maps ``(rows, threads, contiguous)`` to the verdict of the one check made for that key: the plain
+    product and the sliced one on a seeded random ``x`` of that shape. The call that makes the check returns the plain
+    product, so every call's logits are bitwise those of ``nn.Linear``.
+    """
 
     columns: int = DEFAULT_COLUMNS
+    bitwise: dict[tuple[int, int, bool], bool]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., V]
-        if x.numel() <= x.shape[-1]:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= 1:
             return super().forward(x)  # one row: the plain product is as fast
-        return sliced_linear(x, self.weight, self.bias, self.columns)
+        key = (rows, torch.get_num_threads(), x.is_contiguous())
+        same = self.bitwise.get(key)
+        if same is None:
+            self.bitwise[key] = self._slices_are_bitwise(x)
+            return super().forward(x)
+        return sliced_linear(x, self.weight, self.bias, self.columns) if same else super().forward(x)
+
+    def _slices_are_bitwise(self, x: torch.Tensor) -> bool:
+        """Whether the slices give bitwise the plain product for ``x``'s shape and layout, on seeded random data."""
+        gen = torch.Generator(device="cpu").manual_seed(len(self.bitwise))
+        probe = torch.randn(x.shape, generator=gen, dtype=x.dtype)  # [..., K], contiguous
+        if not x.is_contiguous():  # the same layout as x: a strided view of a wider tensor
+            probe = torch.randn((*x.shape[:-1], 2 * x.shape[-1]), generator=gen, dtype=x.dtype)[..., ::2]
+        return torch.equal(sliced_linear(probe, self.weight, self.bias, self.columns),
+                           F.linear(probe, self.weight, self.bias))
 
 
 def slice_head(model: nn.Module, columns: int = DEFAULT_COLUMNS) -> bool:
@@ -87,13 +115,15 @@ def slice_head(model: nn.Module, columns: int = DEFAULT_COLUMNS) -> bool:
     if isinstance(head, SlicedHead):
         if not columns:
             head.__class__ = nn.Linear
-            del head.columns
+            del head.columns, head.bitwise
             return False
-        head.columns = columns
+        if head.columns != columns:
+            head.columns, head.bitwise = columns, {}
         return True
     if (not columns or type(head) is not nn.Linear or head.weight.device.type != "cpu"
             or head.weight.dtype != torch.float32):
         return False
     head.__class__ = SlicedHead
     head.columns = columns
+    head.bitwise = {}
     return True

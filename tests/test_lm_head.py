@@ -22,16 +22,60 @@ def test_edges_merge_a_short_tail_into_the_slice_before_it():
     assert slice_edges(1, 256) == [0, 1]
 
 
+def _head(n: int, k: int, bias: bool, columns: int) -> nn.Module:
+    model = nn.Module()
+    model.lm_head = nn.Linear(k, n, bias=bias)
+    assert slice_head(model, columns) is True
+    return model.lm_head
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 33])
 @pytest.mark.parametrize("k", [1, 5, 64, 769])
 @pytest.mark.parametrize("n,columns", [(300, 256), (769, 256), (4099, 512), (9001, 2048), (3 * QUANTUM, QUANTUM)])
-def test_sliced_linear_is_bitwise_the_plain_product(rows, k, n, columns):
+def test_sliced_head_is_bitwise_the_plain_product(rows, k, n, columns):
+    """The head's logits are bitwise ``F.linear``'s on every call: the first, which checks the row count, and the
+    next, which uses the slices where the check passed. (The slices alone are not bitwise on every machine: MKL on an
+    AVX-512 Xeon sums some of these shapes in another order.)"""
     gen = torch.Generator().manual_seed(rows * 1000 + k)
-    x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen)
-    b = torch.randn(n, generator=gen)
-    assert torch.equal(sliced_linear(x, w, None, columns), F.linear(x, w))
-    assert torch.equal(sliced_linear(x, w, b, columns), F.linear(x, w, b))
+    head = _head(n, k, True, columns)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(n, k, generator=gen))
+        head.bias.copy_(torch.randn(n, generator=gen))
+        for _ in range(2):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(head(x), F.linear(x, head.weight, head.bias))
+            torch.testing.assert_close(sliced_linear(x, head.weight, None, columns), F.linear(x, head.weight),
+                                       rtol=1e-5, atol=1e-4)
+    assert set(head.bitwise) == ({(rows, torch.get_num_threads(), True)} if rows > 1 else set())
+
+
+def test_sliced_head_uses_the_slices_only_for_row_counts_that_passed_the_check(monkeypatch):
+    import fastgate.lm_head as lm_head
+
+    head = _head(769, 8, False, 256)
+    calls = []
+    exact = lm_head.sliced_linear
+
+    def off_by_a_bit(x, weight, bias=None, columns=256):  # slices summed in another order: the last bit differs
+        calls.append(x.shape)
+        return torch.nextafter(exact(x, weight, bias, columns), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(lm_head, "sliced_linear", off_by_a_bit)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(head(x), F.linear(x, head.weight))
+        assert len(calls) == 1 and head.bitwise == {(3, torch.get_num_threads(), True): False}  # one check, then plain
+
+        def counted(x, weight, bias=None, columns=256):
+            calls.append(x.shape)
+            return F.linear(x, weight, bias)
+
+        monkeypatch.setattr(lm_head, "sliced_linear", counted)
+        y = torch.randn(4, 8)
+        assert torch.equal(head(y), F.linear(y, head.weight))  # the check: the plain product is returned
+        assert torch.equal(head(y), F.linear(y, head.weight))  # the slices, now trusted for 4 rows
+        assert len(calls) == 3 and head.bitwise[(4, torch.get_num_threads(), True)] is True
 
 
 def test_sliced_linear_takes_batched_and_non_contiguous_input():
@@ -42,7 +86,13 @@ def test_sliced_linear_takes_batched_and_non_contiguous_input():
     assert not x.is_contiguous()
     out = sliced_linear(x, w, None, 256)
     assert out.shape == (1, 16, 769)
-    assert torch.equal(out, F.linear(x, w))
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    head = _head(769, 64, False, 256)
+    with torch.no_grad():
+        head.weight.copy_(w)
+        for _ in range(2):
+            assert torch.equal(head(x), F.linear(x, w))
+    assert (16, torch.get_num_threads(), False) in head.bitwise
 
 
 def test_bad_slices_and_shapes_are_refused():
