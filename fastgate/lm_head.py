@@ -93,9 +93,10 @@ class SlicedHead(nn.Linear):
     def _slices_are_bitwise(self, x: torch.Tensor) -> bool:
         """Whether the slices give bitwise the plain product for ``x``'s shape and layout, on seeded random data."""
         gen = torch.Generator(device="cpu").manual_seed(len(self.bitwise))
-        probe = torch.randn(x.shape, generator=gen, dtype=x.dtype)  # [..., K], contiguous
-        if not x.is_contiguous():  # the same layout as x: a strided view of a wider tensor
-            probe = torch.randn((*x.shape[:-1], 2 * x.shape[-1]), generator=gen, dtype=x.dtype)[..., ::2]
+        if x.is_contiguous():
+            probe = torch.randn(x.shape, generator=gen, dtype=x.dtype)  # [..., K]
+        else:  # the same layout as x: a strided view of a wider tensor
+            probe = torch.randn((*x.shape[:-1], 2 * x.shape[-1]), generator=gen, dtype=x.dtype)[..., ::2]  # [..., K]
         return torch.equal(sliced_linear(probe, self.weight, self.bias, self.columns),
                            F.linear(probe, self.weight, self.bias))
 
