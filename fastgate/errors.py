@@ -10,6 +10,7 @@ __all__ = [
     "FastgateError",
     "IndexError_",
     "InputError",
+    "InstallError",
     "MissingDependencyError",
     "ModelError",
     "ShapeError",
@@ -55,6 +56,10 @@ class IndexError_(FastgateError):
 
 class BackendUnavailableError(FastgateError):
     """An explicitly requested backend (ext, triton, faiss-gpu...) is not available here."""
+
+
+class InstallError(FastgateError):
+    """pip could not install a pinned data package (``fastgate prepare --install``)."""
 
 
 class MissingDependencyError(FastgateError, ImportError):

