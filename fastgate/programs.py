@@ -163,10 +163,12 @@ Request = Generate | PromptStates | Search | SearchVectors | PassageVectors | Em
 
 @dataclass
 class Answer:
-    """What a program returns: the answer text and the passages it was answered from."""
+    """What a program returns: the answer text, the passages it was answered from, and method-specific details for
+    the record (the read gate's features and closed-book answer)."""
 
     text: str
     passages: Sequence[Hit] = ()
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 Program = Generator[Any, Any, Answer]

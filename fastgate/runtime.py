@@ -113,10 +113,12 @@ class Runtime:
 
     def build(self, request: Request):
         """Construct the method of ``request`` on this runtime's engine."""
-        from fastgate.methods import build_method
+        from fastgate.methods import METHODS, build_method
 
         retriever = self.retriever(request.retriever) if request.retriever is not None else None
-        return build_method(request.method, self.engine, retriever, self.effective_params(request))
+        others = {kind: self.retriever(kind) for kind in METHODS[request.method].uses_retrievers}
+        return build_method(request.method, self.engine, retriever, self.effective_params(request),
+                            retrievers=others or None)
 
 
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0) -> dict[str, Any]:

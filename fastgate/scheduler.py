@@ -375,6 +375,8 @@ class Scheduler:
                 task.trace.use(answer.passages)
                 task.result = task.method.result(task.question, answer.text, task.trace,
                                                  {**task.trace.timings, "total_s": task.finished - task.submitted})
+                if answer.details:
+                    task.result.details = dict(answer.details)
         if task.on_done is not None:
             task.on_done(task)
 

@@ -12,6 +12,7 @@ from fastgate.methods.base import Method, MethodConfig, MethodResult
 from fastgate.methods.cbdr import Cbdr, CbdrConfig
 from fastgate.methods.dtr import Dtr, DtrConfig
 from fastgate.methods.probing import Probing, ProbingConfig
+from fastgate.methods.read import Read, ReadConfig
 from fastgate.methods.seakr import Seakr, SeakrConfig
 from fastgate.methods.sentences import Flare, FlareConfig, Scaar, ScaarConfig
 from fastgate.methods.simple import AlwaysRetrieve, NeverRetrieve
@@ -31,6 +32,8 @@ __all__ = [
     "NeverRetrieve",
     "Probing",
     "ProbingConfig",
+    "Read",
+    "ReadConfig",
     "Scaar",
     "ScaarConfig",
     "Seakr",
@@ -40,7 +43,7 @@ __all__ = [
 ]
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (NeverRetrieve, AlwaysRetrieve, Flare, Probing, Dtr, Seakr, Scaar, Cbdr)
+    cls.name: cls for cls in (NeverRetrieve, AlwaysRetrieve, Flare, Probing, Dtr, Seakr, Scaar, Cbdr, Read)
 }
 
 
@@ -85,7 +88,11 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
     return cls(**{k: _coerce(k, v, hints[k]) for k, v in params.items()})
 
 
-def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None) -> Method:
-    """Construct method ``name`` with its config built from ``params``."""
+def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None,
+                 retrievers: dict[str, Any] | None = None) -> Method:
+    """Construct method ``name`` with its config built from ``params`` (``retrievers``: the other retrievers a
+    method searches besides its own, by kind, for methods with ``uses_retrievers``)."""
     config = make_config(name, params)
+    if METHODS[name].uses_retrievers:
+        return METHODS[name](engine, retriever, config, retrievers=retrievers)
     return METHODS[name](engine, retriever, config)

@@ -51,6 +51,7 @@ class MethodResult:
     method: str = ""
     prompt_tokens: int = 0  # prompt tokens of every LM call (k samples of one prompt count it once)
     finish_reason: str = "stop"  # "length" when the answer's own generation stopped at its token limit
+    details: dict[str, Any] = field(default_factory=dict)  # method-specific (the read gate's features), JSON-ready
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +68,7 @@ class MethodResult:
             "truncated": self.truncated,
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
+            **({"details": self.details} if self.details else {}),
         }
 
 
@@ -123,6 +125,7 @@ class Method:
     description: ClassVar[str] = ""
     needs_retriever: ClassVar[bool] = True
     default_retriever: ClassVar[str] = "bm25"  # what `fastgate ask` opens when --retriever is not given
+    uses_retrievers: ClassVar[tuple[str, ...]] = ()  # other retrievers it searches too (the read gate: both)
 
     def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
         self.engine = engine

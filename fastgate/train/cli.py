@@ -146,7 +146,7 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
 
 def add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="train the learned gates (Probing-RAG probers, CBDR confidence model)")
-    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,evaluate,reranker}", required=True)
+    kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,read,evaluate,reranker}", required=True)
     ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
                                            "accuracy vs the majority class)")
     ev.add_argument("--checkpoint", required=True)
@@ -173,6 +173,9 @@ def add_train_parser(sub) -> None:
     rr.add_argument("--lr", type=float, default=6e-5)
     rr.add_argument("--seed", type=int, default=0)
     rr.set_defaults(func=_cmd_reranker)
+    from fastgate.train.read import add_read_parser
+
+    add_read_parser(kinds)
     for kind, help_text, epochs, lr, dropout, batch in (
         ("prober", "Probing-RAG probers on CoT answers without and with retrieval", 2, 1e-4, 0.1, 16),
         ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),

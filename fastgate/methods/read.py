@@ -1,0 +1,134 @@
+"""The read gate over any gated method: search first, then decide whether to read the passages.
+
+fastgate's own extension beyond the papers (docs/DEVIATIONS.md, "The read gate"). The wrapped (``base``) method runs
+up to its first gate decision, which gives its own signal (DTR: the closed-book answer's NLL; CBDR: its confidence;
+Probing-RAG: the prober score, ...); its decision is not followed. The closed-book answer is the base's own first
+generation where it is one (DTR), else one greedy closed-book generation. Then the question is searched (BM25 and
+dense, together: a fraction of a millisecond and a few milliseconds), :func:`~fastgate.gates.read.read_features`
+combines all of it, and the :class:`~fastgate.gates.read.ReadGate` decides whether to read the top-k passages of the
+reading retriever (the method's retriever, BM25 by default) into a prompt, or to keep the closed-book answer.
+
+A question's record counts its searches (``retrieval_calls``) apart from its read (``retrieved``): the rate this gate
+is judged by is the share of questions that read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fastgate.errors import InputError
+from fastgate.gates.read import FEATURE_SETS, ReadGate, load_read_checkpoint, read_features
+from fastgate.methods.base import Method, MethodConfig
+from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
+from fastgate.prompts import closed_book_prompt
+
+__all__ = ["Read", "ReadConfig"]
+
+# the methods whose first gate decision can be wrapped (never / always decide nothing)
+BASES = ("dtr", "cbdr", "probing", "flare", "scaar", "seakr")
+
+
+@dataclass(frozen=True)
+class ReadConfig(MethodConfig):
+    """Read-gate parameters."""
+
+    base: str = "dtr"  # the gated method whose first signal the read gate sees (DTR: the best of the papers' here)
+    features: str = "all"  # "all" (BM25 + dense + model) or "dense" (dense + model: blind to the BM25-defined split)
+    threshold: float = 0.0  # read iff the log-odds that reading fixes the answer >= threshold (calibrated per model)
+    checkpoint: str = ""  # read-gate checkpoint directory (`fastgate train read`); default: shipped for the model
+    collect: bool = False  # training pass: read every question and record its features; needs no checkpoint
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.base not in BASES:
+            raise InputError(f"read: base must be one of {', '.join(BASES)}, got {self.base!r}")
+        if self.features not in FEATURE_SETS:
+            raise InputError(f"read: features must be one of {', '.join(FEATURE_SETS)}, got {self.features!r}")
+        if math.isnan(self.threshold):
+            raise InputError("read: threshold must be a number, got nan")
+
+
+class Read(Method):
+    """Run the base method to its first gate score, search, and read the passages iff the read gate says so."""
+
+    name = "read"
+    config_class = ReadConfig
+    description = ("read gate (fastgate's extension): search first, then a learned gate on the base method's signal "
+                   "and the search's scores decides whether to read the passages")
+    uses_retrievers: ClassVar[tuple[str, ...]] = ("bm25", "dense")
+
+    @classmethod
+    def preflight(cls, config: ReadConfig, model_name: str | None = None):
+        """The checkpoint to load (none for a training pass)."""
+        if config.collect:
+            return None
+        from fastgate.probes import resolve_checkpoint
+
+        return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
+                                  f"fastgate train read --base {config.base}")
+
+    def __init__(self, engine, retriever, config: ReadConfig | None = None,
+                 retrievers: dict[str, Any] | None = None) -> None:
+        super().__init__(engine, retriever, config)
+        from fastgate.calibration import calibrated_params
+        from fastgate.methods import METHODS, make_config
+        from fastgate.retrieval import open_retriever
+
+        c = self.config
+        self.retrievers = dict(retrievers or {})
+        for kind in self.uses_retrievers:  # opened here when constructed outside a Runtime
+            if kind not in self.retrievers:
+                self.retrievers[kind] = retriever if getattr(retriever, "name", None) == kind else open_retriever(kind)
+        base_cls = METHODS[c.base]
+        base_config = make_config(c.base, calibrated_params(engine.lm.name, c.base, {}))
+        base_retriever = self.retrievers.get(base_cls.default_retriever, retriever)
+        self.base = base_cls(engine, base_retriever, base_config)
+        self.gate = None
+        if not c.collect:
+            path = self.preflight(c, engine.lm.name)
+            self.gate = ReadGate(load_read_checkpoint(path, c.features, model=engine.lm, base=c.base), c.threshold)
+        self._searches = [kind for kind in ("bm25", "dense") if c.collect or c.features == "all" or kind == "dense"]
+
+    def _base_signal(self, question: str) -> Program:
+        """Drive the base program up to its first gate decision: (its score, its closed-book answer or None)."""
+        prog = self.base.program(question)
+        closed, prompt, cfg = None, closed_book_prompt(question), self.answer_config()
+        try:
+            req = next(prog)
+            while not isinstance(req, Decide):
+                out = yield req
+                if (closed is None and isinstance(req, Generate) and req.prompt == prompt and req.k == 1
+                        and req.config == cfg):
+                    closed = out.sequences[0]
+                req = prog.send(out)
+        except StopIteration:  # the base answered without a gate decision
+            return math.nan, closed
+        finally:
+            prog.close()
+        score = yield Score(req.gate, req.signal)
+        return float(req.gate.step(score, req.signal).score), closed
+
+    def program(self, question: str) -> Program:
+        c = self.config
+        base_score, closed = yield from self._base_signal(question)
+        if closed is None:
+            closed = (yield self.closed_book(question)).sequences[0]
+        found = yield All(*(Search(self.retrievers[kind], (question,), c.k) for kind in self._searches))
+        hits = {kind: h[0] for kind, h in zip(self._searches, found)}
+        feats = read_features(question, closed, base_score, hits.get("bm25"), hits.get("dense"))
+        details = {"base": c.base, "base_score": base_score if math.isfinite(base_score) else None,
+                   "closed_book_answer": closed.text.strip(), "features": feats}
+        if self.gate is not None:
+            step = yield Decide(self.gate, feats)
+            if not step.retrieve:
+                return Answer(closed.text.strip(), details=details)
+        reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
+        answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
+        return Answer(answer.text.strip(), reading, details={**details, "read": True})
+
+    def result(self, question: str, answer: str, trace, timings: dict[str, float]):
+        res = super().result(question, answer, trace, timings)
+        res.retrieved = bool(trace.passages)  # read passages (every question searched)
+        return res

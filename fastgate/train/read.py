@@ -1,0 +1,139 @@
+"""``fastgate train read``: the read gate's training pass on dev questions, its fit and its checkpoint.
+
+The pass is an evaluation of ``read[collect=true]`` (every question is answered closed-book *and* from its passages,
+with every feature recorded), stored like any `fastgate eval` run, so an interrupted pass resumes where it stopped.
+A question's label is 1 where reading fixed the closed-book answer (the passages' answer is right, the closed-book
+one wrong). One checkpoint holds a model per feature set (``all``, ``dense``); the report gives each one's
+out-of-fold curve on the dev questions against the random gate and the oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "training_pass"]
+
+
+def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path, *, seed: int = 0,
+                  batch_size: int = 16, index: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Run (or resume) the collecting pass; returns its records in question order."""
+    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.runtime import check_request
+
+    if is_benchmark(data):
+        spec = parse_benchmark(data)
+        data = str(spec)
+        examples = load_benchmark(spec, seed=seed, n=n, index=index)
+    else:
+        examples = sample_examples(load_qa(data), n, seed)
+    req = check_request("read", {"base": base, "collect": True}, "bm25", runtime.model)
+    run = RunSpec(req.method, req.retriever, req.params)
+    check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
+    store = ResultsStore(store_dir / "results.jsonl")
+    evaluate(runtime, [run], examples, store, batch_size=batch_size, progress=progress)
+    return [store.records[(run.key, e.id)] for e in examples if (run.key, e.id) in store.records]
+
+
+def collect_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray, np.ndarray]:
+    """Features, labels (reading fixed it), closed-book accuracy and read accuracy of a collecting pass's records
+    (records with an error are left out)."""
+    from fastgate.eval.metrics import accuracy
+
+    rows, fixed, cb, rd = [], [], [], []
+    for r in records:
+        d = r.get("details") or {}
+        if r.get("error") or "features" not in d:
+            continue
+        closed = float(accuracy(d.get("closed_book_answer", ""), r["answers"]))
+        rows.append(d["features"])
+        cb.append(closed)
+        rd.append(float(r["acc"]))
+        fixed.append(int(r["acc"] > closed))
+    return rows, np.asarray(fixed), np.asarray(cb), np.asarray(rd)
+
+
+def cross_validated_logits(rows, labels, features, folds: int = 5, l2: float = 1.0) -> np.ndarray:
+    """Out-of-fold log-odds of each row (folds by position modulo ``folds``: deterministic)."""
+    from fastgate.gates.read import fit_read_model
+
+    out = np.zeros(len(rows))
+    fold = np.arange(len(rows)) % folds
+    for j in range(folds):
+        train = [i for i in range(len(rows)) if fold[i] != j]
+        test = [i for i in range(len(rows)) if fold[i] == j]
+        m = fit_read_model([rows[i] for i in train], [labels[i] for i in train], features, l2=l2)
+        out[test] = m.logits([rows[i] for i in test])
+    return out
+
+
+def _curve_line(name: str, logits: np.ndarray, cb: np.ndarray, rd: np.ndarray, rate: float) -> str:
+    k = int(round(rate * len(logits)))
+    read = np.zeros(len(logits), dtype=bool)
+    read[np.argsort(-logits, kind="stable")[:k]] = True
+    acc = float(np.where(read, rd, cb).mean())
+    rnd = (1 - rate) * cb.mean() + rate * rd.mean()
+    return (f"{name:>6}  read {rate:4.0%}: ACC {acc:.3f}  random {rnd:.3f}  ({100 * (acc - rnd):+.1f} points)  "
+            f"always {rd.mean():.3f}  never {cb.mean():.3f}")
+
+
+def _cmd_read(args: argparse.Namespace) -> int:
+    from fastgate.errors import InputError
+    from fastgate.gates.read import FEATURE_SETS, fit_read_model, save_read_checkpoint
+    from fastgate.paths import home
+    from fastgate.runtime import Runtime
+
+    runtime = Runtime(args.model, device=args.device, index=args.index)
+    store_dir = Path(args.cache) if args.cache else (
+        home() / "features" / f"{args.model}-read-{args.base}-{args.data.replace(':', '-')}")
+    print(f"training pass: read[base={args.base},collect=true] on {args.n or 'all'} question(s) of {args.data} "
+          f"-> {store_dir} (resumable)")
+    records = training_pass(runtime, args.base, args.data, args.n, store_dir, seed=args.seed,
+                            batch_size=args.batch_size, index=args.index, progress=not args.quiet)
+    rows, labels, cb, rd = collect_rows(records)
+    if len(rows) < 10 or labels.sum() < 2:
+        raise InputError(f"read gate: {len(rows)} usable questions with {int(labels.sum())} fixed by reading: too few "
+                         f"to fit (use more --n)")
+    print(f"{len(rows)} questions: closed-book ACC {cb.mean():.3f}, with passages {rd.mean():.3f}; reading fixes "
+          f"{int(labels.sum())}, breaks {int(((rd < cb)).sum())}")
+    models, report = {}, {}
+    for name in args.features.split(","):
+        if name not in FEATURE_SETS:
+            raise InputError(f"--features: unknown set {name!r} (known: {', '.join(FEATURE_SETS)})")
+        oof = cross_validated_logits(rows, labels, FEATURE_SETS[name], l2=args.l2)
+        print(_curve_line(name, oof, cb, rd, args.rate) + "  (out-of-fold on these dev questions)")
+        models[name] = fit_read_model(rows, labels, FEATURE_SETS[name], l2=args.l2)
+        report[name] = {"weights": dict(zip(models[name].features, (round(w, 4) for w in models[name].weights)))}
+        print(f"{'':>6}  weights: " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"].items()))
+    out = Path(args.out) if args.out else Path("checkpoints") / f"{runtime.model_name}-read-{args.base}"
+    meta = {"data": args.data, "n": len(rows), "seed": args.seed, "fixed": int(labels.sum()), "l2": args.l2,
+            "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4)}
+    save_read_checkpoint(out, models, model=runtime.lm, base=args.base, meta=meta)
+    print(f"checkpoint: {out}\nnext: `fastgate calibrate --model {runtime.model_name} --method read "
+          f"--param base={args.base} --param checkpoint={out}` for its threshold")
+    print(json.dumps({"checkpoint": str(out), **meta}))
+    return 0
+
+
+def add_read_parser(kinds) -> None:
+    p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--base", default="dtr", help="the gated method whose first signal the gate sees (default: dtr)")
+    p.add_argument("--data", default="nq:dev:balanced", help="dev questions only (default: nq:dev:balanced)")
+    p.add_argument("--n", type=int, default=400, help="questions of the seeded order (default: 400)")
+    p.add_argument("--features", default="all,dense", help="feature sets to fit, comma-separated (default: both)")
+    p.add_argument("--l2", type=float, default=1.0, help="L2 penalty of the logistic model (default: 1)")
+    p.add_argument("--rate", type=float, default=0.7, help="reading rate of the printed dev curve point")
+    p.add_argument("--out", default=None, help="checkpoint directory (default: checkpoints/<model>-read-<base>)")
+    p.add_argument("--cache", default=None, help="records of the training pass (default: under $FASTGATE_HOME)")
+    p.add_argument("--index", default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_read)

@@ -1,0 +1,154 @@
+"""The read gate: features, the logistic model and its checkpoint, the method over a base gate on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fastgate.engine import Generation
+from fastgate.errors import CheckpointError, InputError
+from fastgate.gates.read import (
+    FEATURE_SETS,
+    ReadGate,
+    fit_read_model,
+    load_read_checkpoint,
+    read_features,
+    save_read_checkpoint,
+)
+from fastgate.methods import build_method
+from fastgate.retrieval import BM25Retriever, DenseRetriever
+from fastgate.retrieval.base import Hit
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan", "largest planet"]
+
+
+def _gen(text: str, lps: list[float]) -> Generation:
+    return Generation(text=text, token_ids=list(range(len(lps))), token_logprobs=lps, answer_tokens=len(lps),
+                      finish_reason="stop", prompt_tokens=5, truncated=False)
+
+
+def _hit(pid: str, title: str, text: str, score: float) -> Hit:
+    from fastgate.corpus import Passage
+
+    return Hit(Passage(pid, title, text), score)
+
+
+@pytest.fixture(scope="module")
+def retrievers(small_index):
+    return {"bm25": BM25Retriever(small_index / "bm25"), "dense": DenseRetriever(small_index / "dense")}
+
+
+def test_features_by_hand():
+    bm = [_hit("a", "Paris", "Paris is the capital of France.", 9.0), _hit("b", "Berlin", "Berlin.", 4.0)]
+    dn = [_hit("b", "Berlin", "Berlin.", 0.5), _hit("c", "Rome", "Rome.", 0.25)]
+    f = read_features("What is the capital of France?", _gen("Paris", [-0.5, -1.5]), 1.0, bm, dn)
+    assert f["cb_nll"] == pytest.approx(1.0) and f["cb_min_logprob"] == -1.5 and f["base_score"] == 1.0
+    assert f["bm25_top"] == 9.0 and f["bm25_drop"] == 5.0 and f["dense_drop"] == 0.25
+    assert f["bm25_cover"] == 1.0  # capital, france both in the top passage
+    assert f["dense_cover"] == 0.0
+    assert f["bm25_answer_in"] == 1.0 and f["dense_answer_in"] == 0.0
+    assert f["agree"] == 0.5
+    assert set(FEATURE_SETS["all"]) <= set(f) and not any(k.startswith("bm25") for k in FEATURE_SETS["dense"])
+    # a base without a score, no searches: defined, finite features
+    g = read_features("q?", _gen("", []), math.nan, None, None)
+    assert all(math.isfinite(v) for v in g.values())
+
+
+def test_fit_separates_and_checkpoint_round_trip(tmp_path, tiny):
+    rng = np.random.default_rng(0)
+    rows = [{f: float(rng.normal()) for f in FEATURE_SETS["all"]} for _ in range(200)]
+    labels = [int(r["bm25_top"] > 0.5) for r in rows]
+    m = fit_read_model(rows, labels, FEATURE_SETS["all"])
+    w = dict(zip(m.features, m.weights))
+    assert max(w, key=lambda k: abs(w[k])) == "bm25_top" and w["bm25_top"] > 0
+    logits = m.logits(rows)
+    assert ((logits > 0) == np.asarray(labels, bool)).mean() > 0.9
+    path = save_read_checkpoint(tmp_path / "ck", {"all": m}, model=tiny, base="dtr", meta={"n": 200})
+    back = load_read_checkpoint(path, "all", model=tiny, base="dtr")
+    np.testing.assert_allclose(back.logits(rows), logits)
+    with pytest.raises(CheckpointError, match="no 'dense' model"):
+        load_read_checkpoint(path, "dense", model=tiny)
+    with pytest.raises(CheckpointError, match="over dtr, not cbdr"):
+        load_read_checkpoint(path, "all", base="cbdr")
+    other = type("M", (), {"name": "other-model", "fingerprint": ""})()
+    with pytest.raises(CheckpointError, match="trained for model"):
+        load_read_checkpoint(path, "all", model=other)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="missing or corrupt"):
+        load_read_checkpoint(path, "all")
+    with pytest.raises(InputError, match="missing"):
+        m.logits([{"bm25_top": 1.0}])
+    gate = ReadGate(m, threshold=0.0)
+    steps = gate.decide(rows[:4])
+    assert [s.retrieve for s in steps] == [bool(x >= 0) for x in logits[:4]]
+
+
+def _checkpoint(tmp_path, tiny, weight: float) -> str:
+    """A checkpoint whose log-odds are ``weight`` × (standardised) BM25 top score."""
+    feats = FEATURE_SETS["all"]
+    from fastgate.gates.read import ReadModel
+
+    m = ReadModel(feats, tuple(0.0 for _ in feats), tuple(1.0 for _ in feats),
+                  tuple(weight if f == "bm25_top" else 0.0 for f in feats), 0.0)
+    d = FEATURE_SETS["dense"]
+    md = ReadModel(d, tuple(0.0 for _ in d), tuple(1.0 for _ in d), tuple(0.0 for _ in d), 1.0)
+    return str(save_read_checkpoint(tmp_path / f"ck{weight}", {"all": m, "dense": md}, model=tiny, base="dtr",
+                                    meta={}))
+
+
+def test_read_method_follows_its_gate_not_the_base(tmp_path, tiny, tiny_engine, retrievers):
+    bm25 = retrievers["bm25"]
+    closed = build_method("never", tiny_engine).answer_batch(QUESTIONS)
+    always = build_method("always", tiny_engine, bm25).answer_batch(QUESTIONS)
+    # weight 1, threshold -1e9: reads everything, whatever DTR's tau says; answers equal `always`'s
+    ck = _checkpoint(tmp_path, tiny, 1.0)
+    reads = build_method("read", tiny_engine, bm25, {"checkpoint": ck, "threshold": -1e9},
+                         retrievers=retrievers).answer_batch(QUESTIONS)
+    assert [r.answer for r in reads] == [r.answer for r in always]
+    assert all(r.retrieved and r.retrieval_calls == 2 for r in reads)
+    assert [r.gate_steps[0].gate for r in reads] == ["read"] * 4  # the base's score is not a recorded decision
+    # threshold +1e9: keeps every closed-book answer, still searched (features), never read
+    skips = build_method("read", tiny_engine, bm25, {"checkpoint": ck, "threshold": 1e9},
+                         retrievers=retrievers).answer_batch(QUESTIONS)
+    assert [r.answer for r in skips] == [r.answer for r in closed]
+    assert not any(r.retrieved for r in skips) and all(r.passages == [] for r in skips)
+    d = skips[0].details
+    assert d["closed_book_answer"] == closed[0].answer and set(FEATURE_SETS["all"]) <= set(d["features"])
+    dtr = build_method("dtr", tiny_engine, bm25, {"tau": 0}).answer_batch(QUESTIONS)
+    assert [r.details["base_score"] for r in skips] == pytest.approx([r.gate_steps[0].score for r in dtr])
+    # the decision follows the score: read exactly where the BM25 top score >= threshold
+    thr = float(np.median([r.details["features"]["bm25_top"] for r in skips]))
+    mid = build_method("read", tiny_engine, bm25, {"checkpoint": ck, "threshold": thr},
+                       retrievers=retrievers).answer_batch(QUESTIONS)
+    assert [r.retrieved for r in mid] == [r.details["features"]["bm25_top"] >= thr for r in mid]
+    json.dumps([r.to_dict() for r in mid])  # records stay JSON
+
+
+def test_read_dense_features_skip_the_bm25_search_for_features(tmp_path, tiny, tiny_engine, retrievers):
+    ck = _checkpoint(tmp_path, tiny, 1.0)
+    res = build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "features": "dense"},
+                       retrievers=retrievers).answer_batch(QUESTIONS)
+    assert all(r.retrieval_calls == 1 for r in res)  # dense only for the features; bias 1: reads dense hits
+    assert all(r.retrieved for r in res)
+
+
+def test_read_collect_reads_everything_without_a_checkpoint(tiny_engine, retrievers):
+    res = build_method("read", tiny_engine, retrievers["bm25"], {"collect": True},
+                       retrievers=retrievers).answer_batch(QUESTIONS[:2])
+    assert all(r.retrieved and r.details["read"] for r in res)
+    assert all("closed_book_answer" in r.details for r in res)
+
+
+def test_read_refuses_bad_configs(tiny_engine, retrievers, tmp_path):
+    with pytest.raises(InputError, match="base must be one of"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"base": "never"}, retrievers=retrievers)
+    with pytest.raises(InputError, match="features must be one of"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"features": "bm25"}, retrievers=retrievers)
+    with pytest.raises(CheckpointError, match="fastgate train read"):
+        build_method("read", tiny_engine, retrievers["bm25"], {}, retrievers=retrievers)
+    with pytest.raises(CheckpointError):
+        build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": str(tmp_path / "none")},
+                     retrievers=retrievers)
