@@ -115,6 +115,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.gate_quality import BASELINES, coin_section, gate_quality_for_runs, plot_gate_quality
     from fastgate.eval.runner import (
         EvalSettings,
         ResultsStore,
@@ -201,10 +202,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
               f"batch {args.batch_size}; "
               f"{_machine_line()}; {stamp}")
-    md, cs = write_summary(out, table, header=header)
+    # with never and always on these questions: does each gated run beat a coin retrieving at its rate?
+    split = {ex.id: bool(ex.meta["answerable"]) for ex in examples if "answerable" in ex.meta}
+    gates = gate_quality_for_runs(store.records, ids=[ex.id for ex in examples], answerable=split or None,
+                                  runs=[s.run for s in table if s.method not in BASELINES])
+    md, cs = write_summary(out, table, header=header, sections=[coin_section(gates)] if gates else ())
     print(header + "\n")
     print(md.read_text().split("\n\n", 1)[-1], end="")
     written = [md, cs]
+    if gates:
+        try:
+            written.append(plot_gate_quality(gates, out / "gate-quality.png",
+                                             f"do the gates beat a coin? ({len(examples)} q)"))
+        except InputError as exc:  # matplotlib missing: the tables are written all the same
+            print(f"fastgate: no gate-quality plot: {exc}", file=sys.stderr)
     if args.all or args.sweep:
         if args.sweep:
             key = _parse_sweep(args.sweep)[0]

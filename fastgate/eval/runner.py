@@ -329,11 +329,12 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
 
 
 def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: str = "summary",
-                  header: str = "") -> tuple[Path, Path]:
-    """Write ``stem.md`` (a header line and the table) and ``stem.csv``; returns both paths."""
+                  header: str = "", sections: Sequence[str] = ()) -> tuple[Path, Path]:
+    """Write ``stem.md`` (a header line, the table, then ``sections``: markdown, each after a blank line) and
+    ``stem.csv``; returns both paths."""
     out = Path(out_dir)
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
-    md.write_text((header + "\n\n" if header else "") + markdown_table(summaries))
+    md.write_text((header + "\n\n" if header else "") + markdown_table(summaries) + "".join("\n" + s for s in sections))
     with open(cs, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(RunSummary.__dataclass_fields__))
         w.writeheader()
