@@ -5,7 +5,8 @@
 Each directory's records are summarised over all its questions and over its answerable / unanswerable halves (by the
 cached corpus split of ``fastgate.eval.datasets``), and every run is compared with ``always`` on the questions both
 answered (paired ACC difference with its standard error, answers fixed and broken, retrieval rate relative to
-``always``'s); writes ``<dir>/tables.md`` and ``<dir>/acc-vs-retrieval.png``.
+``always``'s) and every gated run with a random gate at its own rate (``fastgate.eval.gate_quality``); writes
+``<dir>/tables.md`` and ``<dir>/acc-vs-retrieval.png``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastgate.eval.datasets import load_benchmark
+from fastgate.eval.gate_quality import BASELINES, coin_section, gate_quality_for_runs
 from fastgate.eval.runner import ResultsStore, RunSpec, markdown_table, plot_accuracy_vs_retrieval, summarize
 from fastgate.methods import METHODS
 
@@ -72,6 +74,11 @@ def tables(out: Path) -> str:
             what = f"first {size} of the {len(examples)}, " if size < len(examples) else ""
             text.append(f"**{label}** ({what}{rows[0].n if rows else 0} questions)\n\n" + markdown_table(rows))
     text.append(paired(store, runs, examples))
+    gates = gate_quality_for_runs(store.records, ids=[e.id for e in examples], complete=False,
+                                  answerable={e.id: e.meta["answerable"] for e in examples},
+                                  runs=[r for r in runs if r.split("[")[0] not in BASELINES])
+    if gates:
+        text.append(coin_section(gates))
     plot_accuracy_vs_retrieval(full, out / "acc-vs-retrieval.png",
                                f"{settings['data']} ({full[0].n} q), {settings['model']}",
                                labels=[s.method for s in full])
