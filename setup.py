@@ -57,7 +57,7 @@ setup(
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},
     # the shipped learned-gate weights (fastgate/checkpoints/<model>-<kind>/), small safetensors + JSON
-    package_data={"fastgate": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors"]},
+    package_data={"fastgate": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "calibrations/*.json"]},
     ext_modules=[CMakeExtension("fastgate._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -1,85 +1,95 @@
-"""Per-model calibrated gate thresholds.
+"""Per-model calibrated gate thresholds: one JSON format, shipped and written by ``fastgate calibrate``.
 
-Method configs default to the papers' values, which were tuned on 2B–72B models. A 135M model is far less certain
-even when right, so its thresholds are calibrated here on a handful of known/unknown facts and applied whenever the
-user does not set the parameter (``--paper-defaults`` turns this off).
+Method configs default to the papers' values, which were tuned on 2B–72B models. A small model is far less certain
+even when right, so its thresholds are calibrated on dev questions and applied whenever the user does not set the
+parameter (``--paper-defaults`` turns this off).
+
+A calibration file ``<model>.json`` holds ``entries``: ``{"method", "params", "when" (optional), "note", ...}``; an
+entry applies to a request of ``method`` whose parameters (given, else the config's default) equal its ``when``.
+The shipped files are ``fastgate/calibrations/<model>.json`` (their notes say how each value was found);
+``fastgate calibrate`` writes ``$FASTGATE_HOME/calibration/<model>.json``, whose entries win over the shipped ones.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CALIBRATED", "CPU_EVAL_BUDGET", "SEAKR_DELTA_BY_SAMPLES", "calibrated_params"]
+from fastgate.errors import InputError
 
+__all__ = [
+    "CALIBRATED",
+    "CPU_EVAL_BUDGET",
+    "SEAKR_DELTA_BY_SAMPLES",
+    "SHIPPED",
+    "calibrated_params",
+    "calibration_entries",
+    "user_calibration_file",
+    "write_calibration",
+]
+
+SHIPPED = Path(__file__).resolve().parent / "calibrations"
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    try:
+        doc = json.loads(path.read_text())
+        entries = doc["entries"]
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "method" in e and "params" in e
+                                                    for e in entries):
+            raise ValueError("entries must be a list of {method, params, ...}")
+        return entries
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"calibration file {path} is corrupt ({exc}): fix or delete it, or rerun "
+                         f"`fastgate calibrate`") from None
+
+
+def _shipped() -> dict[str, list[dict[str, Any]]]:
+    return {p.stem: _read(p) for p in sorted(SHIPPED.glob("*.json"))}
+
+
+_SHIPPED_ENTRIES = _shipped()
+
+# Views of the shipped files (what `fastgate methods` lists): unconditional values per (model, method), and SeaKR's
+# δ per sample count (its eigenscore is a mean log-eigenvalue of a k×k Gram matrix, so its scale depends on k; a
+# count without its own value takes the nearest calibrated one).
 CALIBRATED: dict[str, dict[str, dict[str, Any]]] = {
-    "smollm2-135m": {
-        # few-shot Q/A prompt: answers it knows have NLL 0.01–0.2 (Berlin, Tokyo, Shakespeare, 1889), answers it
-        # does not know 0.7–1.7 (Ouagadougou, Bishkek)
-        "dtr": {"tau": 0.5},
-        # the rest: the median of the first gate's critical value over 20 questions (10 country capitals + 10
-        # fanoutqa sub-questions, seed 0), so about half of first sentences retrieve. FLARE: lowest word
-        # probability of the first CoT sentence, 0.05–0.45, median 0.27.
-        "flare": {"theta": 0.25},
-        # SCAAR (literal eq. 3): retrieve iff θ > min_w P'(w)·e^{-r(w)}; that critical θ is 0.05–0.45, median 0.26.
-        # The paper's θ=0.8 retrieves on every sentence of this model.
-        "scaar": {"theta": 0.25},
-        # SeaKR: first-step eigenscores (k=20 samples, mid-layer EOS states) are -0.4–5.3, median 3.3; capitals
-        # (mostly < 3.5) score lower than fanoutqa sub-questions (3.2–5.3). The paper's δ=-6 retrieves always.
-        "seakr": {"delta": 3.3},
-        # CBDR with the shipped confidence model (balanced training puts Conf around 0.5, not near 1): β=0.8 is the
-        # best decision accuracy on the training split (0.897 vs majority 0.880); held out: 0.888 vs 0.862, skipping
-        # 8% of questions, 67% of them answered correctly (base rate 14%)
-        "cbdr": {"beta": 0.8},
-    },
-    # Qwen2.5-Coder-0.5B-Instruct, calibrated on 24 questions of NQ dev (`nq:dev:balanced`, seed 0: 12 the corpus can
-    # answer, 12 it cannot; never the NQ / TriviaQA test questions docs/RESULTS.md reports), with every gate forced
-    # to skip so that the first gate's critical value is seen. Rule: the value at which 70% of those first gates
-    # retrieve (NQ is hard closed-book for this model, ACC 0.04 on them, so retrieving often pays; 70% is issue 20's
-    # retrieval budget), not the median rule used for smollm2-135m.
-    "qwen2.5-0.5b": {
-        # DTR alone was recalibrated on 200 questions of the same split (the first 200 of `nq:dev:balanced`, seed 0,
-        # 100 answerable, 100 not): answer NLL 0.17–3.79, median 1.07; 140 of 200 are >= 0.84. (The 24-question
-        # value was 0.77, NLL 0.41–2.46, 17 of 24 >= 0.77; it retrieved on 77.5% of the 200.)
-        "dtr": {"tau": 0.84},
-        # lowest word probability of the first CoT sentence 0.06–0.44, median 0.23; 17 of 24 are below 0.33
-        "flare": {"theta": 0.33},
-        # SCAAR's critical θ on the same first sentences: the same 0.06–0.44 (its reweighting left the minimum word)
-        "scaar": {"theta": 0.33},
-        # SeaKR, calibrated at the CPU eval budget's 3 samples only (first-step eigenscores 1.70–4.60, median 2.93;
-        # 17 of 24 are above 2.56); the method's default 20 samples has not been calibrated for this model and gets
-        # the same value (see SEAKR_DELTA_BY_SAMPLES)
-        "seakr": {"delta": 2.56},
-        # CBDR with the shipped confidence model (trained on 600 NQ dev questions, 7% answered right closed-book):
-        # Conf on its training rows is 0.23–0.61, median 0.35 (right answers 0.366 on average, wrong 0.350: a weak
-        # signal); skip iff Conf > 0.37 leaves 70% of them retrieving. Recalibrated like DTR, on the first gate of the
-        # 200 dev questions at the eval's setting (5 candidates): Conf 0.26–0.59, median 0.34; 140 of 200 are <= 0.365
-        # (151 at 0.37)
-        "cbdr": {"beta": 0.365},
-        # Probing-RAG with the shipped probers (trained on 80 NQ dev questions): at the paper's θ=0 every question
-        # retrieves (the probers learned the 88% majority, "retrieve"). Same 70% rule on the first 200 questions of
-        # `nq:dev:balanced` that the probers were not trained on (the first 220 of the list less 20 training ones),
-        # gates forced to skip: score Σp(retrieve) − Σp(no) 0.85–7.21, median 5.86; 140 of 200 are > 5.32, and
-        # retrieve iff score > −θ
-        "probing": {"theta": -5.32},
-    },
-    # Qwen2.5-Coder-1.5B-Instruct: DTR only (the other methods are not calibrated for it and it ships no CBDR or
-    # Probing-RAG checkpoint), by the same 70% rule on the first gate of the same 200 NQ dev questions: answer NLL
-    # 0.01–3.42, median 0.84, 140 of 200 >= 0.53 (closed-book ACC 0.215 on them)
-    "qwen2.5-1.5b": {
-        "dtr": {"tau": 0.53},
-    },
+    model: {e["method"]: dict(e["params"]) for e in entries if not e.get("when")}
+    for model, entries in _SHIPPED_ENTRIES.items()
 }
-
-
-# SeaKR's eigenscore is the mean log-eigenvalue of a k×k Gram matrix, so its scale depends on k: δ above is for the
-# method's default k (20), and other sample counts get their own, with the same median rule; a count without its own
-# calibration takes the nearest calibrated one. k=3 (the CPU eval budget): over 10 capitals + 10 FanOutQA
-# sub-questions of the training split (seed 0) the first-step scores are 2.3–7.7, median 6.6 (capitals 2.3–6.8,
-# sub-questions 6.3–7.7); the same 20 give 2.8 at k=20. δ=3.3 retrieves on 98% of held-out questions at k=3.
 SEAKR_DELTA_BY_SAMPLES: dict[str, dict[int, float]] = {
-    "smollm2-135m": {3: 6.6},
-    "qwen2.5-0.5b": {3: 2.56},
+    model: {int(e["when"]["samples"]): float(e["params"]["delta"]) for e in entries
+            if e["method"] == "seakr" and set(e.get("when") or {}) == {"samples"}}
+    for model, entries in _SHIPPED_ENTRIES.items()
 }
+SEAKR_DELTA_BY_SAMPLES = {m: v for m, v in SEAKR_DELTA_BY_SAMPLES.items() if v}
+
+
+def user_calibration_file(model_name: str) -> Path:
+    """Where ``fastgate calibrate`` writes the model's calibration (under ``$FASTGATE_HOME``)."""
+    from fastgate.paths import home
+
+    return home() / "calibration" / f"{model_name}.json"
+
+
+def calibration_entries(model_name: str) -> list[dict[str, Any]]:
+    """The shipped entries of ``model_name``, then the user's (later entries win)."""
+    return list(_SHIPPED_ENTRIES.get(model_name, [])) + _read(user_calibration_file(model_name))
+
+
+def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool:
+    if entry["method"] != method:
+        return False
+    when = entry.get("when") or {}
+    if not when:
+        return True
+    from fastgate.methods import METHODS
+
+    defaults = METHODS[method].parameters() if method in METHODS else {}
+    return all(params.get(k, defaults.get(k)) == v for k, v in when.items())
 
 
 def calibrated_params(model_name: str, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -93,8 +103,29 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
         k = params.get("samples", SeakrConfig.samples)
         if isinstance(k, int):
             merged["delta"] = by_k[min(by_k, key=lambda n: (abs(n - k), n))]
+    for entry in _SHIPPED_ENTRIES.get(model_name, []):  # conditional shipped entries other than SeaKR's by k
+        if entry.get("when") and not (method == "seakr" and set(entry["when"]) == {"samples"}) \
+                and _applies(entry, method, params):
+            merged.update(entry["params"])
+    for entry in _read(user_calibration_file(model_name)):
+        if _applies(entry, method, params):
+            merged.update(entry["params"])
     merged.update(params)
     return merged
+
+
+def write_calibration(model_name: str, entry: dict[str, Any], path: Path | None = None) -> Path:
+    """Add ``entry`` to the user's calibration file of ``model_name`` (replacing one with the same method and
+    ``when``), atomically."""
+    path = path or user_calibration_file(model_name)
+    entries = [e for e in _read(path)
+               if not (e["method"] == entry["method"] and (e.get("when") or {}) == (entry.get("when") or {}))]
+    doc = {"model": model_name, "entries": entries + [entry]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 # `fastgate eval --budget cpu` (the default without a GPU): the methods whose cost grows with a sample, candidate or

@@ -87,6 +87,11 @@ class Runtime:
         return self._engine
 
     @property
+    def loaded(self) -> bool:
+        """Whether the model has been loaded (a resumed evaluation with nothing left to answer never loads it)."""
+        return self._engine is not None
+
+    @property
     def lm(self):
         return self.engine.lm
 

@@ -18,7 +18,7 @@ def bm25(small_index):
 
 
 def test_registry_and_parameters():
-    assert set(METHODS) == {"never", "always", "flare", "probing", "dtr", "seakr", "scaar", "cbdr"}
+    assert set(METHODS) == {"never", "always", "flare", "probing", "dtr", "seakr", "scaar", "cbdr", "read"}
     assert METHODS["dtr"].parameters()["tau"] == 0.001
     assert make_config("dtr", {"tau": "0.5", "k": "2"}).tau == 0.5
     with pytest.raises(UnknownNameError, match="unknown method 'magic'"):

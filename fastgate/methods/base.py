@@ -14,7 +14,21 @@ from fastgate.programs import Generate, Program
 from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
-__all__ = ["Method", "MethodConfig", "MethodResult", "append_sentence", "check_questions"]
+__all__ = ["GateThreshold", "Method", "MethodConfig", "MethodResult", "append_sentence", "check_questions"]
+
+
+@dataclass(frozen=True)
+class GateThreshold:
+    """How a method's first gate decision depends on one parameter: what ``fastgate calibrate`` sets."""
+
+    param: str  # the config field
+    skip: float  # a value at which the first gate never retrieves, so that a calibration pass sees every score
+    retrieve_above: bool  # True: retrieve iff score >= threshold; False: iff score <= threshold
+    negate: bool = False  # the parameter is minus the threshold (Probing-RAG: retrieve iff score > -θ)
+
+    def value(self, cut: float) -> float:
+        """The parameter value that puts the decision boundary at score ``cut``."""
+        return -cut if self.negate else cut
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ class Method:
     needs_retriever: ClassVar[bool] = True
     default_retriever: ClassVar[str] = "bm25"  # what `fastgate ask` opens when --retriever is not given
     uses_retrievers: ClassVar[tuple[str, ...]] = ()  # other retrievers it searches too (the read gate: both)
+    threshold: ClassVar[GateThreshold | None] = None  # the first gate's threshold parameter (gated methods)
 
     def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
         self.engine = engine

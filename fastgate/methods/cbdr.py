@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.prober import ConfidenceGate
-from fastgate.methods.base import Method, MethodConfig
+from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.programs import All, Answer, Decide, Embed, Program, PromptStates, Score, Search
 from fastgate.prompts import closed_book_prompt, rag_prompt
@@ -44,6 +44,7 @@ class Cbdr(Method):
     with the top-k."""
 
     name = "cbdr"
+    threshold = GateThreshold("beta", skip=0.0, retrieve_above=False)  # skip iff Conf > beta
     config_class = CbdrConfig
     description = "CBDR: pre-answer confidence gate; candidates re-ranked by confidence shift Inc(Q,C)"
 

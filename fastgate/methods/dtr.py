@@ -11,7 +11,7 @@ import torch
 from fastgate.config import GenerationConfig
 from fastgate.errors import InputError
 from fastgate.gates.uncertainty import AnswerNLLGate
-from fastgate.methods.base import Method, MethodConfig
+from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.programs import Answer, Batched, Decide, Embed, Generate, PassageVectors, Program, Search, SearchVectors
 from fastgate.prompts import pseudo_context_prompt
 from fastgate.retrieval.base import Hit
@@ -50,6 +50,7 @@ class Dtr(Method):
     config_class = DtrConfig
     description = "DTR: retrieve iff answer NLL >= tau; dual-path retrieval (q, pseudo-context) + AIS (Chen+ 2025)"
     default_retriever = "dense"
+    threshold = GateThreshold("tau", skip=1e9, retrieve_above=True)
 
     def __init__(self, engine, retriever, config: DtrConfig | None = None, embedder=None) -> None:
         super().__init__(engine, retriever, config)

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
 from fastgate.gates.prober import ProberGate
-from fastgate.methods.base import Method, MethodConfig
+from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import cot_prompt, extract_answer
@@ -46,6 +46,7 @@ class Probing(Method):
     """
 
     name = "probing"
+    threshold = GateThreshold("theta", skip=-1e9, retrieve_above=True, negate=True)  # iff score > -theta
     config_class = ProbingConfig
     description = "Probing-RAG: probers on rationale hidden states decide retrieval (Baek et al., 2025)"
 

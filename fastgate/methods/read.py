@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from fastgate.errors import InputError
 from fastgate.gates.read import FEATURE_SETS, ReadGate, load_read_checkpoint, read_features
-from fastgate.methods.base import Method, MethodConfig
+from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
 from fastgate.prompts import closed_book_prompt
 
@@ -58,6 +58,7 @@ class Read(Method):
     description = ("read gate (fastgate's extension): search first, then a learned gate on the base method's signal "
                    "and the search's scores decides whether to read the passages")
     uses_retrievers: ClassVar[tuple[str, ...]] = ("bm25", "dense")
+    threshold = GateThreshold("threshold", skip=1e9, retrieve_above=True)
 
     @classmethod
     def preflight(cls, config: ReadConfig, model_name: str | None = None):

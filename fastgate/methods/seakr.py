@@ -12,7 +12,7 @@ from fastgate.config import GenerationConfig
 from fastgate.engine import Generation
 from fastgate.errors import InputError
 from fastgate.gates.eigen import EigenScoreGate, PathChoice
-from fastgate.methods.base import Method, MethodConfig, append_sentence
+from fastgate.methods.base import GateThreshold, Method, MethodConfig, append_sentence
 from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
 from fastgate.prompts import (
     ANSWER_PHRASE,
@@ -58,6 +58,7 @@ class Seakr(Method):
     the lowest eigenscore is kept; finally the rationale path and the knowledge path compete on their eigenscore."""
 
     name = "seakr"
+    threshold = GateThreshold("delta", skip=1e9, retrieve_above=True)
     config_class = SeakrConfig
     description = "SeaKR: eigenscore of k sampled EOS states triggers retrieval, re-ranks passages, picks the reasoning"
 

@@ -13,7 +13,7 @@ from fastgate.config import GenerationConfig
 from fastgate.embedder import shared_embedder
 from fastgate.errors import InputError
 from fastgate.gates.words import FlareGate, ScaarGate
-from fastgate.methods.base import Method, MethodConfig, append_sentence
+from fastgate.methods.base import GateThreshold, Method, MethodConfig, append_sentence
 from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import SENTENCE_STOP, cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
@@ -77,6 +77,7 @@ class Flare(_SentenceLoop):
     """FLARE (Jiang et al., 2023): look-ahead sentence; retrieve when a word is unconfident; regenerate it."""
 
     name = "flare"
+    threshold = GateThreshold("theta", skip=0.0, retrieve_above=False)  # a word below theta retrieves
     config_class = FlareConfig
     description = "FLARE: retrieve when a word of the next sentence has probability < theta (Jiang et al., 2023)"
 
@@ -108,6 +109,7 @@ class Scaar(_SentenceLoop):
     """
 
     name = "scaar"
+    threshold = GateThreshold("theta", skip=0.0, retrieve_above=False)  # a word below theta retrieves
     config_class = ScaarConfig
     description = "SCAAR: word thresholds scaled by semantic contribution; percentile-filtered query"
 

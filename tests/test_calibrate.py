@@ -1,0 +1,142 @@
+"""``fastgate calibrate`` and the calibration files: the boundary rule, the CLI pass on the tiny model (resumable),
+the written entry and how ask / eval read it back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fastgate.calibrate import choose_cut, dev_curve
+from fastgate.calibration import calibrated_params, calibration_entries, write_calibration
+
+QA = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+      ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
+      ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin"),
+      ("What is the capital of Burkina Faso?", "Ouagadougou")]
+
+
+def test_cut_retrieves_exactly_k():
+    s = np.array([0.3, 0.9, 0.1, 0.5, 0.7])
+    for k in range(6):
+        cut = choose_cut(s, k, retrieve_above=True)
+        assert int((s >= cut).sum()) == k
+        cut = choose_cut(s, k, retrieve_above=False)
+        assert int((s <= cut).sum()) == k
+    assert choose_cut(s, 2, True) == pytest.approx(0.6)  # midpoint of 0.7 and 0.5
+
+
+def test_dev_curve_replays_answers_and_the_random_line():
+    scores = np.array([3.0, 2.0, 1.0, 0.0])
+    skip = np.array([0.0, 0.0, 1.0, 1.0])
+    read = np.array([1.0, 1.0, 0.0, 1.0])
+    curve = dev_curve(scores, True, skip, read)
+    assert [r["acc"] for r in curve] == [0.5, 0.75, 1.0, 0.75, 0.75]
+    assert curve[2]["random"] == pytest.approx(0.5 * 0.5 + 0.5 * 0.75)
+
+
+@pytest.fixture()
+def cli(monkeypatch, tmp_path, tiny, small_index):
+    import fastgate.models
+    from fastgate.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
+
+    def run(*extra: str) -> int:
+        return main(["calibrate", "--model", "tiny", "--data", str(data), "--index", str(small_index), "--quiet",
+                     "--batch-size", "2", "--n", "7", "--out", str(tmp_path / "runs"), *extra])
+
+    return run
+
+
+def test_calibrate_dtr_writes_an_entry_that_ask_and_eval_use(cli, capsys, tmp_path):
+    assert cli("--method", "dtr", "--rate", "0.5") == 0
+    out = capsys.readouterr().out
+    assert "<- chosen" in out and "written to" in out
+    entries = calibration_entries("tiny")
+    assert len(entries) == 1 and entries[0]["method"] == "dtr" and entries[0]["n"] == 7
+    tau = entries[0]["params"]["tau"]
+    recs = [json.loads(line) for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
+    scores = np.array([r["gate_steps"][0]["score"] for r in recs])
+    assert {r["run"] for r in recs} == {"dtr[tau=1e9]"} and not any(r["retrieved"] for r in recs)
+    assert int((scores >= tau).sum()) == 4  # round(0.5 * 7)
+    assert calibrated_params("tiny", "dtr")["tau"] == tau  # what Runtime.effective_params applies
+    assert calibrated_params("tiny", "dtr", {"tau": 0.1})["tau"] == 0.1  # the user's value wins
+    # a second calibration of the same method replaces the entry; other models are untouched
+    assert cli("--method", "dtr", "--rate", "0.3", "--dry-run") == 0
+    assert calibration_entries("tiny")[0]["params"]["tau"] == tau
+    assert cli("--method", "dtr", "--rate", "1.0") == 0
+    assert len(calibration_entries("tiny")) == 1 and calibration_entries("tiny")[0]["params"]["tau"] <= scores.min()
+
+
+def test_interrupted_calibration_resumes(cli, capsys, monkeypatch, tmp_path):
+    import fastgate.eval.runner as runner
+
+    real, calls = runner._answer_batch, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_answer_batch", flaky)
+    assert cli("--method", "dtr", "--dry-run") != 0  # main reports "fastgate: interrupted"
+    assert "interrupted" in capsys.readouterr().err
+    monkeypatch.setattr(runner, "_answer_batch", real)
+    assert len((tmp_path / "runs" / "results.jsonl").read_text().splitlines()) == 2  # the first batch was kept
+    capsys.readouterr()
+    assert cli("--method", "dtr", "--dry-run") == 0
+    resumed = capsys.readouterr().out
+    assert "5 answer(s) to compute" in resumed
+    lines = (tmp_path / "runs" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 7 and len({json.loads(line)["id"] for line in lines}) == 7
+
+
+def test_best_rule_runs_always_and_reports_the_gain(cli, capsys, tmp_path):
+    assert cli("--method", "dtr", "--rule", "best", "--rate", "0.8") == 0
+    out = capsys.readouterr().out
+    assert "random" in out and "points over the random gate" in out
+    runs = {json.loads(line)["run"] for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()}
+    assert runs == {"dtr[tau=1e9]", "always"}
+    entry = calibration_entries("tiny")[0]
+    assert entry["rule"] == "best" and entry["rate"] <= 0.8 and "dev_gain_over_random" in entry
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--method", "never"], "has no gate threshold to calibrate"),
+    (["--method", "dtr", "--param", "tau=0.5"], "is what calibration chooses"),
+    (["--method", "dtr", "--rate", "0"], "--rate must be in"),
+    (["--method", "magic"], "unknown method"),
+])
+def test_calibrate_rejects_bad_input(cli, capsys, argv, message):
+    assert cli(*argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_conditional_entries_and_corrupt_files(monkeypatch, tmp_path):
+    from fastgate.errors import InputError
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path))
+    write_calibration("m", {"method": "read", "when": {"base": "dtr", "features": "all"}, "params": {"threshold": 1.5}})
+    write_calibration("m", {"method": "read", "when": {"base": "dtr", "features": "dense"},
+                            "params": {"threshold": 0.5}})
+    assert calibrated_params("m", "read")["threshold"] == 1.5  # the defaults are base=dtr, features=all
+    assert calibrated_params("m", "read", {"features": "dense"})["threshold"] == 0.5
+    assert "threshold" not in calibrated_params("m", "read", {"base": "cbdr"})
+    (tmp_path / "calibration" / "m.json").write_text("{broken")
+    with pytest.raises(InputError, match="calibration file .* is corrupt"):
+        calibrated_params("m", "read")
+
+
+def test_shipped_files_keep_the_documented_values():
+    from fastgate.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES
+
+    assert CALIBRATED["qwen2.5-0.5b"]["dtr"] == {"tau": 0.84}
+    assert CALIBRATED["qwen2.5-1.5b"]["dtr"] == {"tau": 0.53}
+    assert CALIBRATED["smollm2-135m"]["cbdr"] == {"beta": 0.8}
+    assert SEAKR_DELTA_BY_SAMPLES == {"smollm2-135m": {3: 6.6}, "qwen2.5-0.5b": {3: 2.56}}
