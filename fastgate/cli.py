@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | train``.
+"""Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | calibrate | train``.
 
 User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback.
 """
@@ -457,8 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(sv)
     sv.set_defaults(func=_cmd_serve)
 
+    from fastgate.calibrate import add_calibrate_parser
     from fastgate.train.cli import add_train_parser
 
+    add_calibrate_parser(sub)
     add_train_parser(sub)
     return parser
 
