@@ -123,7 +123,10 @@ def create_app(service: AnswerService, timeout_s: float | None = None, replica: 
     cancelled = Gauge("fastgate_cancelled_total", "requests whose programs were cancelled (timeout, disconnect)",
                       registry=registry)
     answered = Gauge("fastgate_answered_total", "questions answered", registry=registry)
-    retrieved = Gauge("fastgate_retrieved_total", "answered questions that retrieved", registry=registry)
+    retrieved = Gauge("fastgate_retrieved_total", "answered questions that read retrieved passages",
+                      registry=registry)
+    searches = Gauge("fastgate_searches_total", "retrieval calls: searches, read or not (the read gate searches "
+                     "every question)", registry=registry)
     retrieval_rate = Gauge("fastgate_retrieval_rate", "retrieved / answered", registry=registry)
     depth = Gauge("fastgate_queue_depth", "requests waiting for a batch", registry=registry)
 
@@ -196,6 +199,7 @@ def create_app(service: AnswerService, timeout_s: float | None = None, replica: 
         cancelled.set(m.cancelled)
         answered.set(m.answered)
         retrieved.set(m.retrieved)
+        searches.set(m.searches)
         retrieval_rate.set(m.retrieved / m.answered if m.answered else 0.0)
         depth.set(service.queue_depth)
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)

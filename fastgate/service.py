@@ -382,7 +382,8 @@ class AnswerService:
             self.metrics.finished(latency, retrieved=False, failed=True, cancelled=task.cancelled)
             return
         job.future.set_result(result_record(task.result, self.model_name, job.request.retriever))
-        self.metrics.finished(latency, retrieved=bool(task.result.retrieved))
+        self.metrics.finished(latency, retrieved=bool(task.result.retrieved),
+                              searches=int(task.result.retrieval_calls))
 
 
 def _check_int_params(req, limit: int) -> None:
@@ -401,7 +402,8 @@ class _Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.answered = 0
-        self.retrieved = 0
+        self.retrieved = 0  # answered questions that read retrieved passages into a prompt
+        self.searches = 0  # retrieval calls (the read gate searches every question and reads some)
         self.failed = 0
         self.cancelled = 0
         self.rejected_total = 0
@@ -413,7 +415,8 @@ class _Metrics:
         self._recent: list[float] = []  # latencies of the last answers
         self._scheduler_id, self._seen = 0, 0
 
-    def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False) -> None:
+    def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False,
+                 searches: int = 0) -> None:
         with self._lock:
             if failed:
                 self.failed += 1
@@ -421,6 +424,7 @@ class _Metrics:
                 return
             self.answered += 1
             self.retrieved += bool(retrieved)
+            self.searches += int(searches)
             self.latencies.append((retrieved, seconds))
             self._recent = (self._recent + [seconds])[-50:]
 

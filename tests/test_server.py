@@ -211,7 +211,7 @@ def test_http_health_metrics_schema(server):
     for name in ("fastgate_requests_total{status=\"200\"}", "fastgate_request_latency_seconds_bucket",
                  "fastgate_generation_rows_bucket", "fastgate_answer_latency_seconds_bucket{le=\"0.05\",retrieved=",
                  "fastgate_live_programs", "fastgate_shared_generation_calls_total", "fastgate_retrieval_rate",
-                 "fastgate_queue_depth"):
+                 "fastgate_queue_depth", "fastgate_searches_total"):
         assert name in text
     schema = httpx.get(f"{url}/openapi.json").json()
     assert "/v1/answer" in schema["paths"] and json.dumps(schema)
