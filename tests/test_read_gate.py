@@ -152,3 +152,13 @@ def test_read_refuses_bad_configs(tiny_engine, retrievers, tmp_path):
     with pytest.raises(CheckpointError):
         build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": str(tmp_path / "none")},
                      retrievers=retrievers)
+
+
+@pytest.mark.parametrize("base", ["flare", "scaar"])
+def test_read_wraps_other_gated_methods(tiny_engine, retrievers, base):
+    res = build_method("read", tiny_engine, retrievers["bm25"], {"collect": True, "base": base},
+                       retrievers=retrievers).answer_batch(QUESTIONS[:2])
+    for r in res:
+        assert r.details["base"] == base and r.details["base_score"] is not None
+        assert math.isfinite(r.details["features"]["base_score"]) and r.retrieved
+        assert r.lm_calls >= 3  # the base's CoT sentence, the closed-book answer, the answer from the passages
