@@ -42,7 +42,7 @@ def cli(monkeypatch, tmp_path, tiny, small_index):
     from fastgate.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
 

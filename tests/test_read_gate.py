@@ -162,3 +162,39 @@ def test_read_wraps_other_gated_methods(tiny_engine, retrievers, base):
         assert r.details["base"] == base and r.details["base_score"] is not None
         assert math.isfinite(r.details["features"]["base_score"]) and r.retrieved
         assert r.lm_calls >= 3  # the base's CoT sentence, the closed-book answer, the answer from the passages
+
+
+def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, small_index, capsys):
+    import fastgate.models
+    from fastgate.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
+          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answers": [a]}) + "\n"
+                            for i, (q, a) in enumerate(qa)))
+    argv = ["train", "read", "--model", "tiny", "--data", str(data), "--n", "12", "--index", str(small_index),
+            "--cache", str(tmp_path / "pass"), "--out", str(tmp_path / "ck"), "--quiet", "--batch-size", "4"]
+    from fastgate.train import read as train_read
+
+    # the tiny model answers nothing right: label every question "fixed" by hand so the fit has two classes
+    real = train_read.collect_rows
+
+    def labelled(records):
+        rows, fixed, cb, rd = real(records)
+        return rows, np.arange(len(rows)) % 2, cb, rd
+
+    monkeypatch.setattr(train_read, "collect_rows", labelled)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "12 questions" in out and "out-of-fold" in out and "checkpoint:" in out
+    for features in ("all", "dense"):
+        m = load_read_checkpoint(tmp_path / "ck", features, model=tiny, base="dtr")
+        assert m.features == FEATURE_SETS[features]
+    recs = (tmp_path / "pass" / "results.jsonl").read_text().splitlines()
+    assert len(recs) == 12 and all(json.loads(r)["details"]["read"] for r in recs)
+    assert main(argv) == 0  # resumed: nothing recomputed
+    assert len((tmp_path / "pass" / "results.jsonl").read_text().splitlines()) == 12
