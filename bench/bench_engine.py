@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 
 import fastgate.decode as decode  # noqa: E402
+import fastgate.runner as runner  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
 from fastgate.engine import Engine  # noqa: E402
 from fastgate.models import load  # noqa: E402
@@ -74,8 +75,8 @@ def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tu
     """Median seconds per decode step, the cache width and its bytes at the middle step."""
     from fastgate.packed import PackedLoop
 
-    original = decode.new_cache
-    decode.new_cache = hf_cache if design == "hf-dynamic" else original
+    original = runner.new_cache  # the runner builds every padded loop's cache
+    runner.new_cache = hf_cache if design == "hf-dynamic" else original
     try:
         cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)  # every row decodes every step
         cls = PackedLoop if design == "packed" else decode.DecodeLoop
@@ -92,7 +93,7 @@ def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tu
                     width, kv = cache_read(loop)
         return statistics.median(times), width, kv
     finally:
-        decode.new_cache = original
+        runner.new_cache = original
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 :meth:`Engine.generate <fastgate.engine.Engine.generate>` runs one loop from a single admission to its end (a closed
 batch). The scheduler keeps one loop running and admits the generations its programs ask for between steps, so a
-question never waits for another question's generation to end.
+question never waits for another question's generation to end. A loop owns its rows (tokens, states, running sums)
+and the choice of their tokens; it runs the model through the public API of a :class:`~fastgate.runner.ModelRunner`
+and never imports the engine.
 
 Why our own loop rather than ``transformers.generation.continuous_batching``: the gates need, per row, running sums of
 chosen layers' hidden states, the pre-answer state, a forced EOS step after a sample stops, k samples forked from one
@@ -30,26 +32,50 @@ import torch
 import torch.nn.functional as F
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import (
-    _ACTIVE,
-    _DONE,
-    _FLUSH_EOS,
-    _FLUSH_LAST,
-    FinishReason,
-    Generation,
-    GenerationBatch,
-    _process_logits,
-    _Taps,
-)
+from fastgate.generation import FinishReason, Generation, GenerationBatch, RowState
 from fastgate.kv_cache import cache_bytes, new_cache, plain_layers
+from fastgate.runner import ModelRunner, runner_of
 
-__all__ = ["DecodeLoop", "Ticket", "mergeable"]
+__all__ = ["DecodeLoop", "Ticket", "mergeable", "process_logits"]
 
 
 def mergeable(engine) -> bool:
-    """Whether rows of ``engine``'s model can join a running loop: every cache layer is a plain growing layer (a
-    sliding-window layer keeps only its window, so caches of different lengths cannot be aligned by padding)."""
+    """Whether rows of ``engine``'s model (an engine's or a runner's) can join a running loop: every cache layer is a
+    plain growing layer (a sliding-window layer keeps only its window, so caches of different lengths cannot be
+    aligned by padding)."""
     return plain_layers(new_cache(engine.model.config))
+
+
+def process_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, as HF's sampling processors do. ``logits [N, V]`` float32.
+
+    With top-k set, top-p only needs the k survivors: every other token already has probability 0, so it sorts k
+    values per row instead of the whole vocabulary (a sort of 96 × 49k logits costs ~0.3 s a step on a 2-core CPU).
+    Rows whose k-th value is tied fall back to the full sort, which keeps HF's ties exactly.
+    """
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        k = min(cfg.top_k, logits.shape[-1])
+        top_vals, top_idx = torch.topk(logits, k, dim=-1)  # [N, k], descending
+        kth = top_vals[:, -1:]
+        keep = logits >= kth  # [N, V]; HF removes what is below the k-th value, so ties at it survive
+        if cfg.top_p < 1.0 and bool((keep.sum(-1) == k).all()):
+            asc = top_vals.flip(-1)  # [N, k] ascending, as HF sorts
+            remove_asc = asc.softmax(-1).cumsum(-1) <= (1 - cfg.top_p)
+            remove_asc[:, -1] = False  # keep at least the most likely token
+            kept = top_vals.masked_fill(remove_asc.flip(-1), float("-inf"))  # [N, k], back in descending order
+            return torch.full_like(logits, float("-inf")).scatter_(1, top_idx, kept)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)  # [N, V]
+        remove_sorted = cum <= (1 - cfg.top_p)
+        remove_sorted[:, -1] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
 
 
 @dataclass(eq=False)
@@ -62,7 +88,7 @@ class _Row:
     gen: torch.Generator | None  # its own sampling generator (None: the loop's shared one)
     prompt_len: int
     truncated: bool
-    state: int = _ACTIVE
+    state: RowState = RowState.ACTIVE
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     text: str = ""
@@ -124,22 +150,23 @@ class _Prefill:
         width = self.ids.shape[1] if self.ids is not None else max(len(r) for r in self.rows)
         return len(self.rows) * (width - self.done)
 
-    def start(self, engine) -> None:
+    def start(self, runner: ModelRunner) -> None:
         """The cache, with the shared prefix's keys / values copied in, and the padded ids and mask."""
-        prefix = engine._shared_prefix(self.rows)
+        prefix = runner.shared_prefix(self.rows)
         n = len(self.rows)
-        self.cache = new_cache(engine.model.config, max_cells=n * max(len(r) for r in self.rows))  # no spare
+        self.cache = runner.new_cache(max_cells=n * max(len(r) for r in self.rows))  # no spare
         self.prefix = 0 if prefix is None else len(prefix)
         if prefix is not None:
-            engine.prefix_hits += n
-        self.ids, self.mask = engine._prefix_inputs(self.rows, prefix, self.cache)
+            runner.prefix_hits += n
+        self.ids, self.mask = runner.prefix_inputs(self.rows, prefix, self.cache)
 
 
 class DecodeLoop:
     """Rows of many generations decoding together, one step at a time.
 
     Args:
-        engine: the :class:`~fastgate.engine.Engine` whose model and helpers it uses.
+        runner: the :class:`~fastgate.runner.ModelRunner` whose passes it runs (or an
+            :class:`~fastgate.engine.Engine`: its runner).
         mid: the layer of the pre-answer / EOS states (rows asking for them at another layer need another loop).
         shared_rng: sampled rows without a seed draw from one generator for the whole batch (``generate`` with one
             config and no seeds: the draws then depend on the batch, as before); such a loop never drops rows, so
@@ -149,9 +176,9 @@ class DecodeLoop:
             the rows' needs within it is the caller's admission control (:meth:`cells_after`).
     """
 
-    def __init__(self, engine, mid: int, shared_rng: bool = False, generator: torch.Generator | None = None,
+    def __init__(self, runner, mid: int, shared_rng: bool = False, generator: torch.Generator | None = None,
                  max_cells: int | None = None) -> None:
-        self.engine = engine
+        self.runner = runner_of(runner)
         self.max_cells = max_cells
         self.mid = mid
         self.shared_rng = shared_rng
@@ -201,18 +228,18 @@ class DecodeLoop:
             per_row: bool = True) -> list[Ticket]:
         """Prefill ``specs`` (prompt, config, taps, k, seed) now, whole, and add their rows; one :class:`Ticket` per
         spec, or one for all of them when ``one_ticket`` is a (layers, pre_answer, eos_state) triple (``generate``)."""
-        eng = self.engine
+        eng = self.runner
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
         t0 = time.perf_counter()
-        rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
+        rows, truncated = eng.encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
         want_pre = any(s.taps.pre_answer for s in specs)
         if eng.prefix_cache:
-            eng._shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
+            eng.shared_prefix(rows)  # computes a new shared prefix's cache now, before the taps' hooks exist
         tickets, owner_ticket = self._tickets(specs, owners, one_ticket)
-        cache = new_cache(eng.model.config, max_cells=self.max_cells)
-        hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
+        cache = eng.new_cache(max_cells=self.max_cells)
+        hooks = eng.taps((self.mid,)) if want_pre else None
         try:
-            logits, mask = eng._prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
+            logits, mask = eng.prefill(rows, cache, chunked=not want_pre)  # [B, V], [B, T]
             pre_answer = hooks.outputs[self.mid][:, -1, :].to(torch.float32) if hooks is not None else None  # [B, d]
         finally:
             if hooks is not None:
@@ -227,11 +254,11 @@ class DecodeLoop:
         """Queue ``specs`` for a chunked prefill: :meth:`step` prefills at most its token budget of them per step
         (shortest first) before decoding, and their rows join the loop at the step their prefill ends. One
         :class:`Ticket` per spec. Prompts are encoded (and checked) now: a bad prompt raises here."""
-        eng = self.engine
+        eng = self.runner
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
-        rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
+        rows, truncated = eng.encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
         tickets, _ = self._tickets(specs, owners, None)
-        for idx in eng._prefill_chunks([len(r) for r in rows]):  # rows of similar length prefill together
+        for idx in eng.prefill_chunks([len(r) for r in rows]):  # rows of similar length prefill together
             self.prefilling.append(_Prefill([specs[i] for i in idx], [tickets[i] for i in idx], [rows[i] for i in idx],
                                             [truncated[i] for i in idx]))
         self._cap()
@@ -257,7 +284,7 @@ class DecodeLoop:
     def _enter(self, specs: list[_Spec], tickets: list[Ticket], rows: list[list[int]], truncated: list[bool], cache,
                mask, logits, pre_answer, per_row: bool = True) -> None:
         """Fork the k samples of each prefilled prompt (``tickets[p]`` is prompt p's) and join their rows."""
-        eng = self.engine
+        eng = self.runner
         b = len(specs)
         owner = [p for p in range(b) for _ in range(specs[p].k)]
         if len(owner) != b:
@@ -276,7 +303,7 @@ class DecodeLoop:
         """The rows of prefilled prompts ``specs`` (k samples each, prompt-major, ``pre_answer [N, d]`` already
         forked), each sampled row with its own generator; the loop's tapped layers with theirs, and zeroed running
         sums / counts for them."""
-        eng = self.engine
+        eng = self.runner
         b = len(specs)
         # sequence i is sample j of prompt owner[i]
         owner = [p for p in range(b) for _ in range(specs[p].k)]
@@ -297,14 +324,14 @@ class DecodeLoop:
             if pre_answer is not None:
                 row.pre_answer = pre_answer[i]
             if tickets[p].cancelled:
-                row.state, row.final = _DONE, True
+                row.state, row.final = RowState.DONE, True
             row.ticket.rows.append(row)
             new_rows.append(row)
         t1 = time.perf_counter()
         for t in tickets:
             t.t_prefilled, t.prefill_s = t1, t1 - t.t_start
         layers = tuple(sorted(set(self.layers) | {x for s in specs for x in s.taps.layers}))
-        d = eng.lm.hidden_size
+        d = eng.hidden_size
         running = torch.zeros((n, len(layers), d), dtype=torch.float32, device=eng.device) if layers else None
         count = torch.zeros(n, dtype=torch.float32, device=eng.device)
         return new_rows, layers, running, count
@@ -313,7 +340,7 @@ class DecodeLoop:
         """Advance the queued prefills by at most ``budget`` tokens (rows × columns, padding included; None: all of
         them), the prefill with the fewest tokens left first (a short prompt is not held behind long ones); those
         that end join the loop. Returns the tokens run."""
-        eng = self.engine
+        eng = self.runner
         ran = 0
         while self.prefilling and (budget is None or ran < budget):
             self.prefilling = [job for job in self.prefilling if not all(t.cancelled for t in job.tickets)]
@@ -328,10 +355,10 @@ class DecodeLoop:
                 cols = min(cols, max(1, (budget - ran) // n))
             last = job.done + cols == job.ids.shape[1]
             want_pre = last and any(s.taps.pre_answer for s in job.specs)
-            hooks = _Taps(eng.model, (self.mid,)) if want_pre else None
+            hooks = eng.taps((self.mid,)) if want_pre else None
             try:
                 end = job.prefix + job.done + cols
-                logits = eng._forward(job.ids[:, job.done:job.done + cols], job.mask[:, :end], job.cache, cols)
+                logits = eng.forward(job.ids[:, job.done:job.done + cols], job.mask[:, :end], job.cache, cols)
                 pre_answer = hooks.outputs[self.mid][:, -1, :].to(torch.float32) if hooks is not None else None
             finally:
                 if hooks is not None:
@@ -390,7 +417,7 @@ class DecodeLoop:
                 and len(self.rows) + mask.shape[0] <= layer._buf_k.shape[0])
 
     def _relayout(self, running, old: tuple[int, ...], new: tuple[int, ...], m: int):
-        out = torch.zeros((m, len(new), self.engine.lm.hidden_size), dtype=torch.float32, device=self.engine.device)
+        out = torch.zeros((m, len(new), self.runner.hidden_size), dtype=torch.float32, device=self.runner.device)
         for j, layer in enumerate(old):
             out[:, new.index(layer)] = running[:, j]
         return out
@@ -403,7 +430,7 @@ class DecodeLoop:
             self.rows, self.cache, self.mask, self.logits, self.running, self.count = [], None, None, None, None, None
             self.layers = ()
             return
-        idx = torch.tensor(keep, device=self.engine.device)
+        idx = torch.tensor(keep, device=self.runner.device)
         self.mask = self.mask[idx]
         self.logits = self.logits[idx]
         if self.running is not None:
@@ -424,7 +451,7 @@ class DecodeLoop:
         prefill whose tickets are all cancelled is dropped before its next chunk)."""
         ticket.cancelled = True
         for row in ticket.rows:
-            row.state, row.final = _DONE, True
+            row.state, row.final = RowState.DONE, True
 
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
@@ -437,7 +464,7 @@ class DecodeLoop:
         rows = self.rows
         if not rows:
             return []
-        eng = self.engine
+        eng = self.runner
         m = len(rows)
         feed, attend, counts_now, capture_eos = self._feeds()
         done = self._finalize([r for r in range(m) if not attend[r]])
@@ -456,9 +483,9 @@ class DecodeLoop:
         attend_t = torch.tensor(attend, dtype=self.mask.dtype, device=eng.device)[:, None]  # [M, 1]
         self.mask = torch.cat([self.mask, attend_t], dim=1)
         tap_layers = tuple(sorted(set(self.layers) | ({self.mid} if any(capture_eos) else set())))
-        hooks = _Taps(eng.model, tap_layers) if tap_layers else None
+        hooks = eng.taps(tap_layers) if tap_layers else None
         try:
-            self.logits = eng._forward(feed_t, self.mask, self.cache, 1)  # [M, V]
+            self.logits = eng.forward(feed_t, self.mask, self.cache, 1)  # [M, V]
             t_taps = time.perf_counter()
             self._read_taps(lambda layer: hooks.outputs[layer][:, -1, :], counts_now, capture_eos)
             taps_s = time.perf_counter() - t_taps  # host time; on CUDA the launches are asynchronous
@@ -468,7 +495,7 @@ class DecodeLoop:
         for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
             ticket.forwards += 1
             ticket.taps_s += taps_s
-        done += self._finalize([r for r, row in enumerate(rows) if row.state == _DONE and not row.final])
+        done += self._finalize([r for r, row in enumerate(rows) if row.state == RowState.DONE and not row.final])
         if not self.busy:
             self._select([])  # the last rows finished: hold nothing
         return done
@@ -477,9 +504,9 @@ class DecodeLoop:
         """Choose every active row's next token, then what each row feeds this step: its token (attend 1; counted
         in the running sums unless it is a flushed EOS), a forced EOS whose state is read, or nothing (a finished
         row: attend 0). Advances the rows' flush states."""
-        eng, rows = self.engine, self.rows
+        eng, rows = self.runner, self.rows
         m = len(rows)
-        active = [r for r in range(m) if rows[r].state == _ACTIVE]
+        active = [r for r in range(m) if rows[r].state == RowState.ACTIVE]
         if active:
             self._choose(active)
         feed = [eng.pad_id] * m
@@ -490,32 +517,32 @@ class DecodeLoop:
             s = row.state
             if row.final:
                 continue
-            if s == _ACTIVE:
+            if s == RowState.ACTIVE:
                 feed[r], attend[r], counts_now[r] = row.tokens[-1], 1, 1.0
-            elif s == _FLUSH_LAST:
+            elif s == RowState.FLUSH_LAST:
                 last = row.tokens[-1]
                 feed[r], attend[r] = last, 1
                 is_eos = last in eng.eos_id_set
                 counts_now[r] = 0.0 if is_eos else 1.0
                 if row.taps.eos_state and is_eos:
                     capture_eos[r] = True
-                    row.state = _DONE
+                    row.state = RowState.DONE
                 else:
-                    row.state = _FLUSH_EOS if row.taps.eos_state else _DONE
-            elif s == _FLUSH_EOS:
+                    row.state = RowState.FLUSH_EOS if row.taps.eos_state else RowState.DONE
+            elif s == RowState.FLUSH_EOS:
                 feed[r], attend[r] = eng.eos_id, 1
                 capture_eos[r] = True
-                row.state = _DONE
+                row.state = RowState.DONE
         return feed, attend, counts_now, capture_eos
 
     def _read_taps(self, state, counts_now: list[float], capture_eos: list[bool]) -> None:
         """Add this step's states (``state(layer) -> [M, d]``) to the rows' running sums and keep the forced EOS
         states."""
-        eng = self.engine
+        eng = self.runner
         if self.running is not None:
-            states = torch.stack([state(layer) for layer in self.layers], dim=1)  # [M, L, d]
+            states = torch.stack([state(layer) for layer in self.layers], dim=1).to(torch.float32)  # [M, L, d]
             weight = torch.tensor(counts_now, dtype=torch.float32, device=eng.device)  # [M]
-            eng._accumulate(self.running, states, weight)
+            eng.accumulate(self.running, states, weight)
             self.count += weight
         if any(capture_eos):
             mid = state(self.mid)  # [M, d]
@@ -525,7 +552,7 @@ class DecodeLoop:
 
     def _choose(self, active: list[int]) -> None:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""
-        eng, rows, logits = self.engine, self.rows, self.logits
+        eng, rows, logits = self.runner, self.rows, self.logits
         m = len(rows)
         logprobs = torch.log_softmax(logits, dim=-1)  # [M, V]
         greedy = any(not rows[r].cfg.do_sample for r in range(m))
@@ -543,7 +570,7 @@ class DecodeLoop:
                 continue
             whole = len(rows_g) == m
             sub = logits if whole else logits[torch.tensor(rows_g, device=eng.device)]
-            probs = _process_logits(sub, rows[rows_g[0]].cfg).softmax(-1)  # [G, V]
+            probs = process_logits(sub, rows[rows_g[0]].cfg).softmax(-1)  # [G, V]
             if self.shared_rng and whole and all(rows[r].gen is None for r in live):
                 chosen = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [M]
                 continue
@@ -561,7 +588,7 @@ class DecodeLoop:
 
     def _update_finish(self, row: _Row) -> None:
         """Record the row's new token and move it out of ACTIVE if it stops."""
-        eng, cfg, tokens = self.engine, row.cfg, row.tokens
+        eng, cfg, tokens = self.runner, row.cfg, row.tokens
         finished: FinishReason | None = None
         if cfg.stop_at_eos and tokens[-1] in eng.eos_id_set:
             finished = "eos"
@@ -578,14 +605,14 @@ class DecodeLoop:
                 finished = "stop"
                 row.stop = matched
                 row.text = text[:cut]
-                row.answer_len = eng._tokens_before(tokens, cut)
+                row.answer_len = eng.tokens_before(tokens, cut)
             else:
                 row.text, row.answer_len = text, len(tokens)
                 if len(tokens) >= cfg.max_new_tokens:
                     finished = "length"
         if finished is not None:
             row.reason = finished
-            row.state = _FLUSH_LAST if row.taps.needs_flush else _DONE
+            row.state = RowState.FLUSH_LAST if row.taps.needs_flush else RowState.DONE
 
     def _finalize(self, finished: list[int]) -> list[Ticket]:
         """Take the results of rows ``finished`` (done, their taps complete); the tickets this completes."""
@@ -597,7 +624,7 @@ class DecodeLoop:
                 continue
             row.final = True
             if row.ticket.layers:
-                cols = torch.tensor([col[x] for x in row.ticket.layers], device=self.engine.device)
+                cols = torch.tensor([col[x] for x in row.ticket.layers], device=self.runner.device)
                 row.sums = self.running[r].index_select(0, cols)  # [L_ticket, d]
             row.count = float(self.count[r])
             ticket = row.ticket
@@ -607,8 +634,8 @@ class DecodeLoop:
         return done
 
     def _result(self, ticket: Ticket) -> GenerationBatch:
-        rows, dev = ticket.rows, self.engine.device
-        d = self.engine.lm.hidden_size
+        rows, dev = ticket.rows, self.runner.device
+        d = self.runner.hidden_size
         t_end = time.perf_counter()
         return GenerationBatch(
             sequences=[Generation(text=r.text, token_ids=r.tokens, token_logprobs=r.logps, answer_tokens=r.answer_len,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgate.decode import DecodeLoop, _Spec, mergeable
-from fastgate.engine import _DONE, _Taps
+from fastgate.generation import RowState
 from fastgate.kv_cache import within_cells
 
 __all__ = ["PackedPlan", "PrefillSeg", "SlotStore", "packed_forward"]
@@ -217,17 +217,18 @@ class PackedLoop(DecodeLoop):
     up to the step's prefill budget of prompt tokens (prompts by the caller's priority, then arrival). Rows keep
     store rows 0 .. M-1 in loop order; a finished row's place is taken by the last row (one row's copy)."""
 
-    def __init__(self, engine, mid: int, max_cells: int | None = None, **kwargs) -> None:
+    def __init__(self, runner, mid: int, max_cells: int | None = None, **kwargs) -> None:
         if kwargs.get("shared_rng"):
             raise ValueError("a packed loop moves rows when others finish: it cannot keep a shared random stream")
-        super().__init__(engine, mid, max_cells=max_cells)
-        text = engine.model.config
-        self._kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self._dtype = next(engine.model.parameters()).dtype
-        self.store = SlotStore(engine.n_layers, self._kv_heads, self._head_dim, self._dtype, engine.device)
+        super().__init__(runner, mid, max_cells=max_cells)
+        self.store = self._new_store()
         self.lens: list[int] = []  # columns each row holds in the store
         self._arrivals = 0  # admissions so far: the tie-break of equal priorities
+
+    def _new_store(self) -> SlotStore:
+        """An empty store for the runner's model (rows and columns are reserved as rows join)."""
+        r = self.runner
+        return SlotStore(r.n_layers, r.kv_heads, r.head_dim, r.dtype, r.device)
 
     # -------------------------------------------------------------- state
     @property
@@ -258,28 +259,28 @@ class PackedLoop(DecodeLoop):
 
     # -------------------------------------------------------------- admission
     def add(self, specs, owners=None, one_ticket=None, per_row: bool = True):
-        """Prefill ``specs`` now, whole (in packed passes of at most the engine's ``prefill_chunk`` tokens),
+        """Prefill ``specs`` now, whole (in packed passes of at most the runner's ``prefill_chunk`` tokens),
         and add their rows; one :class:`~fastgate.decode.Ticket` per spec."""
         if one_ticket is not None:
             raise ValueError("a packed loop gives one ticket per prompt (Engine.generate uses DecodeLoop)")
         tickets = self.admit(specs, owners)
         mine = {id(t) for t in tickets}
         while any(id(job.ticket) in mine for job in self.prefilling):
-            self._pass(self.engine.prefill_chunk or None, decode=False, only=mine)
+            self._pass(self.runner.prefill_chunk or None, decode=False, only=mine)
         return tickets
 
     def admit(self, specs, owners=None, priority=None):
         """Queue ``specs`` for a chunked prefill (see :meth:`step`); prompts are encoded and checked now.
         ``priority``: one key per spec; queued prompts prefill lowest key first, ties in arrival order (the
         scheduler gives each generation its program's submission time, so the oldest request finishes first)."""
-        eng = self.engine
+        eng = self.runner
         specs = [s if isinstance(s, _Spec) else _Spec(*s) for s in specs]
         keys = [0.0] * len(specs) if priority is None else list(priority)
         if len(keys) != len(specs):
             raise ValueError(f"priority has {len(keys)} keys for {len(specs)} prompts")
-        rows, truncated = eng._encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
+        rows, truncated = eng.encode([s.prompt for s in specs], [s.config.max_new_tokens for s in specs])
         if eng.prefix_cache and len(rows) > 1:
-            eng._shared_prefix(rows)  # a prefix common to the batch is cached now, and found by each prompt
+            eng.shared_prefix(rows)  # a prefix common to the batch is cached now, and found by each prompt
         tickets, _ = self._tickets(specs, owners, None)
         for spec, ticket, ids, cut, key in zip(specs, tickets, rows, truncated, keys):
             self._arrivals += 1
@@ -289,16 +290,16 @@ class PackedLoop(DecodeLoop):
 
     def _start(self, job: _Job) -> None:
         """The job's prefill buffers, with its cached prefix's keys / values copied in."""
-        eng = self.engine
+        eng = self.runner
         n = len(job.ids)
-        job.kv = [(torch.zeros((1, self._kv_heads, n, self._head_dim), dtype=self._dtype, device=eng.device),
-                   torch.zeros((1, self._kv_heads, n, self._head_dim), dtype=self._dtype, device=eng.device))
-                  for _ in range(eng.n_layers)]
-        prefix = eng._shared_prefix([job.ids])
+        job.kv = [(torch.zeros((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device),
+                   torch.zeros((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device))
+                  for _ in range(eng.n_layers)]  # per layer [1, Hkv, n, D]
+        prefix = eng.shared_prefix([job.ids])
         if prefix is not None:
             eng.prefix_hits += 1
             p = len(prefix)
-            for (k, v), (pk, pv) in zip(job.kv, eng._prefix_kv(prefix)):
+            for (k, v), (pk, pv) in zip(job.kv, eng.prefix_kv(prefix)):
                 k[:, :, :p] = pk
                 v[:, :, :p] = pv
             job.done = p
@@ -307,7 +308,7 @@ class PackedLoop(DecodeLoop):
     @torch.inference_mode()
     def step(self, prefill_budget: int | None = None) -> list:
         """One packed pass: every row's next token and up to ``prefill_budget`` prompt tokens. None: every
-        queued prompt whole, the first ``engine.prefill_chunk`` tokens in the rows' pass and the rest in
+        queued prompt whole, the first ``runner.prefill_chunk`` tokens in the rows' pass and the rest in
         prefill passes (a forward of thousands of tokens runs slower per token on a CPU). Returns the tickets
         whose last row finished in it."""
         done: list = []
@@ -322,11 +323,11 @@ class PackedLoop(DecodeLoop):
         else:
             feed, counts_now, capture_eos = [], [], []
         whole = prefill_budget is None
-        chunk = (self.engine.prefill_chunk or None) if whole else prefill_budget
+        chunk = (self.runner.prefill_chunk or None) if whole else prefill_budget
         self._pass(chunk, decode=True, feed=feed, counts_now=counts_now, capture_eos=capture_eos)
-        while whole and self.prefilling:  # whole prompts: the rest in prefill passes of the engine's chunk
+        while whole and self.prefilling:  # whole prompts: the rest in prefill passes of the runner's chunk
             self._pass(chunk, decode=False)
-        done += self._finalize([r for r, row in enumerate(self.rows) if row.state == _DONE and not row.final])
+        done += self._finalize([r for r, row in enumerate(self.rows) if row.state == RowState.DONE and not row.final])
         if not self.busy:
             self._compact([])
         return done
@@ -341,8 +342,7 @@ class PackedLoop(DecodeLoop):
             self.rows, self.lens, self.logits, self.running, self.count = [], [], None, None, None
             self.layers = ()
             if not self.prefilling:  # an idle loop holds nothing
-                self.store = SlotStore(self.engine.n_layers, self._kv_heads, self._head_dim, self._dtype,
-                                       self.engine.device)
+                self.store = self._new_store()
             return []
         order = list(range(m))
         kept = set(keep)
@@ -352,7 +352,7 @@ class PackedLoop(DecodeLoop):
             self.store.move_row(src, dst, self.lens[src])
             order[dst] = src
         order = order[:len(keep)]
-        idx = torch.tensor(order, device=self.engine.device)
+        idx = torch.tensor(order, device=self.runner.device)
         self.rows = [self.rows[r] for r in order]
         self.lens = [self.lens[r] for r in order]
         self.logits = self.logits[idx]
@@ -364,7 +364,7 @@ class PackedLoop(DecodeLoop):
     def _pass(self, budget: int | None, decode: bool, feed=(), counts_now=(), capture_eos=(), only=None) -> int:
         """One packed forward: the rows' ``feed`` tokens (when ``decode``) and prompt chunks within ``budget``
         tokens; returns the prompt tokens run."""
-        eng = self.engine
+        eng = self.runner
         self.prefilling = [job for job in self.prefilling if not job.ticket.cancelled]
         m = len(feed) if decode else 0
         segs: list[tuple[_Job, int]] = []  # (job, tokens this pass)
@@ -407,7 +407,7 @@ class PackedLoop(DecodeLoop):
         tap_layers = set(self.layers) if m else set()
         if (m and any(capture_eos)) or want_pre:
             tap_layers.add(self.mid)
-        hooks = _Taps(eng.model, tuple(sorted(tap_layers))) if tap_layers else None
+        hooks = eng.taps(tuple(sorted(tap_layers))) if tap_layers else None
         try:
             logits = packed_forward(eng.model, torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     plan, torch.tensor(keep, dtype=torch.long, device=dev))  # [K, V]

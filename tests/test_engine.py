@@ -298,7 +298,7 @@ def test_chunked_prefill_gives_the_same_generation(tiny, prefix):
     prompts = [f"{FEW_SHOT_QA}Q: {q}\nA:" for q in questions]
     whole = Engine(tiny, prefix_cache=prefix, prefill_chunk=0)
     chunked = Engine(tiny, prefix_cache=prefix, prefill_chunk=40)
-    assert chunked._prefill_chunks([30, 5, 12, 11, 40]) == [[4], [0], [2, 3, 1]]
+    assert chunked.runner.prefill_chunks([30, 5, 12, 11, 40]) == [[4], [0], [2, 3, 1]]
     cfg = GenerationConfig(max_new_tokens=10, stop=("\n",))
     taps = TapSpec(layers=(1, 3), eos_state=True)
     for k, sample in ((1, False), (2, True)):
@@ -330,7 +330,7 @@ def test_sampling_filters_match_hf_processors(top_k, top_p, temperature):
         TopPLogitsWarper,
     )
 
-    from fastgate.engine import _process_logits
+    from fastgate.decode import process_logits
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 384, generator=g) * 3
@@ -343,7 +343,7 @@ def test_sampling_filters_match_hf_processors(top_k, top_p, temperature):
         expect = TopKLogitsWarper(top_k)(None, expect)
     if top_p < 1.0:
         expect = TopPLogitsWarper(top_p)(None, expect)
-    got = _process_logits(logits, cfg)
+    got = process_logits(logits, cfg)
     assert torch.equal(torch.isinf(got), torch.isinf(expect))
     torch.testing.assert_close(got[~torch.isinf(got)], expect[~torch.isinf(expect)])
 

@@ -188,7 +188,7 @@ def test_engine_builds_the_registry_once(tiny):
     assert isinstance(engine.ops, Ops)
     assert engine.backend == engine.ops.backend == engine.gate_ops.backend == "ext"
     assert engine.gate_ops.eigenscore is engine.ops.eigenscore
-    assert engine._accumulate is engine.ops.accumulate
+    assert engine.runner.accumulate is engine.ops.accumulate
     assert Engine(tiny, backend="torch").ops.backends["eigenscore"] == "torch"
 
 

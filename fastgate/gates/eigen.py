@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
+from fastgate.generation import GenerationBatch
 from fastgate.ops.backend import GateOps, gate_ops
 
 __all__ = ["EigenScoreGate", "PathChoice"]

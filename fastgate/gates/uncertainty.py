@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.config import TapSpec
-from fastgate.engine import Generation, GenerationBatch
 from fastgate.gates.base import Gate, GateStep
+from fastgate.generation import Generation, GenerationBatch
 from fastgate.ops import answer_nll
 
 __all__ = ["AnswerNLLGate", "answer_logprob_matrix"]

@@ -6,15 +6,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
-from fastgate.engine import Engine, Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
+from fastgate.generation import Generation
 from fastgate.ops import CpuOps
+
+if TYPE_CHECKING:  # annotations only: the gates depend on the result types, not on the engine (no import cycle)
+    from fastgate.engine import Engine
 
 __all__ = ["FlareGate", "ScaarGate", "SentenceWords", "WordStep", "sentence_words"]
 
