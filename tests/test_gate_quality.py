@@ -189,7 +189,7 @@ def test_eval_cli_summary_says_whether_the_gates_beat_a_coin(capsys, monkeypatch
     import fastgate.models
     from fastgate.cli import main
 
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    monkeypatch.setattr(fastgate.models, "load", lambda name, *args, **kwargs: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in (
         ("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
