@@ -43,6 +43,7 @@ def main() -> None:
                     help="cpu: fastgate eval's CPU budget for both pipelines; auto: cpu without a GPU")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0, help="question order")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the weights' dtype")
     args = ap.parse_args()
 
     from tqdm.auto import tqdm
@@ -53,7 +54,7 @@ def main() -> None:
     from fastgate.methods import build_method
     from fastgate.runtime import Runtime, check_request
 
-    runtime = Runtime(args.model)
+    runtime = Runtime(args.model, dtype=args.dtype)
     ref_engine = ReferenceEngine(runtime.lm)
     examples = sample_examples(load_qa(args.data), max(args.n, args.seakr_n), args.seed)
     budget = args.budget
@@ -87,6 +88,7 @@ def main() -> None:
             "params": ";".join(f"{k}={v}" for k, v in params.items()),
             "fastgate_s": t_fast, "reference_s": t_ref, "fastgate_qps": n / t_fast, "reference_qps": n / t_ref,
             "speedup": t_ref / t_fast, "identical": f"{same}/{n}", "device": str(runtime.lm.device),
+            "dtype": runtime.dtype_name,
         })
         print_table(rows[-1:], ["method", "n", "fastgate_s", "reference_s", "speedup", "identical"])
     print()

@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the weights' dtype")
     args = parser.parse_args()
-    lm = load(args.model)
+    lm = load(args.model, dtype=args.dtype)
     engine = Engine(lm)
     prompts = [closed_book_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(args.batch)]
     cfg = GenerationConfig(max_new_tokens=args.tokens, stop_at_eos=False)  # every row decodes every step
@@ -66,7 +67,8 @@ def main() -> None:
     rows = []
     for name, times in per_step.items():
         t = statistics.median(times)
-        rows.append({"op": "decode_step", "taps": name, "model": lm.name, "backend": engine.backend,
+        rows.append({"op": "decode_step", "taps": name, "model": lm.name, "dtype": engine.dtype_name,
+                     "backend": engine.backend,
                      "layers": len(layers) if name != "none" else 0, "B": args.batch, "tokens": args.tokens,
                      "step_ms": t * 1e3, "overhead_pct": (t / base - 1) * 100, "forwards": forwards[name],
                      "per_token_overhead_pct": (statistics.median(per_token[name]) / base_token - 1) * 100,

@@ -37,7 +37,9 @@ def run_all(n: int, batch_size: int, out: Path, methods: list[str] | None = None
         runs.append(RunSpec(req.method, req.retriever, req.params))
     examples = sample_examples(load_qa("heldout"), n, 0)
     store = ResultsStore(out / "results.jsonl")
-    evaluate(Runtime("smollm2-135m", "cpu"), runs, examples, store, batch_size=batch_size, progress=True)
+    # the fixture was recorded in float32: replayed in float32 whatever `auto` would pick on this CPU
+    evaluate(Runtime("smollm2-135m", "cpu", dtype="float32"), runs, examples, store, batch_size=batch_size,
+             progress=True)
     return [{k: store.records[(r.key, ex.id)][k] for k in KEEP} for r in runs for ex in examples]
 
 

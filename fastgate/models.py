@@ -30,6 +30,7 @@ import torch
 from fastgate import pins
 from fastgate.errors import ModelError, UnknownNameError
 from fastgate.paths import models_dir, remove_stale
+from fastgate.precision import choose_dtype, probe_bf16
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -42,6 +43,7 @@ __all__ = [
     "prepare",
     "quiet_transformers",
     "remove_stale",
+    "resolve_device",
     "resolve_device_dtype",
 ]
 
@@ -231,6 +233,7 @@ class LoadedModel:
     tokenizer: Any
     path: str | None
     fingerprint: str  # stable id of the weights: hash of the source file, or of the config for random models
+    dtype_reason: str = ""  # why the weights have their dtype (fastgate.precision.choose_dtype); "" when built directly
 
     @property
     def device(self) -> torch.device:
@@ -249,20 +252,28 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """``auto``: CUDA with bf16 when available, else CPU with fp32."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                 "float16": torch.float16, "fp16": torch.float16}
-        if dtype not in names:
-            raise UnknownNameError("dtype", dtype, list(names))
-        dt = names[dtype]
-    return dev, dt
+    """The device, and the dtype ``auto`` gives there by the CPU's flags alone (:func:`load` also runs the probe at
+    the model's shapes; see :mod:`fastgate.precision`)."""
+    dev = resolve_device(device)
+    return dev, choose_dtype(dtype, dev).dtype
+
+
+def _linear_shape(path: Path) -> tuple[int, int]:
+    """``(hidden, intermediate)`` of the model's MLP from its ``config.json`` (the probe's product), without loading
+    the weights."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config.get("text_config", config)
+    hidden = int(config.get("hidden_size", 576))
+    return hidden, int(config.get("intermediate_size", 4 * hidden))
 
 
 @contextlib.contextmanager
@@ -368,8 +379,13 @@ def _eos_ids(tokenizer, spec: ModelSpec) -> list[int]:
     return ids
 
 
-def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
+         probe: bool = True) -> LoadedModel:
     """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
+
+    ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
+    once, by :func:`fastgate.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP shape
+    confirms the CPU's flags), ``float32`` or ``bfloat16``.
 
     Raises:
         UnknownNameError: neither an embedded name nor an existing directory.
@@ -393,14 +409,17 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
             fingerprint = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else ""
     else:
         raise UnknownNameError("model", name_or_path, [*MODELS, "<local HF directory>"])
-    dev, dt = resolve_device_dtype(device, dtype)
+    dev = resolve_device(device)
+    shape = _linear_shape(Path(path))
+    choice = choose_dtype(dtype, dev, probe=(lambda: probe_bf16(64, *shape)) if probe else None)
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=choice.dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
+                       dtype_reason=choice.reason)

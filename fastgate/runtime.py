@@ -62,12 +62,17 @@ class Runtime:
         index: index root holding ``bm25/`` and ``dense/`` (default: the default corpus, built on first use).
         paper_defaults: use the papers' thresholds instead of the values calibrated for the model.
         engine: an already built :class:`~fastgate.engine.Engine` to use instead of loading ``model``.
+        dtype: the weights' dtype, ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32
+            elsewhere; see :mod:`fastgate.precision`), ``float32`` or ``bfloat16``; chosen once, when the model loads.
     """
 
     def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
-                 paper_defaults: bool = False, engine=None) -> None:
+                 paper_defaults: bool = False, engine=None, dtype: str = "auto") -> None:
+        from fastgate.precision import canonical_dtype
+
         self.model = model
         self.device = device
+        self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
         self.index = index
         self.paper_defaults = paper_defaults
         self._engine = engine
@@ -82,7 +87,7 @@ class Runtime:
             from fastgate.models import load
 
             t0 = time.perf_counter()
-            self._engine = Engine(load(self.model, device=self.device))
+            self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype))
             self.setup_s += time.perf_counter() - t0
         return self._engine
 
@@ -90,6 +95,19 @@ class Runtime:
     def loaded(self) -> bool:
         """Whether the model has been loaded (a resumed evaluation with nothing left to answer never loads it)."""
         return self._engine is not None
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype (``float32``, ``bfloat16``), known without loading the model unless only the probe at
+        load can tell (``auto`` on a CPU with native bf16 flags): a resumed evaluation checks its records with it."""
+        if self._engine is None:
+            from fastgate.models import resolve_device
+            from fastgate.precision import expected_dtype
+
+            name = expected_dtype(self.dtype, resolve_device(self.device))
+            if name is not None:
+                return name
+        return self.engine.dtype_name
 
     @property
     def lm(self):
@@ -126,9 +144,13 @@ class Runtime:
                             retrievers=others or None)
 
 
-def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0) -> dict[str, Any]:
-    """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult`."""
+def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
+                  dtype: str | None = None) -> dict[str, Any]:
+    """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
+    weights' ``dtype`` when given)."""
     record = result.to_dict()
     record.update({"model": model, "retriever": retriever})
+    if dtype is not None:
+        record["dtype"] = dtype
     record["timings"] = {**record["timings"], "setup_s": setup_s}
     return record

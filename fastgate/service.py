@@ -50,6 +50,7 @@ class ServiceConfig:
     method: str = "dtr"  # default method of requests that name none (fastgate ask's default)
     model: str = "smollm2-135m"  # the default embedded model
     device: str = "auto"  # CUDA when available
+    dtype: str = "auto"  # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
     index: str | None = None  # index root; None: the default corpus
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
@@ -115,7 +116,7 @@ class AnswerService:
 
         self.config = config or ServiceConfig()
         self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
-                                          self.config.paper_defaults)
+                                          self.config.paper_defaults, dtype=self.config.dtype)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
@@ -196,6 +197,11 @@ class AnswerService:
     @property
     def model_name(self) -> str:
         return self.runtime.model_name
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype (``float32``, ``bfloat16``), as ``/healthz`` reports it."""
+        return self.runtime.dtype_name
 
     # ------------------------------------------------------------------ requests
     def _request(self, method: str | None, params: dict[str, Any] | None):

@@ -43,8 +43,10 @@ def _tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: int = 384) -> LoadedModel:
-    """Build a tiny random Llama (fp32, CPU) and its BPE tokenizer; deterministic for a given seed."""
+def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: int = 384,
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build a tiny random Llama (CPU) and its BPE tokenizer; deterministic for a given seed. The weights are drawn
+    in float32 and then cast to ``dtype`` (tests keep float32 and its exact comparisons; bf16 only runs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _tokenizer(vocab_size)
@@ -66,6 +68,7 @@ def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: i
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # larger logits than the default init, so greedy choices are well separated
         model.lm_head.weight.mul_(4.0)
+    model.to(dtype)
     fingerprint = hashlib.sha256(f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
 

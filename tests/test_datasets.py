@@ -215,7 +215,7 @@ def test_eval_cli_on_a_benchmark(capsys, monkeypatch, tmp_path, tiny, small_inde
     from fastgate.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
     out = tmp_path / "out"
     common = ["--index", str(small_index), "--out", str(out), "--model", "tiny", "--quiet", "--batch-size", "2"]
     assert main(["eval", "--method", "never", "--data", "nq", "--subset", "balanced", "--n", "4", *common]) == 0

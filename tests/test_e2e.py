@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def ask(*argv, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "fastgate", "ask", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    # float32 on every CPU: the thresholds were calibrated, and these answers checked, in float32
+    proc = subprocess.run([sys.executable, "-m", "fastgate", "ask", "--dtype", "float32", *argv], capture_output=True,
+                          text=True, timeout=timeout)
     return proc
 
 
@@ -58,7 +59,7 @@ def test_same_greedy_answer_alone_and_in_a_batch_of_8():
     from fastgate.models import load
     from fastgate.retrieval import open_retriever
 
-    engine = Engine(load("smollm2-135m"))
+    engine = Engine(load("smollm2-135m", dtype="float32"))  # exact comparisons: float32 on every CPU
     questions = ["Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the capital of Japan?",
                  "What is the capital of Kyrgyzstan?", "Who painted the Mona Lisa?", "What is the capital of Chad?",
                  "In what year did the Berlin Wall fall?", "What is the largest ocean?"]

@@ -244,7 +244,7 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
     import fastgate.models
     from fastgate.cli import main
 
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto": tiny)
+    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n" for e in EXAMPLES))
     out = tmp_path / "out"

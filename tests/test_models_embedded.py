@@ -167,7 +167,7 @@ def test_real_qwen_converts_with_its_eos_ids_and_answers():
     from fastgate.engine import Engine
     from fastgate.prompts import closed_book_prompt
 
-    lm = fm.load("qwen2.5-0.5b", device="cpu")
+    lm = fm.load("qwen2.5-0.5b", device="cpu", dtype="float32")
     assert lm.model.config.model_type == "qwen2" and lm.n_layers == 24 and lm.hidden_size == 896
     assert lm.model.generation_config.eos_token_id == [151645, 151643]
     assert lm.tokenizer.convert_ids_to_tokens([151645, 151643]) == ["<|im_end|>", "<|endoftext|>"]

@@ -205,6 +205,7 @@ def test_http_health_metrics_schema(server):
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["kv_budget_mb"] > 0 and health["kv_used_mb"] >= 0
     assert health["layout"] == "packed"  # the tiny Llama runs packed passes (fastgate.packed)
+    assert health["dtype"] == "float32"  # the weights' dtype, chosen when the model loaded
     httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
     assert httpx.get(f"{url}/healthz").json()["kv_used_mb"] == 0  # an idle loop holds no cache
     text = httpx.get(f"{url}/metrics").text

@@ -208,6 +208,16 @@ def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> 
                              f"into a new --out directory, or name the values with --param (a run of its own)")
 
 
+def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> None:
+    """Refuse to resume or summarise ``run`` over records made with the weights in another dtype (bf16 answers differ
+    from float32 ones). Records written before they named their dtype count as ``legacy``."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get("dtype", legacy) != dtype:
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with the "
+                             f"weights in {rec.get('dtype', legacy)}, but this run would use {dtype}: evaluate into a "
+                             f"new --out directory, or pass --dtype {rec.get('dtype', legacy)}")
+
+
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None) -> list[RunSummary]:
@@ -227,10 +237,15 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         One :class:`RunSummary` per run over ``examples``.
     """
     from fastgate.methods import make_config
+    from fastgate.models import resolve_device
     from fastgate.runtime import Request
 
     if batch_size < 1:
         raise InputError(f"batch size must be >= 1, got {batch_size}")
+    # every record names the weights' dtype, and a resume under another is refused. Records from before they named it
+    # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
+    dtype = runtime.dtype_name
+    legacy = "bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32"
     summaries = []
     for run in runs:
         request = Request(run.method, run.retriever, run.params)
@@ -240,6 +255,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         values = {f.name: getattr(config, f.name) for f in fields(config)}
         params = json.loads(json.dumps(values, sort_keys=True, default=str))
         _check_params(store, run, params)
+        _check_dtype(store, run, dtype, legacy)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
             method = runtime.build(request)
@@ -248,8 +264,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             try:
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
-                    store.append([{**rec, "params": params} for rec in _answer_batch(method, run, batch,
-                                                                                     runtime.model_name)])
+                    store.append([{**rec, "params": params, "dtype": dtype}
+                                  for rec in _answer_batch(method, run, batch, runtime.model_name)])
                     stored += len(batch)
                     if bar is not None:
                         bar.update(len(batch))
