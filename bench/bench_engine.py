@@ -1,64 +1,115 @@
-"""One decode step of the engine's loop, against the machine's memory-bandwidth bound.
+"""The engine's decode step and prefill by weight dtype, beside HF's own loop, against the memory-bandwidth bound.
 
 A decode step reads every weight once and every row's KV cache once; on a CPU (and at small batch on a GPU) nothing
-else should bound it. This script decodes a batch of ``--batch`` rows whose prompts are ``--contexts`` tokens long
-and reports the median step time for two KV-cache designs in one run:
+else should bound it. One run measures, for each dtype of ``--dtypes`` (``float32``, ``bfloat16``; ``auto`` resolves
+as :func:`fastgate.precision.choose_dtype` does at load), at every ``--batches`` × ``--contexts``:
 
-- ``padded``: :class:`fastgate.decode.DecodeLoop` on :class:`fastgate.kv_cache.GrowingLayer` (appends in place
-  into spare capacity);
-- ``hf-dynamic``: the same loop on HF's ``DynamicCache`` (``torch.cat`` of the whole cache at every step: the design
-  before the growing layer);
 - ``packed``: :class:`fastgate.packed.PackedLoop` (the rows' tokens packed into one ``[1, M]`` forward, keys / values
-  in fixed store rows written in place and read with a per-row length mask: the service's default layout).
+  in fixed store rows written in place: the service's layout);
+- ``padded``: :class:`fastgate.decode.DecodeLoop` on :class:`fastgate.kv_cache.GrowingLayer` (appends in place);
+- ``hf-dynamic``: the same loop on HF's ``DynamicCache`` (``torch.cat`` of the whole cache each step);
+- ``hf-eager``: HF's forward in a bare greedy loop over a ``DynamicCache`` (no taps, no stop checks, no sampling
+  settings): what the model itself costs a step;
+- ``hf-static-compile`` (mode ``compiled``): HF's forward over a ``StaticCache``, compiled by ``torch.compile``
+  (``fullgraph``; ``mode="reduce-overhead"``, CUDA graphs, on GPU). Compiling takes minutes on a small CPU: only the
+  batches of ``--compile-batches``.
 
-Each row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same run
-(a ``sum`` over a buffer far larger than the caches, with the threads torch uses), ``of_bound`` = bound / step (1.0
-means the step runs at the bandwidth limit), and ``vs_short`` = this step / the step of the shortest context for the
-same design (the issue's target: at batch 16, 600-token contexts at most 1.5× 30-token ones). Rounds alternate
-designs and contexts so drift hits all alike.
+The engine's own compiled step (issue 35, item 2) is not built yet: it has no row. A ``--prefill`` batch (``16x700``)
+is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.runner.ModelRunner.prefill>` (row chunks of the
+runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
 
-Run: python bench/bench_engine.py [--batch 16] [--contexts 30,600] [--steps 12] [--rounds 3].
+Each step row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same
+run (a ``sum`` over a buffer far larger than the caches), ``of_bound`` = bound / step (1.0: at the bandwidth limit)
+and ``vs_short`` = this step / the shortest context's for the same design, dtype and batch. Every row names the CPU's
+bf16 flags (``bf16_flags``) and what ``auto`` picks on this machine (``auto_dtype``). Rounds alternate designs and
+contexts so drift hits all alike.
+
+Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--batches 1,16,64] [--contexts 30,600] [--steps 12]
+[--rounds 3] [--prefill 16x700] [--designs ...] [--compile-batches 1,16,64] [--device cuda]
+[--model llama3-8b-shape].
 Appends to bench/results/engine.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 
-import fastgate.decode as decode  # noqa: E402
-import fastgate.runner as runner  # noqa: E402
+import fastgate.runner as runner_module  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
+from fastgate.decode import DecodeLoop  # noqa: E402
 from fastgate.engine import Engine  # noqa: E402
-from fastgate.models import load  # noqa: E402
+from fastgate.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
+from fastgate.models import LoadedModel, load, resolve_device  # noqa: E402
+from fastgate.packed import PackedLoop  # noqa: E402
+from fastgate.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
+DESIGNS = ("packed", "padded", "hf-dynamic", "hf-eager", "hf-static-compile")
+SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
+    "llama3-8b-shape": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                        "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False},
+    "smollm2-135m-shape": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                           "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                           "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True},
+}
 
 
-def read_bandwidth(mb: int = 1024, repeat: int = 5) -> float:
+def read_bandwidth(device: torch.device, mb: int = 1024, repeat: int = 5) -> float:
     """Bytes per second a ``sum`` reads from a buffer of ``mb`` MiB (median of ``repeat``)."""
-    x = torch.ones(mb * 2**18, dtype=torch.float32)  # mb MiB
+    x = torch.ones(mb * 2**18, dtype=torch.float32, device=device)  # mb MiB
+    sync = _sync(device)
     x.sum()
     samples = []
     for _ in range(repeat):
+        sync()
         t = time.perf_counter()
         x.sum()
+        sync()
         samples.append(time.perf_counter() - t)
     return x.numel() * 4 / statistics.median(samples)
 
 
-def hf_cache(config, max_cells=None):
-    from transformers import DynamicCache
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    return DynamicCache(config=config)
+
+def build_model(name: str, device: str, dtype: str) -> LoadedModel:
+    """An embedded model or HF directory (``fastgate.models.load``), or one of :data:`SHAPES`: random weights in
+    that model's shapes (``llama3-8b-shape``: GQA 32/8 heads, 4096 wide, 128k vocabulary) with the tiny test
+    tokenizer, built on the device (nothing to download or carry: for a lent GPU)."""
+    if name not in SHAPES:
+        return load(name, device=device, dtype=dtype)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastgate.testing import _tokenizer
+
+    dev = resolve_device(device)
+    choice = choose_dtype(dtype, dev)
+    tokenizer = _tokenizer(384)
+    config = LlamaConfig(**SHAPES[name], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with dev:
+        model = LlamaForCausalLM._from_config(config, dtype=choice.dtype).eval()
+    return LoadedModel(name, model, tokenizer, None, name, choice.reason)
+
+
+def prompt_ids(engine: Engine, batch: int, context: int) -> list[list[int]]:
+    """``batch`` different windows of ``context`` filler tokens."""
+    ids = engine.tokenizer(FILLER * (2 + (context + batch) // 20))["input_ids"]
+    return [ids[i:i + context] for i in range(batch)]
 
 
 def cache_read(loop) -> tuple[int, int]:
@@ -71,73 +122,217 @@ def cache_read(loop) -> tuple[int, int]:
     return loop.mask.shape[1], sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in loop.cache.layers)
 
 
-def step_time(engine: Engine, prompts: list[str], steps: int, design: str) -> tuple[float, int, int]:
-    """Median seconds per decode step, the cache width and its bytes at the middle step."""
-    from fastgate.packed import PackedLoop
+def _hf_cache(config, max_cells=None):
+    from transformers import DynamicCache
 
-    original = runner.new_cache  # the runner builds every padded loop's cache
-    runner.new_cache = hf_cache if design == "hf-dynamic" else original
+    return DynamicCache(config=config)
+
+
+def loop_step(engine: Engine, rows: list[list[int]], steps: int, design: str) -> tuple[float, int, int]:
+    """Median seconds per decode step of the engine's loop, the cache width and its bytes at the middle step."""
+    original = runner_module.new_cache  # the runner builds every padded loop's cache
+    runner_module.new_cache = _hf_cache if design == "hf-dynamic" else original
+    sync = _sync(torch.device(engine.device))
+    prompts = [engine.tokenizer.decode(r) for r in rows]
     try:
         cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)  # every row decodes every step
-        cls = PackedLoop if design == "packed" else decode.DecodeLoop
-        loop = cls(engine, mid=engine.lm.n_layers // 2)
+        cls = PackedLoop if design == "packed" else DecodeLoop
+        loop = cls(engine.runner, mid=engine.n_layers // 2)
         with torch.inference_mode():
             loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
             loop.step()  # the first token comes from the prefill's logits: warm-up
             times, width, kv = [], 0, 0
             for i in range(steps):
+                sync()
                 t = time.perf_counter()
                 loop.step()
+                sync()
                 times.append(time.perf_counter() - t)
                 if i == steps // 2:
                     width, kv = cache_read(loop)
         return statistics.median(times), width, kv
     finally:
-        runner.new_cache = original
+        runner_module.new_cache = original
+
+
+@contextlib.contextmanager
+def plain_head(engine: Engine) -> Iterator[None]:
+    """HF's own LM head for the HF designs (the engine slices a float32 CPU model's head, and the slices' per-shape
+    check is no graph torch.compile can take whole); the engine's head back after."""
+    slice_head(engine.model, 0)
+    try:
+        yield
+    finally:
+        if engine.sliced_head:
+            slice_head(engine.model, DEFAULT_COLUMNS)
+
+
+def hf_eager_step(engine: Engine, rows: list[list[int]], steps: int) -> tuple[float, int, int]:
+    """HF's forward in a bare greedy loop over a ``DynamicCache``: median seconds a step, width and KV bytes."""
+    from transformers import DynamicCache
+
+    model, dev = engine.model, engine.device
+    sync = _sync(torch.device(dev))
+    ids = torch.tensor(rows, device=dev)  # [B, C], every row the same length
+    cache = DynamicCache(config=model.config)
+    kw = engine.runner.cache_kw  # the name this transformers gives forward's KV cache argument
+    with torch.inference_mode():
+        nxt = model(input_ids=ids, **{kw: cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)  # [B]
+        times, width, kv = [], 0, 0
+        for i in range(steps):
+            sync()
+            t = time.perf_counter()
+            out = model(input_ids=nxt[:, None], **{kw: cache}, use_cache=True)  # [B, 1] -> logits [B, 1, V]
+            nxt = out.logits[:, -1].argmax(-1)  # [B]
+            sync()
+            times.append(time.perf_counter() - t)
+            if i == steps // 2:
+                width = cache.get_seq_length()
+                kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    return statistics.median(times), width, kv
+
+
+def hf_static_compile_step(engine: Engine, rows: list[list[int]], steps: int) -> tuple[float, int, int]:
+    """HF's forward over a ``StaticCache``, the decode step compiled (``fullgraph``; CUDA graphs on GPU); the
+    compile happens in the first steps, which are not timed."""
+    from transformers import StaticCache
+
+    model, dev = engine.model, torch.device(engine.device)
+    sync = _sync(dev)
+    b, c = len(rows), len(rows[0])
+    total = c + steps + 4
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    ids = torch.tensor(rows, device=dev)  # [B, C]
+    mode = "reduce-overhead" if dev.type == "cuda" else None
+    step = torch.compile(model.forward, fullgraph=True, mode=mode)
+    kw = engine.runner.cache_kw
+    with torch.inference_mode():
+        pos = torch.arange(c, device=dev)  # [C]
+        out = model(input_ids=ids, **{kw: cache}, cache_position=pos, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        times = []
+        for i in range(steps + 3):  # 3 warm-up steps: compile, then (CUDA) record the graph
+            where = torch.tensor([c + i], device=dev)  # [1]
+            sync()
+            t = time.perf_counter()
+            out = step(input_ids=nxt[:, None], **{kw: cache}, cache_position=where,
+                       position_ids=where.expand(b, 1), use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1).clone()  # [B]; cloned: a CUDA graph reuses its output buffer
+            sync()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+    kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)  # the whole static cache
+    return statistics.median(times), total, kv
+
+
+def prefill_time(engine: Engine, rows: list[list[int]], design: str) -> float:
+    """Seconds to prefill ``rows``: the runner's chunked prefill, or one HF forward of the whole batch."""
+    from transformers import DynamicCache
+
+    sync = _sync(torch.device(engine.device))
+    with torch.inference_mode():
+        sync()
+        t = time.perf_counter()
+        if design == "engine":
+            engine.runner.prefill(rows, engine.runner.new_cache())
+        else:
+            ids = torch.tensor(rows, device=engine.device)  # [B, C]
+            with plain_head(engine):
+                engine.model(input_ids=ids, **{engine.runner.cache_kw: DynamicCache(config=engine.model.config)},
+                             use_cache=True, logits_to_keep=1)
+        sync()
+    return time.perf_counter() - t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"embedded model, HF directory, or random weights in the shapes of {', '.join(SHAPES)}")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="weights' dtypes, comma-separated (or auto)")
+    parser.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
+    parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--compile-batches", default="1,16,64", help="batches hf-static-compile runs (compiles)")
+    parser.add_argument("--prefill", default="16x700", help="ROWSxTOKENS prefilled by the engine and HF ('' skips)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--no-save", action="store_true", help="print the rows only (a smoke run)")
     args = parser.parse_args()
-    lm = load(args.model)
-    engine = Engine(lm, prefix_cache=0)  # every row prefilled whole: the cache holds exactly the context
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    designs = [d for d in args.designs.split(",") if d]
+    unknown = sorted(set(designs) - set(DESIGNS))
+    if unknown:
+        parser.error(f"unknown designs {unknown}")
+    batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    ids = engine.tokenizer(FILLER * (1 + max(contexts) // 30))["input_ids"]
-    prompts = {c: [engine.tokenizer.decode(ids[i:i + c]) for i in range(args.batch)] for c in contexts}
-    dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
-    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    designs = ["packed", "padded", "hf-dynamic"]
-    times: dict[tuple[str, int], list[float]] = {(d, c): [] for d in designs for c in contexts}
-    widths: dict[int, tuple[int, int]] = {}
-    bandwidth = []
-    for _ in range(args.rounds):
-        bandwidth.append(read_bandwidth())
-        for c in contexts:
-            for d in designs:
-                t, width, kv = step_time(engine, prompts[c], args.steps, d)
-                times[(d, c)].append(t)
-                widths[c] = (width, kv)
-    bw = statistics.median(bandwidth)
+    compile_batches = {int(b) for b in args.compile_batches.split(",") if b}
+    device = resolve_device(args.device)
+    flags = native_bf16_flags(cpu_flags())
+    auto = choose_dtype("auto", device).name  # flags alone; load() also probes (its reason is in dtype_reason)
+    machine = {"bf16_flags": " ".join(flags) or "none", "auto_dtype": auto, "threads": torch.get_num_threads(),
+               "model": args.model, "device": str(device)}
     rows = []
-    for d in designs:
-        base = statistics.median(times[(d, contexts[0])])
-        for c in contexts:
-            step = statistics.median(times[(d, c)])
-            width, kv = widths[c]
+    for dtype in args.dtypes.split(","):
+        lm = build_model(args.model, args.device, dtype)
+        engine = Engine(lm, prefix_cache=0)  # every row prefilled whole: the cache holds exactly the context
+        name = engine.dtype_name
+        weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+        ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
+        times: dict[tuple[str, int, int], list[float]] = {}
+        widths: dict[tuple[str, int, int], tuple[int, int]] = {}
+        bandwidth = []
+        for _ in range(args.rounds):
+            bandwidth.append(read_bandwidth(device))
+            for b in batches:
+                for c in contexts:
+                    for d in designs:
+                        if d == "hf-static-compile" and b not in compile_batches:
+                            continue
+                        if d in ("packed", "padded", "hf-dynamic"):
+                            t, width, kv = loop_step(engine, ids[(b, c)], args.steps, d)
+                        elif d == "hf-eager":
+                            with plain_head(engine):
+                                t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
+                        else:
+                            with plain_head(engine):
+                                t, width, kv = hf_static_compile_step(engine, ids[(b, c)], args.steps)
+                        times.setdefault((d, b, c), []).append(t)
+                        widths[(d, b, c)] = (width, kv)
+                        print(f"{name} {d} batch {b} context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
+        bw = statistics.median(bandwidth)
+        for (d, b, c), samples in times.items():
+            step = statistics.median(samples)
+            base = statistics.median(times[(d, b, contexts[0])]) if (d, b, contexts[0]) in times else step
+            width, kv = widths[(d, b, c)]
             bound = (weights + kv) / bw
-            rows.append({"design": d, "batch": args.batch, "context": c, "cache_width": width,
-                         "step_ms": step * 1e3, "bound_ms": bound * 1e3, "of_bound": bound / step,
-                         "vs_short": step / base, "weights_MB": weights / 1e6, "kv_MB": kv / 1e6,
-                         "read_GBps": bw / 1e9, "threads": torch.get_num_threads(), "model": args.model,
-                         "device": str(lm.device), "dtype": dtype})
-    print_table(rows, ["design", "batch", "context", "cache_width", "step_ms", "bound_ms", "of_bound", "vs_short",
-                       "kv_MB", "read_GBps"])
-    print(f"appended to {append_rows('engine', rows)}")
+            rows.append({"kind": "step", "design": d, "mode": "compiled" if d == "hf-static-compile" else "eager",
+                         "dtype": name, "dtype_reason": lm.dtype_reason, "batch": b, "context": c,
+                         "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
+                         "of_bound": bound / step, "vs_short": step / base, "weights_MB": weights / 1e6,
+                         "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, **machine})
+        if args.prefill:
+            n, length = (int(x) for x in args.prefill.lower().split("x"))
+            batch_ids = prompt_ids(engine, n, length)
+            for d in ("engine", "hf-eager"):
+                t = min(prefill_time(engine, batch_ids, d) for _ in range(max(1, min(args.rounds, 2))))
+                print(f"{name} prefill {d} {n}x{length}: {t:.2f} s", file=sys.stderr)
+                rows.append({"kind": "prefill", "design": d, "mode": "eager", "dtype": name,
+                             "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
+                             "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
+        del engine, lm
+    steps = [r for r in rows if r["kind"] == "step"]
+    if steps:
+        print_table(steps, ["design", "mode", "dtype", "batch", "context", "cache_width", "step_ms", "bound_ms",
+                            "of_bound", "vs_short"])
+    prefills = [r for r in rows if r["kind"] == "prefill"]
+    if prefills:
+        print_table(prefills, ["design", "dtype", "batch", "context", "prefill_s", "tokens_per_s"])
+    print(f"bf16 flags: {machine['bf16_flags']}; auto picks {auto}")
+    if not args.no_save:
+        print(f"appended to {append_rows('engine', rows)}")
 
 
 if __name__ == "__main__":

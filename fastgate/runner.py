@@ -4,8 +4,9 @@ It owns the model, its tokenizer and special tokens, the gating ops chosen for i
 prefill (whole, in row chunks, or from a cached prefix), the padded decode step, the taps (forward hooks that keep
 chosen layers' outputs) and token text helpers. :class:`~fastgate.decode.DecodeLoop` and
 :class:`~fastgate.packed.PackedLoop` decode through this public API only, and :class:`~fastgate.engine.Engine` is a
-facade that builds one and runs a loop per ``generate`` call; so the loops never import the engine, and nothing
-touches another module's private members.
+facade that builds one and runs a loop per ``generate`` call; so the loops never import the engine nor touch its
+private members. The slot store of the packed layout stays with that layout (:class:`fastgate.packed.SlotStore`),
+built from the runner's KV geometry (``kv_heads``, ``head_dim``, ``dtype``).
 
 Why our own runner instead of ``model.generate``: the gates need per-step hidden states of a few layers (summed on the
 fly, never stored per token), log-probs of the chosen tokens, a forced EOS step after a sample stops, and k samples
@@ -157,7 +158,7 @@ class ModelRunner:
         # transformers 5.x renamed forward's `past_key_values` to `cache` (the old name warns on every call from 5.2x on
         # and goes in 5.40); the name this model's forward takes is looked up once, here
         params = inspect.signature(type(self.model).forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         # every op of SPEC §4 is bound once, for the model's device; gate_ops is the gating ops' view of the same choice
         self.ops = build_ops(backend, model.device)
         self.gate_ops = GateOps.of(self.ops)
@@ -276,7 +277,7 @@ class ModelRunner:
         if kv is None:
             cache = DynamicCache(config=self.model.config)
             t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, P]
-            self.model(input_ids=t, attention_mask=torch.ones_like(t), **{self._cache_kw: cache}, use_cache=True,
+            self.model(input_ids=t, attention_mask=torch.ones_like(t), **{self.cache_kw: cache}, use_cache=True,
                        logits_to_keep=1)
             kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, heads, P, head_dim] each
             self._prefixes[ids] = kv
@@ -390,7 +391,7 @@ class ModelRunner:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            **{self._cache_kw: cache},
+            **{self.cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         )
