@@ -52,10 +52,11 @@ from fastgate.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
 from fastgate.models import LoadedModel, load, resolve_device  # noqa: E402
 from fastgate.packed import PackedLoop  # noqa: E402
 from fastgate.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
+from fastgate.static_step import StepConfig  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
-DESIGNS = ("packed", "padded", "hf-dynamic", "hf-eager", "hf-static-compile")
+DESIGNS = ("packed", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile")
 SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
     "llama3-8b-shape": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -136,7 +137,7 @@ def loop_step(engine: Engine, rows: list[list[int]], steps: int, design: str) ->
     prompts = [engine.tokenizer.decode(r) for r in rows]
     try:
         cfg = GenerationConfig(max_new_tokens=steps + 8, stop_at_eos=False)  # every row decodes every step
-        cls = PackedLoop if design == "packed" else DecodeLoop
+        cls = PackedLoop if design.startswith("packed") else DecodeLoop
         loop = cls(engine.runner, mid=engine.n_layers // 2)
         with torch.inference_mode():
             loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
@@ -255,6 +256,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--compile-batches", default="1,16,64", help="batches hf-static-compile runs (compiles)")
     parser.add_argument("--prefill", default="16x700", help="ROWSxTOKENS prefilled by the engine and HF ('' skips)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of packed-compiled")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -278,6 +280,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         lm = build_model(args.model, args.device, dtype)
         engine = Engine(lm, prefix_cache=0)  # every row prefilled whole: the cache holds exactly the context
+        # the same model with the static step compiled (fastgate.static_step): one graph per batch and width bucket
+        compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
         name = engine.dtype_name
         weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
         ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
@@ -293,6 +297,8 @@ def main() -> None:
                             continue
                         if d in ("packed", "padded", "hf-dynamic"):
                             t, width, kv = loop_step(engine, ids[(b, c)], args.steps, d)
+                        elif d == "packed-compiled":
+                            t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
                         elif d == "hf-eager":
                             with plain_head(engine):
                                 t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
@@ -308,7 +314,8 @@ def main() -> None:
             base = statistics.median(times[(d, b, contexts[0])]) if (d, b, contexts[0]) in times else step
             width, kv = widths[(d, b, c)]
             bound = (weights + kv) / bw
-            rows.append({"kind": "step", "design": d, "mode": "compiled" if d == "hf-static-compile" else "eager",
+            rows.append({"kind": "step", "design": d,
+                         "mode": "compiled" if d in ("hf-static-compile", "packed-compiled") else "eager",
                          "dtype": name, "dtype_reason": lm.dtype_reason, "batch": b, "context": c,
                          "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
                          "of_bound": bound / step, "vs_short": step / base, "weights_MB": weights / 1e6,
@@ -322,7 +329,7 @@ def main() -> None:
                 rows.append({"kind": "prefill", "design": d, "mode": "eager", "dtype": name,
                              "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
                              "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
-        del engine, lm
+        del engine, compiled, lm
     steps = [r for r in rows if r["kind"] == "step"]
     if steps:
         print_table(steps, ["design", "mode", "dtype", "batch", "context", "cache_width", "step_ms", "bound_ms",

@@ -39,6 +39,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
                         "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
                         "(default: %(default)s)")
+    p.add_argument("--step", default="auto", choices=["auto", "eager", "compiled"],
+                   help="decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph on "
+                        "GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or eager; "
+                        "auto: compiled on CUDA, eager on CPU (default: %(default)s)")
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
@@ -54,7 +58,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         params["max_answer_tokens"] = args.max_tokens
     # reject bad names, parameters and missing checkpoints before loading anything
     request = check_request(args.method, params, args.retriever, args.model)
-    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
+                      step=args.step)
     if request.retriever is not None:  # before the model: a bad index fails fast
         runtime.retriever(request.retriever)
     method = runtime.build(request)
@@ -185,7 +190,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     total = len(runs) * len(examples)
     print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
-    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
+                      step=args.step)
     try:
         summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
     except KeyboardInterrupt:
@@ -258,6 +264,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
     config = ServiceConfig(method=args.method, model=args.model, device=args.device, dtype=args.dtype,
+                           step=args.step,
                            index=args.index,
                            paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,

@@ -21,6 +21,7 @@ from fastgate.lm_head import DEFAULT_COLUMNS
 from fastgate.models import LoadedModel
 from fastgate.ops.reference import accumulate_taps
 from fastgate.runner import ModelRunner
+from fastgate.static_step import StepConfig
 
 __all__ = ["Engine", "FinishReason", "Generation", "GenerationBatch", "accumulate_taps"]
 
@@ -41,15 +42,17 @@ class Engine:
     """Batched generation with taps on one loaded model.
 
     The arguments are :class:`~fastgate.runner.ModelRunner`'s (``engine.runner``, built here): ``backend`` for the
-    gating ops, ``prefix_cache``, ``prefill_chunk`` and ``head_columns``. The attributes methods and gates read
-    (``lm``, ``model``, ``tokenizer``, ``device``, ``dtype``, ``n_layers``, the EOS and pad ids, ``ops``) are the
-    runner's. ``gate_ops`` and ``backend`` are the engine's own, set from the runner's: a subclass may swap them (the
-    reference pipeline does) without changing what the loops run.
+    gating ops, ``prefix_cache``, ``prefill_chunk``, ``head_columns`` and ``step`` (eager or compiled decode
+    steps). The attributes methods and gates read (``lm``, ``model``, ``tokenizer``, ``device``, ``dtype``,
+    ``n_layers``, the EOS and pad ids, ``ops``) are the runner's. ``gate_ops`` and ``backend`` are the engine's own,
+    set from the runner's: a subclass may swap them (the reference pipeline does) without changing what the loops
+    run.
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
-                 prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS) -> None:
-        self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns)
+                 prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
+                 step: StepConfig | str = "auto") -> None:
+        self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns, step)
         self.gate_ops = self.runner.gate_ops
         self.backend = self.runner.backend
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from fastgate.decode import DecodeLoop, _Spec, mergeable
 from fastgate.generation import RowState
 from fastgate.kv_cache import within_cells
+from fastgate.static_step import batch_bucket, choose, covers, row_key, width_bucket
 
 __all__ = ["PackedPlan", "PrefillSeg", "SlotStore", "packed_forward"]
 
@@ -52,9 +53,13 @@ class SlotStore:
     """The decode rows' keys / values: per layer ``[rows, kv heads, columns, head_dim]``, grown by reallocation
     (amortised; capacity never shrinks) and bounded by ``max_cells`` rows × columns when the caller asks."""
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 buckets: bool = False) -> None:
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        # columns grow to width buckets (powers of two) only, for the static step: its graph for a batch bucket then
+        # depends on the store's width alone (a view's strides follow the buffer's columns)
+        self.buckets = buckets
         self.keys: list[torch.Tensor] = []  # per layer [R, Hkv, C, D]
         self.values: list[torch.Tensor] = []
         self.rows_cap = self.cols_cap = 0
@@ -67,9 +72,9 @@ class SlotStore:
         """Room for ``rows`` × ``cols``; the first ``used_rows`` × ``used_cols`` move when the buffers grow."""
         if rows <= self.rows_cap and cols <= self.cols_cap:
             return
+        spare_c = width_bucket(cols) if self.buckets else cols + max(64, cols // 4)
         new_r, new_c = within_cells(self.rows_cap if rows <= self.rows_cap else rows + max(4, rows // 2),
-                                    self.cols_cap if cols <= self.cols_cap else cols + max(64, cols // 4),
-                                    rows, cols, max_cells)
+                                    self.cols_cap if cols <= self.cols_cap else spare_c, rows, cols, max_cells)
         keys, values = [], []
         for layer in range(self.n_layers):
             k = torch.zeros((new_r, self.kv_heads, new_c, self.head_dim), dtype=self.dtype, device=self.device)
@@ -224,11 +229,19 @@ class PackedLoop(DecodeLoop):
         self.store = self._new_store()
         self.lens: list[int] = []  # columns each row holds in the store
         self._arrivals = 0  # admissions so far: the tie-break of equal priorities
+        # the static step (None: every pass eager). With it, the running sums keep every layer (the graph never
+        # depends on the rows' asks) and every row's token is chosen by fastgate.static_step.choose, in the step or,
+        # for logits from an eager pass, eagerly: the same draw whichever pass made the logits
+        self.static = self.runner.static_step(mid)
+        self.chosen: tuple[torch.Tensor, torch.Tensor] | None = None  # [M] tokens, [M] log-probs from the step
+        self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bucket -> running, count, eos
+        self.static_steps = 0  # passes run by the static step (for tests and stats)
 
     def _new_store(self) -> SlotStore:
         """An empty store for the runner's model (rows and columns are reserved as rows join)."""
         r = self.runner
-        return SlotStore(r.n_layers, r.kv_heads, r.head_dim, r.dtype, r.device)
+        return SlotStore(r.n_layers, r.kv_heads, r.head_dim, r.dtype, r.device,
+                         buckets=r.static_step(self.mid) is not None)
 
     # -------------------------------------------------------------- state
     @property
@@ -258,6 +271,7 @@ class PackedLoop(DecodeLoop):
         return max(rows, self.store.rows_cap) * max(max(cols), self.store.cols_cap) + prompts
 
     # -------------------------------------------------------------- admission
+    @torch.inference_mode()
     def add(self, specs, owners=None, one_ticket=None, per_row: bool = True):
         """Prefill ``specs`` now, whole (in packed passes of at most the runner's ``prefill_chunk`` tokens),
         and add their rows; one :class:`~fastgate.decode.Ticket` per spec."""
@@ -304,6 +318,66 @@ class PackedLoop(DecodeLoop):
                 v[:, :, :p] = pv
             job.done = p
 
+    def _new_rows(self, specs, tickets, rows, truncated, pre_answer, per_row: bool = True):
+        new_rows, layers, running, count = super()._new_rows(specs, tickets, rows, truncated, pre_answer, per_row)
+        if self.static is not None:  # every layer: see __init__
+            layers = tuple(range(self.static.layers))
+            running = torch.zeros((len(new_rows), len(layers), self.runner.hidden_size), dtype=torch.float32,
+                                  device=self.runner.device)
+        return new_rows, layers, running, count
+
+    def _append(self, rows, logits, layers, running, count) -> None:
+        if self.static is not None:  # the joining rows' tokens are chosen now, as the step chooses them
+            choice = self._choice(logits, rows)
+            if self.rows:
+                if self.logits is None:  # rows the step chose for keep no logits (only rows it cannot cover read them)
+                    self.logits = logits.new_zeros((len(self.rows), logits.shape[-1]))
+                choice = (torch.cat([self.chosen[0], choice[0]]), torch.cat([self.chosen[1], choice[1]]))
+            self.chosen = choice
+        super()._append(rows, logits, layers, running, count)
+
+    def _choice(self, logits: torch.Tensor, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~fastgate.static_step.choose` over ``logits [N, V]`` of ``rows``: tokens and log-probs ``[N]``."""
+        dev = self.runner.device
+        ints, floats = self._sampling(rows)
+        ints, floats = ints.to(dev), floats.to(dev)
+        return choose(logits, ints[0] > 0, floats[0], ints[1], floats[1], ints[2], ints[3])
+
+    # -------------------------------------------------------------- token choice
+    def _sampling(self, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ints [4, M]`` (samples, top-k, key, token index) and ``floats [2, M]`` (temperature, top-p) of
+        ``rows``, as :func:`fastgate.static_step.choose` reads them."""
+        ints, floats = [], []
+        for row in rows:
+            c = row.cfg
+            seed = row.gen.initial_seed() if row.gen is not None else 0
+            ints.append((int(c.do_sample), c.top_k, row_key(seed), len(row.tokens)))
+            floats.append((c.temperature, c.top_p))
+        return torch.tensor(ints, dtype=torch.long).T, torch.tensor(floats, dtype=torch.float32).T
+
+    def _choose(self, active: list[int]) -> None:
+        """With the static step: every active row's token from the step's choice, or from
+        :func:`~fastgate.static_step.choose` over logits an eager pass made (rows it does not cover: the eager
+        loop's draw); one host read of the tokens."""
+        if self.static is None:
+            return super()._choose(active)
+        rows = self.rows
+        odd = [r for r in active if not covers(rows[r].cfg)]
+        if odd:
+            super()._choose(odd)
+            active = [r for r in active if r not in set(odd)]
+        if not active:
+            return
+        if self.chosen is None:
+            self.chosen = self._choice(self.logits, rows)
+        tokens, logps = self.chosen[0].tolist(), self.chosen[1].tolist()
+        self.chosen = None
+        for r in active:
+            row = rows[r]
+            row.tokens.append(tokens[r])
+            row.logps.append(logps[r])
+            self._update_finish(row)
+
     # -------------------------------------------------------------- decoding
     @torch.inference_mode()
     def step(self, prefill_budget: int | None = None) -> list:
@@ -340,7 +414,7 @@ class PackedLoop(DecodeLoop):
             return list(range(m))
         if not keep:
             self.rows, self.lens, self.logits, self.running, self.count = [], [], None, None, None
-            self.layers = ()
+            self.layers, self.chosen = (), None
             if not self.prefilling:  # an idle loop holds nothing
                 self.store = self._new_store()
             return []
@@ -355,7 +429,9 @@ class PackedLoop(DecodeLoop):
         idx = torch.tensor(order, device=self.runner.device)
         self.rows = [self.rows[r] for r in order]
         self.lens = [self.lens[r] for r in order]
-        self.logits = self.logits[idx]
+        self.logits = self.logits[idx] if self.logits is not None else None
+        if self.chosen is not None:
+            self.chosen = (self.chosen[0][idx], self.chosen[1][idx])
         if self.running is not None:
             self.running = self.running[idx]
         self.count = self.count[idx]
@@ -382,6 +458,8 @@ class PackedLoop(DecodeLoop):
             segs.append((job, n))
             ran += n
         if not m and not segs:
+            return 0
+        if m and not segs and self.static is not None and self._static_pass(feed, counts_now, capture_eos):
             return 0
         dev = eng.device
         ids = list(feed)
@@ -422,6 +500,7 @@ class PackedLoop(DecodeLoop):
                 hooks.close()
         if m:
             self.logits = logits[:m]
+            self.chosen = self._choice(self.logits, self.rows) if self.static is not None else None
             self.lens = [n + 1 for n in self.lens]
             for ticket in {id(row.ticket): row.ticket for row in self.rows if not row.final}.values():
                 ticket.forwards += 1
@@ -432,6 +511,61 @@ class PackedLoop(DecodeLoop):
             self.prefilling.remove(job)
             self._enter_job(job, logits[j], pre.get(id(job)))
         return ran
+
+    def _static_pass(self, feed: list[int], counts_now: list[float], capture_eos: list[bool]) -> bool:
+        """The rows' step through the static step (:mod:`fastgate.static_step`), padded to its batch and width
+        buckets; False (nothing run) when the store cannot take a bucket within ``max_cells`` or a row samples in a
+        way the step does not cover."""
+        rows, m = self.rows, len(feed)
+        if not self.static.covers(row.cfg for row in rows):
+            return False
+        b = batch_bucket(m)
+        self.store.reserve(b, max(self.lens) + 1, m, max(self.lens), self.max_cells)
+        width = self.store.cols_cap  # every column: a graph per (batch bucket, store width), whatever the rows' lengths
+        if self.store.rows_cap < b or width != width_bucket(width):  # max_cells cut the buckets: an eager pass
+            return False
+        eng = self.runner
+        dev = eng.device
+        running, count, eos = self._buffers(b)
+        if self.running is None or self.running.data_ptr() != running.data_ptr():  # rows joined or left: copy in
+            running[:m] = self.running
+            count[:m] = self.count
+        sampling, temps = self._sampling(rows)  # [4, m], [2, m]
+        ints = torch.zeros((6, b), dtype=torch.long)  # [6, B]: padding rows feed the pad token at column 0
+        ints[0] = eng.pad_id
+        ints[0, :m] = torch.tensor(feed)
+        ints[1, :m] = torch.tensor(self.lens)
+        ints[2:, :m] = sampling
+        floats = torch.zeros((4, b), dtype=torch.float32)  # [4, B]; padding rows count 0
+        floats[2] = 1.0
+        floats[0, :m] = torch.tensor(counts_now, dtype=torch.float32)
+        floats[1, :m] = torch.tensor([float(c) for c in capture_eos])
+        floats[2:, :m] = temps
+        keys = [k[:b, :, :width] for k in self.store.keys]  # [B, Hkv, W, D] views of the store
+        values = [v[:b, :, :width] for v in self.store.values]
+        tokens, logps = self.static(keys, values, ints.to(dev), floats.to(dev), running, count, eos)  # [B], [B]
+        self.running, self.count = running[:m], count[:m]
+        for r in range(m):
+            if capture_eos[r]:
+                rows[r].eos_state = eos[r].clone()
+        self.chosen, self.logits = (tokens[:m], logps[:m]), None
+        self.lens = [n + 1 for n in self.lens]
+        self.static_steps += 1
+        for ticket in {id(row.ticket): row.ticket for row in rows if not row.final}.values():
+            ticket.forwards += 1
+        return True
+
+    def _buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static step's tap buffers for bucket ``b`` (allocated once per loop and bucket): running sums
+        ``[B, n_layers + 1, d]``, counts ``[B]`` and EOS states ``[B, d]``, float32."""
+        bufs = self._bufs.get(b)
+        if bufs is None:
+            eng = self.runner
+            d, dev = eng.hidden_size, eng.device
+            bufs = self._bufs[b] = (torch.zeros((b, self.static.layers, d), dtype=torch.float32, device=dev),
+                                    torch.zeros(b, dtype=torch.float32, device=dev),
+                                    torch.zeros((b, d), dtype=torch.float32, device=dev))
+        return bufs
 
     def _enter_job(self, job: _Job, logits: torch.Tensor, pre_answer) -> None:
         """The k samples of a prefilled prompt join: the store's next k rows get its keys / values."""

@@ -24,6 +24,7 @@ from fastgate.errors import InputError
 from fastgate.kv_cache import new_cache, plain_layers
 from fastgate.lm_head import DEFAULT_COLUMNS, slice_head
 from fastgate.models import LoadedModel
+from fastgate.static_step import StaticStep, StepConfig, compiled_by_default
 
 __all__ = ["EarlyExit", "ModelRunner", "Taps", "runner_of"]
 
@@ -145,10 +146,15 @@ class ModelRunner:
             same logits: a row count where this machine's BLAS sums the slices in another order keeps the plain
             product; 1.2–1.5× faster at 4–32 rows on a 2-core EPYC; :mod:`fastgate.lm_head`); 0: the plain product.
             This sets the shared model's head, so the last runner built on a model decides.
+        step: how the packed loop runs its decode-only steps: ``compiled`` (one static step per batch and width
+            bucket through ``torch.compile``, a CUDA graph on GPU: :mod:`fastgate.static_step`), ``eager`` (the
+            packed pass), or ``auto`` (compiled on CUDA, eager on CPU); a :class:`~fastgate.static_step.StepConfig`
+            for the compile backend and cache too. Chosen here, once.
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
-                 prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS) -> None:
+                 prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
+                 step: StepConfig | str = "auto") -> None:
         from fastgate.ops.backend import GateOps
         from fastgate.ops.registry import build_ops
 
@@ -197,6 +203,20 @@ class ModelRunner:
         # prefix token ids -> per-layer (keys, values) [1, heads, P, head_dim], least recently used first
         self._prefixes: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.prefix_hits = 0  # prompts whose prefill started from a cached prefix (for tests and stats)
+        self.step_config = step if isinstance(step, StepConfig) else StepConfig(mode=step)
+        self.compiled = (compiled_by_default(model.device) if self.step_config.mode == "auto"
+                         else self.step_config.mode == "compiled")
+        self._static: dict[int, StaticStep] = {}  # EOS layer -> its static step (traced per bucket on first use)
+
+    def static_step(self, mid: int) -> StaticStep | None:
+        """The static decode step keeping layer ``mid``'s EOS states (None when decode steps run eager)."""
+        if not self.compiled:
+            return None
+        step = self._static.get(mid)
+        if step is None:
+            step = self._static[mid] = StaticStep(self, mid, backend=self.step_config.backend,
+                                                  cache_dir=self.step_config.cache_dir)
+        return step
 
     @property
     def dtype_name(self) -> str:

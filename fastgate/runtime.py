@@ -64,15 +64,19 @@ class Runtime:
         engine: an already built :class:`~fastgate.engine.Engine` to use instead of loading ``model``.
         dtype: the weights' dtype, ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32
             elsewhere; see :mod:`fastgate.precision`), ``float32`` or ``bfloat16``; chosen once, when the model loads.
+        step: how the decode loops run their decode-only steps: ``auto`` (compiled on CUDA, eager on CPU),
+            ``eager`` or ``compiled`` (one static step per batch bucket, :mod:`fastgate.static_step`).
     """
 
     def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
-                 paper_defaults: bool = False, engine=None, dtype: str = "auto") -> None:
+                 paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto") -> None:
         from fastgate.precision import canonical_dtype
+        from fastgate.static_step import StepConfig
 
         self.model = model
         self.device = device
         self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
+        self.step = StepConfig(mode=step).mode  # and so does an unknown step
         self.index = index
         self.paper_defaults = paper_defaults
         self._engine = engine
@@ -87,7 +91,7 @@ class Runtime:
             from fastgate.models import load
 
             t0 = time.perf_counter()
-            self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype))
+            self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype), step=self.step)
             self.setup_s += time.perf_counter() - t0
         return self._engine
 

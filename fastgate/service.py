@@ -51,6 +51,8 @@ class ServiceConfig:
     model: str = "smollm2-135m"  # the default embedded model
     device: str = "auto"  # CUDA when available
     dtype: str = "auto"  # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
+    step: str = "auto"  # decode steps compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling
+    # takes minutes there and gains little: docs/RESULTS.md)
     index: str | None = None  # index root; None: the default corpus
     paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
     max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
@@ -116,7 +118,8 @@ class AnswerService:
 
         self.config = config or ServiceConfig()
         self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
-                                          self.config.paper_defaults, dtype=self.config.dtype)
+                                          self.config.paper_defaults, dtype=self.config.dtype,
+                                          step=self.config.step)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
@@ -197,6 +200,19 @@ class AnswerService:
     @property
     def model_name(self) -> str:
         return self.runtime.model_name
+
+    @property
+    def step_name(self) -> str:
+        """How decode steps run, ``compiled`` or ``eager`` (``auto`` resolved for the device), as ``/healthz`` says."""
+        from fastgate.models import resolve_device
+        from fastgate.static_step import compiled_by_default
+
+        rt = self.runtime
+        if rt.loaded:
+            return "compiled" if rt.engine.runner.compiled else "eager"
+        if rt.step != "auto":
+            return rt.step
+        return "compiled" if compiled_by_default(resolve_device(rt.device)) else "eager"
 
     @property
     def dtype_name(self) -> str:

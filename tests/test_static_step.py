@@ -1,0 +1,276 @@
+"""The static decode step (fastgate.static_step) on the tiny random Llama: traced whole (fullgraph), once per bucket,
+never reading the device from the host, and giving the eager packed pass's greedy tokens, taps and states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.errors import InputError
+from fastgate.packed import PackedLoop
+from fastgate.runner import ModelRunner
+from fastgate.static_step import TOP_K_MAX, StaticStep, StepConfig, batch_bucket, choose, covers, uniform, width_bucket
+
+G = GenerationConfig
+GREEDY = [  # (prompt, config, taps, k, seed): lengths, stops and taps differ
+    ("Q: What is the capital of France?\nA:", G(max_new_tokens=12, stop_at_eos=False), TapSpec(layers=(1,)), 1, None),
+    ("Hi", G(max_new_tokens=3, stop_at_eos=False), TapSpec(), 1, None),
+    ("The quick brown fox jumps over", G(max_new_tokens=9, stop_at_eos=False),
+     TapSpec(layers=(0, 1, 2), eos_state=True), 2, None),
+    ("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)), TapSpec(pre_answer=True, eos_state=True), 1, None),
+]
+SAMPLED = [
+    ("🙂 naïve café", G(max_new_tokens=10, do_sample=True, top_k=20, top_p=0.9, temperature=0.7),
+     TapSpec(layers=(2,)), 3, 11),
+    ("Once upon a time", G(max_new_tokens=7, do_sample=True), TapSpec(), 2, 5),  # top-k 0: the whole vocabulary
+]
+
+
+class _Counting:
+    """A torch.compile backend that counts the graphs it is given (every compile and recompile) and runs them as
+    traced (no code generation: the suite stays fast; tracing is what fullgraph and the guards are about)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _run(runner, specs, joins=(), steps_between=2):
+    """Admit ``specs``, then after ``steps_between`` steps each block of ``joins``; run to the end."""
+    loop = PackedLoop(runner, mid=runner.n_layers // 2)
+    results = {}
+
+    def step():
+        for t in loop.step():
+            results[t.owner] = t.result
+
+    loop.add(specs, owners=list(range(len(specs))))
+    n = len(specs)
+    for block in joins:
+        for _ in range(steps_between):
+            step()
+        loop.add(block, owners=list(range(n, n + len(block))))
+        n += len(block)
+    while loop.busy:
+        step()
+    return results, loop
+
+
+def _same(got, want, tokens=True):
+    if tokens:
+        assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
+        assert [s.text for s in got.sequences] == [s.text for s in want.sequences]
+        for a, b in zip(got.sequences, want.sequences):
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert got.layers == want.layers
+    for name in ("running_sum", "count", "pre_answer", "eos_state"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Two layers: tracing costs seconds a layer, and two are enough for the taps (layers 0, 1, 2) and a mid layer."""
+    from fastgate.testing import tiny_model
+
+    return tiny_model(n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def counting():
+    return _Counting()
+
+
+@pytest.fixture(scope="module")
+def compiled_runner(tiny, counting):
+    return ModelRunner(tiny, step=StepConfig("compiled", backend=counting))
+
+
+def test_buckets_and_config():
+    assert [batch_bucket(m) for m in (1, 2, 3, 5, 17, 64, 65, 128, 129)] == [1, 2, 4, 8, 32, 64, 128, 128, 256]
+    assert [width_bucket(w) for w in (1, 64, 65, 600, 1024, 1025)] == [64, 64, 128, 1024, 1024, 2048]
+    with pytest.raises(InputError, match="auto, eager or compiled"):
+        StepConfig("fast")
+    assert not ModelRunner.__init__.__defaults__[-1] == "compiled"  # auto by default
+    assert covers(G()) and covers(G(do_sample=True)) and covers(G(do_sample=True, top_k=TOP_K_MAX))
+    assert not covers(G(do_sample=True, top_k=TOP_K_MAX + 1)) and not covers(G(do_sample=True, top_p=0.5))
+
+
+def test_auto_is_eager_on_cpu(tiny):
+    runner = ModelRunner(tiny)
+    assert not runner.compiled and runner.static_step(2) is None
+    assert PackedLoop(runner, mid=2).static is None
+
+
+def test_greedy_rows_equal_the_eager_packed_pass(tiny, compiled_runner):
+    """Rows joining and leaving a loop run by the static step give the eager pass's tokens, log-probs, running sums,
+    counts, pre-answer and EOS states; most steps ran in the static step."""
+    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2], joins=[GREEDY[2:]])
+    got, loop = _run(compiled_runner, GREEDY[:2], joins=[GREEDY[2:]])
+    assert sorted(got) == sorted(eager) == [0, 1, 2, 3]
+    for i in eager:
+        _same(got[i], eager[i])
+    assert loop.static_steps >= 10
+    assert not loop.rows and not loop.busy
+
+
+def test_sampled_rows_are_reproducible_and_independent_of_the_batch(tiny, compiled_runner):
+    """A sampled row draws from its own seed and token index: the same tokens alone or beside other rows, greedy or
+    sampled, whichever pass (static step or eager, with a prompt chunk in it) made its logits; the taps still equal
+    the eager loop's where the tokens are the same."""
+    alone = {i: _run(compiled_runner, [spec])[0][0] for i, spec in enumerate(SAMPLED)}
+    mixed, _ = _run(compiled_runner, GREEDY[:2] + SAMPLED[:1], joins=[SAMPLED[1:]])
+    for i in range(len(SAMPLED)):
+        got = mixed[2 + i]
+        assert [s.token_ids for s in got.sequences] == [s.token_ids for s in alone[i].sequences]
+        assert len({tuple(s.token_ids) for s in got.sequences}) > 1  # the k samples differ
+    again, _ = _run(compiled_runner, GREEDY[:2] + SAMPLED[:1], joins=[SAMPLED[1:]])
+    for i in mixed:
+        assert [s.token_ids for s in again[i].sequences] == [s.token_ids for s in mixed[i].sequences]
+    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2])
+    for i in (0, 1):
+        _same(mixed[i], eager[i])
+
+
+def test_fifty_steps_recompile_nothing_inside_a_bucket(tiny, counting, compiled_runner):
+    """50 steps with rows joining and finishing, greedy and sampled side by side: one graph per (batch, width) bucket
+    the loop passes through, never a second one for a bucket."""
+    loop = PackedLoop(compiled_runner, mid=compiled_runner.n_layers // 2)
+    cfgs = [G(max_new_tokens=n, stop_at_eos=False) for n in (5, 8, 11)] + [
+        G(max_new_tokens=6, do_sample=True, top_k=10, stop_at_eos=False),
+        G(max_new_tokens=9, do_sample=True, temperature=0.5, stop_at_eos=False)]
+    loop.add([(f"prompt {i} " * (1 + i % 3), cfgs[i % 5], TapSpec(layers=(1,)), 1, i) for i in range(3)])
+    loop.step()  # the first buckets are traced here
+    seen, graphs = set(loop.static.buckets), counting.graphs
+    for step in range(50):
+        if loop.size < 3:  # keep three or four rows: the batch bucket stays 4
+            loop.add([(f"join {step} " * (1 + step % 4), cfgs[step % 5], TapSpec(eos_state=step % 2 == 0), 1,
+                       step)])
+        loop.step()
+        new = set(loop.static.buckets) - seen
+        assert counting.graphs - graphs == len(new), f"step {step}: a bucket was traced twice"
+        seen |= new
+        graphs = counting.graphs
+    assert (4, 64) in seen and loop.static_steps >= 40
+
+
+def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
+    """Traced through AOTAutograd (functionalized in-place writes to the store and the tap buffers, as inductor
+    receives them), with fullgraph=True: the same greedy tokens and taps as the eager pass."""
+    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[2:3])
+    got, loop = _run(ModelRunner(tiny, step=StepConfig("compiled", backend="aot_eager")), GREEDY[2:3])
+    for i in eager:
+        _same(got[i], eager[i])
+    assert loop.static_steps > 0
+
+
+_HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on every op that reads a tensor's value back to the host (or copies it off a non-CPU device)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _HOST_READS:
+            raise AssertionError(f"host read inside the step: {func}")
+        out = func(*args, **(kwargs or {}))
+        if name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            src = args[1] if name == "copy_" else args[0]
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu":
+                raise AssertionError(f"device-to-host copy inside the step: {func}")
+        return out
+
+
+def test_the_step_never_reads_the_device_from_the_host(tiny):
+    """The step's function, run eagerly under a dispatch mode that rejects ``item`` / ``_local_scalar_dense`` /
+    ``nonzero`` and device-to-host copies, completes (and the mode does catch such a read)."""
+    runner = ModelRunner(tiny, step=StepConfig("compiled", backend="eager"))
+    calls = []
+
+    class Checked(StaticStep):
+        def __call__(self, *args):
+            with _NoHostReads():
+                calls.append(1)
+                return super().__call__(*args)
+
+    loop = PackedLoop(runner, mid=runner.n_layers // 2)
+    loop.static = Checked(runner, runner.n_layers // 2, compiled=False)
+    loop.add(GREEDY[:1] + SAMPLED[:1])
+    while loop.busy:
+        loop.step()
+    assert len(calls) >= 5
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+        torch.ones(2).sum().item()
+
+
+def test_choose_is_argmax_when_greedy_and_draws_within_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 97)  # a prime vocabulary
+    n = logits.shape[0]
+    key = torch.arange(n, dtype=torch.long) * 7919
+    draw = torch.full((n,), 3, dtype=torch.long)
+    greedy, lp = choose(logits, torch.zeros(n, dtype=torch.bool), torch.ones(n), torch.zeros(n, dtype=torch.long),
+                        torch.ones(n), key, draw)
+    assert torch.equal(greedy, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(1, greedy[:, None])[:, 0])
+    top3 = logits.topk(3, dim=-1).indices
+    for d in range(40):  # every draw of a top-k 3 row is one of its three best tokens
+        tok, _ = choose(logits, torch.ones(n, dtype=torch.bool), torch.ones(n), torch.full((n,), 3), torch.ones(n),
+                        key, torch.full((n,), d))
+        assert all(tok[r] in top3[r] for r in range(n))
+    # one row alone draws what it draws in the batch
+    alone, _ = choose(logits[2:3], torch.ones(1, dtype=torch.bool), torch.ones(1), torch.full((1,), 3), torch.ones(1),
+                      key[2:3], draw[2:3])
+    batch, _ = choose(logits, torch.ones(n, dtype=torch.bool), torch.ones(n), torch.full((n,), 3), torch.ones(n),
+                      key, draw)
+    assert alone[0] == batch[2]
+
+
+def test_choose_draws_follow_the_distribution():
+    """Over many keys, the frequency of each token of a 4-token distribution (whole vocabulary; and top-p 0.75,
+    which drops the least likely) is its probability within 3 standard errors."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.10])
+    n = 4000
+    logits = probs.log().expand(n, -1).contiguous()
+    key = torch.arange(n, dtype=torch.long)
+    ones = torch.ones(n)
+    tok, _ = choose(logits, torch.ones(n, dtype=torch.bool), ones, torch.zeros(n, dtype=torch.long), ones, key,
+                    torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(tok, minlength=4).float() / n
+    se = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() < 3 * se + 1e-3).all(), freq
+    tok, _ = choose(logits, torch.ones(n, dtype=torch.bool), ones, torch.full((n,), 4), torch.full((n,), 0.8), key,
+                    torch.zeros(n, dtype=torch.long))
+    kept = probs[:3] / probs[:3].sum()
+    freq = torch.bincount(tok, minlength=4).float() / n
+    assert freq[3] == 0 and ((freq[:3] - kept).abs() < 3 * (kept * (1 - kept) / n).sqrt() + 1e-3).all(), freq
+
+
+def test_uniform_is_deterministic_and_in_range():
+    key = torch.arange(10_000, dtype=torch.long)
+    u = uniform(key, torch.full_like(key, 5))
+    assert torch.equal(u, uniform(key, torch.full_like(key, 5)))
+    assert float(u.min()) >= 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
+    assert not torch.equal(u, uniform(key, torch.full_like(key, 6)))
+
+
+def test_runtime_and_service_name_the_step(tiny):
+    from fastgate.engine import Engine
+    from fastgate.runtime import Runtime
+    from fastgate.service import AnswerService as Service
+    from fastgate.service import ServiceConfig
+
+    with pytest.raises(InputError, match="auto, eager or compiled"):
+        Runtime("tiny", step="fast")
+    assert Service(ServiceConfig(step="compiled"), runtime=Runtime(step="compiled")).step_name == "compiled"
+    assert Service(ServiceConfig(), runtime=Runtime(device="cpu")).step_name == "eager"  # auto on a CPU
+    engine = Engine(tiny, step=StepConfig("compiled", backend="eager"))
+    assert Service(ServiceConfig(), runtime=Runtime(engine=engine)).step_name == "compiled"
