@@ -14,7 +14,11 @@ as :func:`fastgate.precision.choose_dtype` does at load), at every ``--batches``
   (``fullgraph``; ``mode="reduce-overhead"``, CUDA graphs, on GPU). Compiling takes minutes on a small CPU: only the
   batches of ``--compile-batches``.
 
-The engine's own compiled step (issue 35, item 2) is not built yet: it has no row. A ``--prefill`` batch (``16x700``)
+- ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.static_step`): its
+  decode-only passes as one function per batch bucket, traced by ``torch.compile(fullgraph=True)`` (a CUDA graph per
+  bucket on GPU); ``first_step_s`` is the slowest first step of a loop (it compiles a new bucket).
+
+A ``--prefill`` batch (``16x700``)
 is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.runner.ModelRunner.prefill>` (row chunks of the
 runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
 
@@ -129,6 +133,9 @@ def _hf_cache(config, max_cells=None):
     return DynamicCache(config=config)
 
 
+FIRST_STEP: dict[tuple[str, int, int], float] = {}  # (design, batch, context) -> slowest first step (compiles)
+
+
 def loop_step(engine: Engine, rows: list[list[int]], steps: int, design: str) -> tuple[float, int, int]:
     """Median seconds per decode step of the engine's loop, the cache width and its bytes at the middle step."""
     original = runner_module.new_cache  # the runner builds every padded loop's cache
@@ -141,7 +148,11 @@ def loop_step(engine: Engine, rows: list[list[int]], steps: int, design: str) ->
         loop = cls(engine.runner, mid=engine.n_layers // 2)
         with torch.inference_mode():
             loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
-            loop.step()  # the first token comes from the prefill's logits: warm-up
+            t0 = time.perf_counter()
+            loop.step()  # the first token comes from the prefill's logits: warm-up (and a compiled bucket's compile)
+            sync()
+            FIRST_STEP[(design, len(rows), len(rows[0]))] = max(FIRST_STEP.get((design, len(rows), len(rows[0])), 0.0),
+                                                                time.perf_counter() - t0)
             times, width, kv = [], 0, 0
             for i in range(steps):
                 sync()
@@ -318,7 +329,8 @@ def main() -> None:
                          "mode": "compiled" if d in ("hf-static-compile", "packed-compiled") else "eager",
                          "dtype": name, "dtype_reason": lm.dtype_reason, "batch": b, "context": c,
                          "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
-                         "of_bound": bound / step, "vs_short": step / base, "weights_MB": weights / 1e6,
+                         "of_bound": bound / step, "vs_short": step / base,
+                         "first_step_s": FIRST_STEP.get((d, b, c), float("nan")), "weights_MB": weights / 1e6,
                          "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, **machine})
         if args.prefill:
             n, length = (int(x) for x in args.prefill.lower().split("x"))
@@ -333,7 +345,7 @@ def main() -> None:
     steps = [r for r in rows if r["kind"] == "step"]
     if steps:
         print_table(steps, ["design", "mode", "dtype", "batch", "context", "cache_width", "step_ms", "bound_ms",
-                            "of_bound", "vs_short"])
+                            "of_bound", "vs_short", "first_step_s"])
     prefills = [r for r in rows if r["kind"] == "prefill"]
     if prefills:
         print_table(prefills, ["design", "dtype", "batch", "context", "prefill_s", "tokens_per_s"])

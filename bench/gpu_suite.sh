@@ -8,8 +8,9 @@
 #
 # Run from the repository root:  OUT=/tmp/out bash bench/gpu_suite.sh  [QUICK=1: batch 1 and 16, one round]
 # The image's python3 holds torch; fastgate's code needs transformers 5 (env.txt names the version there: an older one
-# fails at the first forward; carry its wheel as the device README says). The engine's compiled decode step (issue 35,
-# item 2: one static step, a CUDA graph per batch size) is not built yet: its rows will come from this same script.
+# fails at the first forward; carry its wheel as the device README says). The engine's compiled decode step
+# (fastgate.static_step: one static step, a CUDA graph per batch bucket) is the design packed-compiled, beside the eager
+# packed loop and HF's static cache + torch.compile; tests/test_static_step.py has a CUDA test of it (inductor, graphs).
 set -uo pipefail
 
 OUT=${OUT:-bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
@@ -40,7 +41,7 @@ fi
 
 # 1. GPU tests: kernels and their parity with the references on CUDA, the engine and both loops, dtype selection
 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops_parity.py tests/test_engine.py \
-  tests/test_decode.py tests/test_precision.py -k "not eval_records and not ask_json" 2>&1 | tee "$OUT/tests.log"
+  tests/test_decode.py tests/test_precision.py tests/test_static_step.py -k "not eval_records and not ask_json" 2>&1 | tee "$OUT/tests.log"
 
 # 2. the engine bench on CUDA; rows also go to bench/results/engine.csv, copied to $OUT at the end
 "$PY" bench/bench_engine.py --device cuda --model smollm2-135m-shape --dtypes bfloat16,float32 --batches "$BATCHES" \
@@ -48,6 +49,6 @@ fi
   | tee "$OUT/bench-smollm2-135m-shape.log"
 "$PY" bench/bench_engine.py --device cuda --model llama3-8b-shape --dtypes bfloat16 --batches "$BATCHES" \
   --contexts 30,600 --compile-batches "$BATCHES" --prefill 16x700 --rounds "$ROUNDS" \
-  --designs packed,padded,hf-eager,hf-static-compile 2>&1 | tee "$OUT/bench-llama3-8b-shape.log"
+  --designs packed,packed-compiled,padded,hf-eager,hf-static-compile 2>&1 | tee "$OUT/bench-llama3-8b-shape.log"
 cp bench/results/engine.csv "$OUT/engine.csv" 2>/dev/null || true
 ls -l "$OUT"

@@ -8,7 +8,7 @@ every shape is fixed by a *bucket* — ``B`` rows (1, 2, 4, … 128; the rows pa
 ``W`` columns, the store's whole width, which grows in powers of two in this mode (a view's strides follow its
 buffer's width: attending over all of it keeps one graph per width; the masked columns cost little next to the
 weights) — so that ``torch.compile(fullgraph=True)`` traces it once per bucket and,
-on CUDA, captures it as a CUDA graph (``mode="reduce-overhead"``), as vLLM and SGLang capture one graph per batch
+on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture one graph per batch
 size. Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
@@ -38,6 +38,7 @@ uncompiled, and a pass with prompt chunks, or rows whose sampling the step does 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -197,8 +198,8 @@ class StaticStep:
     Args:
         runner: the :class:`~fastgate.runner.ModelRunner` whose model it runs.
         mid: the layer whose state is kept as a row's EOS state.
-        compiled: run through ``torch.compile(fullgraph=True)`` (``mode="reduce-overhead"`` on CUDA: a CUDA graph per
-            bucket); False: the same function eagerly (the reference).
+        compiled: run through ``torch.compile(fullgraph=True)``, and on CUDA captured as a CUDA graph per bucket
+            (:class:`_Graph`); False: the same function eagerly (the reference).
         backend: ``torch.compile``'s backend.
     """
 
@@ -206,12 +207,15 @@ class StaticStep:
                  cache_dir: str | None = None) -> None:
         self.runner, self.mid, self.compiled, self.backend = runner, mid, compiled, backend
         self.buckets: set[tuple[int, int]] = set()  # (B, W) buckets run so far
+        self.cuda_graphs = compiled and torch.device(runner.device).type == "cuda"
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (B, W) -> its CUDA graph (on CUDA)
+        self._pool = None  # the graphs' shared memory pool (one bucket replays at a time, as in vLLM)
         fn = _decode
         if compiled:
             _configure(cache_dir)
-            cuda = torch.device(runner.device).type == "cuda"
-            fn = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend,
-                               mode="reduce-overhead" if cuda and backend == "inductor" else None)
+            # the graphs are captured here, not by mode="reduce-overhead": its trees skip graphs whose inputs are
+            # mutated and not static (the store's views, the tap buffers), which is every input this step writes
+            fn = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend)
         self._fn = fn
 
     @property
@@ -231,11 +235,76 @@ class StaticStep:
         b, width = ints.shape[1], keys[0].shape[2]
         if b not in BATCH_BUCKETS and b % BATCH_BUCKETS[-1]:
             raise ValueError(f"static step: {b} rows is not a batch bucket {BATCH_BUCKETS}")
-        if width != width_bucket(width) and width < MIN_WIDTH:
+        if width != width_bucket(width):
             raise ValueError(f"static step: width {width} is not a width bucket")
+        new = (b, width) not in self.buckets
         self.buckets.add((b, width))
         r = self.runner
-        return self._fn(r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
+        args = (r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
+        if not new or self._fn is _decode:
+            return self._run(args)
+        try:  # a bucket's first call compiles it; a compiler that fails leaves the eager step (the same results)
+            return self._run(args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
+            warnings.warn(f"fastgate: compiling the decode step failed ({type(exc).__name__}: {exc}); decode steps "
+                          "run eagerly", RuntimeWarning, stacklevel=2)
+            self._fn, self.compiled, self.cuda_graphs = _decode, False, False
+            self._graphs.clear()
+            return self._fn(*args)
+
+    def _run(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.cuda_graphs:
+            return self._fn(*args)
+        keys, values, ints, floats, running, count, eos = args[3:]
+        bucket = (ints.shape[1], keys[0].shape[2])
+        graph = self._graphs.get(bucket)
+        if graph is None or graph.buffers != _addresses(keys, values, running, count, eos):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = self._graphs[bucket] = _Graph(self._fn, args, self._pool)  # the store moved: captured again
+        return graph(ints, floats)
+
+
+def _addresses(keys, values, running, count, eos) -> tuple[int, ...]:
+    """Where a captured graph reads and writes: the store's views and the tap buffers."""
+    return tuple(t.data_ptr() for t in (*keys, *values, running, count, eos))
+
+
+class _Graph:
+    """One bucket's CUDA graph: the compiled step captured over the store's views, the tap buffers and its own copies
+    of the per-step inputs, replayed after the host's inputs are copied in (vLLM's CUDA graph runner does the same).
+
+    Capture needs two warm-up runs (the compile, and the allocator's first allocations) on a side stream. They write
+    each row's key / value at its column (the very values the real step writes: idempotent) and add to the tap
+    buffers, which are restored afterwards; the real step is then the first replay.
+    """
+
+    def __init__(self, fn, args: tuple, pool) -> None:
+        model, cache_kw, mid, keys, values, ints, floats, running, count, eos = args
+        self.buffers = _addresses(keys, values, running, count, eos)
+        self.ints, self.floats = ints.clone(), floats.clone()  # [6, B], [4, B]: what every replay reads
+        saved = (running.clone(), count.clone(), eos.clone())
+        captured = (model, cache_kw, mid, keys, values, self.ints, self.floats, running, count, eos)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*captured)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(*captured)  # (tokens [B], logprobs [B]): the graph's own buffers
+        running.copy_(saved[0])
+        count.copy_(saved[1])
+        eos.copy_(saved[2])
+
+    def __call__(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay with this step's inputs. The outputs are overwritten by the next replay: the loop reads them (its
+        one host read) before the next step."""
+        self.ints.copy_(ints, non_blocking=True)
+        self.floats.copy_(floats, non_blocking=True)
+        self.graph.replay()
+        return self.out
 
 
 _configured = False

@@ -274,3 +274,20 @@ def test_runtime_and_service_name_the_step(tiny):
     assert Service(ServiceConfig(), runtime=Runtime(device="cpu")).step_name == "eager"  # auto on a CPU
     engine = Engine(tiny, step=StepConfig("compiled", backend="eager"))
     assert Service(ServiceConfig(), runtime=Runtime(engine=engine)).step_name == "compiled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_step_gives_the_eager_greedy_tokens():
+    """On a GPU: the step compiled by inductor with CUDA graphs (the default there) gives the eager pass's greedy
+    tokens and, within bf16-free float32 tolerance, its taps."""
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(n_layers=2)
+    lm.model.to("cuda")
+    eager, _ = _run(ModelRunner(lm, step="eager"), GREEDY)
+    runner = ModelRunner(lm)  # auto: compiled on CUDA
+    assert runner.compiled
+    got, loop = _run(runner, GREEDY)
+    for i in eager:
+        _same(got[i], eager[i])
+    assert loop.static_steps > 0 and loop.static.compiled
