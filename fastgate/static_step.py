@@ -9,7 +9,8 @@ every shape is fixed by a *bucket* — ``B`` rows (1, 2, 4, … 128; the rows pa
 buffer's width: attending over all of it keeps one graph per width; the masked columns cost little next to the
 weights) — so that ``torch.compile(fullgraph=True)`` traces it once per bucket and,
 on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture one graph per batch
-size. Inside the one graph:
+size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes are left symbolic there
+(``dynamic=True``), and one graph (two: batch 1 is specialised) serves every bucket. Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.packed.SlotStore` rows at the row's own
@@ -215,7 +216,9 @@ class StaticStep:
             _configure(cache_dir)
             # the graphs are captured here, not by mode="reduce-overhead": its trees skip graphs whose inputs are
             # mutated and not static (the store's views, the tap buffers), which is every input this step writes
-            fn = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend)
+            # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
+            # compiles for a minute or two once instead of per bucket; a CUDA graph needs the static shapes anyway
+            fn = torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend=backend)
         self._fn = fn
 
     @property

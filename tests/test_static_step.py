@@ -140,25 +140,28 @@ def test_sampled_rows_are_reproducible_and_independent_of_the_batch(tiny, compil
 
 
 def test_fifty_steps_recompile_nothing_inside_a_bucket(tiny, counting, compiled_runner):
-    """50 steps with rows joining and finishing, greedy and sampled side by side: one graph per (batch, width) bucket
-    the loop passes through, never a second one for a bucket."""
+    """50 steps with rows joining and finishing, greedy and sampled side by side: a step in a (batch, width) bucket
+    the loop has run before traces nothing; on a CPU (symbolic sizes) a new bucket seldom does either."""
     loop = PackedLoop(compiled_runner, mid=compiled_runner.n_layers // 2)
     cfgs = [G(max_new_tokens=n, stop_at_eos=False) for n in (5, 8, 11)] + [
         G(max_new_tokens=6, do_sample=True, top_k=10, stop_at_eos=False),
         G(max_new_tokens=9, do_sample=True, temperature=0.5, stop_at_eos=False)]
     loop.add([(f"prompt {i} " * (1 + i % 3), cfgs[i % 5], TapSpec(layers=(1,)), 1, i) for i in range(3)])
-    loop.step()  # the first buckets are traced here
-    seen, graphs = set(loop.static.buckets), counting.graphs
+    loop.step()  # the first bucket is traced here
+    graphs, before = counting.graphs, counting.graphs
+    seen = set(loop.static.buckets)
     for step in range(50):
         if loop.size < 3:  # keep three or four rows: the batch bucket stays 4
             loop.add([(f"join {step} " * (1 + step % 4), cfgs[step % 5], TapSpec(eos_state=step % 2 == 0), 1,
                        step)])
+        buckets = set(loop.static.buckets)
         loop.step()
-        new = set(loop.static.buckets) - seen
-        assert counting.graphs - graphs == len(new), f"step {step}: a bucket was traced twice"
-        seen |= new
+        if set(loop.static.buckets) == buckets:
+            assert counting.graphs == graphs, f"step {step}: a bucket run before was traced again"
         graphs = counting.graphs
+        seen |= set(loop.static.buckets)
     assert (4, 64) in seen and loop.static_steps >= 40
+    assert counting.graphs - before <= len(seen)
 
 
 def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
