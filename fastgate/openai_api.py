@@ -651,7 +651,7 @@ def _never_logprobs(chat: bool, asked: dict[str, Any]) -> int | None:
             return None
         n = lp
     if not (isinstance(n, int) and not isinstance(n, bool)) or not 0 <= n <= 1:
-        raise _ApiError(400, "fastgate-never returns the log-probability of its answer's tokens and at most one top "
+        raise _ApiError(400, "fastgate-never returns logprobs of its answer's tokens with at most one top "
                         "alternative (its greedy choice); plain completions of the LM (its own model name) return up "
                         "to 5", "top_logprobs" if chat else "logprobs", "invalid_value")
     return n
