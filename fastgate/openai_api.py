@@ -16,8 +16,18 @@ How a request maps onto a gated answer:
 - ``temperature``, ``top_p``, ``seed``, ``user`` and other fields with no effect on an answer here are accepted and
   not applied (every method decodes its answer greedily and sets its own sampling); the response names them under
   ``fastgate.ignored``. Fields that would change the result and cannot be honoured get 400 unless they carry their
-  neutral value: ``n`` > 1, ``logprobs``, ``top_logprobs``, ``stop``, ``tools``, ``functions``, penalties,
-  ``logit_bias``, a non-text ``response_format``, ``echo``, ``suffix``, ``best_of``, audio or predicted outputs.
+  neutral value: ``n`` > 1, ``logprobs``, ``top_logprobs`` (except for ``fastgate-never``, below), ``stop``,
+  ``tools``, ``functions``, penalties, ``logit_bias``, a non-text ``response_format``, ``echo``, ``suffix``,
+  ``best_of``, audio or predicted outputs.
+- ``fastgate-never`` returns ``logprobs`` (completions: ``logprobs`` 0 or 1; chat: ``logprobs: true`` with
+  ``top_logprobs`` 0 or 1) of the tokens of the generation its answer is (the answer is their text stripped); its
+  answer is greedy, so the one top alternative is the chosen token.
+- **Plain completions**: ``/v1/completions`` with the LM's own name as ``model`` (``GET /v1/models`` lists it; not on
+  a server that itself generates remotely) completes the prompt as it is, like any inference server: ``max_tokens``
+  (default 16), ``temperature`` (0: greedy; default 1), ``top_p``, ``top_k``, ``seed``, ``stop`` (up to 8),
+  ``ignore_eos``, and ``logprobs`` up to 5 (:mod:`fastgate.completion`): every generated token with its log-prob,
+  EOS and stop-string tokens included, and the stop string as ``stop_reason`` (as vLLM names it). This is what a
+  remote engine (:mod:`fastgate.remote`) of another fastgate calls. Not streamed.
 
 Responses are standard (``choices`` with ``finish_reason`` "length" when the answer's generation stopped at its token
 limit, else "stop"; ``usage`` with the prompt and completion tokens summed over every LM call of the question, k
@@ -484,7 +494,8 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
                              "finish_reason": "length" if seq.finish_reason == "length" else "stop"}],
                 "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": n_out,
                           "total_tokens": seq.prompt_tokens + n_out},
-                "fastgate": {"finish": seq.finish_reason, "truncated": seq.truncated, "replica": replica}}
+                "fastgate": {"finish": seq.finish_reason, "truncated": seq.truncated, "replica": replica,
+                             "server_s": time.perf_counter() - t0}}
 
     def stream(chat: bool, rid: str, created: int, model: str, question: str, method: str, params: dict[str, Any],
                max_tokens: int | None, ignored: list[str], include_usage: bool, request: Request, t0: float):

@@ -149,6 +149,7 @@ class RemoteEngine:
         self.requests = 0  # HTTP requests sent, retries included
         self.retries = 0
         self.http_s = 0.0  # seconds spent waiting on the server (summed over concurrent requests)
+        self.server_s = 0.0  # of which the server reports working on them (fastgate servers report it)
 
     # ------------------------------------------------------------------ the facade's small parts
     def count_tokens(self, text: str) -> int:
@@ -284,6 +285,8 @@ class RemoteEngine:
                 reason = "stop"
         usage = out.get("usage") or {}
         ext = out.get("fastgate") if isinstance(out.get("fastgate"), dict) else {}
+        if isinstance(ext.get("server_s"), (int, float)):  # a fastgate server says how long it worked on it
+            self.server_s += float(ext["server_s"])
         return Generation(text=text, token_ids=ids, token_logprobs=logps, answer_tokens=answer,
                           finish_reason=reason, prompt_tokens=int(usage.get("prompt_tokens") or 0),
                           truncated=bool(ext.get("truncated", False)), stop_string=stop_string)
