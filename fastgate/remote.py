@@ -194,7 +194,8 @@ class RemoteEngine:
         for attempt in range(cfg.max_retries + 1):
             t0 = time.perf_counter()
             try:
-                self.requests += 1
+                with self._lock:
+                    self.requests += 1
                 resp = client.post(self._url, json=body)
             except httpx.TimeoutException:
                 raise RemoteError(f"{self.name}: no answer within {cfg.timeout_s:g} s (the server hangs or is "
@@ -202,11 +203,13 @@ class RemoteEngine:
             except httpx.HTTPError as exc:
                 raise RemoteError(f"{self.name}: cannot reach the server ({type(exc).__name__}: {exc})") from None
             finally:
-                self.http_s += time.perf_counter() - t0
+                with self._lock:
+                    self.http_s += time.perf_counter() - t0
             status = resp.status_code
             if status == 429 or status >= 500:
                 if attempt < cfg.max_retries:
-                    self.retries += 1
+                    with self._lock:
+                        self.retries += 1
                     time.sleep(_retry_wait(resp.headers.get("retry-after"), attempt, cfg.max_retry_wait_s))
                     continue
                 raise RemoteError(f"{self.name}: the server answered {status} {attempt + 1} times: "

@@ -570,6 +570,9 @@ class Scheduler:
         except Exception as exc:
             self._finish(task, error=exc)
             return
+        if isinstance(out, _Failed):
+            self._finish(task, error=out.error)
+            return
         self._deliver(task, i, req, out, time.perf_counter() - t0)
 
     def _deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
