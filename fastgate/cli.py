@@ -45,6 +45,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto: compiled on CUDA, eager on CPU (default: %(default)s)")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("remote engine", "generate on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's "
+                             "server, another fastgate serve) instead of a local model; only never, always, flare, "
+                             "scaar and dtr run there (the others read hidden states)")
+    g.add_argument("--engine", choices=["local", "openai"], default="local",
+                   help="local: the --model loaded here; openai: --base-url's /v1/completions with logprobs "
+                        "(default: %(default)s)")
+    g.add_argument("--base-url", default=None, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--api-model", default=None,
+                   help="the model name the server serves (fastgate serve: its LM's name, e.g. smollm2-135m)")
+    g.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+                   help="environment variable holding the API key, sent as a bearer token if set (default: "
+                        "%(default)s; keys never go on the command line)")
+    g.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request (default: %(default)s)")
+    g.add_argument("--api-concurrency", type=int, default=8,
+                   help="requests in flight at once (default: %(default)s)")
+    g.add_argument("--api-retries", type=int, default=3,
+                   help="retries of a request answered 429 or 5xx, waiting what Retry-After says "
+                        "(default: %(default)s)")
+
+
+def _remote(args: argparse.Namespace):
+    """The :class:`~fastgate.remote.RemoteConfig` of ``--engine openai`` (None for the local engine)."""
+    if args.engine == "local":
+        if args.base_url is not None or args.api_model is not None:
+            raise InputError("--base-url and --api-model need --engine openai")
+        return None
+    if not args.base_url or not args.api_model:
+        raise InputError("--engine openai needs --base-url URL (with its /v1) and --api-model NAME")
+    from fastgate.remote import RemoteConfig
+
+    return RemoteConfig(args.base_url, args.api_model, api_key=os.environ.get(args.api_key_env) or None,
+                        timeout_s=args.api_timeout, concurrency=args.api_concurrency, max_retries=args.api_retries)
+
+
 def _cmd_ask(args: argparse.Namespace) -> int:
     from fastgate.runtime import Runtime, check_request, result_record
 
@@ -56,16 +91,19 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         params["k"] = args.k
     if args.max_tokens is not None:
         params["max_answer_tokens"] = args.max_tokens
-    # reject bad names, parameters and missing checkpoints before loading anything
-    request = check_request(args.method, params, args.retriever, args.model)
+    remote = _remote(args)
+    # reject bad names, parameters and missing checkpoints (and methods a remote engine cannot run) before loading
+    request = check_request(args.method, params, args.retriever, remote.model if remote else args.model,
+                            remote=remote.name if remote else None)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
-                      step=args.step)
+                      step=args.step, remote=remote)
     if request.retriever is not None:  # before the model: a bad index fails fast
         runtime.retriever(request.retriever)
     method = runtime.build(request)
     results = method.answer_batch(questions)
     for r in results:
-        record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s, dtype=runtime.dtype_name)
+        record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s, dtype=runtime.dtype_name,
+                               engine=runtime.engine_name)
         if args.json:
             print(json.dumps(record, ensure_ascii=False))
         else:
@@ -155,6 +193,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.n is not None and args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
     params: dict[str, Any] = _parse_params(args.param)
+    remote = _remote(args)
+    model = remote.model if remote else args.model
     budget = args.budget
     if budget == "auto":
         import torch
@@ -169,7 +209,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             points = [{key: v} for v in values]
         base = dict(CPU_EVAL_BUDGET.get(name, {})) if budget == "cpu" else {}
         for extra in points:
-            req = check_request(name, {**base, **params, **extra}, args.retriever, args.model)
+            req = check_request(name, {**base, **params, **extra}, args.retriever, model,
+                                remote=remote.name if remote else None)
             runs.append(RunSpec(req.method, req.retriever, req.params))
     data = str(args.data)
     if is_benchmark(data):  # NAME[:SPLIT[:SUBSET]]: the loader's own seeded order (a balanced prefix stays balanced)
@@ -182,8 +223,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
         examples = sample_examples(load_qa(data), args.n, args.seed)
         stem = Path(data).stem
-    out = Path(args.out or f"eval-{Path(args.model).name}-{stem}")
-    settings = EvalSettings(model=args.model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
+    out = Path(args.out or f"eval-{Path(model).name}-{stem}")
+    settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
     check_settings(out, settings)
     store = ResultsStore(out / "results.jsonl")
     done = sum(store.done(r.key, ex.id) for r in runs for ex in examples)
@@ -191,7 +232,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
-                      step=args.step)
+                      step=args.step, remote=remote)
     try:
         summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
     except KeyboardInterrupt:
@@ -209,7 +250,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
-              f"({runtime.dtype_name}), "
+              f"({runtime.dtype_name or runtime.engine_name}), "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
               f"batch {args.batch_size}; "
               f"{_machine_line()}; {stamp}")
@@ -251,7 +292,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from fastgate.service import AnswerService, ServiceConfig
 
     params = _parse_params(args.param)
-    check_request(args.method, params, None, args.model)  # fail before loading the model or binding the port
+    remote = _remote(args)
+    # fail before loading the model or binding the port
+    check_request(args.method, params, None, remote.model if remote else args.model,
+                  remote=remote.name if remote else None)
     if args.ray:
         from fastgate.ray_serve import RayServeConfig, _ray
 
@@ -270,7 +314,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
                            prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
                            layout=args.layout, prefill_order=args.prefill_order, max_queue=args.max_queue,
-                           timeout_s=args.timeout,
+                           timeout_s=args.timeout, remote=remote,
                            params=tuple(sorted(params.items())))
     if args.ray:
         from fastgate.ray_serve import serve_ray
@@ -357,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use the papers' thresholds instead of the values calibrated for the model")
     ask.add_argument("--json", action="store_true", help="print one JSON object per question")
     _add_model_args(ask)
+    _add_engine_args(ask)
     ask.set_defaults(func=_cmd_ask)
 
     index = sub.add_parser("index", help="build BM25 and/or dense indexes for a corpus",
@@ -422,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "CPU_EVAL_BUDGET); full: the methods' own defaults; auto: cpu without a GPU (default)")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_model_args(ev)
+    _add_engine_args(ev)
     ev.set_defaults(func=_cmd_eval)
 
     sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible "
@@ -468,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-cpus", type=float, default=1.0,
                     help="with --ray: CPUs reserved per replica (default: %(default)s)")
     _add_model_args(sv)
+    _add_engine_args(sv)
     sv.set_defaults(func=_cmd_serve)
 
     from fastgate.calibrate import add_calibrate_parser

@@ -13,6 +13,7 @@ __all__ = [
     "InstallError",
     "MissingDependencyError",
     "ModelError",
+    "RemoteError",
     "ShapeError",
     "UnknownNameError",
 ]
@@ -52,6 +53,11 @@ class CorpusError(FastgateError):
 
 class IndexError_(FastgateError):
     """A retrieval index is missing, corrupt or built for something else."""
+
+
+class RemoteError(FastgateError):
+    """A remote engine's server (``--engine openai``) cannot be reached, times out, refuses a request or does not
+    return what the engine needs (token log-probabilities)."""
 
 
 class BackendUnavailableError(FastgateError):

@@ -16,8 +16,18 @@ How a request maps onto a gated answer:
 - ``temperature``, ``top_p``, ``seed``, ``user`` and other fields with no effect on an answer here are accepted and
   not applied (every method decodes its answer greedily and sets its own sampling); the response names them under
   ``fastgate.ignored``. Fields that would change the result and cannot be honoured get 400 unless they carry their
-  neutral value: ``n`` > 1, ``logprobs``, ``top_logprobs``, ``stop``, ``tools``, ``functions``, penalties,
-  ``logit_bias``, a non-text ``response_format``, ``echo``, ``suffix``, ``best_of``, audio or predicted outputs.
+  neutral value: ``n`` > 1, ``logprobs``, ``top_logprobs`` (except for ``fastgate-never``, below), ``stop``,
+  ``tools``, ``functions``, penalties, ``logit_bias``, a non-text ``response_format``, ``echo``, ``suffix``,
+  ``best_of``, audio or predicted outputs.
+- ``fastgate-never`` returns ``logprobs`` (completions: ``logprobs`` 0 or 1; chat: ``logprobs: true`` with
+  ``top_logprobs`` 0 or 1) of the tokens of the generation its answer is (the answer is their text stripped); its
+  answer is greedy, so the one top alternative is the chosen token.
+- **Plain completions**: ``/v1/completions`` with the LM's own name as ``model`` (``GET /v1/models`` lists it; not on
+  a server that itself generates remotely) completes the prompt as it is, like any inference server: ``max_tokens``
+  (default 16), ``temperature`` (0: greedy; default 1), ``top_p``, ``top_k``, ``seed``, ``stop`` (up to 8),
+  ``ignore_eos``, and ``logprobs`` up to 5 (:mod:`fastgate.completion`): every generated token with its log-prob,
+  EOS and stop-string tokens included, and the stop string as ``stop_reason`` (as vLLM names it). This is what a
+  remote engine (:mod:`fastgate.remote`) of another fastgate calls. Not streamed.
 
 Responses are standard (``choices`` with ``finish_reason`` "length" when the answer's generation stopped at its token
 limit, else "stop"; ``usage`` with the prompt and completion tokens summed over every LM call of the question, k
@@ -46,6 +56,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from fastgate.completion import chat_logprobs, completion_logprobs
 from fastgate.errors import CheckpointError, FastgateError, InputError
 from fastgate.service import AnswerService, OverloadedError
 
@@ -67,8 +78,10 @@ def _is_int(v: Any, n: int) -> bool:
 _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: _is_int(v, 1), "one answer per question: n must be 1"),
     "best_of": (lambda v: _is_int(v, 1), "one answer per question: best_of must be 1"),
-    "logprobs": (lambda v: v is False or _is_int(v, 0), "token log-probabilities are not returned"),
-    "top_logprobs": (lambda v: _is_int(v, 0), "token log-probabilities are not returned"),
+    "logprobs": (lambda v: v is False or _is_int(v, 0), "token log-probabilities are returned by fastgate-never "
+                 "and by plain completions of the LM (its own model name) only"),
+    "top_logprobs": (lambda v: _is_int(v, 0), "token log-probabilities are returned by fastgate-never and by plain "
+                     "completions of the LM (its own model name) only"),
     "echo": (lambda v: v is False, "the prompt is not echoed"),
     "suffix": (lambda v: v == "", "suffixes are not supported"),
     "stop": (lambda v: v == "" or v == [], "each method stops its generations itself"),
@@ -241,7 +254,7 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
         index: int
         message: ChatMessage
         finish_reason: str
-        logprobs: None = None
+        logprobs: dict[str, Any] | None = None
 
     class ChatCompletion(BaseModel):
         """An OpenAI chat completion, with the gated answer's signals under ``fastgate``."""
@@ -258,7 +271,8 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
         index: int
         text: str
         finish_reason: str
-        logprobs: None = None
+        logprobs: dict[str, Any] | None = None
+        stop_reason: str | None = None
 
     class Completion(BaseModel):
         """An OpenAI completion, with the gated answer's signals under ``fastgate``."""
@@ -298,7 +312,15 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
         return JSONResponse(openai_error(exc.status, exc.message, exc.param, exc.code), status_code=exc.status,
                             headers=exc.headers)
 
+    def plain_model(model: str) -> bool:
+        """Whether ``model`` names the LM itself: plain completions (not on a remote engine)."""
+        return model == service.model_name and not model.startswith(MODEL_PREFIX) and model != "fastgate" and \
+            service.runtime.remote is None
+
     def method_of(model: str) -> str:
+        if plain_model(model):
+            raise _ApiError(400, f"the model {model!r} is served for plain completions: use /v1/completions",
+                            "model", "unsupported_model")
         if model == "fastgate":
             return cfg.method
         name = model[len(MODEL_PREFIX):] if model.startswith(MODEL_PREFIX) else None
@@ -308,10 +330,15 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
                             "model_not_found")
         return name
 
-    def options(body: _Request, ignored: list[str]) -> tuple[str, dict[str, Any]]:
-        """The method and its parameters; refused and ignored standard fields sorted out."""
+    def options(body: _Request, ignored: list[str], logprobs: dict[str, Any] | None = None
+                ) -> tuple[str, dict[str, Any]]:
+        """The method and its parameters; refused and ignored standard fields sorted out. ``logprobs``: where
+        ``logprobs`` / ``top_logprobs`` go for fastgate-never, which returns them (refused for other methods)."""
         method = method_of(body.model)
         extra = dict(body.model_extra or {})
+        if method == "never" and logprobs is not None:
+            for name in ("logprobs", "top_logprobs"):
+                logprobs[name] = extra.pop(name, None)
         for name, (neutral, why) in _REFUSED.items():
             value = extra.pop(name, None)
             if value is not None and not _neutral(neutral, value):
@@ -326,9 +353,11 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
             raise _ApiError(400, f"parameter {twice[0]} is given both in params and beside it", twice[0])
         return method, {**params, **extra}
 
-    def submit(question: str, method: str, params: dict[str, Any], max_tokens: int | None, listener=None):
+    def submit(question: str, method: str, params: dict[str, Any], max_tokens: int | None, listener=None,
+               answer_tokens: bool = False):
         try:
-            return service.submit(question, method, params, max_tokens, listener=listener)
+            return service.submit(question, method, params, max_tokens, listener=listener,
+                                  answer_tokens=answer_tokens)
         except OverloadedError as exc:
             raise _ApiError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}) \
                 from None
@@ -347,14 +376,18 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
     async def run(chat: bool, body: _Request, question: str, max_tokens: int | None, ignored: list[str],
                   request: Request) -> Any:
         t0 = time.perf_counter()
-        method, params = options(body, ignored)
+        asked: dict[str, Any] = {}
+        method, params = options(body, ignored, asked)
+        top = _never_logprobs(chat, asked)  # None: no logprobs; else how many top alternatives (0 or 1)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        if body.stream and top is not None:
+            raise _ApiError(400, "logprobs are not streamed: ask without stream", "logprobs", "unsupported_parameter")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return stream(chat, rid, created, body.model, question, method, params, max_tokens, ignored,
                           include_usage, request, t0)
-        future = submit(question, method, params, max_tokens)
+        future = submit(question, method, params, max_tokens, answer_tokens=top is not None)
         try:
             record = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
         except asyncio.TimeoutError:
@@ -368,12 +401,101 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
             raise _ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error") from None
         count(200)
         observe(time.perf_counter() - t0)
+        tokens = record.pop("_answer_tokens", None)
+        logprobs = None
+        if top is not None and tokens is not None:  # the greedy answer: its chosen tokens are the top ones
+            pieces, lps = tokens
+            alts = [[(p, lp)] for p, lp in zip(pieces, lps)] if top else None
+            logprobs = chat_logprobs(pieces, lps, alts) if chat else completion_logprobs(pieces, lps, alts)
         answer, finish = record["answer"], record.get("finish_reason", "stop")
         choice = {"index": 0, "message": {"role": "assistant", "content": answer}} if chat else \
             {"index": 0, "text": answer}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [{**choice, "finish_reason": finish, "logprobs": None}],
+                "model": body.model, "choices": [{**choice, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": usage(record), "fastgate": extension(record, ignored)}
+
+    async def plain(body: CompletionRequest, prompt: str) -> Any:
+        """A plain completion of ``prompt`` by the LM, with token log-probabilities if asked for."""
+        from fastgate.completion import MAX_TOP_LOGPROBS
+        from fastgate.config import GenerationConfig
+
+        t0 = time.perf_counter()
+        extra = dict(body.model_extra or {})
+        if body.stream:
+            raise _ApiError(400, "plain completions are not streamed: ask without stream", "stream",
+                            "unsupported_parameter")
+        if body.params:
+            raise _ApiError(400, "plain completions take no method parameters", "params")
+        logprobs = extra.pop("logprobs", None)
+        if logprobs is not None and not (_is_int(logprobs, logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise _ApiError(400, f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", "logprobs",
+                            "invalid_value")
+        stop = extra.pop("stop", None)
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and (not isinstance(stop, list) or len(stop) > 8
+                                 or any(not isinstance(x, str) or not x or len(x) > 64 for x in stop)):
+            raise _ApiError(400, "stop must be a non-empty string or a list of at most 8 of them", "stop",
+                            "invalid_value")
+        top_k = extra.pop("top_k", None)
+        if top_k is not None and not (_is_int(top_k, top_k) and 0 <= top_k <= 1000) and top_k != -1:
+            raise _ApiError(400, "top_k must be an integer between 0 and 1000 (or -1: off)", "top_k", "invalid_value")
+        ignore_eos = extra.pop("ignore_eos", None)
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise _ApiError(400, "ignore_eos must be a boolean", "ignore_eos", "invalid_value")
+        for name in ("n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias"):
+            value = extra.pop(name, None)
+            if value is not None and not _neutral(_REFUSED[name][0], value):
+                raise _ApiError(400, f"unsupported parameter {name}={json.dumps(value)[:80]}: {_REFUSED[name][1]}",
+                                name, "unsupported_parameter")
+        for name in _IGNORED_EXTRA:
+            extra.pop(name, None)
+        unknown = sorted(k for k, v in extra.items() if v is not None)
+        if unknown:
+            raise _ApiError(400, f"unsupported parameter {unknown[0]} for a plain completion", unknown[0],
+                            "unsupported_parameter")
+        temperature = 1.0 if body.temperature is None else float(body.temperature)
+        top_p = 1.0 if body.top_p is None else float(body.top_p)
+        if not 0 <= temperature <= 2:
+            raise _ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
+        if not 0 < top_p <= 1:
+            raise _ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
+        try:
+            config = GenerationConfig(max_new_tokens=body.max_tokens or 16, do_sample=temperature > 0,
+                                      temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
+                                      top_k=max(0, top_k or 0), seed=body.seed, stop=tuple(stop or ()),
+                                      stop_at_eos=not ignore_eos)
+            future = service.submit_completion(prompt, config, body.seed, logprobs or 0)
+        except OverloadedError as exc:
+            raise _ApiError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}) \
+                from None
+        except InputError as exc:
+            raise _ApiError(400, str(exc), code="invalid_value") from None
+        except FastgateError as exc:
+            raise _ApiError(503, str(exc), code="unavailable", headers={"Retry-After": "5"}) from None
+        try:
+            done = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+        except asyncio.TimeoutError:
+            service.cancel(future)
+            raise _ApiError(504, f"not answered within {timeout_s:g} s", code="timeout") from None
+        except InputError as exc:
+            raise _ApiError(400, str(exc), code="invalid_value") from None
+        except ProgramCancelled:
+            raise _ApiError(504, f"not answered within {cfg.timeout_s:g} s", code="timeout") from None
+        except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
+            raise _ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error") from None
+        count(200)
+        observe(time.perf_counter() - t0)
+        seq = done.generation
+        lp = completion_logprobs(done.pieces, seq.token_logprobs, done.top) if logprobs is not None else None
+        n_out = len(seq.token_ids)
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": body.model,
+                "choices": [{"index": 0, "text": seq.text, "logprobs": lp, "stop_reason": seq.stop_string,
+                             "finish_reason": "length" if seq.finish_reason == "length" else "stop"}],
+                "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": n_out,
+                          "total_tokens": seq.prompt_tokens + n_out},
+                "fastgate": {"finish": seq.finish_reason, "truncated": seq.truncated, "replica": replica,
+                             "server_s": time.perf_counter() - t0}}
 
     def stream(chat: bool, rid: str, created: int, model: str, question: str, method: str, params: dict[str, Any],
                max_tokens: int | None, ignored: list[str], include_usage: bool, request: Request, t0: float):
@@ -500,6 +622,8 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
                 if len(prompt) != 1:
                     raise _ApiError(400, f"one prompt per request, got {len(prompt)}", "prompt")
                 prompt = prompt[0]
+            if plain_model(body.model):
+                return await plain(body, prompt)
             return await run(False, body, prompt, body.max_tokens, [], request)
         except _ApiError as exc:
             return fail(exc)
@@ -507,10 +631,41 @@ def add_openai_routes(app, service: AnswerService, timeout_s: float, count: Call
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:
         lm = service.model_name
-        return {"object": "list", "data": [
-            {"id": MODEL_PREFIX + name, "object": "model", "created": created_at, "owned_by": "fastgate",
-             "fastgate": {"method": name, "description": cls.description, "default": name == cfg.method, "lm": lm}}
-            for name, cls in METHODS.items()]}
+        data = [{"id": MODEL_PREFIX + name, "object": "model", "created": created_at, "owned_by": "fastgate",
+                 "fastgate": {"method": name, "description": cls.description, "default": name == cfg.method,
+                              "lm": lm}}
+                for name, cls in METHODS.items()]
+        if plain_model(lm):  # the LM itself: plain completions with token log-probabilities
+            data.append({"id": lm, "object": "model", "created": created_at, "owned_by": "fastgate",
+                         "fastgate": {"method": None, "description": "plain completions of the LM, with token "
+                                      "log-probabilities (/v1/completions only)", "default": False, "lm": lm}})
+        return {"object": "list", "data": data}
+
+
+def _never_logprobs(chat: bool, asked: dict[str, Any]) -> int | None:
+    """How many top alternatives fastgate-never returns per token (0 or 1), or None when no logprobs are asked for:
+    the chat format's ``logprobs: true`` + ``top_logprobs``, the completions format's integer ``logprobs``."""
+    lp, top = asked.get("logprobs"), asked.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise _ApiError(400, "logprobs must be true or false", "logprobs", "invalid_value")
+        if top is not None and not lp and not _is_int(top, 0):
+            raise _ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        n = 0 if top is None else top
+        if not lp:
+            return None
+    else:
+        if top is not None and not _is_int(top, 0):
+            raise _ApiError(400, "top_logprobs is a chat field; completions take an integer logprobs", "top_logprobs",
+                            "invalid_value")
+        if lp is None:
+            return None
+        n = lp
+    if not (isinstance(n, int) and not isinstance(n, bool)) or not 0 <= n <= 1:
+        raise _ApiError(400, "fastgate-never returns logprobs of its answer's tokens with at most one top "
+                        "alternative (its greedy choice); plain completions of the LM (its own model name) return up "
+                        "to 5", "top_logprobs" if chat else "logprobs", "invalid_value")
+    return n
 
 
 def _neutral(check: Callable[[Any], bool], value: Any) -> bool:

@@ -30,20 +30,28 @@ class Request:
 
 
 def check_request(method: str, params: dict[str, Any] | None = None, retriever: str | None = None,
-                  model_name: str | None = None) -> Request:
+                  model_name: str | None = None, remote: str | None = None) -> Request:
     """Validate a method request without loading the model (unknown names, bad parameters, missing checkpoints).
+
+    ``remote``: the name of the remote engine the method will run on (``RemoteConfig.name``); a method that reads
+    hidden states is then refused.
 
     Raises:
         UnknownNameError: unknown method or retriever.
-        InputError: a parameter the method does not have, or a value of the wrong type or range.
+        InputError: a parameter the method does not have, a value of the wrong type or range, or a method that
+            cannot run on the remote engine.
         CheckpointError: the method needs a checkpoint that is missing for ``model_name``.
     """
+    from fastgate.errors import InputError
     from fastgate.methods import METHODS, make_config
+    from fastgate.methods.base import black_box_refusal
     from fastgate.retrieval import RETRIEVERS
 
     if method not in METHODS:
         raise UnknownNameError("method", method, list(METHODS))
     cls = METHODS[method]
+    if remote is not None and not cls.black_box:
+        raise InputError(black_box_refusal(method, remote))
     if retriever is None:
         retriever = cls.default_retriever
     if retriever not in RETRIEVERS:
@@ -66,13 +74,20 @@ class Runtime:
             elsewhere; see :mod:`fastgate.precision`), ``float32`` or ``bfloat16``; chosen once, when the model loads.
         step: how the decode loops run their decode-only steps: ``auto`` (compiled on CUDA, eager on CPU),
             ``eager`` or ``compiled`` (one static step per batch bucket, :mod:`fastgate.static_step`).
+        remote: generate on an OpenAI-compatible server instead (:class:`~fastgate.remote.RemoteConfig`): no model
+            loads here, ``model`` becomes the server's model name, and only the methods that read nothing but text
+            and token log-probabilities can be built (never, always, flare, scaar, dtr).
     """
 
     def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
-                 paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto") -> None:
+                 paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto",
+                 remote=None) -> None:
         from fastgate.precision import canonical_dtype
         from fastgate.static_step import StepConfig
 
+        self.remote = remote
+        if remote is not None:
+            model = remote.model
         self.model = model
         self.device = device
         self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
@@ -87,13 +102,27 @@ class Runtime:
     def engine(self):
         """The :class:`~fastgate.engine.Engine`; the model is loaded on first access."""
         if self._engine is None:
-            from fastgate.engine import Engine
-            from fastgate.models import load
-
             t0 = time.perf_counter()
-            self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype), step=self.step)
+            if self.remote is not None:
+                from fastgate.remote import RemoteEngine
+
+                self._engine = RemoteEngine(self.remote).connect()  # a server without logprobs is refused here
+            else:
+                from fastgate.engine import Engine
+                from fastgate.models import load
+
+                self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype), step=self.step)
             self.setup_s += time.perf_counter() - t0
         return self._engine
+
+    @property
+    def engine_name(self) -> str:
+        """What records name as the engine: ``local``, or ``openai:<base-url>:<model>`` for a remote one."""
+        if self.remote is not None:
+            return self.remote.name
+        if getattr(self._engine, "remote", False):  # a RemoteEngine passed in as ``engine``
+            return self._engine.name
+        return "local"
 
     @property
     def loaded(self) -> bool:
@@ -101,9 +130,12 @@ class Runtime:
         return self._engine is not None
 
     @property
-    def dtype_name(self) -> str:
-        """The weights' dtype (``float32``, ``bfloat16``), known without loading the model unless only the probe at
-        load can tell (``auto`` on a CPU with native bf16 flags): a resumed evaluation checks its records with it."""
+    def dtype_name(self) -> str | None:
+        """The weights' dtype (``float32``, ``bfloat16``; None on a remote engine), known without loading the model
+        unless only the probe at load can tell (``auto`` on a CPU with native bf16 flags): a resumed evaluation
+        checks its records with it."""
+        if self.remote is not None or getattr(self._engine, "remote", False):
+            return None  # a server's weights: not known here
         if self._engine is None:
             from fastgate.models import resolve_device
             from fastgate.precision import expected_dtype
@@ -149,12 +181,14 @@ class Runtime:
 
 
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
-                  dtype: str | None = None) -> dict[str, Any]:
+                  dtype: str | None = None, engine: str | None = None) -> dict[str, Any]:
     """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
-    weights' ``dtype`` when given)."""
+    weights' ``dtype`` and the ``engine``, ``local`` or ``openai:<base-url>:<model>``, when given)."""
     record = result.to_dict()
     record.update({"model": model, "retriever": retriever})
     if dtype is not None:
         record["dtype"] = dtype
+    if engine is not None:
+        record["engine"] = engine
     record["timings"] = {**record["timings"], "setup_s": setup_s}
     return record

@@ -75,6 +75,7 @@ class Trace:
     passages: list[Hit] = field(default_factory=list)
     truncated: bool = False
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the batched calls it took part in, by phase
+    answer: Any = None  # the Generation of its answer generation (Generate with answer=True), once delivered
 
     def use(self, hits: Iterable[Hit]) -> None:
         """Add ``hits`` to the passages used (deduplicated, in order)."""
@@ -161,9 +162,6 @@ class Scheduler:
     def __init__(self, engine: Engine, max_rows: int = 80, continuous: bool | None = None,
                  admit_every: int = 8, prefill_budget: int | None = None, kv_budget: int | None = None,
                  layout: str = "auto", prefill_order: str = "program") -> None:
-        from fastgate.decode import DecodeLoop, mergeable
-        from fastgate.packed import PackedLoop, packable
-
         if max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         if admit_every < 1:
@@ -176,10 +174,21 @@ class Scheduler:
         if kv_budget is not None and kv_budget < 1:
             raise InputError(f"kv_budget must be >= 1 byte, got {kv_budget}")
         self.kv_budget = kv_budget
+        self.max_rows = max_rows
+        self._init_state()
+        # a remote engine (fastgate.remote) has no model here: each tick's generations go out as one call of
+        # concurrent requests (generate_each), whose failures end only their own questions; no decode loop, no KV
+        self.remote = bool(getattr(engine, "remote", False))
+        if self.remote:
+            self.continuous, self.layout, self.prefill_order = False, "remote", prefill_order
+            self._cell, self._max_cells, self._since_admit = 0, None, 0
+            return
+        from fastgate.decode import DecodeLoop, mergeable
+        from fastgate.packed import PackedLoop, packable
+
         self._cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
         self._max_cells = None if kv_budget is None else max(1, kv_budget // self._cell)
         self._since_admit = 0  # decode steps since generations last joined a busy loop
-        self.max_rows = max_rows
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
         self.continuous = mergeable(engine) if continuous is None else continuous
         if layout not in ("auto", "packed", "padded"):
@@ -194,6 +203,9 @@ class Scheduler:
             raise InputError(f"prefill_order must be program or arrival, got {prefill_order!r}")
         self.prefill_order = prefill_order
         self._empty_loop = self._loop_cls(engine, engine.n_layers // 2)  # never admits: asked what one row alone takes
+
+    def _init_state(self) -> None:
+        """The scheduler's running state (programs, loops, counters), whatever the engine."""
         self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
         self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
         self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
@@ -209,10 +221,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def submit(self, method, question: str, on_done: Callable[[Task], None] | None = None,
-               listener: Callable[[dict], None] | None = None) -> Task:
+               listener: Callable[[dict], None] | None = None, program: Generator | None = None) -> Task:
         """Queue ``method``'s program for ``question`` (already validated); it joins at the next tick. ``listener``
-        gets its progress events (see the module docstring). Thread-safe."""
-        task = Task(method, question, on_done, listener=listener)
+        gets its progress events (see the module docstring). ``program``: a bare program to run instead (``method``
+        None; its return value is the task's result), e.g. a server's plain completion. Thread-safe."""
+        task = Task(method, question, on_done, program=program, listener=listener)
         with self._lock:
             self._inbox.append(task)
         return task
@@ -540,6 +553,9 @@ class Scheduler:
                 continue
             elapsed = time.perf_counter() - t0
             for (task, i, req), out in zip(items, outs):
+                if isinstance(out, _Failed):  # that request's own error (a remote engine's request)
+                    self._finish(task, error=out.error)
+                    continue
                 self._deliver(task, i, req, out, elapsed)
 
     def _execute_one(self, item: tuple[Task, int, Any]) -> None:
@@ -554,6 +570,9 @@ class Scheduler:
         except Exception as exc:
             self._finish(task, error=exc)
             return
+        if isinstance(out, _Failed):
+            self._finish(task, error=out.error)
+            return
         self._deliver(task, i, req, out, time.perf_counter() - t0)
 
     def _deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
@@ -566,7 +585,7 @@ class Scheduler:
             trace.prompt_tokens += out.sequences[0].prompt_tokens if out.sequences else 0
             trace.truncated = trace.truncated or any(s.truncated for s in out.sequences)
             if req.answer and out.sequences:
-                seq = out.sequences[0]
+                seq = trace.answer = out.sequences[0]
                 trace.finish_reason = "length" if seq.finish_reason == "length" else "stop"
                 self._emit(task, {"event": "answer", "text": seq.text, "stop": list(req.config.stop), "done": True})
         elif isinstance(req, PromptStates):
@@ -588,6 +607,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ runners: one batched call per group
     def _run_generate(self, reqs: list[Generate]) -> list[GenerationBatch]:
+        if self.remote:  # every request in flight at once; one that fails ends its own question only
+            parts = self.engine.generate_each([r.prompt for r in reqs], [r.config for r in reqs],
+                                              [r.taps for r in reqs], [r.k for r in reqs], [r.seed for r in reqs])
+            self.generation_calls += 1
+            self.generation_rows = (self.generation_rows + [sum(r.k for r in reqs)])[-1000:]
+            self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+            return [_Failed(p) if isinstance(p, BaseException) else p for p in parts]  # type: ignore[misc]
         out: list[GenerationBatch | None] = [None] * len(reqs)
         # rows asking for pre-answer / EOS states must share their layer; others join any call
         mid_of = [_mid(self.engine, r) for r in reqs]
@@ -649,6 +675,13 @@ class Scheduler:
 
     def _run_batched(self, reqs: list[Batched]) -> list[Any]:
         return reqs[0].fn([r.arg for r in reqs])
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A runner's result for one request that failed alone (the others of its call are delivered)."""
+
+    error: BaseException
 
 
 _NONE = object()  # a result slot not filled yet

@@ -73,6 +73,7 @@ class ServiceConfig:
     methods_cached: int = 8  # built (method, parameters) pipelines kept; building one is cheap but not free
     params: tuple[tuple[str, Any], ...] = ()  # server-wide parameters of the default method (requests override)
     locked_params: tuple[str, ...] = ("checkpoint", "reranker_path")  # file paths: set by the operator, not clients
+    remote: Any = None  # a fastgate.remote.RemoteConfig: generate on that server instead of a local model
 
     def __post_init__(self) -> None:
         for name in ("max_live", "max_rows", "admit_every", "max_queue", "max_question_chars", "max_tokens_limit",
@@ -102,6 +103,8 @@ class _Job:
     submitted: float
     task: Any = None  # its scheduler task once admitted
     listener: Any = None  # progress events of its program (fastgate.scheduler), for streaming
+    program: Any = None  # a bare program (a plain completion) instead of a method's: its result is the future's
+    answer_tokens: bool = False  # add the answer generation's tokens and log-probs to the record (``_answer_tokens``)
 
 
 class AnswerService:
@@ -119,7 +122,7 @@ class AnswerService:
         self.config = config or ServiceConfig()
         self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
                                           self.config.paper_defaults, dtype=self.config.dtype,
-                                          step=self.config.step)
+                                          step=self.config.step, remote=self.config.remote)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
@@ -128,6 +131,7 @@ class AnswerService:
         self._scheduler = None  # built with the engine, in start()
         self._running: dict[int, _Job] = {}  # id(task) -> job, for timeouts and cancellation
         self._cancel: list[Future] = []
+        self._top = None  # the top-logprobs pass of plain completions, built on first use
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics = _Metrics()
@@ -208,6 +212,8 @@ class AnswerService:
         from fastgate.static_step import compiled_by_default
 
         rt = self.runtime
+        if rt.remote is not None:
+            return "remote"  # the server's own steps
         if rt.loaded:
             return "compiled" if rt.engine.runner.compiled else "eager"
         if rt.step != "auto":
@@ -237,8 +243,10 @@ class AnswerService:
                 raise InputError(f"parameter {key} must be finite")
             if isinstance(value, str) and len(value) > 200:
                 raise InputError(f"parameter {key} is too long")
+        remote = self.runtime.engine_name if self.runtime.remote is not None else None
+
         def validated():
-            req = check_request(name, params, None, self.runtime.model)
+            req = check_request(name, params, None, self.runtime.model, remote=remote)
             _check_int_params(req, self.config.max_int_param)
             return req
 
@@ -278,12 +286,57 @@ class AnswerService:
                 self._methods.popitem(last=False)
         return method
 
+    def submit_completion(self, prompt: str, config, seed: int | None = None, top_logprobs: int = 0) -> Future:
+        """Queue a plain completion of ``prompt`` (a :class:`~fastgate.config.GenerationConfig`); the future resolves
+        to a :class:`~fastgate.completion.Completion` (the generation, its tokens' bytes, the top ``top_logprobs``
+        alternatives at each token). It shares the scheduler with the questions. Not on a remote engine.
+
+        Raises:
+            InputError: an empty or over-long prompt, or ``top_logprobs`` out of range (nothing is queued).
+            OverloadedError: the queue is full.
+        """
+        from fastgate.completion import MAX_TOP_LOGPROBS, TopLogprobs, completion_program
+
+        engine = self.runtime.engine
+        if getattr(engine, "remote", False):
+            raise InputError("plain completions are served by a local model, not through a remote engine")
+        if not isinstance(prompt, str) or not prompt:
+            raise InputError("the prompt must be a non-empty string")
+        if "\x00" in prompt:
+            raise InputError("the prompt contains a NUL character")
+        if len(prompt) > 8 * engine.lm.max_context:
+            raise InputError(f"the prompt is too long ({len(prompt)} characters) for the {engine.lm.max_context}-"
+                             "token context")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if config.max_new_tokens > self.config.max_tokens_limit:
+            raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
+        if not self.running:
+            raise FastgateError("the service is not running")
+        with self._lock:
+            if self._top is None:
+                self._top = TopLogprobs(engine)
+            top = self._top
+        future: Future = Future()
+        job = _Job(prompt, None, future, time.perf_counter(),
+                   program=completion_program(engine, prompt, config, seed, top_logprobs, top))
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.rejected()
+            raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
+        return future
+
     def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
-               max_tokens: int | None = None, listener: Callable[[dict], None] | None = None) -> Future:
+               max_tokens: int | None = None, listener: Callable[[dict], None] | None = None,
+               answer_tokens: bool = False) -> Future:
         """Queue a question; the future resolves to the ``fastgate ask --json`` record of its answer.
 
         ``listener`` gets its program's progress events (gate decisions, searches, the answer's text as it is
         decoded; see :mod:`fastgate.scheduler`) on the worker thread: it must be quick and thread-safe.
+        ``answer_tokens``: the record also holds ``_answer_tokens``, the bytes and log-probabilities of the tokens
+        of the generation the answer was taken from (methods whose answer is one generation: never, always, ...),
+        or None.
 
         Raises:
             InputError: an invalid question, method or parameter (nothing is queued).
@@ -309,7 +362,7 @@ class AnswerService:
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()
-        job = _Job(question, req, future, time.perf_counter(), listener=listener)
+        job = _Job(question, req, future, time.perf_counter(), listener=listener, answer_tokens=answer_tokens)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -373,6 +426,10 @@ class AnswerService:
                 window_end = time.perf_counter() + self.config.admit_wait_ms / 1000
             if not job.future.set_running_or_notify_cancel():  # cancelled while queued: dropped
                 continue
+            if job.program is not None:  # a plain completion
+                job.task = self._scheduler.submit(None, "", on_done=self._done, program=job.program)
+                self._running[id(job.task)] = job
+                continue
             try:
                 method = self._method(job.request)
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that fails to load
@@ -403,7 +460,17 @@ class AnswerService:
             job.future.set_exception(task.error)
             self.metrics.finished(latency, retrieved=False, failed=True, cancelled=task.cancelled)
             return
-        job.future.set_result(result_record(task.result, self.model_name, job.request.retriever))
+        if job.program is not None:
+            job.future.set_result(task.result)
+            self.metrics.finished(latency, retrieved=False)
+            return
+        record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name)
+        if job.answer_tokens:
+            seq = task.trace.answer
+            record["_answer_tokens"] = None if seq is None else (
+                self.runtime.engine.token_pieces(seq.token_ids[:seq.answer_tokens]),
+                list(seq.token_logprobs[:seq.answer_tokens]))
+        job.future.set_result(record)
         self.metrics.finished(latency, retrieved=bool(task.result.retrieved),
                               searches=int(task.result.retrieval_calls))
 

@@ -43,9 +43,10 @@ def _direct(service, method: str, params: dict, question: str):
     return service._method(service._request(method, params)).answer(question)
 
 
-def test_models_lists_one_model_per_method(client):
+def test_models_lists_one_model_per_method_and_the_lm(client):
     models = client.models.list().data
-    assert [m.id for m in models] == [f"fastgate-{name}" for name in METHODS]
+    assert [m.id for m in models] == [f"fastgate-{name}" for name in METHODS] + ["tiny"]
+    assert models[-1].model_extra["fastgate"]["method"] is None  # the LM itself: plain completions
     default = [m for m in models if m.model_extra["fastgate"]["default"]]
     assert [m.id for m in default] == ["fastgate-dtr"] and default[0].model_extra["fastgate"]["lm"] == "tiny"
 
@@ -146,7 +147,7 @@ def test_completion_stream_equals_the_non_streamed_answer(client, method, params
 ])
 def test_unsupported_standard_fields_get_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": "Hamlet?"}],
+        client.chat.completions.create(model="fastgate-always", messages=[{"role": "user", "content": "Hamlet?"}],
                                        **extra)
     assert err.value.status_code == 400 and param in err.value.message and err.value.param == param
     assert err.value.body["type"] == "invalid_request_error"
@@ -191,3 +192,62 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_program(client, servic
     assert service.metrics.cancelled == cancelled + 1 and service.metrics.answered == answered  # stopped, not run out
     whole = client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": "Hi?"}])
     assert whole.choices[0].message.content is not None  # still serving
+
+
+def test_plain_completions_of_the_lm_return_logprobs_to_the_openai_client(client, service):
+    """The LM's own name: the prompt as is, stop strings, greedy at temperature 0, and OpenAI's logprobs."""
+    from fastgate.config import GenerationConfig
+    from fastgate.prompts import SENTENCE_STOP, cot_prompt
+
+    engine = service.runtime.engine
+    prompt = cot_prompt(QUESTIONS[0])
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     stop=list(SENTENCE_STOP), logprobs=3)
+    want = engine.generate([prompt], GenerationConfig(max_new_tokens=12, stop=SENTENCE_STOP)).sequences[0]
+    choice = resp.choices[0]
+    assert choice.text == want.text and choice.finish_reason == ("length" if want.finish_reason == "length"
+                                                                 else "stop")
+    assert choice.model_extra["stop_reason"] == want.stop_string
+    lp = choice.logprobs
+    pieces = engine.token_pieces(want.token_ids)
+    assert len(lp.tokens) == len(want.token_ids) and lp.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+    for token, piece in zip(lp.tokens, pieces):  # whole UTF-8 as text, partial characters as bytes:\xNN
+        assert token == piece.decode() if not token.startswith("bytes:") else token == "bytes:" + "".join(
+            f"\\x{b:02x}" for b in piece)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    for top, token, logprob in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs):
+        best = max(top, key=top.get)  # greedy: the chosen token is the most likely one (a rescoring pass here)
+        assert best == token and top[best] == pytest.approx(logprob, abs=1e-4)
+    assert resp.usage.completion_tokens == len(want.token_ids) and resp.usage.prompt_tokens == want.prompt_tokens
+    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    stop=list(SENTENCE_STOP), logprobs=1).choices[0].logprobs
+    assert [list(t) for t in one.top_logprobs] == [[t] for t in one.tokens]  # greedy, one: the chosen token
+    sampled = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=7,
+                                         logprobs=0).choices[0] for _ in range(2)]
+    assert sampled[0].text == sampled[1].text and sampled[0].logprobs.top_logprobs is None  # seeded: reproducible
+
+
+def test_fastgate_never_returns_its_answer_logprobs_in_chat_and_completion_format(client, service):
+    from fastgate.config import GenerationConfig
+    from fastgate.prompts import ANSWER_STOP
+
+    q = QUESTIONS[1]
+    engine = service.runtime.engine
+    want = engine.generate([closed_book_prompt(q)], GenerationConfig(max_new_tokens=6, stop=ANSWER_STOP)).sequences[0]
+    pieces = engine.token_pieces(want.token_ids[:want.answer_tokens])
+    chat = client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": q}],
+                                          max_tokens=6, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert [bytes(c.bytes) for c in content] == pieces
+    assert [c.logprob for c in content] == pytest.approx(want.token_logprobs[:want.answer_tokens], abs=1e-4)
+    assert all([t.token for t in c.top_logprobs] == [c.token] for c in content)
+    assert b"".join(pieces).decode("utf-8", "replace").strip() == chat.choices[0].message.content
+    comp = client.completions.create(model="fastgate-never", prompt=q, max_tokens=6, logprobs=0)
+    assert comp.choices[0].logprobs.token_logprobs == pytest.approx([c.logprob for c in content], abs=1e-6)
+    for bad in ({"model": "fastgate-never", "logprobs": 3}, {"model": "fastgate-dtr", "logprobs": 1},
+                {"model": "tiny", "logprobs": 6}):
+        with pytest.raises(openai.BadRequestError, match="logprobs") as err:
+            client.completions.create(prompt=q, max_tokens=4, **bad)
+        assert err.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="plain completions"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}])

@@ -218,6 +218,16 @@ def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> 
                              f"new --out directory, or pass --dtype {rec.get('dtype', legacy)}")
 
 
+def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
+    """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
+    server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get("engine", "local") != engine:
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made on the "
+                             f"engine {rec.get('engine', 'local')}, but this run would use {engine}: evaluate into a "
+                             "new --out directory")
+
+
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None) -> list[RunSummary]:
@@ -244,8 +254,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         raise InputError(f"batch size must be >= 1, got {batch_size}")
     # every record names the weights' dtype, and a resume under another is refused. Records from before they named it
     # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
-    dtype = runtime.dtype_name
+    dtype = runtime.dtype_name  # None on a remote engine: the server's weights are not known here
     legacy = "bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32"
+    engine = getattr(runtime, "engine_name", "local")  # records name the engine; a resume on another is refused
     summaries = []
     for run in runs:
         request = Request(run.method, run.retriever, run.params)
@@ -255,7 +266,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         values = {f.name: getattr(config, f.name) for f in fields(config)}
         params = json.loads(json.dumps(values, sort_keys=True, default=str))
         _check_params(store, run, params)
-        _check_dtype(store, run, dtype, legacy)
+        _check_engine(store, run, engine)
+        if dtype is not None:
+            _check_dtype(store, run, dtype, legacy)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
             method = runtime.build(request)
@@ -264,8 +277,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             try:
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
-                    store.append([{**rec, "params": params, "dtype": dtype}
-                                  for rec in _answer_batch(method, run, batch, runtime.model_name)])
+                    tags = {"params": params, "engine": engine, **({"dtype": dtype} if dtype is not None else {})}
+                    store.append([{**rec, **tags} for rec in _answer_batch(method, run, batch, runtime.model_name)])
                     stored += len(batch)
                     if bar is not None:
                         bar.update(len(batch))

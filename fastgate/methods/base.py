@@ -14,7 +14,8 @@ from fastgate.programs import Generate, Program
 from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book_prompt, has_answer, rag_prompt
 from fastgate.retrieval.base import Hit, Retriever
 
-__all__ = ["GateThreshold", "Method", "MethodConfig", "MethodResult", "append_sentence", "check_questions"]
+__all__ = ["GateThreshold", "Method", "MethodConfig", "MethodResult", "append_sentence", "black_box_methods",
+           "black_box_refusal", "check_questions"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,24 @@ def append_sentence(text: str, seq: Generation) -> tuple[str, bool]:
     return text, finished or has_answer(seq.text)
 
 
+def black_box_methods() -> list[str]:
+    """The methods that run on a remote engine (``black_box``): they read only text and token log-probabilities."""
+    names, todo = [], list(Method.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if cls.black_box and cls.name and cls.name not in names:
+            names.append(cls.name)
+        todo.extend(cls.__subclasses__())
+    order = ("never", "always", "flare", "scaar", "dtr")
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
+def black_box_refusal(method: str, engine: str) -> str:
+    """The one line a method that reads hidden states answers when asked to run on a remote engine."""
+    return (f"method {method} needs the model's hidden states, which the remote engine {engine} does not return; "
+            f"on a remote engine use one of: {', '.join(black_box_methods())}")
+
+
 def check_questions(engine: Engine, config: MethodConfig, questions: list[str]) -> list[str]:
     """Strip ``questions`` and reject empty ones or ones that cannot fit the model context with the closed-book prompt
     around them and ``config.max_answer_tokens`` (passages may then be truncated). Needs only the tokenizer, so a
@@ -141,8 +160,11 @@ class Method:
     default_retriever: ClassVar[str] = "bm25"  # what `fastgate ask` opens when --retriever is not given
     uses_retrievers: ClassVar[tuple[str, ...]] = ()  # other retrievers it searches too (the read gate: both)
     threshold: ClassVar[GateThreshold | None] = None  # the first gate's threshold parameter (gated methods)
+    black_box: ClassVar[bool] = False  # needs only generated text and token log-probs: runs on a remote engine
 
     def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
+        if getattr(engine, "black_box", False) and not self.black_box:
+            raise InputError(black_box_refusal(self.name, getattr(engine, "name", "a remote engine")))
         self.engine = engine
         self.retriever = retriever
         self.config = config or self.config_class()

@@ -47,6 +47,7 @@ class Dtr(Method):
     """
 
     name = "dtr"
+    black_box = True  # text and token log-probs only: runs on a remote engine too
     config_class = DtrConfig
     description = "DTR: retrieve iff answer NLL >= tau; dual-path retrieval (q, pseudo-context) + AIS (Chen+ 2025)"
     default_retriever = "dense"

@@ -77,6 +77,7 @@ class Flare(_SentenceLoop):
     """FLARE (Jiang et al., 2023): look-ahead sentence; retrieve when a word is unconfident; regenerate it."""
 
     name = "flare"
+    black_box = True  # text and token log-probs only: runs on a remote engine too
     threshold = GateThreshold("theta", skip=0.0, retrieve_above=False)  # a word below theta retrieves
     config_class = FlareConfig
     description = "FLARE: retrieve when a word of the next sentence has probability < theta (Jiang et al., 2023)"
@@ -109,6 +110,7 @@ class Scaar(_SentenceLoop):
     """
 
     name = "scaar"
+    black_box = True  # text and token log-probs only: runs on a remote engine too
     threshold = GateThreshold("theta", skip=0.0, retrieve_above=False)  # a word below theta retrieves
     config_class = ScaarConfig
     description = "SCAAR: word thresholds scaled by semantic contribution; percentile-filtered query"

@@ -12,6 +12,7 @@ class NeverRetrieve(Method):
     """Closed-book answers: one greedy generation, no retrieval."""
 
     name = "never"
+    black_box = True  # text and token log-probs only: runs on a remote engine too
     description = "closed-book baseline: answer from the model's parameters only"
     needs_retriever = False
 
@@ -24,6 +25,7 @@ class AlwaysRetrieve(Method):
     """Standard RAG: retrieve top-k for the question, answer with the passages."""
 
     name = "always"
+    black_box = True  # text and token log-probs only: runs on a remote engine too
     description = "standard RAG baseline: always retrieve top-k for the question"
 
     def program(self, question: str) -> Program:

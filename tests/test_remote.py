@@ -1,0 +1,247 @@
+"""The remote engine (issue 38): fastgate's methods generating through an OpenAI-compatible ``/v1/completions``.
+
+On loopback, with the tiny model: scaar, flare and dtr through a remote engine pointed at a fastgate server of the
+same model give the local engine's answers and gate steps; methods that read hidden states refuse the engine; a
+server answering 429 is retried, one that hangs times out and fails only its question, one without logprobs is
+refused; the CLI and eval records name the engine, and an eval refuses to resume on another engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi import Request  # noqa: E402 - module level: the stub's endpoint annotation is resolved from here
+
+from fastgate.errors import InputError, RemoteError  # noqa: E402
+from fastgate.remote import RemoteConfig, RemoteEngine, token_bytes  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan"]
+# small settings: every question runs in a fraction of a second on the tiny model
+PARAMS = {
+    "scaar": {"max_sentences": 2, "sentence_tokens": 10},
+    "flare": {"max_sentences": 2, "sentence_tokens": 10, "theta": 0.3},
+    "dtr": {"tau": 0.5, "pseudo_tokens": 12, "max_answer_tokens": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def fastgate_server(small_index):
+    """A fastgate server of the tiny model (its own engine: the same weights as ``tiny_engine``) on loopback."""
+    from fastgate.engine import Engine
+    from fastgate.runtime import Runtime
+    from fastgate.server import create_app
+    from fastgate.service import AnswerService, ServiceConfig
+    from fastgate.testing import serve_in_thread, tiny_model
+
+    runtime = Runtime("tiny", index=str(small_index), engine=Engine(tiny_model()))
+    svc = AnswerService(ServiceConfig(method="never", index=str(small_index)), runtime).start()
+    with serve_in_thread(create_app(svc, timeout_s=60)) as port:
+        yield f"http://127.0.0.1:{port}/v1"
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(fastgate_server):
+    engine = RemoteEngine(RemoteConfig(fastgate_server, "tiny", concurrency=4)).connect()
+    yield engine
+    engine.close()
+
+
+def _run(engine, small_index, method: str, params: dict):
+    from fastgate.runtime import Runtime, check_request
+
+    runtime = Runtime("tiny", index=str(small_index), engine=engine)
+    return runtime.build(check_request(method, params)).answer_batch(QUESTIONS)
+
+
+@pytest.mark.parametrize("method", ["scaar", "flare", "dtr"])
+def test_black_box_methods_through_a_fastgate_server_equal_the_local_engine(method, tiny_engine, remote,
+                                                                           small_index):
+    local = _run(tiny_engine, small_index, method, PARAMS[method])
+    through = _run(remote, small_index, method, PARAMS[method])
+    for a, b in zip(local, through):
+        assert b.answer == a.answer
+        assert [s.retrieve for s in b.gate_steps] == [s.retrieve for s in a.gate_steps]
+        assert [s.score for s in b.gate_steps] == pytest.approx([s.score for s in a.gate_steps], abs=1e-4)
+        assert [getattr(s, "query", None) for s in b.gate_steps] == [getattr(s, "query", None) for s in a.gate_steps]
+        assert [h.id for h in b.passages] == [h.id for h in a.passages]
+        assert (b.lm_calls, b.generated_tokens, b.retrieval_calls) == (a.lm_calls, a.generated_tokens,
+                                                                       a.retrieval_calls)
+    assert any(s.retrieve for r in local for s in r.gate_steps)  # the comparison covers retrieving paths
+    if method != "dtr":
+        assert any(not s.retrieve for r in local for s in r.gate_steps) or method == "scaar"
+
+
+def test_generations_map_back_token_by_token(tiny_engine, remote):
+    from fastgate.config import GenerationConfig
+    from fastgate.prompts import SENTENCE_STOP, cot_prompt
+
+    prompts = [cot_prompt(q) for q in QUESTIONS]
+    for cfg in (GenerationConfig(max_new_tokens=24, stop=SENTENCE_STOP), GenerationConfig(max_new_tokens=6)):
+        local, through = tiny_engine.generate(prompts, cfg), remote.generate(prompts, cfg)
+        for a, b in zip(local.sequences, through.sequences):
+            assert (b.text, b.finish_reason, b.stop_string, b.answer_tokens) == (a.text, a.finish_reason,
+                                                                                 a.stop_string, a.answer_tokens)
+            assert remote.token_pieces(b.token_ids) == tiny_engine.token_pieces(a.token_ids)  # bytes, even partial
+            assert b.token_logprobs == pytest.approx(a.token_logprobs, abs=1e-4)
+            assert b.prompt_tokens == a.prompt_tokens
+
+
+@pytest.mark.parametrize("method", ["probing", "seakr", "cbdr", "read"])
+def test_methods_reading_hidden_states_refuse_the_remote_engine(method, small_index):
+    from fastgate.methods import build_method
+    from fastgate.runtime import check_request
+
+    engine = RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1", "tiny"))  # never contacted
+    with pytest.raises(InputError) as err:
+        build_method(method, engine, None)
+    message = str(err.value)
+    assert "\n" not in message and f"method {method} needs the model's hidden states" in message
+    assert message.endswith("use one of: never, always, flare, scaar, dtr")
+    with pytest.raises(InputError, match="hidden states"):  # the CLI's early check, before any checkpoint lookup
+        check_request(method, {}, None, "tiny", remote=engine.name)
+
+
+def test_token_strings_and_bytes():
+    assert token_bytes("bytes:\\xe2\\x80") == b"\xe2\x80"
+    assert token_bytes(" caf\u00e9") == " café".encode()
+    assert token_bytes("x", [226, 156]) == b"\xe2\x9c"
+
+
+# ---------------------------------------------------------------------------------------------- stub servers
+def _stub(handler):
+    """A loopback server whose POST /v1/completions answers ``await handler(body) -> (status, json, headers)``."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from fastgate.testing import serve_in_thread
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        status, body, headers = await handler(await request.json())
+        return JSONResponse(body, status_code=status, headers=headers or {})
+
+    return serve_in_thread(app)
+
+
+def _answer(text: str = " Paris", logprobs: bool = True) -> dict:
+    tokens = [" Par", "is", "\n"]
+    lp = {"tokens": tokens, "token_logprobs": [-0.5, -0.25, -0.125], "top_logprobs": None,
+          "text_offset": [0, 4, 6]} if logprobs else None
+    return {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": lp}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+
+
+def test_a_server_answering_429_is_retried_after_its_retry_after():
+    from fastgate.config import GenerationConfig
+
+    seen = []
+
+    async def handler(body):
+        seen.append(body)
+        if len(seen) == 1:
+            return 429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}
+        return 200, _answer(), None
+
+    with _stub(handler) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=2))
+        batch = engine.generate(["Q: x\nA:"], GenerationConfig(max_new_tokens=4, stop=("\n",)))
+    seq = batch.sequences[0]
+    assert len(seen) >= 2 and engine.retries == 1
+    assert (seq.text, seq.answer_tokens, seq.finish_reason, seq.stop_string) == (" Paris", 2, "stop", "\n")
+    assert seq.token_logprobs == [-0.5, -0.25, -0.125] and seq.prompt_tokens == 7
+    last = seen[-1]
+    assert last["logprobs"] == 1 and last["temperature"] == 0.0 and last["stop"] == ["\n"] and last["max_tokens"] == 4
+
+
+def test_a_hanging_server_times_out_and_only_that_question_fails():
+    from fastgate.methods import NeverRetrieve
+    from fastgate.scheduler import Scheduler
+
+    release = threading.Event()
+
+    async def handler(body):
+        if "HANG" in body["prompt"]:
+            for _ in range(100):  # until the test ends (at most 5 s)
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.05)
+        return 200, _answer(), None
+
+    with _stub(handler) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", timeout_s=0.5, max_retries=0))
+        method = NeverRetrieve(engine, None)
+        sched = Scheduler(engine)
+        tasks = sched.run([sched.submit(method, q) for q in ("Who wrote Hamlet?", "HANG forever?")])
+        release.set()
+    ok, hung = tasks
+    assert ok.error is None and ok.result.answer == "Paris"
+    assert isinstance(hung.error, RemoteError) and "no answer within 0.5 s" in str(hung.error)
+    assert "\n" not in str(hung.error)
+
+
+def test_a_server_without_logprobs_is_refused_with_a_message_saying_so():
+    from fastgate.runtime import Runtime
+
+    async def handler(body):
+        return 200, _answer(logprobs=False), None
+
+    async def refuses(body):
+        return 400, {"error": {"message": "logprobs is not supported"}}, None
+
+    for h in (handler, refuses):
+        with _stub(h) as port:
+            runtime = Runtime(remote=RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub"))
+            with pytest.raises(RemoteError, match="returns no token log-probabilities") as err:
+                runtime.engine  # noqa: B018 - connecting checks the server once
+        assert "\n" not in str(err.value)
+
+
+def test_cli_ask_through_the_remote_engine_names_it(fastgate_server, tiny_engine, capsys):
+    from fastgate.cli import main
+    from fastgate.methods import NeverRetrieve
+
+    argv = ["ask", "--engine", "openai", "--base-url", fastgate_server, "--api-model", "tiny", "--method", "never",
+            "--json", "--max-tokens", "6", QUESTIONS[1]]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["engine"] == f"openai:{fastgate_server}:tiny" and record["model"] == "tiny"
+    from fastgate.methods.base import MethodConfig
+
+    local = NeverRetrieve(tiny_engine, None, MethodConfig(max_answer_tokens=6)).answer(QUESTIONS[1])
+    assert record["answer"] == local.answer and "dtype" not in record
+    # a method that reads hidden states: one line, exit 2, nothing contacted
+    assert main(["ask", "--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--api-model", "x",
+                 "--method", "cbdr", "Hi?"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastgate: error: method cbdr needs the model's hidden states") and "\n" not in err
+    assert main(["ask", "--engine", "openai", "--method", "never", "Hi?"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+
+
+def test_eval_records_name_the_engine_and_refuse_a_resume_on_another(tiny_engine, remote, small_index, tmp_path):
+    from fastgate.eval.datasets import QAExample
+    from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
+    from fastgate.runtime import Runtime
+
+    examples = [QAExample("q1", QUESTIONS[0], ("Paris",)), QAExample("q2", QUESTIONS[1], ("Shakespeare",))]
+    run = RunSpec("never", None)
+    store = ResultsStore(tmp_path / "results.jsonl")
+    through = Runtime("tiny", index=str(small_index), engine=remote)
+    local = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    evaluate(through, [run], examples[:1], store, progress=False)
+    rec = next(iter(store.records.values()))
+    assert rec["engine"] == remote.name and "dtype" not in rec
+    with pytest.raises(InputError, match="made on the engine openai:"):
+        evaluate(local, [run], examples, ResultsStore(store.path), progress=False)
+    evaluate(through, [run], examples, ResultsStore(store.path), progress=False)
+    assert len(ResultsStore(store.path).records) == 2
