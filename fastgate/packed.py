@@ -521,8 +521,10 @@ class PackedLoop(DecodeLoop):
             return False
         b = batch_bucket(m)
         self.store.reserve(b, max(self.lens) + 1, m, max(self.lens), self.max_cells)
-        width = self.store.cols_cap  # every column: a graph per (batch bucket, store width), whatever the rows' lengths
-        if self.store.rows_cap < b or width != width_bucket(width):  # max_cells cut the buckets: an eager pass
+        # on CUDA every column of the store: a graph per (batch bucket, store width), whatever the rows' lengths; on a
+        # CPU (symbolic sizes) the columns the rows use, so that a long context does not read the store's spare
+        width = self.store.cols_cap if self.static.cuda_graphs else max(self.lens) + 1
+        if self.store.rows_cap < b or self.store.cols_cap != width_bucket(self.store.cols_cap):  # max_cells cut them
             return False
         eng = self.runner
         dev = eng.device

@@ -6,11 +6,12 @@ next step can start. On a GPU that step is bound by ~1,500 kernel launches; on a
 overhead at small batch. This module replaces the decode-only pass (no prompt chunk in it) with one function whose
 every shape is fixed by a *bucket* — ``B`` rows (1, 2, 4, … 128; the rows past the loop's own are padding) and
 ``W`` columns, the store's whole width, which grows in powers of two in this mode (a view's strides follow its
-buffer's width: attending over all of it keeps one graph per width; the masked columns cost little next to the
-weights) — so that ``torch.compile(fullgraph=True)`` traces it once per bucket and,
-on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture one graph per batch
-size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes are left symbolic there
-(``dynamic=True``), and one graph (two: batch 1 is specialised) serves every bucket. Inside the one graph:
+buffer's width: attending over all of it keeps one graph per width) — so that ``torch.compile(fullgraph=True)``
+traces it once per bucket and, on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture
+one graph per batch size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes
+are left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the step attends over the
+columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare of a 1024-column
+store made the step 1.2× slower than the eager one). Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.packed.SlotStore` rows at the row's own
@@ -131,6 +132,31 @@ class _StoreView:
         return k, v
 
 
+_ATTENTION = "fastgate_static"
+_registered = False
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The step's attention (an HF attention function): ``query [B, H, 1, D]`` over ``key / value [B, Hkv, W, D]``
+    with the rows' length mask ``[B, 1, 1, W]``; returns ``[B, 1, H, D]`` as HF's functions do. Grouped-query
+    heads go to SDPA as they are (``enable_gqa``): HF's own SDPA function copies every key and value head group by
+    group (``repeat_kv``) whenever torch.compile traces it with a mask, which at batch 16 and 600 columns made the
+    compiled step 3× slower than the eager one."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)  # [B, H, 1, D]
+    return out.transpose(1, 2), None
+
+
+def _register() -> None:
+    """Register :func:`_attention` with transformers (once, when the first step is built; never at import)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_ATTENTION, _attention)
+        _registered = True
+
+
 def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: list[torch.Tensor],
             ints: torch.Tensor, floats: torch.Tensor, running: torch.Tensor, count: torch.Tensor, eos: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +246,7 @@ class StaticStep:
             # compiles for a minute or two once instead of per bucket; a CUDA graph needs the static shapes anyway
             fn = torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend=backend)
         self._fn = fn
+        _register()
 
     @property
     def layers(self) -> int:
@@ -238,10 +265,11 @@ class StaticStep:
         b, width = ints.shape[1], keys[0].shape[2]
         if b not in BATCH_BUCKETS and b % BATCH_BUCKETS[-1]:
             raise ValueError(f"static step: {b} rows is not a batch bucket {BATCH_BUCKETS}")
-        if width != width_bucket(width):
+        if self.cuda_graphs and width != width_bucket(width):
             raise ValueError(f"static step: width {width} is not a width bucket")
-        new = (b, width) not in self.buckets
-        self.buckets.add((b, width))
+        bucket = (b, width_bucket(width))  # on a CPU any width runs: its bucket is what the graph was traced for
+        new = bucket not in self.buckets
+        self.buckets.add(bucket)
         r = self.runner
         args = (r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
         if not new or self._fn is _decode:
@@ -253,9 +281,20 @@ class StaticStep:
                           "run eagerly", RuntimeWarning, stacklevel=2)
             self._fn, self.compiled, self.cuda_graphs = _decode, False, False
             self._graphs.clear()
-            return self._fn(*args)
+            return self._run(args)
 
     def _run(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        # the layers read the attention implementation from the shared config when they run (and the compiled graph
+        # guards on it): it names the step's own function for the step only, as the packed pass does for its own
+        config = self.runner.model.config
+        old = config._attn_implementation
+        config._attn_implementation = _ATTENTION
+        try:
+            return self._call(args)
+        finally:
+            config._attn_implementation = old
+
+    def _call(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cuda_graphs:
             return self._fn(*args)
         keys, values, ints, floats, running, count, eos = args[3:]

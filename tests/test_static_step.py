@@ -117,7 +117,7 @@ def test_greedy_rows_equal_the_eager_packed_pass(tiny, compiled_runner):
     assert sorted(got) == sorted(eager) == [0, 1, 2, 3]
     for i in eager:
         _same(got[i], eager[i])
-    assert loop.static_steps >= 10
+    assert loop.static_steps >= 10 and loop.static.compiled  # traced, not fallen back to the eager step
     assert not loop.rows and not loop.busy
 
 
@@ -171,7 +171,7 @@ def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     got, loop = _run(ModelRunner(tiny, step=StepConfig("compiled", backend="aot_eager")), GREEDY[2:3])
     for i in eager:
         _same(got[i], eager[i])
-    assert loop.static_steps > 0
+    assert loop.static_steps > 0 and loop.static.compiled
 
 
 _HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}
