@@ -8,10 +8,10 @@ every shape is fixed by a *bucket* — ``B`` rows (1, 2, 4, … 128; the rows pa
 ``W`` columns, the store's whole width, which grows in powers of two in this mode (a view's strides follow its
 buffer's width: attending over all of it keeps one graph per width) — so that ``torch.compile(fullgraph=True)``
 traces it once per bucket and, on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture
-one graph per batch size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes
-are left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the
-step attends over the columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare of a 1024-column
-store made the step 1.2× slower than the eager one). Inside the one graph:
+one graph per batch size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes are
+left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the step
+attends over the columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare
+of a 1024-column store made the step 1.2× slower than the eager one). Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.packed.SlotStore` rows at the row's own
