@@ -6,6 +6,8 @@ import csv
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -93,3 +95,25 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def start_server(tree: Path, port: int, args: list[str], what: str = "the fastgate server") -> subprocess.Popen:
+    """``fastgate serve --port PORT ... ARGS`` of checkout ``tree`` in a subprocess (loopback, quiet logs, a deep
+    queue and long timeouts for load tests), once its ``/healthz`` answers (at most 5 minutes: the model loads)."""
+    import httpx
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "fastgate", "serve", "--port", str(port), "--max-queue", "1024", "--timeout", "600",
+           "--log-level", "warning", *args]  # the caller's flags last: they override these
+    proc = subprocess.Popen(cmd, env=env, cwd=tree)
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"{what} did not start")
+        time.sleep(0.5)

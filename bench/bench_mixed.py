@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import shlex
 import socket
@@ -39,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, print_table  # noqa: E402
+from _common import append_rows, print_table, start_server  # noqa: E402
 
 CANDIDATES = [  # well-known facts (skipped by the calibrated gate) and corpus facts (retrieved), alternating
     "Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the capital of France?",
@@ -63,23 +62,7 @@ def _free_port() -> int:
 
 
 def _start(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    import httpx
-
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "fastgate", "serve", "--method", "dtr", "--port", str(port), "--max-queue", "1024",
-           "--timeout", "600", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env=env, cwd=tree)
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise SystemExit(f"the server from {tree} did not start")
-        time.sleep(0.5)
+    return start_server(tree, port, ["--method", "dtr", *extra], f"the server from {tree}")
 
 
 def _ask(url: str, question: str) -> tuple[float, dict]:

@@ -24,36 +24,19 @@ Appends one row per method to bench/results/remote.csv. Run from the repository 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, print_table  # noqa: E402
+from _common import append_rows, print_table, start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _start(model: str, port: int) -> subprocess.Popen:
-    import httpx
-
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "fastgate", "serve", "--model", model, "--method", "never", "--port", str(port),
-           "--max-queue", "1024", "--timeout", "600", "--log-level", "warning", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise SystemExit("the fastgate server did not start")
-        time.sleep(0.5)
+    return start_server(ROOT, port, ["--model", model, "--method", "never", "--device", "cpu"])
 
 
 class _Recorder:

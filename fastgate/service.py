@@ -318,13 +318,8 @@ class AnswerService:
                 self._top = TopLogprobs(engine)
             top = self._top
         future: Future = Future()
-        job = _Job(prompt, None, future, time.perf_counter(),
-                   program=completion_program(engine, prompt, config, seed, top_logprobs, top))
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.rejected()
-            raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
+        self._enqueue(_Job(prompt, None, future, time.perf_counter(),
+                           program=completion_program(engine, prompt, config, seed, top_logprobs, top)))
         return future
 
     def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
@@ -362,13 +357,16 @@ class AnswerService:
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()
-        job = _Job(question, req, future, time.perf_counter(), listener=listener, answer_tokens=answer_tokens)
+        self._enqueue(_Job(question, req, future, time.perf_counter(), listener=listener, answer_tokens=answer_tokens))
+        return future
+
+    def _enqueue(self, job: _Job) -> None:
+        """Put ``job`` on the queue, or count it rejected and raise :class:`OverloadedError` when the queue is full."""
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             self.metrics.rejected()
             raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
-        return future
 
     def cancel(self, future: Future) -> None:
         """Give up on a submitted request (timed out, or its client went away): dropped if still queued, else its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode import _same  # the loops' comparison: tokens, text, log-probs within 1e-4, taps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastgate.config import GenerationConfig, TapSpec
@@ -59,20 +60,6 @@ def _run(runner, specs, joins=(), steps_between=2):
     while loop.busy:
         step()
     return results, loop
-
-
-def _same(got, want, tokens=True):
-    if tokens:
-        assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
-        assert [s.text for s in got.sequences] == [s.text for s in want.sequences]
-        for a, b in zip(got.sequences, want.sequences):
-            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
-    assert got.layers == want.layers
-    for name in ("running_sum", "count", "pre_answer", "eos_state"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert (a is None) == (b is None), name
-        if a is not None:
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
