@@ -157,7 +157,7 @@ def test_overload_and_stop(tiny_engine, small_index):
 # ---------------------------------------------------------------------------------------------------- HTTP
 @pytest.fixture(scope="module")
 def server(service):
-    from fastgate.server import create_app
+    from fastgate.http import create_app
     from fastgate.testing import serve_in_thread
 
     app = create_app(service, timeout_s=60)
@@ -221,7 +221,7 @@ def test_http_health_metrics_schema(server):
 def test_http_timeout_gives_504(tiny_engine, small_index):
     from fastapi.testclient import TestClient
 
-    from fastgate.server import create_app
+    from fastgate.http import create_app
 
     svc = _service(tiny_engine, small_index)
     svc._method(svc._request(None, None))
