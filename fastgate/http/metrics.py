@@ -1,5 +1,5 @@
 """The Prometheus metrics of one app (``GET /metrics``): requests by status code and their latency, counted by the
-routes, and the service's own counters (:class:`~fastgate.service.Metrics`: decode-step rows, answers, retrievals,
+routes, and the service's own counters (``AnswerService.metrics``: decode-step rows, answers, retrievals,
 cancellations, queue depth), read when the metrics are scraped.
 
 Imports prometheus_client only; :mod:`fastgate.http.app` builds one per app and passes it to the routes.
