@@ -287,8 +287,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from fastgate.http import serve
     from fastgate.runtime import check_request
-    from fastgate.server import serve
     from fastgate.service import AnswerService, ServiceConfig
 
     params = _parse_params(args.param)

@@ -1,6 +1,7 @@
-"""Plain completions with token log-probabilities, in OpenAI's formats: what ``fastgate serve`` answers for its LM's
-own name on ``/v1/completions`` (so that one fastgate can be the black-box model of another, see
-:mod:`fastgate.remote`), and the ``logprobs`` of ``fastgate-never``'s answer.
+"""Plain completions with token log-probabilities: what ``fastgate serve`` answers for its LM's own name on
+``/v1/completions`` (so that one fastgate can be the black-box model of another, see :mod:`fastgate.remote`). This
+module holds the program the scheduler runs and its result; :mod:`fastgate.http.logprobs` writes the result in
+OpenAI's formats.
 
 The chosen tokens' log-probabilities are the decode loop's own (float32, temperature 1, exactly what the local gates
 read). ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) need the whole distribution at each step, which the loop
@@ -11,9 +12,7 @@ digits, as any two passes of different shapes do).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -21,8 +20,7 @@ from fastgate.config import GenerationConfig
 from fastgate.generation import Generation
 from fastgate.programs import Batched, Generate, Program
 
-__all__ = ["MAX_TOP_LOGPROBS", "Completion", "TopLogprobs", "chat_logprobs", "completion_logprobs",
-           "completion_program", "openai_token"]
+__all__ = ["MAX_TOP_LOGPROBS", "Completion", "TopLogprobs", "completion_program"]
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's own limit for completions; each extra one costs nothing once the logits are there
 
@@ -71,38 +69,3 @@ def completion_program(engine, prompt: str, config: GenerationConfig, seed: int 
             ranked = yield Batched(top, (prompt, config, list(seq.token_ids), top_n), phase="generation_s")
             alternatives = [[(engine.token_pieces([i])[0], lp) for i, lp in step] for step in ranked]
     return Completion(seq, pieces, alternatives)
-
-
-def openai_token(piece: bytes) -> str:
-    """A token as OpenAI's APIs write it: its text, or ``bytes:\\xNN...`` when it is not whole UTF-8."""
-    try:
-        return piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
-
-
-def completion_logprobs(pieces: Sequence[bytes], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[bytes, float]]] | None) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a completion: ``tokens``, ``token_logprobs``, ``top_logprobs`` (one ``{token:
-    log-prob}`` per token, or None when none were asked for) and ``text_offset`` (characters into the text)."""
-    tokens = [openai_token(p) for p in pieces]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t) if not t.startswith("bytes:") else 0
-    tops = None
-    if top is not None:
-        tops = [{openai_token(p): float(lp) for p, lp in step} for step in top]
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def chat_logprobs(pieces: Sequence[bytes], logprobs: Sequence[float],
-                  top: Sequence[Sequence[tuple[bytes, float]]] | None) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a chat completion: ``{"content": [{"token", "logprob", "bytes",
-    "top_logprobs"}]}``."""
-    content = []
-    for i, (p, lp) in enumerate(zip(pieces, logprobs)):
-        alts = [{"token": openai_token(q), "logprob": float(v), "bytes": list(q)} for q, v in top[i]] if top else []
-        content.append({"token": openai_token(p), "logprob": float(lp), "bytes": list(p), "top_logprobs": alts})
-    return {"content": content, "refusal": None}

@@ -56,7 +56,7 @@ class Generate:
 
     ``answer`` marks the generation whose text, stripped, is the question's answer as soon as it is asked for (the
     program returns it unchanged): the scheduler reports its text to the question's listener as it is decoded, so a
-    server can stream it (:mod:`fastgate.openai_api`). It changes nothing that is computed.
+    server can stream it (:mod:`fastgate.http.openai`). It changes nothing that is computed.
     """
 
     prompt: str

@@ -4,7 +4,7 @@ OpenAI-compatible ones, ``/healthz``, ``/metrics``).
 
 Each replica is a Ray actor that loads the model, opens the read-only indexes and runs its own
 :class:`~fastgate.service.AnswerService` (one scheduler batching that replica's requests) behind the FastAPI app of
-:func:`fastgate.server.create_app`, mounted with ``@serve.ingress``. Ray Serve's proxy spreads requests over the
+:func:`fastgate.http.create_app`, mounted with ``@serve.ingress``. Ray Serve's proxy spreads requests over the
 replicas, at most ``max_ongoing_requests`` at a time on each (default: the service's ``max_live``, so requests wait in
 Ray's router, which sends them to the least loaded replica, rather than in one replica's queue; beyond ``max_queue``
 waiting there Ray answers 503). Ray checks every replica's health (``check_health``: its scheduler thread is alive)
@@ -89,7 +89,7 @@ class FastgateReplica:
 
     def __serve_build_asgi_app__(self):
         """Called by Ray Serve after ``__init__``: the app is built on the replica's own service."""
-        from fastgate.server import create_app
+        from fastgate.http import create_app
 
         return create_app(self.service, self.timeout_s, replica=self.replica)
 

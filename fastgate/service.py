@@ -1,6 +1,6 @@
 """The embeddable answering service: a thread-safe ``submit() -> Future`` in front of one engine, on one
 :class:`~fastgate.scheduler.Scheduler`, with a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it
-(:mod:`fastgate.server`).
+(:mod:`fastgate.http`).
 
 Every accepted request becomes its method's program for its question and joins the running scheduler at its next
 tick; programs of every method and parameter set share the batched calls (generation, search, embedding, gate ops),
@@ -484,7 +484,7 @@ def _check_int_params(req, limit: int) -> None:
 
 
 class _Metrics:
-    """Counters the worker updates; :mod:`fastgate.server` exports them in the Prometheus format."""
+    """Counters the worker updates; :mod:`fastgate.http` exports them in the Prometheus format."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -31,7 +31,7 @@ def service(tiny_engine, small_index):
 
 @pytest.fixture(scope="module")
 def client(service):
-    from fastgate.server import create_app
+    from fastgate.http import create_app
     from fastgate.testing import serve_in_thread
 
     with serve_in_thread(create_app(service, timeout_s=60, replica="r0")) as port:

@@ -35,8 +35,8 @@ PARAMS = {
 def fastgate_server(small_index):
     """A fastgate server of the tiny model (its own engine: the same weights as ``tiny_engine``) on loopback."""
     from fastgate.engine import Engine
+    from fastgate.http import create_app
     from fastgate.runtime import Runtime
-    from fastgate.server import create_app
     from fastgate.service import AnswerService, ServiceConfig
     from fastgate.testing import serve_in_thread, tiny_model
 

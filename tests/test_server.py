@@ -157,7 +157,7 @@ def test_overload_and_stop(tiny_engine, small_index):
 # ---------------------------------------------------------------------------------------------------- HTTP
 @pytest.fixture(scope="module")
 def server(service):
-    from fastgate.server import create_app
+    from fastgate.http import create_app
     from fastgate.testing import serve_in_thread
 
     app = create_app(service, timeout_s=60)
@@ -221,7 +221,7 @@ def test_http_health_metrics_schema(server):
 def test_http_timeout_gives_504(tiny_engine, small_index):
     from fastapi.testclient import TestClient
 
-    from fastgate.server import create_app
+    from fastgate.http import create_app
 
     svc = _service(tiny_engine, small_index)
     svc._method(svc._request(None, None))
@@ -252,3 +252,123 @@ def test_schema_fuzzing_finds_no_server_error(server, mode):
 
     fuzz()
     assert len(seen) >= 20
+
+
+# ---------------------------------------------------------------------------------------------------- the error map
+def _failing():
+    from fastgate.errors import CheckpointError, FastgateError
+    from fastgate.scheduler import CancelledError
+
+    return {"overloaded": OverloadedError(3, retry_after_s=7), "input": InputError("bad question"),
+            "checkpoint": CheckpointError("no such checkpoint"), "stopping": FastgateError("the service is stopping"),
+            "cancelled": CancelledError("the request was cancelled"), "bug": RuntimeError("boom")}
+
+
+@pytest.mark.parametrize("name,queued,native,openai,code", [
+    ("overloaded", False, 503, 503, "overloaded"),
+    ("input", False, 422, 400, "invalid_value"),
+    ("input", True, 422, 400, "invalid_value"),
+    ("checkpoint", False, 422, 400, "invalid_value"),
+    ("checkpoint", True, 422, 400, "invalid_value"),
+    ("stopping", False, 503, 503, "unavailable"),
+    ("stopping", True, 500, 500, "internal_error"),  # a FastgateError while answering (e.g. the service stopped)
+    ("cancelled", True, 504, 504, "timeout"),  # the service's own timeout
+    ("bug", True, 500, 500, "internal_error"),
+])
+def test_one_error_map_for_native_and_openai(name, queued, native, openai, code):
+    from fastgate.http.common import NotAnswered
+    from fastgate.http.errors import ErrorMap
+
+    counted = []
+    errors = ErrorMap(service_timeout_s=120, count=counted.append)
+    exc = _failing()[name]
+    a, b = errors.error(exc, openai=False, queued=queued), errors.error(exc, openai=True, queued=queued)
+    assert (a.status, b.status, a.code, b.code) == (native, openai, code, code)
+    assert a.message == b.message
+    if name == "cancelled":
+        assert a.message == "not answered within 120 s"
+    if name == "bug":
+        assert a.message == "internal error: RuntimeError: boom"
+    if native == 503:
+        assert a.headers == {"Retry-After": "7" if name == "overloaded" else "5"}
+    timeout = errors.error(NotAnswered(0.5), openai=True)
+    assert (timeout.status, timeout.message, timeout.code) == (504, "not answered within 0.5 s", "timeout")
+    assert counted == []  # counted when a response is written
+    errors.native(exc, queued=queued)
+    errors.openai(exc, queued=queued)
+    assert counted == [native, openai]
+
+
+@pytest.mark.parametrize("name", ["overloaded", "input", "checkpoint", "stopping", "cancelled", "bug"])
+def test_http_errors_have_each_api_format(name):
+    """Submitting fails, or the answer fails: the native body is {"error": message}, the OpenAI body has OpenAI's
+    shape, with the same status as the map's."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from fastgate.http import create_app
+    from fastgate.http.errors import ErrorMap
+    from fastgate.service import _Metrics
+
+    exc = _failing()[name]
+    errors = ErrorMap(120, lambda status: None)
+    for queued in (False, True):
+        if queued and name == "overloaded":
+            continue
+
+        def submit(*args, queued=queued, **kwargs):
+            if not queued:
+                raise exc
+            future = Future()
+            future.set_exception(exc)
+            return future
+
+        svc = SimpleNamespace(config=ServiceConfig(method="never"), submit=submit, cancel=lambda f: None,
+                              model_name="tiny", runtime=SimpleNamespace(remote=None), metrics=_Metrics(),
+                              live_programs=0, queue_depth=0)
+        with TestClient(create_app(svc, timeout_s=5), raise_server_exceptions=False) as client:
+            native = client.post("/v1/answer", json={"question": "Who wrote Hamlet?"})
+            openai = client.post("/v1/chat/completions",
+                                 json={"model": "fastgate", "messages": [{"role": "user", "content": "Who?"}]})
+            metrics = client.get("/metrics").text
+        want_native, want_openai = (errors.error(exc, openai=o, queued=queued) for o in (False, True))
+        if name == "bug" and not queued:  # not a FastgateError: a bug while submitting is the framework's own 500
+            assert native.status_code == openai.status_code == 500
+            continue
+        assert native.status_code == want_native.status, native.text
+        assert native.json() == {"error": want_native.message}
+        assert openai.status_code == want_openai.status, openai.text
+        assert openai.json()["error"]["message"] == want_openai.message
+        assert openai.json()["error"]["code"] == want_openai.code
+        if want_native.status == 503:
+            assert native.headers["Retry-After"] == openai.headers["Retry-After"] == want_native.headers["Retry-After"]
+        assert f'fastgate_requests_total{{status="{want_native.status}"}}' in metrics
+
+
+def test_openapi_schema_names_the_models_and_each_servers_limits():
+    """The request models at module level, narrowed per server: the schema keeps their names and carries the
+    server's limits (two apps with different limits in one process)."""
+    from types import SimpleNamespace
+
+    from fastgate.http import create_app, protocol
+
+    small = create_app(SimpleNamespace(config=ServiceConfig(method="never", max_tokens_limit=64,
+                                                            max_question_chars=100))).openapi()
+    default = create_app(SimpleNamespace(config=ServiceConfig())).openapi()
+    names = {"AnswerRequest", "AnswerResponse", "ChatChoice", "ChatCompletion", "ChatCompletionRequest",
+             "ChatMessage", "Completion", "CompletionChoice", "CompletionRequest", "ErrorBody", "ErrorDetail",
+             "ErrorResponse", "GateStepModel", "Message", "ModelCard", "ModelList", "Passage", "StreamOptions",
+             "TextPart", "Usage"}
+    for schema, (limit, chars, method) in ((small, (64, 100, "never")), (default, (256, 4000, "dtr"))):
+        comps = schema["components"]["schemas"]
+        assert names <= set(comps) and all(hasattr(protocol, n) for n in names)
+        answer = comps["AnswerRequest"]["properties"]
+        assert answer["question"]["maxLength"] == chars
+        assert answer["max_tokens"]["anyOf"][0]["maximum"] == limit
+        assert answer["method"]["description"].endswith(f"(default: {method})")
+        chat = comps["ChatCompletionRequest"]["properties"]
+        assert chat["max_completion_tokens"]["anyOf"][0]["maximum"] == limit
+        assert chat["model"]["description"].endswith(f"({method})")
+        assert comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == limit
