@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, median_time, print_table  # noqa: E402
 
+from fastgate.gate_checkpoints import Prober, stack_probers  # noqa: E402
 from fastgate.ops.backend import gate_ops  # noqa: E402
-from fastgate.probes import Prober, stack_probers  # noqa: E402
 
 
 def main() -> None:

@@ -92,7 +92,7 @@ class Engine:
         layer (:meth:`ModelRunner.prompt_states <fastgate.runner.ModelRunner.prompt_states>`)."""
         return self.runner.prompt_states(prompts, layer, batch_size)
 
-    # the runner's helpers under their old names, for subclasses (fastgate.eval.reference.ReferenceEngine)
+    # the runner's helpers under their old names, for subclasses (fastgate.eval.baseline.ReferenceEngine)
     def _encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
         return self.runner.encode(prompts, max_new_tokens)
 

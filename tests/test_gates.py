@@ -12,10 +12,10 @@ from fastgate import ops
 from fastgate.config import TapSpec
 from fastgate.engine import Generation, GenerationBatch
 from fastgate.errors import InputError, ShapeError
+from fastgate.gate_checkpoints import random_probe_params
 from fastgate.gates.eigen import EigenScoreGate
 from fastgate.gates.prober import ConfidenceGate, ProberGate
 from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words
-from fastgate.probes import random_probe_params
 
 OPS = ops.load("auto")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgate.errors import ShapeError
-from fastgate.probes import random_probe_params
+from fastgate.gate_checkpoints import random_probe_params
 
 triton = pytest.importorskip("triton")
 

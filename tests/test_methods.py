@@ -93,7 +93,7 @@ def dense(small_index):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny):
-    from fastgate.probes import random_probe_params, save_probe_checkpoint
+    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     probe = save_probe_checkpoint(root / "probe", random_probe_params(2, tiny.hidden_size, 16, seed=1),

@@ -16,10 +16,10 @@ import torch
 
 from fastgate import ops
 from fastgate.errors import BackendUnavailableError, InputError
+from fastgate.gate_checkpoints import random_probe_params
 from fastgate.ops import reference, registry
 from fastgate.ops.backend import GateOps, gate_ops
 from fastgate.ops.registry import OP_NAMES, Ops, build_ops
-from fastgate.probes import random_probe_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

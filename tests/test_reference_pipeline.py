@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.eval.reference import ReferenceEngine, ReferenceWordOps, seakr_eigenscore
+from fastgate.eval.baseline import ReferenceEngine, ReferenceWordOps, seakr_eigenscore
 from fastgate.ops import load as load_ops
 from fastgate.ops.reference import eigenscore
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
+from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
 from fastgate.gates.prober import ConfidenceGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
-from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.programs import All, Answer, Decide, Embed, Program, PromptStates, Score, Search
 from fastgate.prompts import closed_book_prompt, rag_prompt
 from fastgate.retrieval.base import Hit

@@ -65,7 +65,7 @@ class Read(Method):
         """The checkpoint to load (none for a training pass)."""
         if config.collect:
             return None
-        from fastgate.probes import resolve_checkpoint
+        from fastgate.gate_checkpoints import resolve_checkpoint
 
         return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")

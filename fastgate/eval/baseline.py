@@ -1,5 +1,6 @@
-"""The reference pipeline ``bench/bench_e2e.py`` measures fastgate against: the same algorithms, run the way the
-papers' code runs them.
+"""The baseline pipeline ``bench/bench_e2e.py`` measures fastgate against: the same algorithms, run the way the
+papers' code runs them (HF ``generate`` one prompt at a time, the papers' own formulations of the ops). Not to be
+confused with :mod:`fastgate.ops.reference`, the torch references the fast ops are tested against.
 
 * :class:`ReferenceEngine` answers one prompt (and one sample) at a time with HF
   ``generate(output_hidden_states=True, output_logits=True, return_dict_in_generate=True)``; stop strings are applied
