@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from fastgate.cli_params import parse_params as _parse_params
 from fastgate.errors import FastgateError, InputError
 
 __all__ = ["main"]
@@ -18,16 +19,6 @@ __all__ = ["main"]
 # `fastgate eval` without --method: the two baselines and the gate `ask` uses, so that a first run already says how
 # far the gate is from each (every method: --all, minutes more per question set on a CPU)
 DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
-
-
-def _parse_params(items: list[str] | None) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise InputError(f"--param expects name=value, got {item!r}")
-        key, value = item.split("=", 1)
-        params[key.strip()] = value.strip()
-    return params
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
