@@ -60,7 +60,7 @@ class Cbdr(Method):
         if len(ckpt.layers) != 1:
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")
         self.checkpoint = ckpt
-        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.gate_ops)
+        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.ops)
         self._reranker = None  # the trained reranker's embedder, loaded on first use
 
     def program(self, question: str) -> Program:

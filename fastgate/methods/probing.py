@@ -60,7 +60,7 @@ class Probing(Method):
         path = self.preflight(self.config, engine.lm.name)
         ckpt = load_probe_checkpoint(path, engine.lm, kind="probing")
         self.checkpoint = ckpt
-        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.gate_ops)
+        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.ops)
 
     def _query(self, question: str, rationale: str, passages: list[Hit]) -> str:
         # R(q, r, â) first; later rounds R(q, {d}, r, â) (eq. 6)

@@ -135,7 +135,7 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint or "", lm.name, "confidence", "the reranker", "fastgate train confidence")
     ckpt = load_probe_checkpoint(path, lm, kind="confidence")
     engine = Engine(lm)
-    gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.gate_ops)
+    gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.ops)
     prefs = shift_preferences(engine, gate, retriever, examples, n_candidates=args.candidates)
     print(f"{len(prefs)} questions with both confidence increases and decreases")
     losses = fit_reranker(prefs, args.out, cfg=RerankerConfig(epochs=args.epochs, lr=args.lr, seed=args.seed))
