@@ -1,18 +1,21 @@
 """Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | calibrate | train``.
 
-User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback.
+User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback. :func:`main` holds the one
+error map: every :class:`~fastgate.errors.FastgateError` (bad input, a missing index, a disk that is full...) and an
+``OSError`` that says the disk is full, permission is denied or the file system is read-only.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 from typing import Any
 
 from fastgate.cli_params import parse_params as _parse_params
-from fastgate.errors import FastgateError, InputError
+from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 
 __all__ = ["main"]
 
@@ -525,8 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)
-    except FastgateError as exc:
+    except FastgateError as exc:  # WriteError included: the places fastgate writes name what and where
         print(f"fastgate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the same three errors anywhere else: the path the OS names
+        if exc.errno not in DISK_ERRORS:
+            raise
+        what = "cannot access" if exc.errno == errno.EACCES else "cannot write"
+        where = f" {exc.filename}" if exc.filename is not None else ""
+        print(f"fastgate: error: {what}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastgate: interrupted", file=sys.stderr)
