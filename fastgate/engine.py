@@ -1,10 +1,14 @@
 """The engine: ``Engine.generate``, a facade over the model runner and the decode loop.
 
-:class:`~fastgate.runner.ModelRunner` owns the model's passes (prefill, decode step, prefix cache, taps),
-:class:`~fastgate.decode.DecodeLoop` chooses tokens and keeps the rows' states, :mod:`fastgate.generation` holds the
-result types; this module checks a ``generate`` call's arguments and runs one loop from a single admission to its end.
-It imports those modules and none of them imports it (the loops take a runner). ``Generation``, ``GenerationBatch`` and
-``FinishReason`` are re-exported here for the code that has always imported them from this module.
+:class:`~fastgate.runner.ModelRunner` owns the model's passes (prefill, eager or compiled decode step, prefix cache,
+taps) and binds the ops (:func:`fastgate.ops.build_ops`), :class:`~fastgate.decode.DecodeLoop` chooses tokens and
+keeps the rows' states, :mod:`fastgate.generation` holds the result types. This module holds :class:`Engine`: what
+methods and gates read of a model (the runner's attributes, ``engine.ops`` and ``engine.backend``, which a subclass
+may swap), the runner's helpers under the names subclasses use, and ``generate``, which checks a call's arguments and
+runs one loop from a single admission to its end (:class:`~fastgate.scheduler.Scheduler` runs its own loops). It
+imports those modules and none of them imports it (the loops take a runner). ``Generation``, ``GenerationBatch``,
+``FinishReason`` and ``accumulate_taps`` are re-exported here for the code that has always imported them from this
+module.
 """
 
 from __future__ import annotations
