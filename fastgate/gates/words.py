@@ -1,5 +1,9 @@
 """Word-level confidence gates on one generated sentence: FLARE's low-probability trigger and SCAAR's
-semantic-contribution-aware thresholds (with its Percentile-Filtered Query)."""
+semantic-contribution-aware thresholds (with its Percentile-Filtered Query).
+
+The rules of the two papers live here, beside the word alignment they share; their sentence loops are the methods
+:mod:`fastgate.methods.flare` and :mod:`fastgate.methods.scaar`. The words come from the engine's ops
+(``align_word_logprobs_batch``, :func:`fastgate.ops.build_ops`)."""
 
 from __future__ import annotations
 
