@@ -67,6 +67,7 @@ def reference_ops(ops: Ops) -> Ops:
     return dataclasses.replace(ops, backend="reference", backends=MappingProxyType({**ops.backends, **gating}),
                                accumulate=_no_accumulate, probe_logits=probe_logits, eigenscore=seakr_eigenscore)
 
+
 _WORD = re.compile(r"[^\W_]+(?:['-][^\W_]+)*")  # letters/digits, joined by inner ' or -
 
 
