@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if not ops.ext_available():
         sys.exit("fastgate._C is not built: pip install -e .")
-    ext, py = ops.load("ext"), ops.load("python")
+    ext, py = ops.build_ops("ext", "cpu"), ops.build_ops("python", "cpu")
     rows = []
     for n in (int(x) for x in args.tokens.split(",")):
         for as_bytes in (False, True):

@@ -3,7 +3,7 @@
 For each method, on the same held-out questions (greedy decoding; SeaKR's samples use the same per-question seeds):
 - ``fastgate``: the method on the engine (batched decode with taps summed on the fly, fused / C++ gate ops), the
   questions answered in batches of ``--batch-size``;
-- ``reference``: the same method on :class:`fastgate.eval.reference.ReferenceEngine`: one question, one prompt and one
+- ``reference``: the same method on :class:`fastgate.eval.baseline.ReferenceEngine`: one question, one prompt and one
   sample at a time through HF ``generate(output_hidden_states=True, output_logits=True,
   return_dict_in_generate=True)``, stop strings and hidden-state signals by post-processing (a second forward with
   ``output_hidden_states``), SeaKR's d×d-centring eigenscore, SCAAR's growing-window alignment and DTR's
@@ -49,8 +49,8 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     from fastgate.calibration import CPU_EVAL_BUDGET
+    from fastgate.eval.baseline import ReferenceEngine, use_reference_ops
     from fastgate.eval.datasets import load_qa, sample_examples
-    from fastgate.eval.reference import ReferenceEngine, use_reference_ops
     from fastgate.methods import build_method
     from fastgate.runtime import Runtime, check_request
 

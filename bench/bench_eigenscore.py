@@ -1,7 +1,7 @@
 """Eigenscore (SPEC §4 op 2) for B requests of k samples: fastgate vs torch eager vs the papers' formulations.
 
 Providers, all on the same z [B, k, d] in one run:
-- ``fastgate``: what ``gate_ops("auto")`` binds: the fused Triton kernel on GPU (one launch for B requests); on CPU
+- ``fastgate``: what ``build_ops("auto")`` binds: the fused Triton kernel on GPU (one launch for B requests); on CPU
   the C++ op of ``fastgate._C`` (float64 Gram with SIMD, in-place Cholesky, threads over requests);
 - ``torch_batched``: fastgate's batched torch reference (float64 Gram of feature-centred rows in cache-sized chunks,
   batched Cholesky), what ``FASTGATE_BACKEND=torch`` runs;
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, median_time, print_table  # noqa: E402
 
-from fastgate.ops.backend import gate_ops  # noqa: E402
+from fastgate.ops import build_ops  # noqa: E402
 from fastgate.ops.reference import eigenscore as eigenscore_reference  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> None:
                         help="skip the per-request references where one call would take longer than this")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ops = gate_ops("auto", device)
+    ops = build_ops("auto", device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for d in (int(x) for x in args.dims.split(",")):

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, median_time, print_table  # noqa: E402
 
-from fastgate.ops.backend import gate_ops  # noqa: E402
-from fastgate.probes import Prober, stack_probers  # noqa: E402
+from fastgate.gate_checkpoints import Prober, stack_probers  # noqa: E402
+from fastgate.ops import build_ops  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="rationale+answer tokens u for the stored-states path")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ops = gate_ops("auto", device)
+    ops = build_ops("auto", device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     n_layers, h, u = args.layers, args.hidden, args.tokens
     rows = []

@@ -90,7 +90,7 @@ def _examples(data: str, n: int | None, seed: int, index: str | None):
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
-    from fastgate.cli import _parse_params
+    from fastgate.cli_params import parse_params
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS, make_config
     from fastgate.paths import home
@@ -106,7 +106,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"{args.method} has no gate threshold to calibrate (gated methods: {', '.join(gated)})")
     if not 0.0 < args.rate <= 1.0:
         raise InputError(f"--rate must be in (0, 1], got {args.rate}")
-    user = _parse_params(args.param)
+    user = parse_params(args.param)
     if spec.param in user:
         raise InputError(f"--param {spec.param}=... is what calibration chooses; leave it out")
     budget = args.budget

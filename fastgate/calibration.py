@@ -8,6 +8,10 @@ A calibration file ``<model>.json`` holds ``entries``: ``{"method", "params", "w
 entry applies to a request of ``method`` whose parameters (given, else the config's default) equal its ``when``.
 The shipped files are ``fastgate/calibrations/<model>.json`` (their notes say how each value was found);
 ``fastgate calibrate`` writes ``$FASTGATE_HOME/calibration/<model>.json``, whose entries win over the shipped ones.
+
+This module sits under the methods: it reads a method's defaults through the :class:`~fastgate.methods.base.Method`
+interface (:func:`~fastgate.methods.base.method_class`), never through the methods table, which lists the read gate,
+a caller of :func:`calibrated_params`.
 """
 
 from __future__ import annotations
@@ -86,9 +90,10 @@ def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool
     when = entry.get("when") or {}
     if not when:
         return True
-    from fastgate.methods import METHODS
+    from fastgate.methods.base import method_class  # the interface, not the methods table (which lists read)
 
-    defaults = METHODS[method].parameters() if method in METHODS else {}
+    cls = method_class(method)
+    defaults = cls.parameters() if cls is not None else {}
     return all(params.get(k, defaults.get(k)) == v for k, v in when.items())
 
 

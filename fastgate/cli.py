@@ -1,33 +1,27 @@
 """Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | calibrate | train``.
 
-User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback.
+User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback. :func:`main` holds the one
+error map: every :class:`~fastgate.errors.FastgateError` (bad input, a missing index, a disk that is full...) and an
+``OSError`` that says the disk is full, permission is denied or the file system is read-only.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 from typing import Any
 
-from fastgate.errors import FastgateError, InputError
+from fastgate.cli_params import parse_params as _parse_params
+from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 
 __all__ = ["main"]
 
 # `fastgate eval` without --method: the two baselines and the gate `ask` uses, so that a first run already says how
 # far the gate is from each (every method: --all, minutes more per question set on a CPU)
 DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
-
-
-def _parse_params(items: list[str] | None) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise InputError(f"--param expects name=value, got {item!r}")
-        key, value = item.split("=", 1)
-        params[key.strip()] = value.strip()
-    return params
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -534,8 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)
-    except FastgateError as exc:
+    except FastgateError as exc:  # WriteError included: the places fastgate writes name what and where
         print(f"fastgate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the same three errors anywhere else: the path the OS names
+        if exc.errno not in DISK_ERRORS:
+            raise
+        what = "cannot access" if exc.errno == errno.EACCES else "cannot write"
+        where = f" {exc.filename}" if exc.filename is not None else ""
+        print(f"fastgate: error: {what}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastgate: interrupted", file=sys.stderr)

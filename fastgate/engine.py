@@ -1,10 +1,14 @@
 """The engine: ``Engine.generate``, a facade over the model runner and the decode loop.
 
-:class:`~fastgate.runner.ModelRunner` owns the model's passes (prefill, decode step, prefix cache, taps),
-:class:`~fastgate.decode.DecodeLoop` chooses tokens and keeps the rows' states, :mod:`fastgate.generation` holds the
-result types; this module checks a ``generate`` call's arguments and runs one loop from a single admission to its end.
-It imports those modules and none of them imports it (the loops take a runner). ``Generation``, ``GenerationBatch`` and
-``FinishReason`` are re-exported here for the code that has always imported them from this module.
+:class:`~fastgate.runner.ModelRunner` owns the model's passes (prefill, eager or compiled decode step, prefix cache,
+taps) and binds the ops (:func:`fastgate.ops.build_ops`), :class:`~fastgate.decode.DecodeLoop` chooses tokens and
+keeps the rows' states, :mod:`fastgate.generation` holds the result types. This module holds :class:`Engine`: what
+methods and gates read of a model (the runner's attributes, ``engine.ops`` and ``engine.backend``, which a subclass
+may swap), the runner's helpers under the names subclasses use, and ``generate``, which checks a call's arguments and
+runs one loop from a single admission to its end (:class:`~fastgate.scheduler.Scheduler` runs its own loops). It
+imports those modules and none of them imports it (the loops take a runner). ``Generation``, ``GenerationBatch``,
+``FinishReason`` and ``accumulate_taps`` are re-exported here for the code that has always imported them from this
+module.
 """
 
 from __future__ import annotations
@@ -44,23 +48,22 @@ class Engine:
     The arguments are :class:`~fastgate.runner.ModelRunner`'s (``engine.runner``, built here): ``backend`` for the
     gating ops, ``prefix_cache``, ``prefill_chunk``, ``head_columns`` and ``step`` (eager or compiled decode
     steps). The attributes methods and gates read (``lm``, ``model``, ``tokenizer``, ``device``, ``dtype``,
-    ``n_layers``, the EOS and pad ids, ``ops``) are the runner's. ``gate_ops`` and ``backend`` are the engine's own,
-    set from the runner's: a subclass may swap them (the reference pipeline does) without changing what the loops
-    run.
+    ``n_layers``, the EOS and pad ids) are the runner's. ``ops`` (every op, :func:`fastgate.ops.build_ops`) and
+    ``backend`` are the engine's own, set from the runner's: a subclass may swap them (the baseline pipeline of
+    :mod:`fastgate.eval.baseline` does) without changing what the loops run.
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
                  step: StepConfig | str = "auto") -> None:
         self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns, step)
-        self.gate_ops = self.runner.gate_ops
+        self.ops = self.runner.ops  # every op bound for the model's device (fastgate.ops.Ops)
         self.backend = self.runner.backend
 
     # ------------------------------------------------------------------ the runner's, read-only
     lm = property(lambda self: self.runner.lm, doc="The :class:`~fastgate.models.LoadedModel`.")
     model = property(lambda self: self.runner.model, doc="The HF causal LM.")
     tokenizer = property(lambda self: self.runner.tokenizer)
-    ops = property(lambda self: self.runner.ops, doc="Every op bound for the model's device (fastgate.ops).")
     device = property(lambda self: self.runner.device)
     dtype = property(lambda self: self.runner.dtype, doc="The weights' dtype (chosen when the model loaded).")
     dtype_name = property(lambda self: self.runner.dtype_name, doc="``float32`` or ``bfloat16``: what records name.")
@@ -84,7 +87,7 @@ class Engine:
         return self.runner.cache_prefix(text)
 
     def token_pieces(self, token_ids: list[int]) -> list[bytes]:
-        """Raw bytes of each token (special tokens give ``b""``), the input of :func:`fastgate.ops.align_words`."""
+        """Raw bytes of each token (special tokens give ``b""``), the input of ``ops.align_words``."""
         return self.runner.token_pieces(token_ids)
 
     def prompt_states(self, prompts: list[str], layer: int | None = None, batch_size: int = 16) -> torch.Tensor:
@@ -92,7 +95,7 @@ class Engine:
         layer (:meth:`ModelRunner.prompt_states <fastgate.runner.ModelRunner.prompt_states>`)."""
         return self.runner.prompt_states(prompts, layer, batch_size)
 
-    # the runner's helpers under their old names, for subclasses (fastgate.eval.reference.ReferenceEngine)
+    # the runner's helpers under their old names, for subclasses (fastgate.eval.baseline.ReferenceEngine)
     def _encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
         return self.runner.encode(prompts, max_new_tokens)
 

@@ -3,7 +3,11 @@ one line and exits non-zero, without a traceback."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
+    "DISK_ERRORS",
     "BackendUnavailableError",
     "CheckpointError",
     "CorpusError",
@@ -16,6 +20,8 @@ __all__ = [
     "RemoteError",
     "ShapeError",
     "UnknownNameError",
+    "WriteError",
+    "disk_error",
 ]
 
 
@@ -74,6 +80,43 @@ class MissingDependencyError(FastgateError, ImportError):
     def __init__(self, package: str, hint: str) -> None:
         super().__init__(f"{package} is required for this feature: {hint}")
         self.package = package
+
+
+# The errors of a place fastgate writes that the user fixes (free space, permissions, a writable directory), with the
+# words the CLI prints for each.
+DISK_ERRORS: dict[int, str] = {
+    errno.ENOSPC: "no space left on device",
+    errno.EACCES: "permission denied",
+    errno.EROFS: "read-only file system",
+}
+
+
+class WriteError(FastgateError, OSError):
+    """A file or directory could not be written: the disk is full, permission is denied or the file system is
+    read-only (``errno`` one of :data:`DISK_ERRORS`). An ``OSError`` that names what was written and where;
+    ``str()`` is the CLI's line: ``<what> <path>: <reason>``."""
+
+    def __init__(self, what: str, path: str | os.PathLike, code: int) -> None:
+        super().__init__(code, DISK_ERRORS.get(code) or os.strerror(code), os.fspath(path))
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.filename}: {self.strerror}"
+
+
+def disk_error(exc: BaseException, what: str, path: str | os.PathLike) -> WriteError | None:
+    """The :class:`WriteError` for ``exc`` when it says the disk is full, permission is denied or the file system is
+    read-only, else None (re-raise ``exc`` then). ``exc``: an ``OSError``, or a ``RuntimeError`` of a C++ library
+    that reports the C error in words (faiss: ``write error in ...: No space left on device``)."""
+    if isinstance(exc, WriteError):
+        return exc
+    if isinstance(exc, OSError):
+        code = exc.errno
+    elif isinstance(exc, RuntimeError):
+        code = next((c for c in DISK_ERRORS if os.strerror(c) in str(exc)), None)
+    else:
+        code = None
+    return WriteError(what, path, code) if code in DISK_ERRORS else None
 
 
 def require(module: str, hint: str):

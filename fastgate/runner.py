@@ -155,7 +155,6 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
                  step: StepConfig | str = "auto") -> None:
-        from fastgate.ops.backend import GateOps
         from fastgate.ops.registry import build_ops
 
         self.lm = model
@@ -165,9 +164,8 @@ class ModelRunner:
         # and goes in 5.40); the name this model's forward takes is looked up once, here
         params = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        # every op of SPEC §4 is bound once, for the model's device; gate_ops is the gating ops' view of the same choice
+        # every op of SPEC §4 is bound once, for the model's device
         self.ops = build_ops(backend, model.device)
-        self.gate_ops = GateOps.of(self.ops)
         self.backend = self.ops.backend
         self.accumulate = self.ops.accumulate  # running [M, L, d] += states [M, L, d] * weight [M], float32
         gen_cfg = getattr(self.model, "generation_config", None)
@@ -254,7 +252,7 @@ class ModelRunner:
         return ids.to(self.device), mask.to(self.device)
 
     def token_pieces(self, token_ids: list[int]) -> list[bytes]:
-        """Raw bytes of each token (special tokens give ``b""``), the input of :func:`fastgate.ops.align_words`."""
+        """Raw bytes of each token (special tokens give ``b""``), the input of ``ops.align_words``."""
         return self._pieces(list(token_ids))
 
     def tokens_before(self, token_ids: list[int], n_chars: int) -> int:

@@ -56,7 +56,7 @@ def setups(root: Path):
     from conftest import SMALL_CORPUS
 
     from fastgate.engine import Engine
-    from fastgate.probes import random_probe_params, save_probe_checkpoint
+    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
     from fastgate.retrieval import BM25Retriever, DenseRetriever, build_indexes
     from fastgate.testing import tiny_model
 

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from fastgate import ops
 from fastgate.config import TapSpec
 from fastgate.engine import Generation, GenerationBatch
 from fastgate.errors import InputError, ShapeError
+from fastgate.gate_checkpoints import random_probe_params
 from fastgate.gates.eigen import EigenScoreGate
 from fastgate.gates.prober import ConfidenceGate, ProberGate
 from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words
-from fastgate.probes import random_probe_params
+from fastgate.ops import build_ops, reference
 
-OPS = ops.load("auto")
+OPS = build_ops("auto", "cpu")
 
 
 def _gen(text="x", ids=(1,), lps=(-0.1,), answer_tokens=None):
@@ -108,7 +108,7 @@ def test_prober_gate_rule():
     sums = torch.randn(4, 2, 8)
     count = torch.tensor([1.0, 2.0, 0.0, 3.0])
     s = gate.prober_scores(sums, count)
-    probs = ops.probe_logits(sums[[0, 1, 3]], count[[0, 1, 3]], params).softmax(-1)
+    probs = reference.probe_logits(sums[[0, 1, 3]], count[[0, 1, 3]], params).softmax(-1)
     want = probs[..., 0].sum(-1) - probs[..., 1].sum(-1)
     torch.testing.assert_close(s[[0, 1, 3]], want)
     assert math.isinf(float(s[2]))  # no generated tokens: retrieve
@@ -127,7 +127,7 @@ def test_prober_gate_rule():
 def test_confidence_gate_rule():
     params = random_probe_params(1, 8, 4, seed=6)
     states = torch.randn(5, 8)
-    conf = ops.probe_logits(states[:, None], torch.ones(5), params).softmax(-1)[:, 0, 1]
+    conf = reference.probe_logits(states[:, None], torch.ones(5), params).softmax(-1)[:, 0, 1]
     beta = float(conf.median())
     steps = ConfidenceGate(params, layer=2, beta=beta).decide(list(states))
     assert [x.retrieve for x in steps] == [bool(c <= beta) for c in conf.tolist()]
@@ -150,7 +150,7 @@ def test_eigen_gate_groups_samples_and_drops_empty_ones():
     gate = EigenScoreGate(k=k, delta=-3.0)  # identical samples: (log(k·|zc|²+α) + 3·log α)/4 ≈ -4
     s = gate.scores(signals)
     valid = torch.tensor([[True] * k, [True, False, True, True]])
-    torch.testing.assert_close(s, ops.eigenscore(z.view(2, k, d), valid=valid))
+    torch.testing.assert_close(s, reference.eigenscore(z.view(2, k, d), valid=valid))
     assert [x.retrieve for x in gate.decide(signals)] == [False, True]
     # a signal with fewer samples is padded with dropped rows: its score is the one it has alone
     short = GenerationBatch(seqs[k:k + 3], eos_state=z[k:k + 3])

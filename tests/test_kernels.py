@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgate.errors import ShapeError
-from fastgate.probes import random_probe_params
+from fastgate.gate_checkpoints import random_probe_params
 
 triton = pytest.importorskip("triton")
 
@@ -117,7 +117,7 @@ def test_engine_and_gates_run_on_the_kernels(tiny, monkeypatch):
     taps = TapSpec(layers=(1, 3))
     cfg = GenerationConfig(max_new_tokens=5)
     fused = Engine(tiny, backend="triton")
-    assert fused.backend == "triton" and fused.gate_ops.backend == "triton"
+    assert fused.backend == "triton" and fused.ops.backend == "triton"
     a = fused.generate(prompts, cfg, taps)
     b = Engine(tiny, backend="torch").generate(prompts, cfg, taps)
     torch.testing.assert_close(a.running_sum, b.running_sum, rtol=1e-5, atol=1e-5)

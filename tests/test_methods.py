@@ -93,7 +93,7 @@ def dense(small_index):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny):
-    from fastgate.probes import random_probe_params, save_probe_checkpoint
+    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     probe = save_probe_checkpoint(root / "probe", random_probe_params(2, tiny.hidden_size, 16, seed=1),
@@ -198,7 +198,7 @@ def test_learned_gates_need_a_checkpoint(tiny_engine, bm25, checkpoints, tmp_pat
 def test_dtr_selects_top_k_of_the_union_by_ais(tiny_engine, dense):
     import torch
 
-    from fastgate import ops
+    from fastgate.ops import build_ops
     from fastgate.scheduler import Scheduler
 
     method = build_method("dtr", tiny_engine, dense, {"n": 3, "k": 2})
@@ -209,7 +209,8 @@ def test_dtr_selects_top_k_of_the_union_by_ais(tiny_engine, dense):
     for h in dense.search_vectors(vq[None], 3)[0] + dense.search_vectors(vp[None], 3)[0]:
         union.setdefault(h.id, h)
     cands = list(union.values())
-    scores = ops.ais_scores(torch.from_numpy(vq), torch.from_numpy(vp), torch.from_numpy(dense.passage_vectors(cands)))
+    docs = torch.from_numpy(dense.passage_vectors(cands))
+    scores = build_ops("auto", "cpu").ais_scores(torch.from_numpy(vq), torch.from_numpy(vp), docs)
     want = sorted(zip(scores.tolist(), [h.id for h in cands]), key=lambda t: -t[0])[:2]
     assert [h.id for h in hits] == [i for _, i in want]
     assert [h.score for h in hits] == pytest.approx([s for s, _ in want], abs=1e-6)

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fastgate import ops
-from fastgate.errors import BackendUnavailableError, ShapeError
-from fastgate.ops import registry
+from fastgate.errors import BackendUnavailableError, InputError, ShapeError
+from fastgate.ops import build_ops, ext_available, registry
+from fastgate.ops.reference import answer_nll
 
-PY = ops.load("python")
+PY = build_ops("python", "cpu")
 BACKENDS = [PY]
-if ops.ext_available():
-    BACKENDS.append(ops.load("ext"))
+if ext_available():
+    BACKENDS.append(build_ops("ext", "cpu"))
 
 
 def both(fn_name, *args, **kwargs):
@@ -33,8 +33,8 @@ def both(fn_name, *args, **kwargs):
 def test_ext_is_built_in_ci(monkeypatch):
     # make test builds the extension; a missing build would silently test only the fallback
     monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
-    assert ops.ext_available(), "fastgate._C is not importable: the C++ extension did not build"
-    assert ops.load("auto").backend == "ext"
+    assert ext_available(), "fastgate._C is not importable: the C++ extension did not build"
+    assert build_ops("auto", "cpu").cpu_backend == "ext"
 
 
 ALIGN_CASES = [
@@ -234,24 +234,24 @@ def test_ais_shape_and_mode_errors():
 
 
 def test_backend_selection(monkeypatch):
-    assert ops.load("python").backend == "python"
-    with pytest.raises(ValueError):
-        ops.load("gpu")
+    assert build_ops("python", "cpu").cpu_backend == "python"
+    with pytest.raises(InputError):
+        build_ops("gpu", "cpu")
     monkeypatch.setenv("FASTGATE_BACKEND", "torch")
-    assert ops.load("auto").backend == "python"
+    assert build_ops("auto", "cpu").cpu_backend == "python"
     monkeypatch.setattr(registry, "import_ext", lambda: None)
     with pytest.raises(BackendUnavailableError):
-        ops.load("ext")
+        build_ops("ext", "cpu")
 
 
 def test_answer_nll():
     lp = torch.tensor([[-0.1, -0.3, -5.0], [-1.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [False, False, False]])
-    out = ops.answer_nll(lp, mask)
+    out = answer_nll(lp, mask)
     assert out[0].item() == pytest.approx(0.2)
     assert math.isinf(out[1].item())
     with pytest.raises(ShapeError):
-        ops.answer_nll(lp, mask[:, :2])
+        answer_nll(lp, mask[:, :2])
 
 
 # ---------------------------------------------------------------- batched C++ ops (one call for many sequences)
@@ -337,17 +337,15 @@ def test_eigenscore_ext_masks_offsets_layouts_and_errors():
 
 
 def test_gate_ops_pick_the_extension_on_cpu(monkeypatch):
-    from fastgate.ops.backend import gate_ops
-
     monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
-    assert gate_ops("auto", "cpu").backend == "ext"  # make test builds the extension
-    assert gate_ops("torch", "cpu").backend == "torch"
+    assert build_ops("auto", "cpu").backend == "ext"  # make test builds the extension
+    assert build_ops("torch", "cpu").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="CPU tensors"):
-        gate_ops("ext", "cuda")
+        build_ops("ext", "cuda")
     monkeypatch.setenv("FASTGATE_BACKEND", "torch")
-    assert gate_ops("auto", "cpu").backend == "torch"
+    assert build_ops("auto", "cpu").backend == "torch"
     monkeypatch.delenv("FASTGATE_BACKEND")
     monkeypatch.setattr(registry, "import_ext", lambda: None)
-    assert gate_ops("auto", "cpu").backend == "torch"
+    assert build_ops("auto", "cpu").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
-        gate_ops("ext", "cpu")
+        build_ops("ext", "cpu")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastgate.errors import ShapeError
-from fastgate.ops import ProbeParams, answer_nll, eigenscore, probe_logits
-from fastgate.probes import Prober, random_probe_params, stack_probers
+from fastgate.gate_checkpoints import Prober, random_probe_params, stack_probers
+from fastgate.ops.reference import ProbeParams, answer_nll, eigenscore, probe_logits
 
 
 # ------------------------------------------------------------------ probe_logits

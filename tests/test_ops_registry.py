@@ -1,5 +1,5 @@
 """The ops registry: one choice per op for (backend, device), one read of FASTGATE_BACKEND, the reference as the
-fallback of every fast implementation, and the older entry points (``load``, ``gate_ops``) as views of it."""
+fallback of every fast implementation, and ``build_ops`` as the one entry point of ``fastgate.ops``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 
 from fastgate import ops
 from fastgate.errors import BackendUnavailableError, InputError
+from fastgate.gate_checkpoints import random_probe_params
 from fastgate.ops import reference, registry
-from fastgate.ops.backend import GateOps, gate_ops
+from fastgate.ops._cpu import CpuOps
 from fastgate.ops.registry import OP_NAMES, Ops, build_ops
-from fastgate.probes import random_probe_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,6 @@ def test_fastgate_backend_applies_where_auto_is_asked(monkeypatch, value, want):
     monkeypatch.setenv("FASTGATE_BACKEND", value)
     o = build_ops("auto", "cpu")
     assert (o.backend, o.cpu_backend) == want
-    assert ops.load("auto").backend == want[1]
-    assert gate_ops("auto", "cpu").backend == want[0]
     # an explicit backend is not overridden by the variable
     assert build_ops("ext", "cpu").backend == "ext"
     assert build_ops("torch", "cpu").cpu_backend == "python"
@@ -99,10 +97,6 @@ def test_fastgate_backend_is_read_once_per_build_and_nowhere_else(monkeypatch, t
 def test_unknown_backends_are_input_errors(monkeypatch):
     with pytest.raises(InputError, match="unknown backend 'gpu'"):
         build_ops("gpu", "cpu")
-    with pytest.raises(InputError):
-        gate_ops("python", "cpu")  # the gating view keeps its four names
-    with pytest.raises(ValueError):
-        ops.load("torch")  # ... and load its three
     monkeypatch.setenv("FASTGATE_BACKEND", "fast")
     with pytest.raises(InputError, match="FASTGATE_BACKEND='fast'"):
         build_ops("auto", "cpu")
@@ -114,7 +108,6 @@ def test_without_the_extension(monkeypatch):
     assert o.backend == "torch" and set(o.backends.values()) == {"torch", "python"}
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
         build_ops("ext", "cpu")
-    assert ops.load("auto").backend == "python"
 
 
 def test_insisted_backends_fail_where_they_cannot_run(monkeypatch):
@@ -168,17 +161,16 @@ def test_every_op_of_auto_gives_the_reference_numbers():
     assert torch.equal(a, b)
 
 
-def test_old_entry_points_are_views_of_the_registry():
+def test_build_ops_is_the_one_entry_point():
+    # the older entry points (ops.load / CpuOps, ops.backend.gate_ops / GateOps, module-level ops) are gone
+    assert not hasattr(ops, "load") and not hasattr(ops, "CpuOps") and not hasattr(ops, "align_words")
+    with pytest.raises(ImportError):
+        __import__("fastgate.ops.backend")
     o = build_ops("auto", "cpu")
-    g = gate_ops("auto", "cpu")
-    assert isinstance(g, GateOps) and g.backend == o.backend
-    assert g.accumulate is o.accumulate is reference.accumulate_taps
+    assert o.backend == "ext" and o.accumulate is reference.accumulate_taps
     z = torch.randn(3, 5, 40)
-    assert torch.equal(g.eigenscore(z), o.eigenscore(z))
-    assert torch.equal(g.eigenscore(z), ops.load("ext").eigenscore(z))  # today's C++ eigenscore, same numbers
-    cpu = ops.load("auto")
-    assert isinstance(cpu, ops.CpuOps) and cpu.backend == o.cpu_backend == "ext"
-    assert GateOps.of(o) == GateOps(o.backend, o.accumulate, o.probe_logits, o.eigenscore)
+    assert torch.equal(o.eigenscore(z), CpuOps("ext", registry.import_ext()).eigenscore(z))  # the C++ eigenscore
+    assert o.cpu_backend == "ext" and o.align_words.__self__.backend == "ext"
 
 
 def test_engine_builds_the_registry_once(tiny):
@@ -186,8 +178,8 @@ def test_engine_builds_the_registry_once(tiny):
 
     engine = Engine(tiny)
     assert isinstance(engine.ops, Ops)
-    assert engine.backend == engine.ops.backend == engine.gate_ops.backend == "ext"
-    assert engine.gate_ops.eigenscore is engine.ops.eigenscore
+    assert engine.backend == engine.ops.backend == "ext"
+    assert engine.ops is engine.runner.ops
     assert engine.runner.accumulate is engine.ops.accumulate
     assert Engine(tiny, backend="torch").ops.backends["eigenscore"] == "torch"
 
@@ -236,7 +228,7 @@ def test_triton_engine_gates_score_more_than_64_samples(tiny):
     engine = Engine(tiny, backend="triton")
     assert engine.backend == "triton" and engine.ops.backends["eigenscore"] == "triton"
     z = torch.randn(1, 70, 32, device=DEVICE)
-    assert torch.equal(engine.gate_ops.eigenscore(z), reference.eigenscore(z))
+    assert torch.equal(engine.ops.eigenscore(z), reference.eigenscore(z))
 
 
 @triton_needed
@@ -269,7 +261,7 @@ def test_the_fallback_goes_where_the_fast_implementation_says_it_cannot_run():
 
 def test_importing_and_building_on_cpu_does_not_import_triton():
     code = ("import sys; import fastgate.ops, fastgate.engine; fastgate.ops.build_ops('auto', 'cpu'); "
-            "fastgate.ops.load('auto'); print('triton' in sys.modules)")
+            "print('triton' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "FASTGATE_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"

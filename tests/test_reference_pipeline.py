@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.eval.reference import ReferenceEngine, ReferenceWordOps, seakr_eigenscore
-from fastgate.ops import load as load_ops
+from fastgate.eval.baseline import ReferenceEngine, ReferenceWordOps, seakr_eigenscore
+from fastgate.ops import build_ops
 from fastgate.ops.reference import eigenscore
 
 PROMPTS = ["Q: Who wrote Hamlet?\nA:", "The quick brown", "Berlin is the capital of Germany; Tokyo"]
@@ -63,7 +63,7 @@ def test_reference_word_ops_match_the_fast_ops(tiny_engine):
     ids = tiny_engine.tokenizer("".join(words_text))["input_ids"]
     pieces = tiny_engine.token_pieces(ids)
     lps = np.linspace(-3, -0.1, len(pieces))
-    fast = load_ops("auto").align_word_logprobs_batch([pieces], [lps])[0]
+    fast = build_ops("auto", "cpu").align_word_logprobs_batch([pieces], [lps])[0]
     ref = ReferenceWordOps().align_word_logprobs_batch([pieces], [lps])[0]
     assert fast[0] == ref[0] and fast[1] == ref[1]
     torch.testing.assert_close(fast[2], ref[2])
@@ -73,4 +73,4 @@ def test_reference_word_ops_match_the_fast_ops(tiny_engine):
     docs = (docs / docs.norm(dim=-1, keepdim=True)).float()
     for mode in ("angle", "sum"):
         torch.testing.assert_close(ReferenceWordOps().ais_scores(q, p, docs, mode),
-                                   load_ops("auto").ais_scores(q, p, docs, mode), atol=1e-5, rtol=1e-5)
+                                   build_ops("auto", "cpu").ais_scores(q, p, docs, mode), atol=1e-5, rtol=1e-5)

@@ -64,7 +64,7 @@ def test_submit_rejects_bad_input_without_queueing(service):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory, tiny):
-    from fastgate.probes import random_probe_params, save_probe_checkpoint
+    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
 
     root = tmp_path_factory.mktemp("svc-ckpt")
     conf = save_probe_checkpoint(root / "conf", random_probe_params(1, tiny.hidden_size, 16, seed=2),

@@ -9,7 +9,7 @@ import torch
 from fastgate.errors import CheckpointError, InputError
 from fastgate.eval.datasets import QAExample, is_held_out, split_examples
 from fastgate.eval.metrics import accuracy, exact_match, normalize_answer, token_f1
-from fastgate.probes import load_probe_checkpoint, save_probe_checkpoint
+from fastgate.gate_checkpoints import load_probe_checkpoint, save_probe_checkpoint
 from fastgate.train import FeatureCache, FitConfig, confidence_features, fit_prober, fit_probers, prober_features
 
 EXAMPLES = [QAExample(f"q{i}", q, (a,)) for i, (q, a) in enumerate([
@@ -97,7 +97,8 @@ def test_fit_decreases_loss_and_round_trips(tmp_path, tiny):
 
 
 def test_auroc_and_gate_evaluation():
-    from fastgate.probes import random_probe_params
+    from fastgate.gate_checkpoints import random_probe_params
+    from fastgate.ops.reference import probe_logits
     from fastgate.train.evaluate import auroc, evaluate_gate
 
     assert auroc(torch.tensor([0.9, 0.8, 0.1, 0.2]), torch.tensor([1, 1, 0, 0])) == 1.0
@@ -106,7 +107,7 @@ def test_auroc_and_gate_evaluation():
     params = random_probe_params(1, 8, 4, seed=1)
     feats, labels = torch.randn(20, 1, 8), torch.randint(0, 2, (20,))
     ev = evaluate_gate(params, feats, labels, kind="confidence", threshold=0.5)
-    conf = torch.softmax(__import__("fastgate").ops.probe_logits(feats, torch.ones(20), params), -1)[:, 0, 1]
+    conf = torch.softmax(probe_logits(feats, torch.ones(20), params), -1)[:, 0, 1]
     assert ev.decision_accuracy == pytest.approx(float(((conf > 0.5) == labels.bool()).float().mean()))
     assert ev.auroc == pytest.approx(auroc(conf, labels)) and ev.n == 20
 
@@ -133,8 +134,8 @@ def test_load_qa_jsonl_and_errors(tmp_path):
 
 def test_reranker_preferences_and_fine_tune(tmp_path, tiny_engine, small_index):
     from fastgate.embedder import Embedder
+    from fastgate.gate_checkpoints import random_probe_params
     from fastgate.gates.prober import ConfidenceGate
-    from fastgate.probes import random_probe_params
     from fastgate.retrieval import BM25Retriever
     from fastgate.train.reranker import Preference, RerankerConfig, fit_reranker, shift_preferences
 

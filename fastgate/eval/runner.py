@@ -7,6 +7,10 @@ Layout of an output directory::
     DIR/results.jsonl    one record per (run, question); appended after every batch, so an interrupted run resumes
     DIR/summary.md|csv   one row per run (method + parameters)
     DIR/*.png            accuracy vs retrieval rate (sweeps and --all)
+
+Nothing is left half-written: records are appended whole (a failed append is cut back off the file) and every other
+file is written beside its place and renamed into it. A disk that is full, a directory without write permission or a
+read-only file system raises :class:`~fastgate.errors.WriteError` naming the file (the CLI's one line).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fastgate.errors import InputError
+from fastgate.errors import InputError, disk_error
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy, exact_match, token_f1
 
@@ -123,14 +127,28 @@ class ResultsStore:
         return (run, example_id) in self.records
 
     def append(self, records: Iterable[dict[str, Any]]) -> None:
+        """Append ``records`` durably and whole: if the write fails, the file is cut back to where it ended."""
         records = list(records)
         if not records:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                end = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                except OSError:
+                    os.ftruncate(fd, end)  # no partial record stays behind
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _write_error(exc, "cannot append results to", self.path) from None
         for r in records:
             self.records[(r["run"], r["id"])] = r
 
@@ -149,8 +167,31 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
             what = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
             raise InputError(f"{out_dir} holds an evaluation with other settings ({what}); use another --out")
         return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(mine, indent=1) + "\n")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _write_error(exc, "cannot create", out_dir) from None
+    _replace(path, lambda tmp: tmp.write_text(json.dumps(mine, indent=1) + "\n"))
+
+
+def _write_error(exc: OSError, what: str, path: Path) -> OSError:
+    """``exc`` as the :class:`WriteError` naming ``path`` when the disk is full or not writable, else itself."""
+    return disk_error(exc, what, path) or exc
+
+
+def _replace(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path`` (same suffix), then rename it to ``path``: a failed write
+    leaves the file as it was."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _write_error(exc, "cannot write", path) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _score(record: dict[str, Any], answers: Sequence[str]) -> None:
@@ -363,12 +404,17 @@ def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: st
     ``stem.csv``; returns both paths."""
     out = Path(out_dir)
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
-    md.write_text((header + "\n\n" if header else "") + markdown_table(summaries) + "".join("\n" + s for s in sections))
-    with open(cs, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(RunSummary.__dataclass_fields__))
-        w.writeheader()
-        for s in summaries:
-            w.writerow(asdict(s))
+    text = (header + "\n\n" if header else "") + markdown_table(summaries) + "".join("\n" + s for s in sections)
+    _replace(md, lambda tmp: tmp.write_text(text))
+
+    def write_csv(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(RunSummary.__dataclass_fields__))
+            w.writeheader()
+            for s in summaries:
+                w.writerow(asdict(s))
+
+    _replace(cs, write_csv)
     return md, cs
 
 
@@ -407,6 +453,8 @@ def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path
     ax.grid(alpha=0.3)
     fig.tight_layout(rect=(0, 0.06 if long else 0, 1, 1))
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        _replace(path, fig.savefig)
+    finally:
+        plt.close(fig)
     return path

@@ -10,7 +10,7 @@ from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
 from fastgate.generation import GenerationBatch
-from fastgate.ops.backend import GateOps, gate_ops
+from fastgate.ops import Ops, build_ops
 
 __all__ = ["EigenScoreGate", "PathChoice"]
 
@@ -27,16 +27,16 @@ class EigenScoreGate(Gate):
         alpha: Gram ridge (SeaKR: 1e-3).
         mid_layer: layer of the EOS state; None = ``n_layers // 2``.
         scale: None (SeaKR) or ``"cov"`` (INSIDE).
-        ops: the gating ops to run on (an engine's ``gate_ops``); default the torch reference.
+        ops: the gating ops to run on (an engine's ``ops``); default the torch reference.
     """
 
     name = "eigenscore"
 
     def __init__(self, k: int = 20, delta: float = -6.0, alpha: float = 1e-3, mid_layer: int | None = None,
-                 scale: str | None = None, ops: GateOps | None = None) -> None:
+                 scale: str | None = None, ops: Ops | None = None) -> None:
         if k < 2:
             raise InputError(f"the eigenscore needs k >= 2 samples, got {k}")
-        self.ops = ops or gate_ops("torch")
+        self.ops = ops or build_ops("torch")
         self.k = int(k)
         self.delta = float(delta)
         self.alpha = float(alpha)

@@ -10,8 +10,7 @@ from fastgate.config import TapSpec
 from fastgate.errors import InputError, ShapeError
 from fastgate.gates.base import Gate, GateStep
 from fastgate.generation import GenerationBatch
-from fastgate.ops import ProbeParams
-from fastgate.ops.backend import GateOps, gate_ops
+from fastgate.ops import Ops, ProbeParams, build_ops
 
 __all__ = ["ConfidenceGate", "ProberGate"]
 
@@ -27,15 +26,15 @@ class ProberGate(Gate):
         params: the stacked probers, one per entry of ``layers``.
         layers: HF ``hidden_states`` indices the probers read.
         theta: Probing-RAG's threshold (paper default 0; higher retrieves more).
-        ops: the gating ops to run on (an engine's ``gate_ops``: fused Triton on CUDA); default the torch reference.
+        ops: the gating ops to run on (an engine's ``ops``: fused Triton on CUDA); default the torch reference.
     """
 
     name = "prober"
 
     def __init__(self, params: ProbeParams, layers: tuple[int, ...], theta: float = 0.0,
-                 ops: GateOps | None = None) -> None:
+                 ops: Ops | None = None) -> None:
         params.validate()
-        self.ops = ops or gate_ops("torch")
+        self.ops = ops or build_ops("torch")
         if len(layers) != params.n_layers:
             raise ShapeError(f"{params.n_layers} probers for {len(layers)} layers {list(layers)}")
         self.params = params
@@ -78,9 +77,9 @@ class ConfidenceGate(Gate):
 
     name = "confidence"
 
-    def __init__(self, params: ProbeParams, layer: int, beta: float = 0.95, ops: GateOps | None = None) -> None:
+    def __init__(self, params: ProbeParams, layer: int, beta: float = 0.95, ops: Ops | None = None) -> None:
         params.validate()
-        self.ops = ops or gate_ops("torch")
+        self.ops = ops or build_ops("torch")
         if params.n_layers != 1:
             raise ShapeError(f"the confidence model has one layer, got {params.n_layers}")
         if not 0.0 <= beta <= 1.0:

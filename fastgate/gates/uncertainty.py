@@ -9,7 +9,7 @@ import torch
 from fastgate.config import TapSpec
 from fastgate.gates.base import Gate, GateStep
 from fastgate.generation import Generation, GenerationBatch
-from fastgate.ops import answer_nll
+from fastgate.ops.reference import answer_nll
 
 __all__ = ["AnswerNLLGate", "answer_logprob_matrix"]
 

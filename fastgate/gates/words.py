@@ -1,5 +1,9 @@
 """Word-level confidence gates on one generated sentence: FLARE's low-probability trigger and SCAAR's
-semantic-contribution-aware thresholds (with its Percentile-Filtered Query)."""
+semantic-contribution-aware thresholds (with its Percentile-Filtered Query).
+
+The rules of the two papers live here, beside the word alignment they share; their sentence loops are the methods
+:mod:`fastgate.methods.flare` and :mod:`fastgate.methods.scaar`. The words come from the engine's ops
+(``align_word_logprobs_batch``, :func:`fastgate.ops.build_ops`)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
 from fastgate.generation import Generation
-from fastgate.ops import CpuOps
+from fastgate.ops import Ops
 
 if TYPE_CHECKING:  # annotations only: the gates depend on the result types, not on the engine (no import cycle)
     from fastgate.engine import Engine
@@ -37,7 +41,7 @@ class SentenceWords:
         return " ".join((self.text[:a].rstrip() + " " + self.text[b:].lstrip()).split())
 
 
-def sentence_words(engine: Engine, ops: CpuOps, seqs: list[Generation]) -> list[SentenceWords]:
+def sentence_words(engine: Engine, ops: Ops, seqs: list[Generation]) -> list[SentenceWords]:
     """Split each sequence's answer tokens into words and score them, all sequences in one
     ``align_word_logprobs_batch`` call (SPEC §4 op 4)."""
     pieces = [engine.token_pieces(s.token_ids[: s.answer_tokens]) for s in seqs]
@@ -66,7 +70,7 @@ class WordStep(GateStep):
 class _WordGate(Gate):
     """The signal of a word gate is ``(question, sentence Generation)``; one batched alignment serves all of them."""
 
-    def __init__(self, engine: Engine | None = None, ops: CpuOps | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, ops: Ops | None = None) -> None:
         self.engine = engine
         self.ops = ops
 
@@ -85,7 +89,7 @@ class FlareGate(_WordGate):
 
     name = "min_word_prob"
 
-    def __init__(self, theta: float = 0.4, engine: Engine | None = None, ops: CpuOps | None = None,
+    def __init__(self, theta: float = 0.4, engine: Engine | None = None, ops: Ops | None = None,
                  query_with_question: bool = False) -> None:
         super().__init__(engine, ops)
         if not 0.0 <= theta <= 1.0:
@@ -137,7 +141,7 @@ class ScaarGate(_WordGate):
 
     def __init__(self, embedder, theta: float = 0.8, alpha: float = 0.5,
                  weighting: Literal["literal", "normalized"] = "literal", engine: Engine | None = None,
-                 ops: CpuOps | None = None) -> None:
+                 ops: Ops | None = None) -> None:
         super().__init__(engine, ops)
         if not 0.0 <= theta <= 1.0:
             raise InputError(f"theta must be in [0, 1], got {theta}")

@@ -11,10 +11,11 @@ from fastgate.errors import InputError, UnknownNameError
 from fastgate.methods.base import Method, MethodConfig, MethodResult
 from fastgate.methods.cbdr import Cbdr, CbdrConfig
 from fastgate.methods.dtr import Dtr, DtrConfig
+from fastgate.methods.flare import Flare, FlareConfig
 from fastgate.methods.probing import Probing, ProbingConfig
 from fastgate.methods.read import Read, ReadConfig
+from fastgate.methods.scaar import Scaar, ScaarConfig
 from fastgate.methods.seakr import Seakr, SeakrConfig
-from fastgate.methods.sentences import Flare, FlareConfig, Scaar, ScaarConfig
 from fastgate.methods.simple import AlwaysRetrieve, NeverRetrieve
 
 __all__ = [

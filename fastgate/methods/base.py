@@ -15,7 +15,7 @@ from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book
 from fastgate.retrieval.base import Hit, Retriever
 
 __all__ = ["GateThreshold", "Method", "MethodConfig", "MethodResult", "append_sentence", "black_box_methods",
-           "black_box_refusal", "check_questions"]
+           "black_box_refusal", "check_questions", "method_class"]
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,30 @@ def append_sentence(text: str, seq: Generation) -> tuple[str, bool]:
     return text, finished or has_answer(seq.text)
 
 
-def black_box_methods() -> list[str]:
-    """The methods that run on a remote engine (``black_box``): they read only text and token log-probabilities."""
-    names, todo = [], list(Method.__subclasses__())
+def _method_classes() -> list[type[Method]]:
+    """Every named :class:`Method` subclass, breadth first (each method module defines its own; importing any
+    ``fastgate.methods.*`` module runs the package's ``__init__``, which imports them all)."""
+    out, todo = [], list(Method.__subclasses__())
     while todo:
         cls = todo.pop(0)
-        if cls.black_box and cls.name and cls.name not in names:
-            names.append(cls.name)
+        if cls.name and cls not in out:
+            out.append(cls)
         todo.extend(cls.__subclasses__())
+    return out
+
+
+def method_class(name: str) -> type[Method] | None:
+    """The method class called ``name`` (None for an unknown name), found through the :class:`Method` interface, for
+    the modules under the methods table that need one (calibration's defaults, the read gate's base method)."""
+    return next((cls for cls in _method_classes() if cls.name == name and "name" in vars(cls)), None)  # not a subclass
+
+
+def black_box_methods() -> list[str]:
+    """The methods that run on a remote engine (``black_box``): they read only text and token log-probabilities."""
+    names = []
+    for cls in _method_classes():
+        if cls.black_box and cls.name not in names:
+            names.append(cls.name)
     order = ("never", "always", "flare", "scaar", "dtr")
     return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
+from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
 from fastgate.gates.prober import ConfidenceGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
-from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.programs import All, Answer, Decide, Embed, Program, PromptStates, Score, Search
 from fastgate.prompts import closed_book_prompt, rag_prompt
 from fastgate.retrieval.base import Hit
@@ -60,7 +60,7 @@ class Cbdr(Method):
         if len(ckpt.layers) != 1:
             raise CheckpointError(f"{ckpt.path}: a confidence model reads one layer, not {list(ckpt.layers)}")
         self.checkpoint = ckpt
-        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.gate_ops)
+        self.gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], self.config.beta, engine.ops)
         self._reranker = None  # the trained reranker's embedder, loaded on first use
 
     def program(self, question: str) -> Program:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
+from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
 from fastgate.gates.prober import ProberGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
-from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
 from fastgate.programs import Answer, Decide, Generate, Program, Search
 from fastgate.prompts import cot_prompt, extract_answer
 from fastgate.retrieval.base import Hit
@@ -60,7 +60,7 @@ class Probing(Method):
         path = self.preflight(self.config, engine.lm.name)
         ckpt = load_probe_checkpoint(path, engine.lm, kind="probing")
         self.checkpoint = ckpt
-        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.gate_ops)
+        self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.ops)
 
     def _query(self, question: str, rationale: str, passages: list[Hit]) -> str:
         # R(q, r, â) first; later rounds R(q, {d}, r, â) (eq. 6)

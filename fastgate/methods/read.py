@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from fastgate.errors import InputError
 from fastgate.gates.read import FEATURE_SETS, ReadGate, load_read_checkpoint, read_features
-from fastgate.methods.base import GateThreshold, Method, MethodConfig
+from fastgate.methods.base import GateThreshold, Method, MethodConfig, method_class
 from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
 from fastgate.prompts import closed_book_prompt
 
@@ -50,6 +50,19 @@ class ReadConfig(MethodConfig):
             raise InputError("read: threshold must be a number, got nan")
 
 
+def _base_config(cls: type[Method], params: dict[str, Any]) -> MethodConfig:
+    """The base method's config from its calibrated parameters: typed JSON values written by ``fastgate calibrate``
+    (or shipped), checked by name as :func:`fastgate.methods.make_config` checks a request's."""
+    defaults = cls.parameters()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise InputError(f"unknown parameter(s) for {cls.name}: {', '.join(unknown)}; "
+                         f"valid: {', '.join(sorted(defaults))}")
+    # an integral JSON number in a float field is that float, as make_config reads it
+    return cls.config_class(**{k: float(v) if isinstance(defaults[k], float) and type(v) is int else v
+                               for k, v in params.items()})
+
+
 class Read(Method):
     """Run the base method to its first gate score, search, and read the passages iff the read gate says so."""
 
@@ -65,7 +78,7 @@ class Read(Method):
         """The checkpoint to load (none for a training pass)."""
         if config.collect:
             return None
-        from fastgate.probes import resolve_checkpoint
+        from fastgate.gate_checkpoints import resolve_checkpoint
 
         return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")
@@ -74,7 +87,6 @@ class Read(Method):
                  retrievers: dict[str, Any] | None = None) -> None:
         super().__init__(engine, retriever, config)
         from fastgate.calibration import calibrated_params
-        from fastgate.methods import METHODS, make_config
         from fastgate.retrieval import open_retriever
 
         c = self.config
@@ -82,8 +94,8 @@ class Read(Method):
         for kind in self.uses_retrievers:  # opened here when constructed outside a Runtime
             if kind not in self.retrievers:
                 self.retrievers[kind] = retriever if getattr(retriever, "name", None) == kind else open_retriever(kind)
-        base_cls = METHODS[c.base]
-        base_config = make_config(c.base, calibrated_params(engine.lm.name, c.base, {}))
+        base_cls = method_class(c.base)  # one of BASES (ReadConfig checks); through the interface, not the table
+        base_config = _base_config(base_cls, calibrated_params(engine.lm.name, c.base, {}))
         base_retriever = self.retrievers.get(base_cls.default_retriever, retriever)
         self.base = base_cls(engine, base_retriever, base_config)
         self.gate = None

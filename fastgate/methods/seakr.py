@@ -65,7 +65,7 @@ class Seakr(Method):
     def __init__(self, engine, retriever, config: SeakrConfig | None = None) -> None:
         super().__init__(engine, retriever, config)
         c = self.config
-        self.gate = EigenScoreGate(c.samples, c.delta, c.alpha, ops=engine.gate_ops)
+        self.gate = EigenScoreGate(c.samples, c.delta, c.alpha, ops=engine.ops)
         self.path = PathChoice(self.gate)
 
     def _seed(self, question: str, salt: int) -> int:

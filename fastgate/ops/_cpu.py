@@ -35,7 +35,7 @@ def _to_numpy_f32(x: torch.Tensor | np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class CpuOps:
     """The CPU ops bound to one implementation module (``ext``: ``fastgate._C``, ``python``: the numpy reference);
-    :func:`fastgate.ops.registry.build_ops` chooses which, and :func:`fastgate.ops.load` returns one."""
+    :func:`fastgate.ops.registry.build_ops` chooses which and binds its methods into an ``Ops``."""
 
     backend: Literal["ext", "python"]
     _impl: ModuleType

@@ -76,7 +76,7 @@ def decode_utf8_owned(data: bytes, byte_owner: Sequence[int]) -> tuple[str, list
 
 
 def align_words(pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
-    """Reference of SPEC §4 op 4; see :func:`fastgate.ops.align_words`."""
+    """Reference of SPEC §4 op 4; see ``CpuOps.align_words`` in :mod:`fastgate.ops._cpu`."""
     pieces = list(pieces)
     kinds = {type(p) for p in pieces}
     if kinds - {str, bytes}:

@@ -44,11 +44,8 @@ __all__ = [
     "OP_NAMES",
     "Ops",
     "build_ops",
-    "cpu_backend",
-    "cpu_ops",
     "env_backend",
     "ext_available",
-    "gate_backend",
     "import_ext",
     "requested_backend",
     "triton_available",
@@ -139,18 +136,6 @@ def requested_backend(backend: str) -> str:
     return "torch" if backend == "python" else backend
 
 
-def cpu_backend(backend: str) -> Literal["ext", "python"]:
-    """The implementation of the CPU ops for a requested backend: ``ext`` when the extension is built (required for
-    ``ext``), ``python`` for the references (``torch``/``python``) or without the extension."""
-    return _cpu_backend(requested_backend(backend))
-
-
-def gate_backend(backend: str, device: torch.device | str) -> GateBackend:
-    """The implementation of the gating ops (accumulate, prober, eigenscore) for a requested backend on ``device``;
-    raises when the one insisted on cannot run there."""
-    return _gate_backend(requested_backend(backend), torch.device(device))
-
-
 def _cpu_backend(backend: str) -> Literal["ext", "python"]:
     # backend: resolved by requested_backend (FASTGATE_BACKEND applied)
     if backend == "torch":
@@ -224,7 +209,7 @@ def _ext_eigenscore(ext: CpuOps) -> Callable:
     return _with_fallback(ext.eigenscore, reference.eigenscore, lambda z, *a, **k: z.device.type == "cpu")
 
 
-def cpu_ops(backend: Literal["ext", "python"]) -> CpuOps:
+def _cpu_ops(backend: Literal["ext", "python"]) -> CpuOps:
     """The CPU ops adapter of one implementation module (``ext`` raises unless the extension is built)."""
     if backend == "python":
         return CpuOps("python", _python)
@@ -249,7 +234,7 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     device = torch.device(device)
     backend = requested_backend(backend)  # FASTGATE_BACKEND is read here, once per build
     gate, cpu = _gate_backend(backend, device), _cpu_backend(backend)
-    impl = cpu_ops(cpu)
+    impl = _cpu_ops(cpu)
     chosen: dict[str, Callable] = {
         "accumulate": reference.accumulate_taps,
         "probe_logits": reference.probe_logits,

@@ -14,7 +14,7 @@ import numpy as np
 
 from fastgate.corpus import Passage, corpus_fingerprint
 from fastgate.embedder import Embedder, shared_embedder
-from fastgate.errors import IndexError_, require
+from fastgate.errors import IndexError_, disk_error, require
 from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
 
 __all__ = ["DenseRetriever", "build_dense_index"]
@@ -24,7 +24,12 @@ _HINT = "pip install faiss-cpu (or faiss-gpu-cu12 on a CUDA machine: pip install
 
 def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder: Embedder | None = None,
                       corpus_name: str = "", hnsw: bool = False, hnsw_m: int = 32, progress: bool = False) -> Path:
-    """Embed ``passages`` (title + text) and build (atomically) a FAISS index with its ids and passages."""
+    """Embed ``passages`` (title + text) and build (atomically) a FAISS index with its ids and passages.
+
+    Raises:
+        WriteError: ``out_dir`` cannot be written (disk full, permission denied, read-only); the build directory is
+            removed and a previous index stays as it was.
+    """
     faiss = require("faiss", _HINT)
     passages = list(passages)
     embedder = embedder or shared_embedder()
@@ -38,12 +43,18 @@ def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder
     index.add(vectors)
     meta = {"corpus": corpus_name, "n_passages": len(passages), "corpus_fingerprint": corpus_fingerprint(passages),
             "embedder": embedder.name, "dim": dim, "index_type": "hnsw" if hnsw else "flat_ip"}
-    with atomic_index_dir(Path(out_dir), "dense", meta) as tmp:
-        faiss.write_index(index, str(tmp / "index.faiss"))
-        np.save(tmp / "vectors.npy", vectors)
-        with open(tmp / "passages.jsonl", "w", encoding="utf-8") as f:
-            for p in passages:
-                f.write(json.dumps(p.to_dict(), ensure_ascii=False) + "\n")
+    try:
+        with atomic_index_dir(Path(out_dir), "dense", meta) as tmp:  # a temporary sibling, renamed when complete
+            faiss.write_index(index, str(tmp / "index.faiss"))  # faiss reports a failed write as a RuntimeError
+            np.save(tmp / "vectors.npy", vectors)
+            with open(tmp / "passages.jsonl", "w", encoding="utf-8") as f:
+                for p in passages:
+                    f.write(json.dumps(p.to_dict(), ensure_ascii=False) + "\n")
+    except (OSError, RuntimeError) as exc:
+        err = disk_error(exc, "cannot write the dense index", out_dir)
+        if err is None:
+            raise
+        raise err from None
     return Path(out_dir)
 
 

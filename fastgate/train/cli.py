@@ -70,8 +70,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from fastgate.engine import Engine
+    from fastgate.gate_checkpoints import save_probe_checkpoint
     from fastgate.models import load
-    from fastgate.probes import save_probe_checkpoint
     from fastgate.train import FitConfig, fit_probers
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
@@ -102,8 +102,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from fastgate.engine import Engine
     from fastgate.eval.datasets import load_qa, split_examples
+    from fastgate.gate_checkpoints import load_probe_checkpoint
     from fastgate.models import load
-    from fastgate.probes import load_probe_checkpoint
     from fastgate.train.evaluate import evaluate_gate
 
     lm = load(args.model, device=args.device)
@@ -123,9 +123,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _cmd_reranker(args: argparse.Namespace) -> int:
     from fastgate.engine import Engine
+    from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
     from fastgate.gates.prober import ConfidenceGate
     from fastgate.models import load
-    from fastgate.probes import load_probe_checkpoint, resolve_checkpoint
     from fastgate.retrieval import open_retriever
     from fastgate.train.reranker import RerankerConfig, fit_reranker, shift_preferences
 
@@ -135,7 +135,7 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint or "", lm.name, "confidence", "the reranker", "fastgate train confidence")
     ckpt = load_probe_checkpoint(path, lm, kind="confidence")
     engine = Engine(lm)
-    gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.gate_ops)
+    gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.ops)
     prefs = shift_preferences(engine, gate, retriever, examples, n_candidates=args.candidates)
     print(f"{len(prefs)} questions with both confidence increases and decreases")
     losses = fit_reranker(prefs, args.out, cfg=RerankerConfig(epochs=args.epochs, lr=args.lr, seed=args.seed))

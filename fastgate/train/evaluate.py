@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgate.ops import probe_logits
+from fastgate.ops.reference import probe_logits
 
 __all__ = ["GateEvaluation", "auroc", "evaluate_gate"]
 

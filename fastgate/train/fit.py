@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastgate.errors import InputError
+from fastgate.gate_checkpoints import Prober, stack_probers
 from fastgate.ops import ProbeParams
-from fastgate.probes import Prober, stack_probers
 
 __all__ = ["FitConfig", "FitResult", "fit_prober", "fit_probers"]
 

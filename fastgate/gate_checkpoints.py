@@ -1,4 +1,6 @@
-"""Learned gates' weights: the Probing-RAG prober module, stacking into :class:`ProbeParams`, and checkpoints.
+"""Learned gates' checkpoints: the Probing-RAG prober module, stacking into :class:`ProbeParams`, and checkpoint I/O.
+
+(The prober gate that runs these weights is :mod:`fastgate.gates.prober`; its fused kernel, ``kernels/probe.py``.)
 
 A checkpoint is a directory with ``weights.safetensors`` (the stacked :class:`ProbeParams` tensors) and
 ``config.json`` recording which model it was trained for (name, weight fingerprint, hidden size, layer count), the

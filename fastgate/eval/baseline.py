@@ -1,13 +1,14 @@
-"""The reference pipeline ``bench/bench_e2e.py`` measures fastgate against: the same algorithms, run the way the
-papers' code runs them.
+"""The baseline pipeline ``bench/bench_e2e.py`` measures fastgate against: the same algorithms, run the way the
+papers' code runs them (HF ``generate`` one prompt at a time, the papers' own formulations of the ops). Not to be
+confused with :mod:`fastgate.ops.reference`, the torch references the fast ops are tested against.
 
 * :class:`ReferenceEngine` answers one prompt (and one sample) at a time with HF
   ``generate(output_hidden_states=True, output_logits=True, return_dict_in_generate=True)``; stop strings are applied
   by post-processing the decoded text, and the gates' hidden-state signals come from a second full forward pass with
   ``output_hidden_states=True`` over prompt + answer (Probing-RAG's mean states, SeaKR's EOS state, CBDR's pre-answer
   state).
-* :data:`REFERENCE_GATE_OPS`: SeaKR's eigenscore formulation (dense ``d×d`` centring matrix, einsum, logdet, per
-  request) and the torch prober.
+* :func:`reference_ops`: the engine's ops with SeaKR's eigenscore formulation (dense ``d×d`` centring matrix,
+  einsum, logdet, per request) and the torch prober as the gating ops.
 * :class:`ReferenceWordOps`: SCAAR App. B's growing-window decode alignment and DTR's per-document ``np.dot`` /
   ``arccos`` loop, in Python.
 
@@ -17,8 +18,10 @@ fastgate's: that is what the benchmark checks besides the speed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -26,10 +29,10 @@ import torch
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine import Engine, FinishReason, Generation, GenerationBatch
 from fastgate.errors import InputError
-from fastgate.ops.backend import GateOps
+from fastgate.ops import Ops
 from fastgate.ops.reference import probe_logits
 
-__all__ = ["REFERENCE_GATE_OPS", "ReferenceEngine", "ReferenceWordOps", "seakr_eigenscore", "use_reference_ops"]
+__all__ = ["ReferenceEngine", "ReferenceWordOps", "reference_ops", "seakr_eigenscore", "use_reference_ops"]
 
 
 def seakr_eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None,
@@ -57,7 +60,13 @@ def _no_accumulate(*_args, **_kwargs):  # the reference engine sums states after
     raise RuntimeError("the reference engine does not accumulate taps per step")
 
 
-REFERENCE_GATE_OPS = GateOps("reference", _no_accumulate, probe_logits, seakr_eigenscore)
+def reference_ops(ops: Ops) -> Ops:
+    """``ops`` with the baseline's gating ops: no per-step accumulate, the torch prober, SeaKR's eigenscore (the word
+    and AIS ops stay ``ops``'s; :func:`use_reference_ops` swaps a method's own)."""
+    gating = {"accumulate": "reference", "probe_logits": "reference", "eigenscore": "reference"}
+    return dataclasses.replace(ops, backend="reference", backends=MappingProxyType({**ops.backends, **gating}),
+                               accumulate=_no_accumulate, probe_logits=probe_logits, eigenscore=seakr_eigenscore)
+
 
 _WORD = re.compile(r"[^\W_]+(?:['-][^\W_]+)*")  # letters/digits, joined by inner ' or -
 
@@ -136,7 +145,7 @@ class ReferenceEngine(Engine):
 
     def __init__(self, model) -> None:
         super().__init__(model, backend="torch", prefix_cache=0)  # HF generate prefills every prompt in full
-        self.gate_ops = REFERENCE_GATE_OPS
+        self.ops = reference_ops(self.ops)
         self.backend = "reference"
 
     def _cut(self, new: list[int], cfg: GenerationConfig) -> tuple[int, int, FinishReason, str | None, str]:
