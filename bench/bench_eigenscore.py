@@ -1,4 +1,5 @@
-"""Eigenscore (SPEC §4 op 2) for B requests of k samples: fastgate vs torch eager vs the papers' formulations.
+"""Eigenscore (op 2, docs/ARCHITECTURE.md) for B requests of k samples: fastgate vs torch eager vs the papers'
+formulations.
 
 Providers, all on the same z [B, k, d] in one run:
 - ``fastgate``: what ``build_ops("auto")`` binds: the fused Triton kernel on GPU (one launch for B requests); on CPU

@@ -365,7 +365,8 @@ class PackedLoop(DecodeLoop):
         odd = [r for r in active if not covers(rows[r].cfg)]
         if odd:
             super()._choose(odd)
-            active = [r for r in active if r not in set(odd)]
+            eager = set(odd)
+            active = [r for r in active if r not in eager]
         if not active:
             return
         if self.chosen is None:

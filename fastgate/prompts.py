@@ -1,4 +1,4 @@
-"""Prompt templates. Small models answer best with a few-shot "Q: … A:" prompt (SPEC §2): SmolLM2-135M then gets
+"""Prompt templates. Small models answer best with a few-shot "Q: … A:" prompt: SmolLM2-135M then gets
 Berlin, Tokyo, Shakespeare and 1889 right and misses Ouagadougou and Bishkek, the mix gating has to separate."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class ModelRunner:
         # and goes in 5.40); the name this model's forward takes is looked up once, here
         params = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        # every op of SPEC §4 is bound once, for the model's device
+        # every op (docs/ARCHITECTURE.md, Ops) is bound once, for the model's device
         self.ops = build_ops(backend, model.device)
         self.backend = self.ops.backend
         self.accumulate = self.ops.accumulate  # running [M, L, d] += states [M, L, d] * weight [M], float32

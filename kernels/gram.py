@@ -1,4 +1,5 @@
-"""Batched eigenscore (SPEC §4 op 2) as one Triton launch for B requests, with the torch reference beside it.
+"""Batched eigenscore (op 2, docs/ARCHITECTURE.md) as one Triton launch for B requests, with the torch reference beside
+it.
 
 Each program takes one request: in one pass over its z, the k×k Gram matrix and the row sums (centring is the
 rank-one correction ``Z Zᵀ - s sᵀ / d``), then an in-register Cholesky factorisation whose log-pivots sum to the
@@ -85,7 +86,8 @@ def _eigenscore_kernel(
 
 def eigenscore(z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None,
                scale: str | None = None) -> torch.Tensor:
-    """Fused SPEC op 2 for ``z [B, k, d]`` -> ``[B]`` float32, one launch; same semantics and errors as
+    """Fused op 2 (docs/ARCHITECTURE.md) for ``z [B, k, d]`` -> ``[B]`` float32, one launch; same semantics and errors
+    as
     :func:`fastgate.ops.reference.eigenscore` (a request with no valid sample gets +inf)."""
     valid = check_eigenscore_args(z, alpha, valid, scale)
     b, k, d = z.shape

@@ -1,4 +1,5 @@
-"""Tap accumulation and the fused prober (SPEC §4 op 1) as Triton kernels, with their torch references beside them.
+"""Tap accumulation and the fused prober (op 1, docs/ARCHITECTURE.md) as Triton kernels, with their torch references
+beside them.
 
 - ``accumulate``: ``running_sum[B, L, d] += states[B, L, d] * weight[B]``, one launch per decode step for all layers.
 - ``probe_logits``: mean, LN0, Linear+SiLU+LN1, Linear+SiLU+LN2, Linear for every (b, l) in one launch.
@@ -168,7 +169,8 @@ def _probe_kernel(
 
 
 def probe_logits(sums: torch.Tensor, counts: torch.Tensor, params: ProbeParams) -> torch.Tensor:
-    """Fused SPEC op 1: ``[B, L, d]`` running sums and ``[B]`` counts -> ``[B, L, 2]`` float32 logits, one launch.
+    """Fused op 1 (docs/ARCHITECTURE.md): ``[B, L, d]`` running sums and ``[B]`` counts -> ``[B, L, 2]`` float32
+    logits, one launch.
 
     Same semantics and errors as :func:`fastgate.ops.reference.probe_logits`.
     """

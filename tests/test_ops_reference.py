@@ -1,4 +1,5 @@
-"""Torch reference ops (SPEC §4 ops 1, 2, 5) against constructed inputs with known answers and plain torch.nn."""
+"""Torch reference ops (ops 1, 2, 5 of docs/ARCHITECTURE.md) against constructed inputs with known answers and plain
+torch.nn."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ __all__ = ["EigenScoreGate", "PathChoice"]
 
 
 class EigenScoreGate(Gate):
-    """Retrieve iff ``eigenscore(H_EOS of k samples) > δ`` (SeaKR §3.4, SPEC §4 op 2).
+    """Retrieve iff ``eigenscore(H_EOS of k samples) > δ`` (SeaKR §3.4; op 2 in docs/ARCHITECTURE.md).
 
     The signal is the :class:`~fastgate.engine.GenerationBatch` of one context's k samples, generated with
     ``taps=gate.taps``. Signals with fewer samples are padded with invalid rows, so one launch scores them all.

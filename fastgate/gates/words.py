@@ -43,7 +43,7 @@ class SentenceWords:
 
 def sentence_words(engine: Engine, ops: Ops, seqs: list[Generation]) -> list[SentenceWords]:
     """Split each sequence's answer tokens into words and score them, all sequences in one
-    ``align_word_logprobs_batch`` call (SPEC §4 op 4)."""
+    ``align_word_logprobs_batch`` call (op 4, docs/ARCHITECTURE.md)."""
     pieces = [engine.token_pieces(s.token_ids[: s.answer_tokens]) for s in seqs]
     lps = [np.asarray(s.token_logprobs[: s.answer_tokens], dtype=np.float64) for s in seqs]
     out = []

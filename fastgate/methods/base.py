@@ -36,7 +36,7 @@ class GateThreshold:
 class MethodConfig:
     """Parameters every method has."""
 
-    k: int = 3  # passages used per retrieval (SPEC §5: k=3)
+    k: int = 3  # passages used per retrieval (the papers' k=3)
     max_answer_tokens: int = 16  # short answers end at the first newline long before this
     passage_words: int = 120  # words kept per passage in the prompt; keeps 3 passages within a small model's span
 

@@ -1,4 +1,5 @@
-"""Functional ops of SPEC §4, and the one entry point that binds each of them to an implementation.
+"""The gates' functional ops (docs/ARCHITECTURE.md, Ops), and the one entry point that binds each of them to an
+implementation.
 
 Every consumer gets its ops from :func:`build_ops` (:mod:`fastgate.ops.registry`): one frozen :class:`Ops` holding
 every op (accumulate, probe_logits, eigenscore, answer_nll, align_words, word_logprobs, align_word_logprobs_batch,

@@ -1,7 +1,9 @@
-"""The CPU ops of SPEC §4 (word alignment, word log-probs, AIS, the C++ eigenscore) bound to one implementation.
+"""The CPU ops (word alignment, word log-probs, AIS, the C++ eigenscore; docs/ARCHITECTURE.md, Ops) bound to one
+implementation.
 
 :class:`CpuOps` adapts an implementation module, the C++ extension ``fastgate._C`` or its numpy reference
-:mod:`fastgate.ops._python` (both take numpy arrays and raise ``ValueError``), to the tensor API of SPEC §4: tensors
+:mod:`fastgate.ops._python` (both take numpy arrays and raise ``ValueError``), to the tensor API of
+docs/ARCHITECTURE.md's ops: tensors
 in, float32 tensors out, :class:`~fastgate.errors.ShapeError` for bad shapes. It makes no choice itself: the registry
 (:mod:`fastgate.ops.registry`) decides which module each op runs on.
 """
@@ -49,7 +51,7 @@ class CpuOps:
         return torch.from_numpy(np.asarray(out, dtype=np.float32))
 
     def align_words(self, pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
-        """Group token pieces into words (SPEC §4 op 4).
+        """Group token pieces into words (op 4, docs/ARCHITECTURE.md).
 
         Args:
             pieces: text of each generated token, all ``str``, or all ``bytes`` for byte-level pieces that may split a
@@ -120,7 +122,7 @@ class CpuOps:
 
     def eigenscore(self, z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None,
                    scale: Literal["cov"] | None = None) -> torch.Tensor:
-        """SeaKR's eigenscore (SPEC §4 op 2) of ``z [B, k, d]`` on CPU: the same semantics and errors as
+        """SeaKR's eigenscore (op 2, docs/ARCHITECTURE.md) of ``z [B, k, d]`` on CPU: the same semantics and errors as
         :func:`fastgate.ops.reference.eigenscore`. The C++ backend forms each request's float64 Gram matrix with SIMD
         and factors it in place, threads over requests and releases the GIL; ``python`` is the torch reference.
 

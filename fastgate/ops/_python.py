@@ -76,7 +76,7 @@ def decode_utf8_owned(data: bytes, byte_owner: Sequence[int]) -> tuple[str, list
 
 
 def align_words(pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], list[int]]:
-    """Reference of SPEC §4 op 4; see ``CpuOps.align_words`` in :mod:`fastgate.ops._cpu`."""
+    """Reference of op 4, docs/ARCHITECTURE.md; see ``CpuOps.align_words`` in :mod:`fastgate.ops._cpu`."""
     pieces = list(pieces)
     kinds = {type(p) for p in pieces}
     if kinds - {str, bytes}:
@@ -111,7 +111,8 @@ def align_words(pieces: Sequence[str] | Sequence[bytes]) -> tuple[list[str], lis
 
 
 def word_logprobs(token_logprobs: np.ndarray, word_ids: np.ndarray, n_words: int = -1) -> np.ndarray:
-    """Reference of SPEC §4 op 4b (mean token log-prob per word, float64 accumulation, float32 result)."""
+    """Reference of op 4's word log-probs, docs/ARCHITECTURE.md (mean token log-prob per word, float64 accumulation,
+    float32 result)."""
     lp = np.asarray(token_logprobs, dtype=np.float64)
     ids = np.asarray(word_ids, dtype=np.int64)
     if lp.ndim != 1 or ids.ndim != 1:
@@ -155,7 +156,7 @@ def _ais(s1: np.ndarray, s2: np.ndarray, mode: str, s0: np.ndarray | float) -> n
 
 
 def ais_scores(q: np.ndarray, p: np.ndarray, docs: np.ndarray, mode: str = "angle") -> np.ndarray:
-    """Reference of SPEC §4 op 3 for one query: ``[n]`` float32."""
+    """Reference of op 3, docs/ARCHITECTURE.md for one query: ``[n]`` float32."""
     _check_mode(mode)
     q64, p64, d64 = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in (q, p, docs))
     if q64.ndim != 1 or p64.ndim != 1 or d64.ndim != 2:
@@ -169,7 +170,7 @@ def ais_scores(q: np.ndarray, p: np.ndarray, docs: np.ndarray, mode: str = "angl
 
 
 def ais_scores_batch(Q: np.ndarray, P: np.ndarray, D: np.ndarray, mode: str = "angle") -> np.ndarray:
-    """Reference of SPEC §4 op 3 batched: ``Q [B,d], P [B,d], D [B,n,d] -> [B,n]`` float32."""
+    """Reference of op 3, docs/ARCHITECTURE.md batched: ``Q [B,d], P [B,d], D [B,n,d] -> [B,n]`` float32."""
     _check_mode(mode)
     Q64, P64, D64 = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in (Q, P, D))
     if Q64.ndim != 2 or P64.ndim != 2 or D64.ndim != 3:

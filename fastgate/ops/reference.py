@@ -1,4 +1,5 @@
-"""Torch references of SPEC §4 ops 1, 2 and 5: the prober MLP, SeaKR's eigenscore and DTR's answer NLL.
+"""Torch references of ops 1, 2 and 5 (docs/ARCHITECTURE.md, Ops): the prober MLP, SeaKR's eigenscore and DTR's answer
+NLL.
 
 They define the semantics the fused Triton kernels (``kernels/``) are tested against, and they are what runs on CPU.
 Every op returns float32.
@@ -73,7 +74,7 @@ def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
 
 
 def probe_logits(sums: torch.Tensor, counts: torch.Tensor, params: ProbeParams) -> torch.Tensor:
-    """Per-layer prober logits from running sums of hidden states (SPEC §4 op 1).
+    """Per-layer prober logits from running sums of hidden states (op 1, docs/ARCHITECTURE.md).
 
     Per (b, l): ``x = sums/counts; x = LN0(x); x = LN1(silu(x@w1+b1)); x = LN2(silu(x@w2+b2)); logits = x@w3+b3``.
 
@@ -129,7 +130,8 @@ NON_FINITE_Z = "eigenscore: z contains NaN or inf (or values whose squares overf
 def eigenscore(
     z: torch.Tensor, alpha: float = 1e-3, valid: torch.Tensor | None = None, scale: Literal["cov"] | None = None
 ) -> torch.Tensor:
-    """SeaKR's self-aware uncertainty: ``logdet(Zc Zcᵀ + αI) / k'`` over the k' valid samples (SPEC §4 op 2).
+    """SeaKR's self-aware uncertainty: ``logdet(Zc Zcᵀ + αI) / k'`` over the k' valid samples (op 2,
+    docs/ARCHITECTURE.md).
 
     Each sample's vector is centred over its own d features (what SeaKR's ``J_d = I - 11ᵀ/d`` does, without building
     the d×d matrix); the k'×k' Gram log-determinant comes from a Cholesky factor, in float64.
@@ -181,7 +183,7 @@ def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: tor
 
 
 def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-prob over masked tokens (SPEC §4 op 5, DTR's uncertainty u).
+    """Mean negative log-prob over masked tokens (op 5, docs/ARCHITECTURE.md, DTR's uncertainty u).
 
     Args:
         token_logprobs: ``[B, T]`` log-probs of the chosen tokens.

@@ -1,4 +1,5 @@
-"""The one ops registry: every op of SPEC §4 bound, once, to an implementation for a requested backend and a device.
+"""The one ops registry: every op (docs/ARCHITECTURE.md, Ops) bound, once, to an implementation for a requested backend
+and a device.
 
 Why one registry: the gating ops (tap accumulate, prober, eigenscore) and the CPU ops (word alignment, word log-probs,
 AIS) used to be chosen by two dispatchers that each parsed ``FASTGATE_BACKEND`` and each knew a different set of
@@ -100,7 +101,7 @@ def env_backend() -> str:
 
 @dataclass(frozen=True, eq=False)
 class Ops:
-    """Every op of SPEC §4, bound to one implementation each; build it with :func:`build_ops`.
+    """Every op (docs/ARCHITECTURE.md, Ops), bound to one implementation each; build it with :func:`build_ops`.
 
     The ops have the signatures and semantics of their references (:mod:`fastgate.ops.reference` for the tensor ops,
     :class:`~fastgate.ops._cpu.CpuOps` for the CPU ops). Where the chosen fast implementation cannot run an input it
@@ -221,7 +222,7 @@ def _cpu_ops(backend: Literal["ext", "python"]) -> CpuOps:
 
 
 def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
-    """Bind every op of SPEC §4 for ``device``, once (see the module docstring for the backends).
+    """Bind every op (docs/ARCHITECTURE.md, Ops) for ``device``, once (see the module docstring for the backends).
 
     Args:
         backend: ``auto|triton|ext|torch|python``; ``auto`` defers to ``FASTGATE_BACKEND`` when it is set.

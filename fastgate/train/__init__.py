@@ -1,4 +1,5 @@
-"""Training the learned gates (SPEC §6): Probing-RAG probers and CBDR's confidence model, from cached features."""
+"""Training the learned gates (docs/training.md): Probing-RAG probers and CBDR's confidence model, from cached
+features."""
 
 from fastgate.train.features import FeatureCache, confidence_features, prober_features
 from fastgate.train.fit import FitConfig, FitResult, fit_prober, fit_probers

@@ -1,4 +1,4 @@
-"""Fit probers (Probing-RAG recipe, SPEC §6) on cached features, one per layer, keeping the best epoch by
+"""Fit probers (Probing-RAG recipe, docs/training.md) on cached features, one per layer, keeping the best epoch by
 validation accuracy."""
 
 from __future__ import annotations
