@@ -161,7 +161,8 @@ class Admission:
             rows = loop.size
             t0 = time.perf_counter()
             try:
-                done = loop.step(self.config.step_budget)
+                # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
+                done = loop.step(self.config.prefill_budget or None)
             except Exception as exc:  # the whole loop is lost: its programs end with the error
                 del self._loops[mid]
                 for task, ticket in members:

@@ -89,9 +89,3 @@ class SchedulerConfig:
             raise InputError(f"layout must be auto, packed or padded, got {self.layout!r}")
         if self.prefill_order not in PREFILL_ORDERS:
             raise InputError(f"prefill_order must be program or arrival, got {self.prefill_order!r}")
-
-    @property
-    def step_budget(self) -> int | None:
-        """``prefill_budget`` as the decode loops' ``step(prefill_budget=...)`` takes it: None for
-        :data:`WHOLE_PROMPTS` (no bound: every queued prompt whole)."""
-        return self.prefill_budget or None
