@@ -61,10 +61,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from fastgate.methods import METHODS
 
-    text = [name for name, cls in METHODS.items() if cls.black_box]
+    black_box = [name for name, cls in METHODS.items() if cls.black_box]  # what a remote engine can run
     g = p.add_argument_group("remote engine", "generate on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's "
                              "server, another fastgate serve) instead of a local model; only "
-                             f"{', '.join(text[:-1])} and {text[-1]} run there (the others read hidden states)")
+                             f"{', '.join(black_box[:-1])} and {black_box[-1]} run there (the others read hidden "
+                             "states)")
     g.add_argument("--engine", choices=["local", "openai"], default="local",
                    help="local: the --model loaded here; openai: --base-url's /v1/completions with logprobs "
                         "(default: %(default)s)")
