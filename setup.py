@@ -53,6 +53,7 @@ setup(
         "fastgate.methods",
         "fastgate.eval",
         "fastgate.train",
+        "fastgate.scheduler",
         "fastgate.kernels",
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},

@@ -24,25 +24,42 @@ __all__ = ["main"]
 DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
 
 
+# ``fastgate serve``'s flags that are fields of ServiceConfig (generated from them: fastgate.settings), in --help order
+_SERVE_LIMITS = ("max_live", "max_rows", "admit_every", "prefill_budget", "kv_budget_mb", "layout", "prefill_order",
+                 "admit_wait_ms", "max_queue", "timeout_s")
+_MODEL_SETTINGS = ("model", "device", "dtype", "step")  # ask, eval and serve
+SERVE_SETTINGS = ("method", "index", "paper_defaults", *_SERVE_LIMITS, *_MODEL_SETTINGS)
+
+
+def _names() -> dict[str, str]:
+    """The lists help lines name, from their registries: ``{methods}``, ``{models}``, ``{retrievers}``."""
+    from fastgate.methods import METHODS
+    from fastgate.models import MODELS
+    from fastgate.retrieval import RETRIEVERS
+
+    return {"methods": " | ".join(METHODS), "models": ", ".join(MODELS), "retrievers": " | ".join(RETRIEVERS)}
+
+
+def _add_settings(p: argparse.ArgumentParser, names: tuple[str, ...], **help_lines: str) -> None:
+    """Flags of ServiceConfig's fields ``names`` (``help_lines``: a command's own help line of a field)."""
+    from fastgate.service import ServiceConfig
+    from fastgate.settings import add_setting_args
+
+    add_setting_args(p, ServiceConfig, names, help=help_lines, placeholders=_names())
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="embedded model (smollm2-135m, gemma3-270m, qwen2.5-0.5b, qwen2.5-1.5b) or a local HF "
-                        "directory (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
-                        "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
-                        "(default: %(default)s)")
-    p.add_argument("--step", default="auto", choices=["auto", "eager", "compiled"],
-                   help="decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph on "
-                        "GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or eager; "
-                        "auto: compiled on CUDA, eager on CPU (default: %(default)s)")
+    _add_settings(p, _MODEL_SETTINGS)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from fastgate.methods import METHODS
+
+    black_box = [name for name, cls in METHODS.items() if cls.black_box]  # what a remote engine can run
     g = p.add_argument_group("remote engine", "generate on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's "
-                             "server, another fastgate serve) instead of a local model; only never, always, flare, "
-                             "scaar and dtr run there (the others read hidden states)")
+                             "server, another fastgate serve) instead of a local model; only "
+                             f"{', '.join(black_box[:-1])} and {black_box[-1]} run there (the others read hidden "
+                             "states)")
     g.add_argument("--engine", choices=["local", "openai"], default="local",
                    help="local: the --model loaded here; openai: --base-url's /v1/completions with logprobs "
                         "(default: %(default)s)")
@@ -301,14 +318,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
-    config = ServiceConfig(method=args.method, model=args.model, device=args.device, dtype=args.dtype,
-                           step=args.step,
-                           index=args.index,
-                           paper_defaults=args.paper_defaults, max_live=args.max_live, max_rows=args.max_rows,
-                           admit_wait_ms=args.admit_wait_ms, admit_every=args.admit_every,
-                           prefill_budget=args.prefill_budget, kv_budget_mb=args.kv_budget_mb,
-                           layout=args.layout, prefill_order=args.prefill_order, max_queue=args.max_queue,
-                           timeout_s=args.timeout, remote=remote,
+    config = ServiceConfig(**{name: getattr(args, name) for name in SERVE_SETTINGS}, remote=remote,
                            params=tuple(sorted(params.items())))
     if args.ray:
         from fastgate.ray_serve import serve_ray
@@ -381,18 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer one or more questions with gated retrieval",
                          description="Answer questions; several questions run as one batch.")
     ask.add_argument("question", nargs="+", help="the question(s)")
-    ask.add_argument("--method", default="dtr",
-                     help="never | always | flare | probing | dtr | seakr | scaar | cbdr (default: %(default)s)")
+    _add_settings(ask, ("method",), method="{methods} (default: %(default)s)")
     ask.add_argument("--retriever", default=None,
-                     help="bm25 | dense (default: the method's: dense for dtr, bm25 for the others)")
+                     help=f"{_names()['retrievers']} (default: the method's: dense for dtr, bm25 for the others)")
     ask.add_argument("--k", type=int, default=None, help="passages per retrieval (default: the method's, 3)")
-    ask.add_argument("--index", default=None,
-                     help="index root holding bm25/ and dense/ (default: the default corpus, built on first use)")
+    _add_settings(ask, ("index",))
     ask.add_argument("--param", action="append", metavar="NAME=VALUE",
                      help="method parameter, repeatable (see `fastgate methods`)")
     ask.add_argument("--max-tokens", type=int, default=None, help="maximum answer tokens")
-    ask.add_argument("--paper-defaults", action="store_true",
-                     help="use the papers' thresholds instead of the values calibrated for the model")
+    _add_settings(ask, ("paper_defaults",))
     ask.add_argument("--json", action="store_true", help="print one JSON object per question")
     _add_model_args(ask)
     _add_engine_args(ask)
@@ -453,9 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=32,
                     help="questions per batch: larger batches decode more tokens per second (default: %(default)s)")
     ev.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, repeatable")
-    ev.add_argument("--retriever", default=None, help="bm25 | dense (default: each method's)")
-    ev.add_argument("--index", default=None, help="index root (default: the default corpus)")
-    ev.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
+    ev.add_argument("--retriever", default=None, help=f"{_names()['retrievers']} (default: each method's)")
+    _add_settings(ev, ("index", "paper_defaults"))
     ev.add_argument("--budget", default="auto", choices=["auto", "cpu", "full"],
                     help="cpu: smaller sample / candidate counts for seakr and cbdr (see fastgate.calibration."
                          "CPU_EVAL_BUDGET); full: the methods' own defaults; auto: cpu without a GPU (default)")
@@ -467,36 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible "
                                       "/v1/chat/completions, /v1/completions, /v1/models, /healthz, /metrics)",
                         description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
-    sv.add_argument("--method", default="dtr", help="default method of requests that name none (default: %(default)s)")
+    _add_settings(sv, ("method",))
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
-    sv.add_argument("--index", default=None, help="index root (default: the default corpus)")
-    sv.add_argument("--paper-defaults", action="store_true", help="the papers' thresholds instead of calibrated ones")
-    sv.add_argument("--max-live", type=int, default=32,
-                    help="requests whose programs run at once; more wait in the queue (default: %(default)s)")
-    sv.add_argument("--max-rows", type=int, default=80,
-                    help="sequences (prompts x samples) per engine call (default: %(default)s)")
-    sv.add_argument("--admit-every", type=int, default=1,
-                    help="generations join a decoding loop every N steps (at once when idle) (default: %(default)s)")
-    sv.add_argument("--prefill-budget", type=int, default=512,
-                    help="prompt tokens prefilled per decode step, in chunks between steps; 0: whole prompts when "
-                         "they join (default: %(default)s)")
-    sv.add_argument("--kv-budget-mb", type=float, default=2048.0,
-                    help="KV cache of the decode loop in MiB; generations wait for room beyond it, one that cannot "
-                         "fit alone gets 422 (default: %(default)s)")
-    sv.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
-                    help="packed: each decode step and its prompt chunks run as one forward (Llama / Qwen2 / "
-                         "Mistral); padded: rows left-padded, prompts prefilled in forwards of their own; auto: "
-                         "packed where the model allows it (default: %(default)s)")
-    sv.add_argument("--prefill-order", choices=["program", "arrival"], default="program",
-                    help="packed layout: prefill the oldest request's prompts first (program) or each prompt in "
-                         "the order it was asked for (arrival) (default: %(default)s)")
-    sv.add_argument("--admit-wait-ms", type=float, default=10.0,
-                    help="an idle server waits this long after a request for the rest of its burst (default: "
-                         "%(default)s)")
-    sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 503 (default: %(default)s)")
-    sv.add_argument("--timeout", type=float, default=120.0, help="seconds before 504 (default: %(default)s)")
+    _add_settings(sv, ("index", "paper_defaults", *_SERVE_LIMITS))
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
     sv.add_argument("--ray", action="store_true",
                     help="run --replicas engine replicas on Ray Serve behind its HTTP proxy (pip install "

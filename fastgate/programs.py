@@ -158,6 +158,7 @@ class All:
         object.__setattr__(self, "requests", tuple(requests))
 
 
+# what a program may yield (a request to answer with a method is fastgate.runtime.AnswerRequest)
 Request = Generate | PromptStates | Search | SearchVectors | PassageVectors | Embed | Score | Decide | Batched | All
 
 

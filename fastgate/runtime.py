@@ -2,27 +2,34 @@
 ``fastgate serve`` share.
 
 Requests are checked with :func:`check_request` before anything heavy is loaded, so a bad method name, parameter or
-missing checkpoint fails in milliseconds with a clear message.
+missing checkpoint fails in milliseconds with a clear message. Where the model is known (a server), the check builds
+the method's typed config once, calibrated for the model, and it travels with the :class:`AnswerRequest` to the
+method built for it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastgate.errors import UnknownNameError
 
-__all__ = ["Request", "Runtime", "check_request", "result_record"]
+__all__ = ["AnswerRequest", "Runtime", "check_request", "result_record"]
 
 
 @dataclass(frozen=True)
-class Request:
-    """A validated method request: the method, the retriever it searches and the parameters given by the user."""
+class AnswerRequest:
+    """A validated request to answer with a method: the method, the retriever it searches, the parameters given by
+    the user and, once built, the method's typed config (equal requests compare equal with or without it)."""
 
     method: str
     retriever: str | None  # None for methods that never retrieve
     params: tuple[tuple[str, Any], ...]  # user parameters, sorted; calibration is applied on top at build time
+    # the method's config: the user's parameters on top of the model's calibrated ones, validated once (None: built
+    # when the method is, see Runtime.method_config)
+    config: Any = field(default=None, compare=False)
 
     @property
     def param_dict(self) -> dict[str, Any]:
@@ -30,11 +37,14 @@ class Request:
 
 
 def check_request(method: str, params: dict[str, Any] | None = None, retriever: str | None = None,
-                  model_name: str | None = None, remote: str | None = None) -> Request:
+                  model_name: str | None = None, remote: str | None = None,
+                  calibrate: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> AnswerRequest:
     """Validate a method request without loading the model (unknown names, bad parameters, missing checkpoints).
 
     ``remote``: the name of the remote engine the method will run on (``RemoteConfig.name``); a method that reads
-    hidden states is then refused.
+    hidden states is then refused. ``calibrate``: ``(method, params) -> params`` with the model's calibrated values
+    under the user's (:meth:`Runtime.calibrated`, once the model is known): the config is then built from those and
+    travels with the request (``request.config``), so building the method does not build it again.
 
     Raises:
         UnknownNameError: unknown method or retriever.
@@ -57,8 +67,10 @@ def check_request(method: str, params: dict[str, Any] | None = None, retriever: 
     if retriever not in RETRIEVERS:
         raise UnknownNameError("retriever", retriever, RETRIEVERS)
     params = dict(params or {})
-    cls.preflight(make_config(method, params), model_name)
-    return Request(method, retriever if cls.needs_retriever else None, tuple(sorted(params.items())))
+    config = make_config(method, params if calibrate is None else calibrate(method, params))
+    cls.preflight(config, model_name)
+    return AnswerRequest(method, retriever if cls.needs_retriever else None, tuple(sorted(params.items())),
+                         None if calibrate is None else config)
 
 
 class Runtime:
@@ -163,21 +175,34 @@ class Runtime:
             self.setup_s += time.perf_counter() - t0
         return self._retrievers[kind]
 
-    def effective_params(self, request: Request) -> dict[str, Any]:
-        """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""
+    def calibrated(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults``); loads
+        the model (its name picks the calibration)."""
         from fastgate.calibration import calibrated_params
 
-        params = request.param_dict
-        return params if self.paper_defaults else calibrated_params(self.lm.name, request.method, params)
+        return params if self.paper_defaults else calibrated_params(self.lm.name, method, params)
 
-    def build(self, request: Request):
+    def effective_params(self, request: AnswerRequest) -> dict[str, Any]:
+        """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""
+        return self.calibrated(request.method, request.param_dict)
+
+    def method_config(self, request: AnswerRequest):
+        """The typed config the method of ``request`` is built with: the one it carries, else built now from
+        :meth:`effective_params`."""
+        if request.config is not None:
+            return request.config
+        from fastgate.methods import make_config
+
+        return make_config(request.method, self.effective_params(request))
+
+    def build(self, request: AnswerRequest):
         """Construct the method of ``request`` on this runtime's engine."""
         from fastgate.methods import METHODS, build_method
 
         retriever = self.retriever(request.retriever) if request.retriever is not None else None
         others = {kind: self.retriever(kind) for kind in METHODS[request.method].uses_retrievers}
-        return build_method(request.method, self.engine, retriever, self.effective_params(request),
-                            retrievers=others or None)
+        return build_method(request.method, self.engine, retriever, retrievers=others or None,
+                            config=self.method_config(request))
 
 
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,

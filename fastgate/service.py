@@ -19,6 +19,7 @@ at the next tick and consumes no more work. Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -31,6 +32,9 @@ from typing import Any
 
 from fastgate.errors import FastgateError, InputError
 from fastgate.methods.base import check_questions
+from fastgate.precision import DTYPES
+from fastgate.scheduler.config import SchedulerConfig
+from fastgate.settings import setting
 
 __all__ = ["AnswerService", "OverloadedError", "ServiceConfig"]
 
@@ -43,30 +47,64 @@ class OverloadedError(FastgateError):
         self.retry_after_s = retry_after_s
 
 
+def _scheduler_setting(name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A field of :class:`SchedulerConfig`'s ``name``: its help line and choices, and its default unless ``default``
+    is given (a serving default that differs from the library's)."""
+    f = SchedulerConfig.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=f.metadata)
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    """How the service batches, bounds and answers requests."""
+    """How the service batches, bounds and answers requests. The fields with a help line are ``fastgate serve``'s
+    flags (:func:`fastgate.settings.add_setting_args`); those of the scheduler are checked by
+    :class:`~fastgate.scheduler.SchedulerConfig` (:meth:`scheduler_config`)."""
 
-    method: str = "dtr"  # default method of requests that name none (fastgate ask's default)
-    model: str = "smollm2-135m"  # the default embedded model
-    device: str = "auto"  # CUDA when available
-    dtype: str = "auto"  # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
-    step: str = "auto"  # decode steps compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling
-    # takes minutes there and gains little: docs/RESULTS.md)
-    index: str | None = None  # index root; None: the default corpus
-    paper_defaults: bool = False  # thresholds calibrated for the model unless asked otherwise
-    max_live: int = 32  # programs running at once; beyond this a CPU decode step gets slower than it gains
-    max_rows: int = 80  # sequences (prompts × samples) per engine call; bounds the KV cache
-    admit_every: int = 1  # generations join a decoding loop every N steps (chunked prefill makes 1 cheap)
-    prefill_budget: int = 512  # prompt tokens per decode step, so cheap requests stay cheap; packed, they ride in the
-    # decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
-    kv_budget_mb: float = 2048.0  # KV cache of the decode loop; generations wait beyond it (SmolLM2: ~45 KiB/token)
-    layout: str = "auto"  # packed (decode rows + prompt chunks in one forward) where the model allows it, else padded
-    prefill_order: str = "program"  # packed: the oldest request's prompts first, so a RAG prompt after its gate does
-    # not queue behind newer requests (closed-loop p95, docs/RESULTS.md); "arrival": in the order asked for
-    admit_wait_ms: float = 10.0  # an idle scheduler waits this long after a request for others of the same burst
-    max_queue: int = 256  # requests waiting beyond this are refused with 503 instead of timing out later
-    timeout_s: float = 120.0  # a request not answered by then gets 504 (it is dropped if it has not started)
+    # the method of requests that name none: the gate `fastgate ask` uses by default
+    method: str = setting("dtr", "default method of requests that name none (default: %(default)s)")
+    # the default embedded model, the smallest of fastgate.models.MODELS
+    model: str = setting("smollm2-135m", "embedded model ({models}) or a local HF directory (default: %(default)s)")
+    # CUDA when available
+    device: str = setting("auto", "auto (CUDA if available), cpu or cuda (default: %(default)s)")
+    # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
+    dtype: str = setting("auto", "the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
+                                 "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
+                                 "(default: %(default)s)", choices=("auto", *DTYPES))
+    # compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling takes minutes there and gains little:
+    # docs/RESULTS.md)
+    step: str = setting("auto", "decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph "
+                                "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
+                                "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
+                        choices=("auto", "eager", "compiled"))
+    # None: the default corpus
+    index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
+                                      "first use)")
+    # thresholds calibrated for the model unless asked otherwise
+    paper_defaults: bool = setting(False, "use the papers' thresholds instead of the values calibrated for the model")
+    # programs running at once; beyond this a CPU decode step gets slower than it gains
+    max_live: int = setting(32, "requests whose programs run at once; more wait in the queue (default: %(default)s)")
+    # the library scheduler's: sequences (prompts x samples) per engine call; bounds the KV cache
+    max_rows: int = _scheduler_setting("max_rows")
+    # not the library's 8: with a chunked prefill a generation joining at once is cheap, and it does not wait 8 steps
+    admit_every: int = _scheduler_setting("admit_every", 1)
+    # not the library's whole prompts: 512 prompt tokens a decode step keep cheap requests cheap under load; packed,
+    # they ride in the decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
+    prefill_budget: int = _scheduler_setting("prefill_budget", 512)
+    # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
+    kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
+                                          "one that cannot fit alone gets 422 (default: %(default)s)")
+    # the library scheduler's: packed (decode rows + prompt chunks in one forward) where the model allows it
+    layout: str = _scheduler_setting("layout")
+    # the library scheduler's: the oldest request's prompts first, so a RAG prompt after its gate does not queue
+    # behind newer requests (closed-loop p95, docs/RESULTS.md)
+    prefill_order: str = _scheduler_setting("prefill_order")
+    # an idle scheduler waits this long after a request for others of the same burst
+    admit_wait_ms: float = setting(10.0, "an idle server waits this long after a request for the rest of its burst "
+                                         "(default: %(default)s)")
+    # requests waiting beyond this are refused with 503 instead of timing out later
+    max_queue: int = setting(256, "queued requests before 503 (default: %(default)s)")
+    # a request not answered by then gets 504 (it is dropped if it has not started)
+    timeout_s: float = setting(120.0, "seconds before 504 (default: %(default)s)", flag="--timeout")
     max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
     max_tokens_limit: int = 256  # the most answer tokens a request may ask for
     max_int_param: int = 1024  # requests cannot set an integer parameter above this (k, samples, ...)
@@ -76,29 +114,31 @@ class ServiceConfig:
     remote: Any = None  # a fastgate.remote.RemoteConfig: generate on that server instead of a local model
 
     def __post_init__(self) -> None:
-        for name in ("max_live", "max_rows", "admit_every", "max_queue", "max_question_chars", "max_tokens_limit",
-                     "max_int_param",
+        for name in ("max_live", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
                      "methods_cached"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
         if not self.kv_budget_mb > 0:
             raise InputError("kv_budget_mb must be > 0")
-        if self.prefill_budget < 0:
-            raise InputError("prefill_budget must be >= 0")
-        if self.layout not in ("auto", "packed", "padded"):
-            raise InputError(f"layout must be auto, packed or padded, got {self.layout!r}")
-        if self.prefill_order not in ("program", "arrival"):
-            raise InputError(f"prefill_order must be program or arrival, got {self.prefill_order!r}")
+        self.scheduler_config()  # max_rows, admit_every, prefill_budget, layout and prefill_order: checked there
         if not self.timeout_s > 0:
             raise InputError("timeout_s must be > 0")
         if not 0 <= self.admit_wait_ms <= 1000:
             raise InputError(f"admit_wait_ms must be in [0, 1000], got {self.admit_wait_ms}")
 
+    def scheduler_config(self) -> SchedulerConfig:
+        """The settings of the service's scheduler."""
+        return SchedulerConfig(max_rows=self.max_rows, admit_every=self.admit_every,
+                               prefill_budget=self.prefill_budget, kv_budget=int(self.kv_budget_mb * 2**20),
+                               layout=self.layout, prefill_order=self.prefill_order)
+
 
 @dataclass
-class _Job:
+class _Queued:
+    """A request waiting in the service's queue, then running as a scheduler task."""
+
     question: str
-    request: Any  # a validated fastgate.runtime.Request
+    request: Any  # a validated fastgate.runtime.AnswerRequest, its method's config with it
     future: Future
     submitted: float
     task: Any = None  # its scheduler task once admitted
@@ -123,13 +163,12 @@ class AnswerService:
         self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
                                           self.config.paper_defaults, dtype=self.config.dtype,
                                           step=self.config.step, remote=self.config.remote)
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=self.config.max_queue)
+        self._queue: queue.Queue[_Queued] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
-        self._configs: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._scheduler = None  # built with the engine, in start()
-        self._running: dict[int, _Job] = {}  # id(task) -> job, for timeouts and cancellation
+        self._running: dict[int, _Queued] = {}  # id(task) -> job, for timeouts and cancellation
         self._cancel: list[Future] = []
         self._top = None  # the top-logprobs pass of plain completions, built on first use
         self._stop = threading.Event()
@@ -227,7 +266,8 @@ class AnswerService:
 
     # ------------------------------------------------------------------ requests
     def _request(self, method: str | None, params: dict[str, Any] | None):
-        """A validated request, memoised by (method, parameters): validation builds a config, checks checkpoints."""
+        """A validated request, memoised by (method, parameters): validation builds the method's config (calibrated
+        for the model) and checks checkpoints."""
         from fastgate.runtime import check_request
 
         name = self.config.method if method is None else method
@@ -245,8 +285,9 @@ class AnswerService:
                 raise InputError(f"parameter {key} is too long")
         remote = self.runtime.engine_name if self.runtime.remote is not None else None
 
-        def validated():
-            req = check_request(name, params, None, self.runtime.model, remote=remote)
+        def validated():  # the method's config is built here, once, and travels with the request
+            req = check_request(name, params, None, self.runtime.model, remote=remote,
+                                calibrate=self.runtime.calibrated)
             _check_int_params(req, self.config.max_int_param)
             return req
 
@@ -264,12 +305,6 @@ class AnswerService:
                 if len(store) > 256:
                     store.pop(next(iter(store)))
         return value
-
-    def _config(self, req):
-        """The typed config of a request (calibrated thresholds applied), memoised."""
-        from fastgate.methods import make_config
-
-        return self._memo(self._configs, req, lambda: make_config(req.method, self.runtime.effective_params(req)))
 
     def _method(self, req):
         """The built method of a request; only the worker thread (and :meth:`start`) build methods."""
@@ -318,8 +353,8 @@ class AnswerService:
                 self._top = TopLogprobs(engine)
             top = self._top
         future: Future = Future()
-        self._enqueue(_Job(prompt, None, future, time.perf_counter(),
-                           program=completion_program(engine, prompt, config, seed, top_logprobs, top)))
+        self._enqueue(_Queued(prompt, None, future, time.perf_counter(),
+                              program=completion_program(engine, prompt, config, seed, top_logprobs, top)))
         return future
 
     def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
@@ -353,14 +388,15 @@ class AnswerService:
             params["max_answer_tokens"] = max_tokens
         req = self._request(method, params)
         # checked with the tokenizer only: building a method or running the model here would race the worker's decode
-        question = check_questions(self.runtime.engine, self._config(req), [question])[0]
+        question = check_questions(self.runtime.engine, req.config, [question])[0]
         if not self.running:
             raise FastgateError("the service is not running")
         future: Future = Future()
-        self._enqueue(_Job(question, req, future, time.perf_counter(), listener=listener, answer_tokens=answer_tokens))
+        self._enqueue(_Queued(question, req, future, time.perf_counter(), listener=listener,
+                              answer_tokens=answer_tokens))
         return future
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: _Queued) -> None:
         """Put ``job`` on the queue, or count it rejected and raise :class:`OverloadedError` when the queue is full."""
         try:
             self._queue.put_nowait(job)
@@ -398,9 +434,7 @@ class AnswerService:
                 self.metrics.ticks(sched)
 
     def _new_scheduler(self, cls):
-        return cls(self.runtime.engine, max_rows=self.config.max_rows, admit_every=self.config.admit_every,
-                   prefill_budget=self.config.prefill_budget, kv_budget=int(self.config.kv_budget_mb * 2**20),
-                   layout=self.config.layout, prefill_order=self.config.prefill_order)
+        return cls(self.runtime.engine, self.config.scheduler_config())
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).
@@ -474,11 +508,9 @@ class AnswerService:
 
 
 def _check_int_params(req, limit: int) -> None:
-    from fastgate.methods import make_config
-
-    config = make_config(req.method, req.param_dict)
+    """Refuse an integer parameter the client set above ``limit`` (its value in the request's config: the user's)."""
     for name, _ in req.params:
-        value = getattr(config, name)
+        value = getattr(req.config, name)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
             raise InputError(f"parameter {name}={value} is above this server's limit ({limit})")
 

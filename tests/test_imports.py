@@ -20,7 +20,9 @@ PACKAGES = {"fastgate": ROOT / "fastgate", "fastgate.kernels": ROOT / "kernels"}
 # Modules the graph must hold (a rename that drops one from the graph should fail loudly, not pass vacuously).
 CORE = {"fastgate.engine", "fastgate.runner", "fastgate.decode", "fastgate.packed", "fastgate.generation",
         "fastgate.scheduler", "fastgate.kv_cache", "fastgate.models", "fastgate.gates.base", "fastgate.gates.eigen",
-        "fastgate.gates.prober", "fastgate.gates.uncertainty", "fastgate.gates.words", "fastgate.gates.read"}
+        "fastgate.gates.prober", "fastgate.gates.uncertainty", "fastgate.gates.words", "fastgate.gates.read",
+        "fastgate.scheduler.driver", "fastgate.scheduler.batching", "fastgate.scheduler.admission",
+        "fastgate.scheduler.config", "fastgate.scheduler.task"}
 
 
 

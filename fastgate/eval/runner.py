@@ -289,7 +289,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     """
     from fastgate.methods import make_config
     from fastgate.models import resolve_device
-    from fastgate.runtime import Request
+    from fastgate.runtime import AnswerRequest
 
     if batch_size < 1:
         raise InputError(f"batch size must be >= 1, got {batch_size}")
@@ -300,7 +300,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     engine = getattr(runtime, "engine_name", "local")  # records name the engine; a resume on another is refused
     summaries = []
     for run in runs:
-        request = Request(run.method, run.retriever, run.params)
+        request = AnswerRequest(run.method, run.retriever, run.params)
         # a run's key names only the user's parameters; the calibrated values and paper defaults under them can change
         # between versions, so each record keeps the whole config it was made with and a resume under another is refused
         config = make_config(run.method, runtime.effective_params(request))  # typed: "0.84" (CLI) and 0.84 are equal
@@ -312,7 +312,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             _check_dtype(store, run, dtype, legacy)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
-            method = runtime.build(request)
+            method = runtime.build(AnswerRequest(run.method, run.retriever, run.params, config))  # built once
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:

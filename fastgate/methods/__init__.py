@@ -90,10 +90,14 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
 
 
 def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None,
-                 retrievers: dict[str, Any] | None = None) -> Method:
-    """Construct method ``name`` with its config built from ``params`` (``retrievers``: the other retrievers a
-    method searches besides its own, by kind, for methods with ``uses_retrievers``)."""
-    config = make_config(name, params)
+                 retrievers: dict[str, Any] | None = None, config: MethodConfig | None = None) -> Method:
+    """Construct method ``name`` with its config built from ``params``, or with ``config``, one already built by
+    :func:`make_config` (``retrievers``: the other retrievers a method searches besides its own, by kind, for methods
+    with ``uses_retrievers``)."""
+    if config is None:
+        config = make_config(name, params)
+    elif params or not isinstance(config, METHODS[name].config_class):
+        raise InputError(f"build_method takes params or a {METHODS[name].config_class.__name__}, not both")
     if METHODS[name].uses_retrievers:
         return METHODS[name](engine, retriever, config, retrievers=retrievers)
     return METHODS[name](engine, retriever, config)

@@ -1,0 +1,260 @@
+"""The batching table: the pending requests of every program grouped by kind into one batched call each.
+
+Owns the grouping keys (:func:`group_key`: one ``search_batch`` per (retriever, k), one embedding call per encoder,
+one score launch per gate kind, one call per batch op, one engine call for generations), the nine runners that make
+each group's call and split its result back per request (:func:`split` for a generation batch, :func:`slices` for
+the others), and the search for the one request that failed a batched call (the others still run). Calls the engine
+(``generate``, ``generate_each`` for a remote engine, ``prompt_states``), the retrievers, the encoders and the gates;
+the driver (:mod:`fastgate.scheduler.driver`) calls :meth:`BatchingTable._execute` and receives each result through
+its ``_deliver`` / ``_finish``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fastgate.engine import Engine, GenerationBatch
+from fastgate.errors import InputError
+from fastgate.gates.base import GateStep
+from fastgate.programs import (
+    Batched,
+    Decide,
+    Embed,
+    Generate,
+    PassageVectors,
+    PromptStates,
+    Score,
+    Search,
+    SearchVectors,
+)
+from fastgate.retrieval.base import Hit
+
+if TYPE_CHECKING:
+    from fastgate.scheduler.task import Task
+
+__all__ = ["PHASES", "RUNNERS", "BatchingTable", "Failed", "group_key", "mid_layer", "slices", "split"]
+
+PHASES = {Generate: "generation_s", PromptStates: "generation_s", Search: "retrieval_s",
+          SearchVectors: "retrieval_s", PassageVectors: "retrieval_s", Embed: "retrieval_s", Score: "gate_s",
+          Decide: "gate_s"}  # the timing each request kind counts under (a Batched request names its own)
+
+
+class BatchingTable:
+    """The :class:`~fastgate.scheduler.Scheduler`'s batched calls: one call per group of requests with equal keys.
+    A part of the scheduler (its ``engine``, ``max_rows``, ``remote`` and counters are the scheduler's)."""
+
+    def _execute(self, pending: list[tuple[Task, int, Any]]) -> None:
+        """Run ``pending`` ((task, slot, request) each) as one call per group; deliver each result to its task."""
+        groups: dict[tuple, list[tuple[Task, int, Any]]] = defaultdict(list)
+        for item in pending:
+            groups[group_key(item[2])].append(item)
+        for key, items in groups.items():
+            run = RUNNERS[key[0]]
+            self._calls += 1
+            self._methods = frozenset(t.method.name for t, _, _ in items if t.method is not None)
+            t0 = time.perf_counter()
+            try:
+                outs = run(self, [r for _, _, r in items])
+            except Exception as exc:
+                if len(items) == 1:
+                    items[0][0].error = exc
+                    self._finish(items[0][0], error=exc)
+                    continue
+                for item in items:  # find the request that failed; the others still run
+                    self._execute_one(item)
+                continue
+            elapsed = time.perf_counter() - t0
+            for (task, i, req), out in zip(items, outs):
+                if isinstance(out, Failed):  # that request's own error (a remote engine's request)
+                    self._finish(task, error=out.error)
+                    continue
+                self._deliver(task, i, req, out, elapsed)
+
+    def _execute_one(self, item: tuple[Task, int, Any]) -> None:
+        """Run one request alone (after its group's call failed): its error ends its own task only."""
+        task, i, req = item
+        if task.done:
+            return
+        self._calls += 1
+        self._methods = frozenset([task.method.name] if task.method is not None else [])
+        t0 = time.perf_counter()
+        try:
+            (out,) = RUNNERS[group_key(req)[0]](self, [req])
+        except Exception as exc:
+            self._finish(task, error=exc)
+            return
+        if isinstance(out, Failed):
+            self._finish(task, error=out.error)
+            return
+        self._deliver(task, i, req, out, time.perf_counter() - t0)
+
+
+    # ------------------------------------------------------------------ runners: one batched call per group
+    def _run_generate(self, reqs: list[Generate]) -> list[GenerationBatch]:
+        if self.remote:  # every request in flight at once; one that fails ends its own question only
+            parts = self.engine.generate_each([r.prompt for r in reqs], [r.config for r in reqs],
+                                              [r.taps for r in reqs], [r.k for r in reqs], [r.seed for r in reqs])
+            self.generation_calls += 1
+            self.generation_rows = (self.generation_rows + [sum(r.k for r in reqs)])[-1000:]
+            self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+            return [Failed(p) if isinstance(p, BaseException) else p for p in parts]  # type: ignore[misc]
+        out: list[GenerationBatch | None] = [None] * len(reqs)
+        # rows asking for pre-answer / EOS states must share their layer; others join any call
+        mid_of = [mid_layer(self.engine, r) for r in reqs]
+        mids = list(dict.fromkeys(m for m in mid_of if m is not None)) or [None]
+        for mid in mids:
+            idx = [i for i, m in enumerate(mid_of) if m == mid or (m is None and mid == mids[0])]
+            calls, rows = [[]], 0
+            for i in idx:
+                if calls[-1] and rows + reqs[i].k > self.max_rows:
+                    calls.append([])
+                    rows = 0
+                calls[-1].append(i)
+                rows += reqs[i].k
+            for call in calls:
+                sub = [reqs[i] for i in call]
+                batch = self.engine.generate([r.prompt for r in sub], [r.config for r in sub], [r.taps for r in sub],
+                                             [r.k for r in sub], [r.seed for r in sub])
+                self.generation_calls += 1
+                self.generation_rows = (self.generation_rows + [len(batch.sequences)])[-1000:]
+                self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+                for i, part in zip(call, split(batch, sub)):
+                    out[i] = part
+        return out  # type: ignore[return-value]
+
+    def _run_prompt_states(self, reqs: list[PromptStates]) -> list[torch.Tensor]:
+        prompts = [p for r in reqs for p in r.prompts]
+        states = self.engine.prompt_states(prompts, reqs[0].layer)  # [Σ n_i, d]
+        return slices(states, [len(r.prompts) for r in reqs])
+
+    def _run_search(self, reqs: list[Search]) -> list[list[list[Hit]]]:
+        hits = reqs[0].retriever.search_batch([q for r in reqs for q in r.queries], reqs[0].k)
+        return slices(hits, [len(r.queries) for r in reqs])
+
+    def _run_search_vectors(self, reqs: list[SearchVectors]) -> list[list[list[Hit]]]:
+        vecs = np.concatenate([np.asarray(r.vectors, dtype=np.float32).reshape(-1, np.shape(r.vectors)[-1])
+                               for r in reqs])
+        hits = reqs[0].retriever.search_vectors(vecs, reqs[0].k)
+        return slices(hits, [len(r.vectors) for r in reqs])
+
+    def _run_passage_vectors(self, reqs: list[PassageVectors]) -> list[np.ndarray]:
+        hits = [h for r in reqs for h in r.hits]
+        vecs = reqs[0].retriever.passage_vectors(hits) if hits else np.zeros((0, 1), dtype=np.float32)
+        return slices(vecs, [len(r.hits) for r in reqs])
+
+    def _run_embed(self, reqs: list[Embed]) -> list[np.ndarray]:
+        texts = [t for r in reqs for t in r.texts]
+        return slices(reqs[0].encode(texts), [len(r.texts) for r in reqs])
+
+    def _run_score(self, reqs: list[Score]) -> list[Any]:
+        scores = reqs[0].gate.scores([r.signal for r in reqs])
+        return [s.item() if s.ndim == 0 else s for s in scores]
+
+    def _run_decide(self, reqs: list[Decide]) -> list[GateStep]:
+        gates = {id(r.gate) for r in reqs}
+        if len(gates) == 1:  # one gate: its own batched rule (word gates also build their queries here)
+            return reqs[0].gate.decide([r.signal for r in reqs])
+        scores = reqs[0].gate.scores([r.signal for r in reqs])  # gates of one kind share the op launch
+        return [r.gate.step(s.item() if s.ndim == 0 else s, r.signal) for r, s in zip(reqs, scores)]
+
+    def _run_batched(self, reqs: list[Batched]) -> list[Any]:
+        return reqs[0].fn([r.arg for r in reqs])
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A runner's result for one request that failed alone (the others of its call are delivered)."""
+
+    error: BaseException
+
+
+RUNNERS: dict[str, Callable[[BatchingTable, list], list]] = {
+    "generate": BatchingTable._run_generate,
+    "prompt_states": BatchingTable._run_prompt_states,
+    "search": BatchingTable._run_search,
+    "search_vectors": BatchingTable._run_search_vectors,
+    "passage_vectors": BatchingTable._run_passage_vectors,
+    "embed": BatchingTable._run_embed,
+    "score": BatchingTable._run_score,
+    "decide": BatchingTable._run_decide,
+    "batched": BatchingTable._run_batched,
+}
+
+
+def group_key(req: Any) -> tuple:
+    """Requests with equal keys run as one batched call."""
+    if isinstance(req, Generate):
+        return ("generate",)
+    if isinstance(req, PromptStates):
+        return ("prompt_states", req.layer)
+    if isinstance(req, Search):
+        return ("search", id(req.retriever), req.k)
+    if isinstance(req, SearchVectors):
+        return ("search_vectors", id(req.retriever), req.k)
+    if isinstance(req, PassageVectors):
+        return ("passage_vectors", id(req.retriever))
+    if isinstance(req, Embed):
+        return ("embed", _fn_key(req.encode))
+    if isinstance(req, Score):
+        return ("score", req.gate.batch_key)
+    if isinstance(req, Decide):
+        return ("decide", req.gate.batch_key)
+    if isinstance(req, Batched):
+        return ("batched", _fn_key(req.fn))
+    raise InputError(f"a program yielded {type(req).__name__}, which is not a request (see fastgate.programs)")
+
+
+def _fn_key(fn: Callable) -> tuple:
+    """Bound methods are new objects at every attribute access: key them by (instance, function)."""
+    owner = getattr(fn, "__self__", None)
+    return (id(owner), getattr(fn, "__func__", fn)) if owner is not None else (id(fn),)
+
+
+def mid_layer(engine: Engine, req: Generate) -> int | None:
+    """The layer of the pre-answer / EOS states ``req`` asks for (rows asking for them share one); None: none."""
+    t = req.taps
+    if not (t.pre_answer or t.eos_state):
+        return None
+    return t.mid_layer if t.mid_layer is not None else engine.n_layers // 2
+
+
+def slices(values, sizes: list[int]) -> list:
+    """``values`` cut into consecutive parts of ``sizes`` (one per request of a batched call)."""
+    out, pos = [], 0
+    for n in sizes:
+        out.append(values[pos:pos + n])
+        pos += n
+    return out
+
+
+def split(batch: GenerationBatch, reqs: list[Generate]) -> list[GenerationBatch]:
+    """One :class:`GenerationBatch` per request: its k sequences and the taps it asked for."""
+    out, pos = [], 0
+    where = {layer: j for j, layer in enumerate(batch.layers)}
+    for r in reqs:
+        rows = slice(pos, pos + r.k)
+        pos += r.k
+        running = count = None
+        if r.taps.layers:
+            cols = torch.tensor([where[x] for x in r.taps.layers], device=batch.running_sum.device)
+            running = batch.running_sum[rows].index_select(1, cols)  # [k, L_r, d]
+            count = batch.count[rows]
+        out.append(GenerationBatch(
+            sequences=batch.sequences[rows],
+            running_sum=running,
+            count=count,
+            pre_answer=batch.pre_answer[rows] if r.taps.pre_answer and batch.pre_answer is not None else None,
+            eos_state=batch.eos_state[rows] if r.taps.eos_state and batch.eos_state is not None else None,
+            layers=tuple(r.taps.layers),
+            steps=batch.steps,
+            forwards=batch.forwards,
+            timings=batch.timings,
+        ))
+    return out
