@@ -54,6 +54,7 @@ setup(
         "fastgate.eval",
         "fastgate.train",
         "fastgate.scheduler",
+        "fastgate.http",
         "fastgate.kernels",
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},

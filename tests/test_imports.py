@@ -182,3 +182,13 @@ def test_the_engine_module_still_exports_the_result_types():
     assert engine.Generation is generation.Generation
     assert engine.GenerationBatch is generation.GenerationBatch
     assert engine.FinishReason is generation.FinishReason
+
+
+def test_setup_lists_every_package():
+    """A package missing from setup.py's list is left out of a wheel (``pip install .``) while an editable install
+    still finds it: a new package must be listed."""
+    import re
+
+    listed = set(re.findall(r'"(fastgate(?:\.[a-z_]+)*)"', (ROOT / "setup.py").read_text()))
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert packages <= listed, f"packages missing from setup.py: {sorted(packages - listed)}"
