@@ -78,11 +78,15 @@ def test_methods_lists_parameters(capsys):
     assert "dtr:" in out and "tau = 0.001" in out and "smollm2-135m: 0.5" in out
 
 
-def test_help_for_each_command():
-    for argv in (["--help"], ["ask", "--help"], ["index", "--help"], ["prepare", "--help"], ["methods", "--help"]):
-        proc = subprocess.run([sys.executable, "-m", "fastgate", *argv], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "usage: fastgate" in proc.stdout
+def test_help_for_each_command(capsys):
+    proc = subprocess.run([sys.executable, "-m", "fastgate", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: fastgate" in proc.stdout
+    for command in ("ask", "index", "prepare", "methods", "eval", "serve", "calibrate", "train"):
+        with pytest.raises(SystemExit) as exit_:  # argparse's --help exits 0 (in this process: no new interpreter)
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        assert f"usage: fastgate {command}" in capsys.readouterr().out
 
 
 def test_subprocess_error_has_no_traceback():

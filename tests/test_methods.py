@@ -262,14 +262,14 @@ def test_seakr_reasoning_step_picks_the_lower_eigenscore(tiny_engine, bm25):
             assert final == []
 
 
-def test_cli_lists_every_method():
-    import subprocess
-    import sys
+def test_cli_lists_every_method(capsys):
+    from fastgate.cli import main
 
-    out = subprocess.run([sys.executable, "-m", "fastgate", "methods"], capture_output=True, text=True, check=True)
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
     for name in METHODS:
-        assert f"{name}:" in out.stdout
-    assert "checkpoint = ''" in out.stdout and "delta = -6.0" in out.stdout
+        assert f"{name}:" in out
+    assert "checkpoint = ''" in out and "delta = -6.0" in out
 
 
 def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):

@@ -32,9 +32,9 @@ def methods(world):
 
 
 MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the packed layout (the default)
-         "chunked-prefill": {"continuous": True, "prefill_budget": 8},
+         "chunked-prefill": {"continuous": True, "prefill_budget": 24},  # still several chunks per prompt
          "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
-         "padded-chunked-prefill": {"continuous": True, "prefill_budget": 8, "layout": "padded"},
+         "padded-chunked-prefill": {"continuous": True, "prefill_budget": 24, "layout": "padded"},
          "closed-calls": {"continuous": False}}
 
 

@@ -243,7 +243,7 @@ def test_schema_fuzzing_finds_no_server_error(server, mode):
     strategy = schema.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
     seen = []
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=strategy)
     def fuzz(case):
         response = case.call()
