@@ -176,3 +176,25 @@ def test_real_qwen_converts_with_its_eos_ids_and_answers():
     batch = engine.generate([closed_book_prompt("What is the capital of France?")],
                             GenerationConfig(max_new_tokens=8, stop=("\n",)))
     assert "Paris" in batch.sequences[0].text
+
+
+def test_a_conversion_parses_the_gguf_once_and_puts_gguf_back(tmp_path):
+    import gguf
+
+    from fastgate.models import _gguf_parsed_once
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = tmp_path / "empty.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # HF's three parses of one conversion: one
+        assert isinstance(first, reader)
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not first
