@@ -32,9 +32,9 @@ def methods(world):
 
 
 MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the packed layout (the default)
-         "chunked-prefill": {"continuous": True, "prefill_budget": 24},  # still several chunks per prompt
+         "chunked-prefill": {"continuous": True, "prefill_budget": 48},  # 4 chunks a 158-token prompt
          "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
-         "padded-chunked-prefill": {"continuous": True, "prefill_budget": 24, "layout": "padded"},
+         "padded-chunked-prefill": {"continuous": True, "prefill_budget": 48, "layout": "padded"},
          "closed-calls": {"continuous": False}}
 
 
@@ -42,7 +42,8 @@ MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the p
 def test_programs_admitted_at_staggered_ticks_beside_other_methods_equal_golden(world, methods, mode):
     engine = world[0]
     sched = Scheduler(engine, **MODES[mode])
-    pending = [(c, i) for i in range(len(QUESTIONS)) for c in range(len(methods))]  # interleaved methods
+    # interleaved methods; six of the eight questions keep the test within the suite's time
+    pending = [(c, i) for i in range(6) for c in range(len(methods))]
     tasks = {}
     tick = 0
     while pending or not sched.idle:
