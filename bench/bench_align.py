@@ -55,8 +55,8 @@ def scaar_window(tokenizer, ids: list[int], logprobs: np.ndarray) -> np.ndarray:
 def tokenizer_rows(ext, ns: list[int]) -> list[dict]:
     """fastgate's path from token ids (pieces + C++ ops) vs SCAAR's growing window, on the SmolLM2 tokenizer when it
     is prepared, else the tiny test tokenizer."""
-    from fastgate.paths import models_dir
-    from fastgate.runner import _piece_decoder
+    from fastgate.assets.paths import models_dir
+    from fastgate.engine.model_runner import _piece_decoder
 
     path = models_dir() / "smollm2-135m-hf-v1"
     if path.is_dir():

@@ -11,7 +11,7 @@ For each method, on the same held-out questions (greedy decoding; SeaKR's sample
 
 Reports questions/s of both, the speedup, and how many answers are identical. Appends to bench/results/e2e.csv.
 
-Without a GPU both pipelines run the methods with ``fastgate eval``'s CPU budget (``fastgate.calibration.
+Without a GPU both pipelines run the methods with ``fastgate eval``'s CPU budget (``fastgate.methods.calibration.
 CPU_EVAL_BUDGET``: fewer SeaKR samples / steps / candidates, fewer CBDR candidates, one Probing-RAG round), since the
 reference needs minutes per question otherwise; ``--budget full`` keeps the papers' counts.
 
@@ -48,11 +48,11 @@ def main() -> None:
 
     from tqdm.auto import tqdm
 
-    from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.baseline import ReferenceEngine, use_reference_ops
     from fastgate.eval.datasets import load_qa, sample_examples
     from fastgate.methods import build_method
-    from fastgate.runtime import Runtime, check_request
+    from fastgate.methods.calibration import CPU_EVAL_BUDGET
+    from fastgate.serving.runtime import Runtime, check_request
 
     runtime = Runtime(args.model, dtype=args.dtype)
     ref_engine = ReferenceEngine(runtime.lm)

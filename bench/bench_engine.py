@@ -2,11 +2,13 @@
 
 A decode step reads every weight once and every row's KV cache once; on a CPU (and at small batch on a GPU) nothing
 else should bound it. One run measures, for each dtype of ``--dtypes`` (``float32``, ``bfloat16``; ``auto`` resolves
-as :func:`fastgate.precision.choose_dtype` does at load), at every ``--batches`` × ``--contexts``:
+as :func:`fastgate.assets.precision.choose_dtype` does at load), at every ``--batches`` × ``--contexts``:
 
-- ``packed``: :class:`fastgate.packed.PackedLoop` (the rows' tokens packed into one ``[1, M]`` forward, keys / values
+- ``packed``: :class:`fastgate.engine.packed.PackedLoop` (the rows' tokens packed into one ``[1, M]`` forward, keys /
+values
   in fixed store rows written in place: the service's layout);
-- ``padded``: :class:`fastgate.decode.DecodeLoop` on :class:`fastgate.kv_cache.GrowingLayer` (appends in place);
+- ``padded``: :class:`fastgate.engine.decode.DecodeLoop` on :class:`fastgate.engine.kv_cache.GrowingLayer` (appends in
+place);
 - ``hf-dynamic``: the same loop on HF's ``DynamicCache`` (``torch.cat`` of the whole cache each step);
 - ``hf-eager``: HF's forward in a bare greedy loop over a ``DynamicCache`` (no taps, no stop checks, no sampling
   settings): what the model itself costs a step;
@@ -14,12 +16,14 @@ as :func:`fastgate.precision.choose_dtype` does at load), at every ``--batches``
   (``fullgraph``; ``mode="reduce-overhead"``, CUDA graphs, on GPU). Compiling takes minutes on a small CPU: only the
   batches of ``--compile-batches``.
 
-- ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.static_step`): its
+- ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.engine.static_step`):
+its
   decode-only passes as one function per batch bucket, traced by ``torch.compile(fullgraph=True)`` (a CUDA graph per
   bucket on GPU); ``first_step_s`` is the slowest first step of a loop (it compiles a new bucket).
 
 A ``--prefill`` batch (``16x700``)
-is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.runner.ModelRunner.prefill>` (row chunks of the
+is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (row chunks
+of the
 runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
 
 Each step row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same
@@ -48,15 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 
-import fastgate.runner as runner_module  # noqa: E402
+import fastgate.engine.model_runner as runner_module  # noqa: E402
+from fastgate.assets.models import LoadedModel, load, resolve_device  # noqa: E402
+from fastgate.assets.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
-from fastgate.decode import DecodeLoop  # noqa: E402
-from fastgate.engine import Engine  # noqa: E402
-from fastgate.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
-from fastgate.models import LoadedModel, load, resolve_device  # noqa: E402
-from fastgate.packed import PackedLoop  # noqa: E402
-from fastgate.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
-from fastgate.static_step import StepConfig  # noqa: E402
+from fastgate.engine.decode import DecodeLoop  # noqa: E402
+from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
+from fastgate.engine.local import Engine  # noqa: E402
+from fastgate.engine.packed import PackedLoop  # noqa: E402
+from fastgate.engine.static_step import StepConfig  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
@@ -91,7 +95,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def build_model(name: str, device: str, dtype: str) -> LoadedModel:
-    """An embedded model or HF directory (``fastgate.models.load``), or one of :data:`SHAPES`: random weights in
+    """An embedded model or HF directory (``fastgate.assets.models.load``), or one of :data:`SHAPES`: random weights in
     that model's shapes (``llama3-8b-shape``: GQA 32/8 heads, 4096 wide, 128k vocabulary) with the tiny test
     tokenizer, built on the device (nothing to download or carry: for a lent GPU)."""
     if name not in SHAPES:
@@ -291,7 +295,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         lm = build_model(args.model, args.device, dtype)
         engine = Engine(lm, prefix_cache=0)  # every row prefilled whole: the cache holds exactly the context
-        # the same model with the static step compiled (fastgate.static_step): one graph per batch and width bucket
+        # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and width
+        # bucket
         compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
         name = engine.dtype_name
         weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())

@@ -3,12 +3,15 @@
 Two parts, in one run, for each ``--models`` entry:
 
 - ``head``: ``hidden [rows, K] @ W.T`` over the model's real head weight, plain (``F.linear``) and in slices of
-  ``--columns`` output features (:func:`fastgate.lm_head.sliced_linear`), at ``--rows``; ``speedup`` = plain / sliced
+  ``--columns`` output features (:func:`fastgate.engine.lm_head.sliced_linear`), at ``--rows``; ``speedup`` = plain /
+  sliced
   and ``same`` says whether the logits are bitwise equal (machine-dependent: where they are not, the engine's
-  :class:`fastgate.lm_head.SlicedHead` keeps the plain product for that row count). ``GBps`` is the weight bytes read
+  :class:`fastgate.engine.lm_head.SlicedHead` keeps the plain product for that row count). ``GBps`` is the weight bytes
+  read
   per second and ``of_bound`` that rate over the read bandwidth of a ``sum`` in the same run (the head reads its
   weight once).
-- ``step``: a packed decode step (:class:`fastgate.packed.PackedLoop`, the service's layout) of ``--batch`` rows with
+- ``step``: a packed decode step (:class:`fastgate.engine.packed.PackedLoop`, the service's layout) of ``--batch`` rows
+with
   ``--context``-token prompts, with the engine's head sliced (the default) and plain (``head_columns=0``); rounds
   alternate the two so drift hits both alike.
 
@@ -29,9 +32,9 @@ import torch.nn.functional as F  # noqa: E402
 from _common import append_rows, median_time, print_table  # noqa: E402
 from bench_engine import FILLER, read_bandwidth, step_time  # noqa: E402
 
-from fastgate.engine import Engine  # noqa: E402
-from fastgate.lm_head import DEFAULT_COLUMNS, sliced_linear  # noqa: E402
-from fastgate.models import load  # noqa: E402
+from fastgate.assets.models import load  # noqa: E402
+from fastgate.engine.lm_head import DEFAULT_COLUMNS, sliced_linear  # noqa: E402
+from fastgate.engine.local import Engine  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, median_time, print_table  # noqa: E402
 
-from fastgate.gate_checkpoints import Prober, stack_probers  # noqa: E402
+from fastgate.gates.checkpoints import Prober, stack_probers  # noqa: E402
 from fastgate.ops import build_ops  # noqa: E402
 
 

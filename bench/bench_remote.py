@@ -2,7 +2,7 @@
 the same model on loopback (issue 38).
 
 Starts ``fastgate serve --model M`` on a free loopback port (a subprocess: its own copy of the model), answers the
-same questions with each method twice (in process on the local engine, then through a :class:`~fastgate.remote.
+same questions with each method twice (in process on the local engine, then through a :class:`~fastgate.engine.remote.
 RemoteEngine` whose requests the server answers as plain completions of its LM with logprobs), and reports:
 
 - ``identical_answers`` / ``identical_decisions``: the greedy answers, and every gate step's retrieve decision;
@@ -66,9 +66,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8, help="the remote engine's requests in flight")
     args = ap.parse_args()
 
+    from fastgate.engine.remote import RemoteConfig
     from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
-    from fastgate.remote import RemoteConfig
-    from fastgate.runtime import Runtime, check_request
+    from fastgate.serving.runtime import Runtime, check_request
     from fastgate.testing import free_port
 
     if is_benchmark(args.data):

@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, print_table  # noqa: E402
 
+from fastgate.assets.models import load  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
-from fastgate.engine import Engine  # noqa: E402
+from fastgate.engine.local import Engine  # noqa: E402
 from fastgate.methods.probing import default_probe_layers  # noqa: E402
-from fastgate.models import load  # noqa: E402
 from fastgate.prompts import closed_book_prompt  # noqa: E402
 
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the largest ocean?",

@@ -9,7 +9,7 @@
 # Run from the repository root:  OUT=/tmp/out bash bench/gpu_suite.sh  [QUICK=1: batch 1 and 16, one round]
 # The image's python3 holds torch; fastgate's code needs transformers 5 (env.txt names the version there: an older one
 # fails at the first forward; carry its wheel as the device README says). The engine's compiled decode step
-# (fastgate.static_step: one static step, a CUDA graph per batch bucket) is the design packed-compiled, beside the eager
+# (fastgate.engine.static_step: one static step, a CUDA graph per batch bucket) is the design packed-compiled, beside the eager
 # packed loop and HF's static cache + torch.compile; tests/test_static_step.py has a CUDA test of it (inductor, graphs).
 set -uo pipefail
 

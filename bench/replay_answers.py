@@ -29,10 +29,10 @@ def run_all(n: int, batch_size: int, out: Path, methods: list[str] | None = None
             step: str = "eager") -> list[dict]:
     """Answer ``n`` held-out questions with every method (or ``methods``) under the CPU eval budget; the records in
     run order."""
-    from fastgate.calibration import CPU_EVAL_BUDGET
     from fastgate.eval.datasets import load_qa, sample_examples
     from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
-    from fastgate.runtime import Runtime, check_request
+    from fastgate.methods.calibration import CPU_EVAL_BUDGET
+    from fastgate.serving.runtime import Runtime, check_request
 
     runs = []
     for name in methods or FIXTURE_METHODS:
@@ -82,7 +82,7 @@ def _serving_scheduler() -> None:
     import functools
 
     from fastgate import scheduler
-    from fastgate.service import ServiceConfig
+    from fastgate.serving.service import ServiceConfig
 
     cfg = ServiceConfig()
     init = scheduler.Scheduler.__init__
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the weights' dtype (the fixture is float32; bf16 answers are counted, not expected equal)")
     ap.add_argument("--step", default="eager", choices=["eager", "compiled"],
-                    help="decode steps (fastgate.static_step); compiled: greedy answers equal, SeaKR's samples are "
-                         "drawn by another generator")
+                    help="decode steps (fastgate.engine.static_step); compiled: greedy answers equal, "
+                         "SeaKR's samples are drawn by another generator")
     args = ap.parse_args(argv)
     if args.serving:
         _serving_scheduler()

@@ -25,11 +25,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "Engine":
-        from fastgate.engine import Engine
+        from fastgate.engine.local import Engine
 
         return Engine
     if name == "load_model":
-        from fastgate.models import load
+        from fastgate.assets.models import load
 
         return load
     if name == "build_method":

@@ -1,5 +1,5 @@
 import sys
 
-from fastgate.cli import main
+from fastgate.entrypoints.cli import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ __all__ = ["GenerationConfig", "TapSpec"]
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How one call of :meth:`fastgate.engine.Engine.generate` decodes."""
+    """How one call of :meth:`fastgate.engine.local.Engine.generate` decodes."""
 
     max_new_tokens: int = 32  # short answers; methods raise it for rationales
     do_sample: bool = False  # greedy by default: reproducible answers and gate scores

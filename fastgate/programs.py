@@ -49,14 +49,14 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class Generate:
     """Decode one prompt: ``k`` samples sharing one prefill. Result: a
-    :class:`~fastgate.engine.GenerationBatch` of the k sequences with the taps asked for (running sums at
+    :class:`~fastgate.engine.local.GenerationBatch` of the k sequences with the taps asked for (running sums at
     ``taps.layers``, pre-answer / EOS states).
 
     ``seed`` makes sampled draws depend only on (seed, sample index), never on the other rows of the call.
 
     ``answer`` marks the generation whose text, stripped, is the question's answer as soon as it is asked for (the
     program returns it unchanged): the scheduler reports its text to the question's listener as it is decoded, so a
-    server can stream it (:mod:`fastgate.http.openai`). It changes nothing that is computed.
+    server can stream it (:mod:`fastgate.entrypoints.http.openai`). It changes nothing that is computed.
     """
 
     prompt: str
@@ -158,7 +158,7 @@ class All:
         object.__setattr__(self, "requests", tuple(requests))
 
 
-# what a program may yield (a request to answer with a method is fastgate.runtime.AnswerRequest)
+# what a program may yield (a request to answer with a method is fastgate.serving.runtime.AnswerRequest)
 Request = Generate | PromptStates | Search | SearchVectors | PassageVectors | Embed | Score | Decide | Batched | All
 
 

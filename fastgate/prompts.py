@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastgate.corpus import Passage
+from fastgate.assets.corpus import Passage
 
 __all__ = [
     "ANSWER_PHRASE",

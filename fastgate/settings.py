@@ -3,8 +3,9 @@ its help line and its choices, and the CLI flags are generated from the fields (
 generates its flags from its config classes), so a default or a help line is written in one place.
 
 Owns the field metadata (``help``, ``flag``, ``choices``: :func:`setting`) and the argparse flags made from it
-(:func:`add_setting_args`). Imports nothing of fastgate: :mod:`fastgate.service` and :mod:`fastgate.scheduler.config`
-declare their fields with it, and :mod:`fastgate.cli` adds the flags of those fields to its commands.
+(:func:`add_setting_args`). Imports nothing of fastgate: :mod:`fastgate.serving.service` and
+:mod:`fastgate.scheduler.config`
+declare their fields with it, and :mod:`fastgate.entrypoints.cli` adds the flags of those fields to its commands.
 """
 
 from __future__ import annotations

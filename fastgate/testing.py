@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fastgate.models import LoadedModel
+from fastgate.assets.models import LoadedModel
 
 __all__ = ["free_port", "serve_in_thread", "tiny_gemma3", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
 
@@ -93,10 +93,11 @@ def tiny_gemma3(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: 
 
 
 def tiny_runtime(index: str | None = None):
-    """A :class:`~fastgate.runtime.Runtime` on the tiny model over the indexes at ``index`` (for servers in other
+    """A :class:`~fastgate.serving.runtime.Runtime` on the tiny model over the indexes at ``index`` (for servers in
+    other
     processes, e.g. Ray Serve replicas in tests: every process builds the same weights)."""
-    from fastgate.engine import Engine
-    from fastgate.runtime import Runtime
+    from fastgate.engine.local import Engine
+    from fastgate.serving.runtime import Runtime
 
     return Runtime("tiny", index=index, engine=Engine(tiny_model()))
 

@@ -38,7 +38,7 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny):
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
 
     return Engine(tiny)
 

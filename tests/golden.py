@@ -55,8 +55,8 @@ def setups(root: Path):
     """Engine, retrievers and the tiny checkpoints (the same random weights every time)."""
     from conftest import SMALL_CORPUS
 
-    from fastgate.engine import Engine
-    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
+    from fastgate.engine.local import Engine
+    from fastgate.gates.checkpoints import random_probe_params, save_probe_checkpoint
     from fastgate.retrieval import BM25Retriever, DenseRetriever, build_indexes
     from fastgate.testing import tiny_model
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from fastgate.calibrate import choose_cut, dev_curve
-from fastgate.calibration import calibrated_params, calibration_entries, write_calibration
+from fastgate.methods.calibration import calibrated_params, calibration_entries, write_calibration
+from fastgate.train.calibrate import choose_cut, dev_curve
 
 QA = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
       ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
@@ -38,11 +38,11 @@ def test_dev_curve_replays_answers_and_the_random_line():
 
 @pytest.fixture()
 def cli(monkeypatch, tmp_path, tiny, small_index):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
 
@@ -134,7 +134,7 @@ def test_conditional_entries_and_corrupt_files(monkeypatch, tmp_path):
 
 
 def test_shipped_files_keep_the_documented_values():
-    from fastgate.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES
+    from fastgate.methods.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES
 
     assert CALIBRATED["qwen2.5-0.5b"]["dtr"] == {"tau": 0.84}
     assert CALIBRATED["qwen2.5-1.5b"]["dtr"] == {"tau": 0.53}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fastgate.cli import main
+from fastgate.entrypoints.cli import main
 
 
 def run_main(capsys, *argv):

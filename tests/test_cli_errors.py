@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fastgate.cli import main
+from fastgate.entrypoints.cli import main
 from fastgate.errors import DISK_ERRORS, WriteError, disk_error
 
 QUESTIONS = [("What is the capital of France?", ["Paris"]), ("Who wrote Hamlet?", ["Shakespeare"]),
@@ -118,9 +118,9 @@ def test_index_without_write_permission(monkeypatch, capsys, tmp_path, small_cor
 # ------------------------------------------------------------------------------------------------- fastgate eval
 @pytest.fixture
 def eval_argv(monkeypatch, tmp_path, tiny, small_index):
-    import fastgate.models
+    import fastgate.assets.models
 
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answers": a}) + "\n" for q, a in QUESTIONS))
     out = tmp_path / "out"

@@ -131,7 +131,7 @@ class FakeRetriever:
     """Returns fixed passages per question; counts searches."""
 
     def __init__(self, passages: dict[str, list[str]]):
-        from fastgate.corpus import Passage
+        from fastgate.assets.corpus import Passage
         from fastgate.retrieval.base import Hit
 
         self.hits = {q: [Hit(Passage(f"{q}-{i}", "", t), 1.0) for i, t in enumerate(ts)] for q, ts in passages.items()}
@@ -211,11 +211,11 @@ def test_subsets_balanced_prefix_and_seed(jar, small_index, monkeypatch, tmp_pat
 
 
 def test_eval_cli_on_a_benchmark(capsys, monkeypatch, tmp_path, tiny, small_index, fake_pyserini):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
     out = tmp_path / "out"
     common = ["--index", str(small_index), "--out", str(out), "--model", "tiny", "--quiet", "--batch-size", "2"]
     assert main(["eval", "--method", "never", "--data", "nq", "--subset", "balanced", "--n", "4", *common]) == 0
@@ -234,11 +234,11 @@ def test_eval_cli_on_a_benchmark(capsys, monkeypatch, tmp_path, tiny, small_inde
 
 
 def test_prepare_rejects_an_unknown_benchmark_before_any_work(capsys, monkeypatch, tmp_path):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "prepare", lambda *a, **k: pytest.fail("converted a model first"))
+    monkeypatch.setattr(fastgate.assets.models, "prepare", lambda *a, **k: pytest.fail("converted a model first"))
     assert main(["prepare", "--benchmarks", "nq,hotpot"]) == 2
     assert "unknown benchmark 'hotpot'" in capsys.readouterr().err
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.decode import DecodeLoop, mergeable
-from fastgate.packed import PackedLoop, packable
+from fastgate.engine.decode import DecodeLoop, mergeable
+from fastgate.engine.packed import PackedLoop, packable
 
 G = GenerationConfig
 SPECS = [  # (prompt, config, taps, k, seed): lengths, stops, sampling and taps all differ
@@ -167,7 +167,7 @@ def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine, kin
 def test_growing_layer_appends_in_place_and_equals_dynamic_layer():
     from transformers.cache_utils import DynamicLayer
 
-    from fastgate.kv_cache import GrowingLayer
+    from fastgate.engine.kv_cache import GrowingLayer
 
     grow, plain = GrowingLayer.cls()(), DynamicLayer()
     g = torch.Generator().manual_seed(0)
@@ -186,7 +186,7 @@ def test_growing_layer_appends_in_place_and_equals_dynamic_layer():
 
 
 def test_growing_layer_joins_rows_in_place_and_selects():
-    from fastgate.kv_cache import GrowingLayer
+    from fastgate.engine.kv_cache import GrowingLayer
 
     layer = GrowingLayer.cls()()
     g = torch.Generator().manual_seed(1)
@@ -209,9 +209,10 @@ def test_growing_layer_joins_rows_in_place_and_selects():
 
 
 def test_a_packed_pass_equals_each_sequence_alone(tiny_engine):
-    """The packed attention (fastgate.packed) against HF's own forward of each sequence: decode rows of 1, 7 and 13
+    """The packed attention (fastgate.engine.packed) against HF's own forward of each sequence: decode rows of 1, 7 and
+    13
     tokens beside a prompt prefilled in two chunks (columns 0-4, then 5-10), in one pass each time."""
-    from fastgate.packed import PackedPlan, PrefillSeg, SlotStore, packed_forward
+    from fastgate.engine.packed import PackedPlan, PrefillSeg, SlotStore, packed_forward
 
     model = tiny_engine.model
     cfg = model.config

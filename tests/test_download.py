@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fastgate import installer, pins
-from fastgate.cli import main
+from fastgate.assets import installer, pins
+from fastgate.entrypoints.cli import main
 from fastgate.errors import CorpusError, InstallError, ModelError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +67,10 @@ def fake_env(monkeypatch):
     pip = FakePip(installed)
     monkeypatch.setattr(installer.subprocess, "run", pip)
     prepared: list[str] = []
-    import fastgate.models
+    import fastgate.assets.models
     import fastgate.retrieval
 
-    monkeypatch.setattr(fastgate.models, "prepare", lambda name: prepared.append(name) or Path("/converted"))
+    monkeypatch.setattr(fastgate.assets.models, "prepare", lambda name: prepared.append(name) or Path("/converted"))
     monkeypatch.setattr(fastgate.retrieval, "build_indexes", lambda *a, **k: prepared.append("indexes") or {})
     return pip, installed, prepared
 
@@ -84,7 +84,7 @@ def test_the_makefile_installs_the_pins_of_the_command():
 
 
 def test_every_pin_is_exact_and_the_models_use_them():
-    from fastgate import models
+    from fastgate.assets import models
 
     assert set(models.MODELS) == set(pins.MODELS)
     for name, spec in models.MODELS.items():
@@ -221,7 +221,7 @@ def _hide(monkeypatch, *modules: str) -> None:
 
 
 def test_every_needs_the_package_error_names_the_command(monkeypatch, tmp_path):
-    from fastgate import corpus, embedder, models
+    from fastgate.assets import corpus, embedder, models
     from fastgate.errors import MissingDependencyError
     from fastgate.eval import datasets
 
@@ -247,7 +247,7 @@ def test_every_needs_the_package_error_names_the_command(monkeypatch, tmp_path):
 
 
 def test_pins_script_prints_the_lists_for_make():
-    script = ROOT / "fastgate" / "pins.py"
+    script = ROOT / "fastgate" / "assets" / "pins.py"
     out = subprocess.run([sys.executable, str(script), "data", "qwen2.5-1.5b"], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == [*pins.data_packages(), *pins.MODELS["qwen2.5-1.5b"]]

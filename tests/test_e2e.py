@@ -15,7 +15,7 @@ def ask(capsys):
     """``fastgate ask --dtype float32 ARGV`` in this process (the CLI's own ``main``; a subprocess would pay the
     imports again): its status, stdout and stderr. float32 on every CPU: the thresholds were calibrated, and these
     answers checked, in float32."""
-    from fastgate.cli import main
+    from fastgate.entrypoints.cli import main
 
     def run(*argv):
         capsys.readouterr()
@@ -62,9 +62,9 @@ def test_question_longer_than_context_is_rejected(ask):
 
 
 def test_same_greedy_answer_alone_and_in_a_batch_of_8():
-    from fastgate.engine import Engine
+    from fastgate.assets.models import load
+    from fastgate.engine.local import Engine
     from fastgate.methods import build_method
-    from fastgate.models import load
     from fastgate.retrieval import open_retriever
 
     engine = Engine(load("smollm2-135m", dtype="float32"))  # exact comparisons: float32 on every CPU

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import Engine, accumulate_taps
+from fastgate.engine.local import Engine, accumulate_taps
 from fastgate.errors import BackendUnavailableError, InputError
 
 PROMPTS = [
@@ -262,7 +262,7 @@ def test_token_pieces_round_trip(tiny_engine):
 
 def test_prefix_cache_gives_the_same_generation(tiny):
     from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
     from fastgate.prompts import FEW_SHOT_QA
 
     prompts = [f"{FEW_SHOT_QA}Q: {q}\nA:" for q in ("Who wrote Hamlet?", "capital of France", "Berlin is the capital")]
@@ -330,7 +330,7 @@ def test_sampling_filters_match_hf_processors(top_k, top_p, temperature):
         TopPLogitsWarper,
     )
 
-    from fastgate.decode import process_logits
+    from fastgate.engine.decode import process_logits
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 384, generator=g) * 3
@@ -362,7 +362,7 @@ def test_prompt_states_with_prefix_cache_and_chunks(tiny):
 def test_finished_rows_leave_the_batch_and_nothing_changes(tiny_engine, monkeypatch, sampled):
     """Rows that finish early are dropped from the KV cache (half at a time); every row's tokens, log-probs and taps
     still equal its generation alone."""
-    from fastgate.decode import DecodeLoop
+    from fastgate.engine.decode import DecodeLoop
 
     selects = []
     real = DecodeLoop._select

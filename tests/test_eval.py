@@ -19,7 +19,7 @@ from fastgate.eval.runner import (
     summarize,
     write_summary,
 )
-from fastgate.runtime import Runtime
+from fastgate.serving.runtime import Runtime
 
 EXAMPLES = [
     QAExample("q1", "What is the capital of France?", ("Paris",)),
@@ -135,7 +135,7 @@ def test_evaluate_records_scores_and_resumes(runtime, tmp_path):
 
 
 def test_resume_refuses_records_made_with_other_calibrated_values(runtime, tmp_path, monkeypatch):
-    from fastgate import calibration
+    from fastgate.methods import calibration
 
     monkeypatch.setitem(calibration.CALIBRATED, "tiny", {"dtr": {"tau": 0.5}})
     store = ResultsStore(tmp_path / "results.jsonl")
@@ -234,17 +234,17 @@ def test_load_qa_heldout_is_the_documented_split():
     (["eval", "--method", "dtr", "--data", "nowhere.jsonl"], "neither a built-in set"),
 ])
 def test_eval_cli_rejects_bad_input_before_loading(capsys, argv, message):
-    from fastgate.cli import main
+    from fastgate.entrypoints.cli import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
 
 def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_path, tiny, small_index):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n" for e in EXAMPLES))
     out = tmp_path / "out"
@@ -277,8 +277,8 @@ def test_eval_cli_sweep_writes_table_plot_and_resumes(capsys, monkeypatch, tmp_p
 
 
 def test_every_calibrated_value_is_a_valid_config():
-    from fastgate.calibration import CALIBRATED, CPU_EVAL_BUDGET, calibrated_params
     from fastgate.methods import make_config
+    from fastgate.methods.calibration import CALIBRATED, CPU_EVAL_BUDGET, calibrated_params
 
     assert set(CALIBRATED) >= {"smollm2-135m", "qwen2.5-0.5b"}
     for model, methods in CALIBRATED.items():

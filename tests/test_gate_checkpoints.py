@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgate.errors import CheckpointError, ShapeError
-from fastgate.gate_checkpoints import load_probe_checkpoint, random_probe_params, save_probe_checkpoint
+from fastgate.gates.checkpoints import load_probe_checkpoint, random_probe_params, save_probe_checkpoint
 
 
 @pytest.fixture()
@@ -83,7 +83,7 @@ def test_save_validates(tmp_path, tiny):
 
 
 def test_shipped_checkpoints_load():
-    from fastgate.gate_checkpoints import default_checkpoint, resolve_checkpoint
+    from fastgate.gates.checkpoints import default_checkpoint, resolve_checkpoint
 
     path = default_checkpoint("smollm2-135m", "confidence")
     assert path is not None, "the CBDR confidence model for smollm2-135m should ship in fastgate/checkpoints"

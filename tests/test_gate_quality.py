@@ -186,10 +186,10 @@ def test_runs_of_a_store_table_and_plot(tmp_path):
 
 
 def test_eval_cli_summary_says_whether_the_gates_beat_a_coin(capsys, monkeypatch, tmp_path, tiny, small_index):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
-    monkeypatch.setattr(fastgate.models, "load", lambda name, *args, **kwargs: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, *args, **kwargs: tiny)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in (
         ("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),

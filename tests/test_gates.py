@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fastgate.config import TapSpec
-from fastgate.engine import Generation, GenerationBatch
+from fastgate.engine.local import Generation, GenerationBatch
 from fastgate.errors import InputError, ShapeError
-from fastgate.gate_checkpoints import random_probe_params
+from fastgate.gates.checkpoints import random_probe_params
 from fastgate.gates.eigen import EigenScoreGate
 from fastgate.gates.prober import ConfidenceGate, ProberGate
 from fastgate.gates.words import FlareGate, ScaarGate, SentenceWords, sentence_words

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"fastgate": ROOT / "fastgate", "fastgate.kernels": ROOT / "kernels"}  # setup.py's package_dir
 
 # Modules the graph must hold (a rename that drops one from the graph should fail loudly, not pass vacuously).
-CORE = {"fastgate.engine", "fastgate.runner", "fastgate.decode", "fastgate.packed", "fastgate.generation",
-        "fastgate.scheduler", "fastgate.kv_cache", "fastgate.models", "fastgate.gates.base", "fastgate.gates.eigen",
+CORE = {"fastgate.engine.local", "fastgate.engine.model_runner", "fastgate.engine.decode", "fastgate.engine.packed",
+        "fastgate.engine.generation", "fastgate.scheduler", "fastgate.engine.kv_cache", "fastgate.assets.models",
+        "fastgate.gates.base", "fastgate.gates.eigen",
         "fastgate.gates.prober", "fastgate.gates.uncertainty", "fastgate.gates.words", "fastgate.gates.read",
         "fastgate.scheduler.driver", "fastgate.scheduler.batching", "fastgate.scheduler.admission",
         "fastgate.scheduler.config", "fastgate.scheduler.task"}
@@ -133,24 +134,27 @@ def test_no_import_cycle_anywhere_in_fastgate():
 
 
 def test_no_import_cycle_in_the_http_package():
-    """Any cycle through a module of fastgate.http fails, known or not (the package's modules import downwards:
+    """Any cycle through a module of fastgate.entrypoints.http fails, known or not (the package's modules import
+    downwards:
     common, protocol, errors, ..., routes, app); a module of the package importing the package itself counts (its
     ``__init__`` imports the app)."""
     graph = import_graph()
-    http = {m for m in graph if m == "fastgate.http" or m.startswith("fastgate.http.")}
-    assert {"fastgate.http", "fastgate.http.app", "fastgate.http.protocol", "fastgate.http.errors"} <= http
+    http = {m for m in graph if m == "fastgate.entrypoints.http" or m.startswith("fastgate.entrypoints.http.")}
+    assert {"fastgate.entrypoints.http", "fastgate.entrypoints.http.app", "fastgate.entrypoints.http.protocol",
+            "fastgate.entrypoints.http.errors"} <= http
     found = [sorted(c) for c in cycles(graph) if c & http]
-    assert not found, f"import cycles through fastgate.http: {found}"
-    inward = sorted(m for m in http - {"fastgate.http"} if "fastgate.http" in graph[m])
-    assert not inward, f"modules of fastgate.http importing the package itself: {inward}"
+    assert not found, f"import cycles through fastgate.entrypoints.http: {found}"
+    inward = sorted(m for m in http - {"fastgate.entrypoints.http"} if "fastgate.entrypoints.http" in graph[m])
+    assert not inward, f"modules of fastgate.entrypoints.http importing the package itself: {inward}"
 
 
 def test_the_loops_and_gates_do_not_import_the_engine():
     graph = import_graph()
-    for name in ("fastgate.runner", "fastgate.decode", "fastgate.packed", "fastgate.generation"):
-        assert "fastgate.engine" not in graph[name], name
+    for name in ("fastgate.engine.model_runner", "fastgate.engine.decode", "fastgate.engine.packed",
+                 "fastgate.engine.generation"):
+        assert "fastgate.engine.local" not in graph[name], name
     for name in [m for m in graph if m.startswith("fastgate.gates.")]:
-        assert "fastgate.engine" not in graph[name], f"{name} imports the engine (the gates need only the types)"
+        assert "fastgate.engine.local" not in graph[name], f"{name} imports the engine (the gates need only the types)"
 
 
 def test_every_module_imports_first():
@@ -179,7 +183,8 @@ def test_every_module_imports_first():
 
 
 def test_the_engine_module_still_exports_the_result_types():
-    from fastgate import engine, generation
+    from fastgate.engine import generation
+    from fastgate.engine import local as engine
 
     assert engine.Generation is generation.Generation
     assert engine.GenerationBatch is generation.GenerationBatch

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgate.errors import ShapeError
-from fastgate.gate_checkpoints import random_probe_params
+from fastgate.gates.checkpoints import random_probe_params
 
 triton = pytest.importorskip("triton")
 
@@ -110,7 +110,7 @@ def test_eigenscore_kernel_rejects_non_finite_z_like_the_reference(bad):
 
 def test_engine_and_gates_run_on_the_kernels(tiny, monkeypatch):
     from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
     from fastgate.errors import BackendUnavailableError
 
     prompts = ["Q: a?\nA:", "Q: a longer question?\nA:"]

@@ -1,4 +1,4 @@
-"""The LM head in column slices (fastgate.lm_head): bitwise the plain product, and the same generations."""
+"""The LM head in column slices (fastgate.engine.lm_head): bitwise the plain product, and the same generations."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import Engine
+from fastgate.engine.lm_head import QUANTUM, SlicedHead, slice_edges, slice_head, sliced_linear
+from fastgate.engine.local import Engine
 from fastgate.errors import InputError
-from fastgate.lm_head import QUANTUM, SlicedHead, slice_edges, slice_head, sliced_linear
 
 
 def test_edges_merge_a_short_tail_into_the_slice_before_it():
@@ -50,7 +50,7 @@ def test_sliced_head_is_bitwise_the_plain_product(rows, k, n, columns):
 
 
 def test_sliced_head_uses_the_slices_only_for_row_counts_that_passed_the_check(monkeypatch):
-    import fastgate.lm_head as lm_head
+    import fastgate.engine.lm_head as lm_head
 
     head = _head(769, 8, False, 256)
     calls = []

@@ -93,7 +93,7 @@ def dense(small_index):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny):
-    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
+    from fastgate.gates.checkpoints import random_probe_params, save_probe_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     probe = save_probe_checkpoint(root / "probe", random_probe_params(2, tiny.hidden_size, 16, seed=1),
@@ -263,7 +263,7 @@ def test_seakr_reasoning_step_picks_the_lower_eigenscore(tiny_engine, bm25):
 
 
 def test_cli_lists_every_method(capsys):
-    from fastgate.cli import main
+    from fastgate.entrypoints.cli import main
 
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
@@ -273,7 +273,7 @@ def test_cli_lists_every_method(capsys):
 
 
 def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
-    from fastgate.embedder import Embedder, default_embedder_path
+    from fastgate.assets.embedder import Embedder, default_embedder_path
     from fastgate.scheduler import Scheduler
 
     with pytest.raises(InputError, match="reranker_path"):
@@ -290,7 +290,7 @@ def test_cbdr_trained_reranker_orders_by_cosine(tiny_engine, bm25, checkpoints):
 
 
 def test_calibrated_seakr_delta_follows_the_sample_count():
-    from fastgate.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES, calibrated_params
+    from fastgate.methods.calibration import CALIBRATED, SEAKR_DELTA_BY_SAMPLES, calibrated_params
 
     table = {20: CALIBRATED["smollm2-135m"]["seakr"]["delta"], **SEAKR_DELTA_BY_SAMPLES["smollm2-135m"]}
     assert calibrated_params("smollm2-135m", "seakr")["delta"] == table[20]

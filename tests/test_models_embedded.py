@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import fastgate.models as fm
+import fastgate.assets.models as fm
 from fastgate.errors import ModelError, UnknownNameError
 
 PART_BYTES = [b"GGUF" + b"a" * 60, b"b" * 64, b"c" * 17]
@@ -164,7 +164,7 @@ def test_eos_ids_put_the_tokenizers_eos_first(tiny):
                     reason="loads the real 0.5B model: FASTGATE_TEST_QWEN=1")
 def test_real_qwen_converts_with_its_eos_ids_and_answers():
     from fastgate.config import GenerationConfig
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
     from fastgate.prompts import closed_book_prompt
 
     lm = fm.load("qwen2.5-0.5b", device="cpu", dtype="float32")
@@ -181,7 +181,7 @@ def test_real_qwen_converts_with_its_eos_ids_and_answers():
 def test_a_conversion_parses_the_gguf_once_and_puts_gguf_back(tmp_path):
     import gguf
 
-    from fastgate.models import _gguf_parsed_once
+    from fastgate.assets.models import _gguf_parsed_once
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     path = tmp_path / "empty.gguf"

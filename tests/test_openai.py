@@ -13,8 +13,8 @@ openai = pytest.importorskip("openai")
 
 from fastgate.methods import METHODS  # noqa: E402
 from fastgate.prompts import closed_book_prompt  # noqa: E402
-from fastgate.runtime import Runtime  # noqa: E402
-from fastgate.service import AnswerService, ServiceConfig  # noqa: E402
+from fastgate.serving.runtime import Runtime  # noqa: E402
+from fastgate.serving.service import AnswerService, ServiceConfig  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan"]
 SLOW_SEAKR = {"samples": 8, "step_tokens": 32, "max_steps": 4, "delta": -1e9, "answer_tokens": 64}
@@ -31,7 +31,7 @@ def service(tiny_engine, small_index):
 
 @pytest.fixture(scope="module")
 def client(service):
-    from fastgate.http import create_app
+    from fastgate.entrypoints.http import create_app
     from fastgate.testing import serve_in_thread
 
     with serve_in_thread(create_app(service, timeout_s=60, replica="r0")) as port:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgate.errors import ShapeError
-from fastgate.gate_checkpoints import Prober, random_probe_params, stack_probers
+from fastgate.gates.checkpoints import Prober, random_probe_params, stack_probers
 from fastgate.ops.reference import ProbeParams, answer_nll, eigenscore, probe_logits
 
 

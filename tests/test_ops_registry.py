@@ -16,7 +16,7 @@ import torch
 
 from fastgate import ops
 from fastgate.errors import BackendUnavailableError, InputError
-from fastgate.gate_checkpoints import random_probe_params
+from fastgate.gates.checkpoints import random_probe_params
 from fastgate.ops import reference, registry
 from fastgate.ops._cpu import CpuOps
 from fastgate.ops.registry import OP_NAMES, Ops, build_ops
@@ -81,7 +81,7 @@ def test_fastgate_backend_is_read_once_per_build_and_nowhere_else(monkeypatch, t
     monkeypatch.setenv("FASTGATE_BACKEND", "torch")
     assert build_ops("auto", "cpu").backend == "torch"
     assert calls == ["torch"]
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
 
     engine = Engine(tiny)  # the engine builds its ops once
     assert calls == ["torch", "torch"]
@@ -174,7 +174,7 @@ def test_build_ops_is_the_one_entry_point():
 
 
 def test_engine_builds_the_registry_once(tiny):
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
 
     engine = Engine(tiny)
     assert isinstance(engine.ops, Ops)
@@ -223,7 +223,7 @@ def test_triton_eigenscore_falls_back_to_the_reference_beyond_its_register_tile(
 
 @triton_needed
 def test_triton_engine_gates_score_more_than_64_samples(tiny):
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
 
     engine = Engine(tiny, backend="triton")
     assert engine.backend == "triton" and engine.ops.backends["eigenscore"] == "triton"
@@ -260,7 +260,7 @@ def test_the_fallback_goes_where_the_fast_implementation_says_it_cannot_run():
 
 
 def test_importing_and_building_on_cpu_does_not_import_triton():
-    code = ("import sys; import fastgate.ops, fastgate.engine; fastgate.ops.build_ops('auto', 'cpu'); "
+    code = ("import sys; import fastgate.ops, fastgate.engine.local; fastgate.ops.build_ops('auto', 'cpu'); "
             "print('triton' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "FASTGATE_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

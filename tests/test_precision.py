@@ -9,8 +9,7 @@ import json
 import pytest
 import torch
 
-from fastgate.errors import InputError, UnknownNameError
-from fastgate.precision import (
+from fastgate.assets.precision import (
     ProbeResult,
     canonical_dtype,
     choose_dtype,
@@ -19,6 +18,7 @@ from fastgate.precision import (
     native_bf16_flags,
     probe_bf16,
 )
+from fastgate.errors import InputError, UnknownNameError
 
 EPYC = {"fpu", "avx2", "avx512f", "avx512bw", "avx512_vnni"}  # an AVX-512 CPU without a bf16 product
 XEON = EPYC | {"avx512_bf16", "amx_bf16", "amx_tile"}
@@ -81,7 +81,7 @@ def test_the_probe_times_both_dtypes():
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
     from fastgate.testing import tiny_model
 
     return Engine(tiny_model(dtype=torch.bfloat16))
@@ -105,7 +105,7 @@ def test_a_bf16_model_generates_with_float32_taps_and_logprobs(bf16_engine, tiny
 
 def test_a_bf16_model_runs_packed_in_the_scheduler(bf16_engine):
     from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.packed import PackedLoop
+    from fastgate.engine.packed import PackedLoop
 
     loop = PackedLoop(bf16_engine.runner, mid=2)
     assert loop.store.dtype is torch.bfloat16
@@ -120,7 +120,7 @@ def test_eval_records_name_the_dtype_and_refuse_a_resume_under_another(tiny_engi
                                                                         tmp_path):
     from fastgate.eval.datasets import QAExample
     from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
-    from fastgate.runtime import Runtime
+    from fastgate.serving.runtime import Runtime
 
     examples = [QAExample("q1", "What is the capital of France?", ("Paris",)),
                 QAExample("q2", "Who wrote Hamlet?", ("Shakespeare",))]
@@ -142,7 +142,7 @@ def test_eval_records_name_the_dtype_and_refuse_a_resume_under_another(tiny_engi
 
 
 def test_ask_json_names_the_dtype_of_a_bfloat16_model(tmp_path, capsys):
-    from fastgate.cli import main
+    from fastgate.entrypoints.cli import main
     from fastgate.testing import tiny_model
 
     lm = tiny_model()

@@ -32,8 +32,8 @@ def ray_url(small_index):
     import ray
     from ray import serve
 
-    from fastgate.ray_serve import RayServeConfig, build_app
-    from fastgate.service import ServiceConfig
+    from fastgate.entrypoints.ray_serve import RayServeConfig, build_app
+    from fastgate.serving.service import ServiceConfig
     from fastgate.testing import tiny_runtime
 
     port = free_port()
@@ -52,8 +52,8 @@ def ray_url(small_index):
 
 @pytest.fixture(scope="module")
 def single_process_answers(tiny_engine, small_index):
-    from fastgate.runtime import Runtime
-    from fastgate.service import AnswerService, ServiceConfig
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
 
     svc = AnswerService(ServiceConfig(method="dtr", params=PARAMS, index=str(small_index)),
                         Runtime("tiny", index=str(small_index), engine=tiny_engine))

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fastgate.engine import Generation
+from fastgate.engine.local import Generation
 from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.read import (
     FEATURE_SETS,
@@ -31,7 +31,7 @@ def _gen(text: str, lps: list[float]) -> Generation:
 
 
 def _hit(pid: str, title: str, text: str, score: float) -> Hit:
-    from fastgate.corpus import Passage
+    from fastgate.assets.corpus import Passage
 
     return Hit(Passage(pid, title, text), score)
 
@@ -165,11 +165,11 @@ def test_read_wraps_other_gated_methods(tiny_engine, retrievers, base):
 
 
 def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, small_index, capsys):
-    import fastgate.models
-    from fastgate.cli import main
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
     qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
           ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
           ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2

@@ -19,8 +19,8 @@ pytest.importorskip("httpx")
 
 from fastapi import Request  # noqa: E402 - module level: the stub's endpoint annotation is resolved from here
 
+from fastgate.engine.remote import RemoteConfig, RemoteEngine, token_bytes  # noqa: E402
 from fastgate.errors import InputError, RemoteError  # noqa: E402
-from fastgate.remote import RemoteConfig, RemoteEngine, token_bytes  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan"]
 # small settings: every question runs in a fraction of a second on the tiny model
@@ -34,10 +34,10 @@ PARAMS = {
 @pytest.fixture(scope="module")
 def fastgate_server(small_index):
     """A fastgate server of the tiny model (its own engine: the same weights as ``tiny_engine``) on loopback."""
-    from fastgate.engine import Engine
-    from fastgate.http import create_app
-    from fastgate.runtime import Runtime
-    from fastgate.service import AnswerService, ServiceConfig
+    from fastgate.engine.local import Engine
+    from fastgate.entrypoints.http import create_app
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
     from fastgate.testing import serve_in_thread, tiny_model
 
     runtime = Runtime("tiny", index=str(small_index), engine=Engine(tiny_model()))
@@ -55,7 +55,7 @@ def remote(fastgate_server):
 
 
 def _run(engine, small_index, method: str, params: dict):
-    from fastgate.runtime import Runtime, check_request
+    from fastgate.serving.runtime import Runtime, check_request
 
     runtime = Runtime("tiny", index=str(small_index), engine=engine)
     return runtime.build(check_request(method, params)).answer_batch(QUESTIONS)
@@ -97,7 +97,7 @@ def test_generations_map_back_token_by_token(tiny_engine, remote):
 @pytest.mark.parametrize("method", ["probing", "seakr", "cbdr", "read"])
 def test_methods_reading_hidden_states_refuse_the_remote_engine(method, small_index):
     from fastgate.methods import build_method
-    from fastgate.runtime import check_request
+    from fastgate.serving.runtime import check_request
 
     engine = RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1", "tiny"))  # never contacted
     with pytest.raises(InputError) as err:
@@ -190,7 +190,7 @@ def test_a_hanging_server_times_out_and_only_that_question_fails():
 
 
 def test_a_server_without_logprobs_is_refused_with_a_message_saying_so():
-    from fastgate.runtime import Runtime
+    from fastgate.serving.runtime import Runtime
 
     async def handler(body):
         return 200, _answer(logprobs=False), None
@@ -207,7 +207,7 @@ def test_a_server_without_logprobs_is_refused_with_a_message_saying_so():
 
 
 def test_cli_ask_through_the_remote_engine_names_it(fastgate_server, tiny_engine, capsys):
-    from fastgate.cli import main
+    from fastgate.entrypoints.cli import main
     from fastgate.methods import NeverRetrieve
 
     argv = ["ask", "--engine", "openai", "--base-url", fastgate_server, "--api-model", "tiny", "--method", "never",
@@ -231,7 +231,7 @@ def test_cli_ask_through_the_remote_engine_names_it(fastgate_server, tiny_engine
 def test_eval_records_name_the_engine_and_refuse_a_resume_on_another(tiny_engine, remote, small_index, tmp_path):
     from fastgate.eval.datasets import QAExample
     from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
-    from fastgate.runtime import Runtime
+    from fastgate.serving.runtime import Runtime
 
     examples = [QAExample("q1", QUESTIONS[0], ("Paris",)), QAExample("q2", QUESTIONS[1], ("Shakespeare",))]
     run = RunSpec("never", None)

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fastgate.corpus import Passage, read_jsonl_corpus
+from fastgate.assets.corpus import Passage, read_jsonl_corpus
 from fastgate.errors import CorpusError, IndexError_, InputError, UnknownNameError
 from fastgate.retrieval import BM25Retriever, DenseRetriever, Retriever, build_indexes, open_retriever
 from fastgate.retrieval.base import atomic_index_dir, read_manifest
@@ -114,7 +114,7 @@ def test_build_indexes_skips_up_to_date_and_rejects_unknown(tmp_path, small_corp
 
 
 def test_dense_hnsw_index(tmp_path, small_corpus_file):
-    from fastgate.corpus import read_jsonl_corpus
+    from fastgate.assets.corpus import read_jsonl_corpus
     from fastgate.retrieval.dense import build_dense_index
 
     target = build_dense_index(read_jsonl_corpus(small_corpus_file), tmp_path / "dense", hnsw=True, hnsw_m=8)

@@ -224,7 +224,7 @@ def test_a_generation_joining_mid_way_does_not_wait_for_the_running_one(world, a
 def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budget, layout):
     """Six generations under a KV budget for about two rows: never more rows or bytes than it allows, each answer
     equals its generation alone, a generation that cannot fit even alone fails clearly, and the memory goes back."""
-    from fastgate.kv_cache import cell_bytes
+    from fastgate.engine.kv_cache import cell_bytes
 
     engine = world[0]
     cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
@@ -256,8 +256,8 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
 def test_a_sliding_window_model_runs_padded_closed_calls_and_answers_as_alone():
     """Gemma-3's sliding-window layers cannot take rows into a running loop: the scheduler chooses closed calls
     (and refuses a packed layout clearly), and each generation equals its own."""
-    from fastgate.engine import Engine
-    from fastgate.packed import packable
+    from fastgate.engine.local import Engine
+    from fastgate.engine.packed import packable
     from fastgate.testing import tiny_gemma3
 
     engine = Engine(tiny_gemma3())

@@ -16,8 +16,8 @@ pytest.importorskip("httpx")
 import httpx  # noqa: E402
 
 from fastgate.errors import InputError  # noqa: E402
-from fastgate.runtime import Runtime  # noqa: E402
-from fastgate.service import AnswerService, OverloadedError, ServiceConfig  # noqa: E402
+from fastgate.serving.runtime import Runtime  # noqa: E402
+from fastgate.serving.service import AnswerService, OverloadedError, ServiceConfig  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan", "largest planet",
              "When was the Eiffel Tower completed?", "capital of Germany"]
@@ -64,7 +64,7 @@ def test_submit_rejects_bad_input_without_queueing(service):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory, tiny):
-    from fastgate.gate_checkpoints import random_probe_params, save_probe_checkpoint
+    from fastgate.gates.checkpoints import random_probe_params, save_probe_checkpoint
 
     root = tmp_path_factory.mktemp("svc-ckpt")
     conf = save_probe_checkpoint(root / "conf", random_probe_params(1, tiny.hidden_size, 16, seed=2),
@@ -157,7 +157,7 @@ def test_overload_and_stop(tiny_engine, small_index):
 # ---------------------------------------------------------------------------------------------------- HTTP
 @pytest.fixture(scope="module")
 def server(service):
-    from fastgate.http import create_app
+    from fastgate.entrypoints.http import create_app
     from fastgate.testing import serve_in_thread
 
     app = create_app(service, timeout_s=60)
@@ -204,7 +204,7 @@ def test_http_health_metrics_schema(server):
     url, _ = server
     health = httpx.get(f"{url}/healthz").json()
     assert health["status"] == "ok" and health["kv_budget_mb"] > 0 and health["kv_used_mb"] >= 0
-    assert health["layout"] == "packed"  # the tiny Llama runs packed passes (fastgate.packed)
+    assert health["layout"] == "packed"  # the tiny Llama runs packed passes (fastgate.engine.packed)
     assert health["dtype"] == "float32"  # the weights' dtype, chosen when the model loaded
     httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
     assert httpx.get(f"{url}/healthz").json()["kv_used_mb"] == 0  # an idle loop holds no cache
@@ -221,7 +221,7 @@ def test_http_health_metrics_schema(server):
 def test_http_timeout_gives_504(tiny_engine, small_index):
     from fastapi.testclient import TestClient
 
-    from fastgate.http import create_app
+    from fastgate.entrypoints.http import create_app
 
     svc = _service(tiny_engine, small_index)
     svc._method(svc._request(None, None))
@@ -276,8 +276,8 @@ def _failing():
     ("bug", True, 500, 500, "internal_error"),
 ])
 def test_one_error_map_for_native_and_openai(name, queued, native, openai, code):
-    from fastgate.http.common import NotAnswered
-    from fastgate.http.errors import ErrorMap
+    from fastgate.entrypoints.http.common import NotAnswered
+    from fastgate.entrypoints.http.errors import ErrorMap
 
     counted = []
     errors = ErrorMap(service_timeout_s=120, count=counted.append)
@@ -308,9 +308,9 @@ def test_http_errors_have_each_api_format(name):
 
     from fastapi.testclient import TestClient
 
-    from fastgate.http import create_app
-    from fastgate.http.errors import ErrorMap
-    from fastgate.service import _Metrics
+    from fastgate.entrypoints.http import create_app
+    from fastgate.entrypoints.http.errors import ErrorMap
+    from fastgate.serving.service import _Metrics
 
     exc = _failing()[name]
     errors = ErrorMap(120, lambda status: None)
@@ -352,7 +352,7 @@ def test_openapi_schema_names_the_models_and_each_servers_limits():
     server's limits (two apps with different limits in one process)."""
     from types import SimpleNamespace
 
-    from fastgate.http import create_app, protocol
+    from fastgate.entrypoints.http import create_app, protocol
 
     small = create_app(SimpleNamespace(config=ServiceConfig(method="never", max_tokens_limit=64,
                                                             max_question_chars=100))).openapi()

@@ -9,7 +9,7 @@ import pytest
 
 from fastgate.errors import InputError
 from fastgate.scheduler import WHOLE_PROMPTS, Scheduler, SchedulerConfig
-from fastgate.service import AnswerService, ServiceConfig
+from fastgate.serving.service import AnswerService, ServiceConfig
 
 
 def test_the_service_keeps_its_serving_defaults_and_the_library_scheduler_its_own():
@@ -45,7 +45,7 @@ def test_a_scheduler_takes_its_config_or_keyword_settings(tiny_engine):
 
 
 def test_serve_flags_are_the_service_fields_with_their_defaults():
-    from fastgate.cli import SERVE_SETTINGS, build_parser
+    from fastgate.entrypoints.cli import SERVE_SETTINGS, build_parser
 
     args = build_parser().parse_args(["serve"])
     assert ServiceConfig(**{name: getattr(args, name) for name in SERVE_SETTINGS}) == ServiceConfig()
@@ -54,9 +54,9 @@ def test_serve_flags_are_the_service_fields_with_their_defaults():
 
 
 def test_help_lines_name_every_method_and_model():
-    from fastgate.cli import build_parser
+    from fastgate.assets.models import MODELS
+    from fastgate.entrypoints.cli import build_parser
     from fastgate.methods import METHODS
-    from fastgate.models import MODELS
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices
@@ -69,7 +69,7 @@ def test_help_lines_name_every_method_and_model():
 def test_one_request_builds_its_method_config_once(tiny_engine, small_index, monkeypatch, method, params):
     """Validation, the question check, the integer-parameter limit and the method's construction share one config."""
     import fastgate.methods
-    from fastgate.runtime import Runtime
+    from fastgate.serving.runtime import Runtime
 
     runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
     svc = AnswerService(ServiceConfig(method="dtr", params=(("tau", 0.0),), index=str(small_index)), runtime).start()

@@ -1,4 +1,5 @@
-"""The static decode step (fastgate.static_step) on the tiny random Llama: traced whole (fullgraph), once per bucket,
+"""The static decode step (fastgate.engine.static_step) on the tiny random Llama: traced whole (fullgraph), once per
+bucket,
 never reading the device from the host, and giving the eager packed pass's greedy tokens, taps and states."""
 
 from __future__ import annotations
@@ -9,10 +10,19 @@ from test_decode import _same  # the loops' comparison: tokens, text, log-probs 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine.model_runner import ModelRunner
+from fastgate.engine.packed import PackedLoop
+from fastgate.engine.static_step import (
+    TOP_K_MAX,
+    StaticStep,
+    StepConfig,
+    batch_bucket,
+    choose,
+    covers,
+    uniform,
+    width_bucket,
+)
 from fastgate.errors import InputError
-from fastgate.packed import PackedLoop
-from fastgate.runner import ModelRunner
-from fastgate.static_step import TOP_K_MAX, StaticStep, StepConfig, batch_bucket, choose, covers, uniform, width_bucket
 
 G = GenerationConfig
 GREEDY = [  # (prompt, config, taps, k, seed): lengths, stops and taps differ
@@ -253,10 +263,10 @@ def test_uniform_is_deterministic_and_in_range():
 
 
 def test_runtime_and_service_name_the_step(tiny):
-    from fastgate.engine import Engine
-    from fastgate.runtime import Runtime
-    from fastgate.service import AnswerService as Service
-    from fastgate.service import ServiceConfig
+    from fastgate.engine.local import Engine
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService as Service
+    from fastgate.serving.service import ServiceConfig
 
     with pytest.raises(InputError, match="auto, eager or compiled"):
         Runtime("tiny", step="fast")

@@ -9,7 +9,7 @@ import torch
 from fastgate.errors import CheckpointError, InputError
 from fastgate.eval.datasets import QAExample, is_held_out, split_examples
 from fastgate.eval.metrics import accuracy, exact_match, normalize_answer, token_f1
-from fastgate.gate_checkpoints import load_probe_checkpoint, save_probe_checkpoint
+from fastgate.gates.checkpoints import load_probe_checkpoint, save_probe_checkpoint
 from fastgate.train import FeatureCache, FitConfig, confidence_features, fit_prober, fit_probers, prober_features
 
 EXAMPLES = [QAExample(f"q{i}", q, (a,)) for i, (q, a) in enumerate([
@@ -97,7 +97,7 @@ def test_fit_decreases_loss_and_round_trips(tmp_path, tiny):
 
 
 def test_auroc_and_gate_evaluation():
-    from fastgate.gate_checkpoints import random_probe_params
+    from fastgate.gates.checkpoints import random_probe_params
     from fastgate.ops.reference import probe_logits
     from fastgate.train.evaluate import auroc, evaluate_gate
 
@@ -133,8 +133,8 @@ def test_load_qa_jsonl_and_errors(tmp_path):
 
 
 def test_reranker_preferences_and_fine_tune(tmp_path, tiny_engine, small_index):
-    from fastgate.embedder import Embedder
-    from fastgate.gate_checkpoints import random_probe_params
+    from fastgate.assets.embedder import Embedder
+    from fastgate.gates.checkpoints import random_probe_params
     from fastgate.gates.prober import ConfidenceGate
     from fastgate.retrieval import BM25Retriever
     from fastgate.train.reranker import Preference, RerankerConfig, fit_reranker, shift_preferences

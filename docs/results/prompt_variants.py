@@ -10,11 +10,11 @@ from __future__ import annotations
 import sys
 import time
 
+from fastgate.assets.models import load
 from fastgate.config import GenerationConfig
-from fastgate.engine import Engine
+from fastgate.engine.local import Engine
 from fastgate.eval.datasets import load_benchmark
 from fastgate.eval.metrics import accuracy, exact_match
-from fastgate.models import load
 from fastgate.prompts import FEW_SHOT_QA, closed_book_prompt, format_passages, rag_prompt
 from fastgate.retrieval import open_retriever
 

@@ -41,9 +41,9 @@ def _split(directory: Path) -> dict[str, bool] | None:
 
 def _replayed_dense(read: dict[str, dict], model_name: str) -> dict[str, dict]:
     """The dense-only gate's decisions on the features the ``read`` run recorded (no model run)."""
-    from fastgate.calibration import calibrated_params
-    from fastgate.gate_checkpoints import DEFAULT_CHECKPOINTS
+    from fastgate.gates.checkpoints import DEFAULT_CHECKPOINTS
     from fastgate.gates.read import load_read_checkpoint
+    from fastgate.methods.calibration import calibrated_params
 
     model = load_read_checkpoint(DEFAULT_CHECKPOINTS / f"{model_name}-read-dtr", "dense")
     threshold = calibrated_params(model_name, "read", {"features": "dense"})["threshold"]

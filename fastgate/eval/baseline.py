@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import Engine, FinishReason, Generation, GenerationBatch
+from fastgate.engine.local import Engine, FinishReason, Generation, GenerationBatch
 from fastgate.errors import InputError
 from fastgate.ops import Ops
 from fastgate.ops.reference import probe_logits
@@ -140,7 +140,8 @@ def use_reference_ops(method) -> None:
 
 
 class ReferenceEngine(Engine):
-    """The :class:`~fastgate.engine.Engine` interface implemented with HF ``generate``, one prompt and one sample at a
+    """The :class:`~fastgate.engine.local.Engine` interface implemented with HF ``generate``, one prompt and one sample
+    at a
     time, with Python post-processing (see the module docstring)."""
 
     def __init__(self, model) -> None:

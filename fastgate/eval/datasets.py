@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastgate import pins
-from fastgate.corpus import iter_jsonl_objects
+from fastgate.assets import pins
+from fastgate.assets.corpus import iter_jsonl_objects
 from fastgate.errors import CorpusError, InputError, MissingDependencyError, UnknownNameError
 
 __all__ = [
@@ -408,7 +408,7 @@ def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = A
 
 
 def _split_cache(retriever, spec: BenchmarkSpec) -> Path | None:
-    from fastgate.paths import home
+    from fastgate.assets.paths import home
 
     manifest = getattr(retriever, "manifest", None) or {}
     fp = manifest.get("corpus_fingerprint")

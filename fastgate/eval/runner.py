@@ -209,7 +209,7 @@ def _record(run: RunSpec, ex: QAExample, base: dict[str, Any], latency_s: float,
 
 def _answer_batch(method, run: RunSpec, batch: list[QAExample], model: str) -> list[dict[str, Any]]:
     """Answer one batch; if the method rejects it, answer the questions one by one and record the rejected ones."""
-    from fastgate.runtime import result_record
+    from fastgate.serving.runtime import result_record
 
     t0 = time.perf_counter()
     try:
@@ -275,7 +275,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
 
     Args:
-        runtime: a :class:`~fastgate.runtime.Runtime` (model loaded once for all runs).
+        runtime: a :class:`~fastgate.serving.runtime.Runtime` (model loaded once for all runs).
         runs: the configurations to evaluate, in order.
         examples: the questions.
         store: where records go, one batch at a time.
@@ -287,9 +287,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     Returns:
         One :class:`RunSummary` per run over ``examples``.
     """
+    from fastgate.assets.models import resolve_device
     from fastgate.methods import make_config
-    from fastgate.models import resolve_device
-    from fastgate.runtime import AnswerRequest
+    from fastgate.serving.runtime import AnswerRequest
 
     if batch_size < 1:
         raise InputError(f"batch size must be >= 1, got {batch_size}")

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine.generation import GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
-from fastgate.generation import GenerationBatch
 from fastgate.ops import Ops, build_ops
 
 __all__ = ["EigenScoreGate", "PathChoice"]
@@ -18,7 +18,7 @@ __all__ = ["EigenScoreGate", "PathChoice"]
 class EigenScoreGate(Gate):
     """Retrieve iff ``eigenscore(H_EOS of k samples) > δ`` (SeaKR §3.4; op 2 in docs/ARCHITECTURE.md).
 
-    The signal is the :class:`~fastgate.engine.GenerationBatch` of one context's k samples, generated with
+    The signal is the :class:`~fastgate.engine.local.GenerationBatch` of one context's k samples, generated with
     ``taps=gate.taps``. Signals with fewer samples are padded with invalid rows, so one launch scores them all.
 
     Args:

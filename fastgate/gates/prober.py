@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.config import TapSpec
+from fastgate.engine.generation import GenerationBatch
 from fastgate.errors import InputError, ShapeError
 from fastgate.gates.base import Gate, GateStep
-from fastgate.generation import GenerationBatch
 from fastgate.ops import Ops, ProbeParams, build_ops
 
 __all__ = ["ConfidenceGate", "ProberGate"]

@@ -85,7 +85,7 @@ def read_features(question: str, closed_book: Any, base_score: float, bm25_hits:
 
     Args:
         question: the question.
-        closed_book: the greedy closed-book answer's :class:`~fastgate.engine.Generation`.
+        closed_book: the greedy closed-book answer's :class:`~fastgate.engine.local.Generation`.
         base_score: the wrapped method's first gate score (DTR: answer NLL; CBDR: confidence; ...).
         bm25_hits, dense_hits: top-k hits of each search (None: that search did not run; its features are 0).
     """

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.config import TapSpec
+from fastgate.engine.generation import Generation, GenerationBatch
 from fastgate.gates.base import Gate, GateStep
-from fastgate.generation import Generation, GenerationBatch
 from fastgate.ops.reference import answer_nll
 
 __all__ = ["AnswerNLLGate", "answer_logprob_matrix"]
@@ -34,7 +34,7 @@ def answer_logprob_matrix(batch: GenerationBatch | Sequence[Generation]) -> tupl
 class AnswerNLLGate(Gate):
     """Retrieve iff ``u = mean(-log p(answer tokens)) >= tau`` (DTR §4.1; an empty answer always retrieves).
 
-    The signal is the greedy answer's :class:`~fastgate.engine.Generation`.
+    The signal is the greedy answer's :class:`~fastgate.engine.local.Generation`.
 
     Args:
         tau: uncertainty threshold. DTR's paper uses 0.001 with 7B+ models; small models need larger values

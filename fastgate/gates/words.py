@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from fastgate.engine.generation import Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import Gate, GateStep
-from fastgate.generation import Generation
 from fastgate.ops import Ops
 
 if TYPE_CHECKING:  # annotations only: the gates depend on the result types, not on the engine (no import cycle)
-    from fastgate.engine import Engine
+    from fastgate.engine.local import Engine
 
 __all__ = ["FlareGate", "ScaarGate", "SentenceWords", "WordStep", "sentence_words"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from fastgate.config import GenerationConfig
-from fastgate.engine import Engine, Generation
+from fastgate.engine.local import Engine, Generation
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.programs import Generate, Program

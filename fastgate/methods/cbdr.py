@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastgate.errors import CheckpointError, InputError
-from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
+from fastgate.gates.checkpoints import load_probe_checkpoint, resolve_checkpoint
 from fastgate.gates.prober import ConfidenceGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.programs import All, Answer, Decide, Embed, Program, PromptStates, Score, Search
@@ -97,7 +97,7 @@ class Cbdr(Method):
     def _encode_trained(self, texts: list[str]):
         """The fine-tuned embedder's unit vectors (loaded on first use)."""
         if self._reranker is None:
-            from fastgate.embedder import Embedder
+            from fastgate.assets.embedder import Embedder
 
             self._reranker = Embedder(self.config.reranker_path)
         return self._reranker.encode(texts)

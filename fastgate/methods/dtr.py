@@ -67,7 +67,7 @@ class Dtr(Method):
         if self._dense:
             return self.retriever.embed(texts)
         if self._embedder is None:
-            from fastgate.embedder import shared_embedder
+            from fastgate.assets.embedder import shared_embedder
 
             self._embedder = shared_embedder()
         return self._embedder.encode(texts)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import InputError
-from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
+from fastgate.gates.checkpoints import load_probe_checkpoint, resolve_checkpoint
 from fastgate.gates.prober import ProberGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.programs import Answer, Decide, Generate, Program, Search

@@ -78,7 +78,7 @@ class Read(Method):
         """The checkpoint to load (none for a training pass)."""
         if config.collect:
             return None
-        from fastgate.gate_checkpoints import resolve_checkpoint
+        from fastgate.gates.checkpoints import resolve_checkpoint
 
         return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")
@@ -86,7 +86,7 @@ class Read(Method):
     def __init__(self, engine, retriever, config: ReadConfig | None = None,
                  retrievers: dict[str, Any] | None = None) -> None:
         super().__init__(engine, retriever, config)
-        from fastgate.calibration import calibrated_params
+        from fastgate.methods.calibration import calibrated_params
         from fastgate.retrieval import open_retriever
 
         c = self.config

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastgate.embedder import shared_embedder
+from fastgate.assets.embedder import shared_embedder
 from fastgate.errors import InputError
 from fastgate.gates.words import ScaarGate
 from fastgate.methods.base import GateThreshold, Method, append_sentence

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastgate.config import GenerationConfig
+from fastgate.engine.generation import Generation
 from fastgate.errors import InputError
-from fastgate.generation import Generation
 from fastgate.methods.base import MethodConfig
 from fastgate.programs import Generate, Program, Search
 from fastgate.prompts import SENTENCE_STOP, cot_prompt

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastgate.corpus import DEFAULT_CORPUS, load_corpus
+from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
+from fastgate.assets.paths import index_dir
 from fastgate.errors import UnknownNameError
-from fastgate.paths import index_dir
 from fastgate.retrieval.base import Hit, Retriever
 
 __all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes", "open_retriever"]
@@ -57,7 +57,7 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     import json
     import sys
 
-    from fastgate.corpus import corpus_fingerprint
+    from fastgate.assets.corpus import corpus_fingerprint
 
     for kind in kinds:
         if kind not in RETRIEVERS:

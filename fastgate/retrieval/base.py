@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from fastgate.corpus import Passage
+from fastgate.assets.corpus import Passage
+from fastgate.assets.paths import remove_stale
 from fastgate.errors import IndexError_, InputError
-from fastgate.paths import remove_stale
 
 __all__ = ["Hit", "Retriever", "atomic_index_dir", "cleanup_killed_builds", "read_manifest"]
 

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from fastgate.corpus import Passage, corpus_fingerprint
+from fastgate.assets.corpus import Passage, corpus_fingerprint
 from fastgate.errors import IndexError_, require
 from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastgate.corpus import Passage, corpus_fingerprint
-from fastgate.embedder import Embedder, shared_embedder
+from fastgate.assets.corpus import Passage, corpus_fingerprint
+from fastgate.assets.embedder import Embedder, shared_embedder
 from fastgate.errors import IndexError_, disk_error, require
 from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
 

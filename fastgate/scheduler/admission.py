@@ -5,8 +5,9 @@ tick's generations as closed engine calls instead.
 Owns the choice of loop (packed or padded layout, continuous or closed, made once from the model), the KV budget in
 cache cells, when generations join (every ``admit_every`` steps of a busy loop, in arrival order, a large fan-out not
 overtaken), how their prompts are prefilled (whole, or ``prefill_budget`` tokens a step, oldest request first), the
-decode step and the streaming of answer text. Calls :class:`~fastgate.packed.PackedLoop` /
-:class:`~fastgate.decode.DecodeLoop` (``admit``, ``add``, ``step``, ``cancel``, ``cells_after``), and the batching
+decode step and the streaming of answer text. Calls :class:`~fastgate.engine.packed.PackedLoop` /
+:class:`~fastgate.engine.decode.DecodeLoop` (``admit``, ``add``, ``step``, ``cancel``, ``cells_after``), and the
+batching
 table (:mod:`fastgate.scheduler.batching`) for closed calls and prefills; the driver
 (:mod:`fastgate.scheduler.driver`) calls :meth:`Admission._run_engine_calls` and :meth:`Admission._decode_step` once a
 tick, and receives each finished generation through its ``_deliver``.
@@ -18,9 +19,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from fastgate.engine import Engine
+from fastgate.engine.kv_cache import cell_bytes
+from fastgate.engine.local import Engine
 from fastgate.errors import InputError
-from fastgate.kv_cache import cell_bytes
 from fastgate.programs import Generate, PromptStates
 from fastgate.scheduler.batching import mid_layer
 from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
@@ -35,7 +36,8 @@ class Admission:
 
     def _init_loops(self, engine: Engine, config: SchedulerConfig) -> None:
         """Choose, once, how generations run on ``engine``: the loop's layout, continuous or closed calls, the KV
-        budget in cells. A remote engine (:mod:`fastgate.remote`) has no model here: each tick's generations go out as
+        budget in cells. A remote engine (:mod:`fastgate.engine.remote`) has no model here: each tick's generations go
+        out as
         one call of concurrent requests (``generate_each``), whose failures end only their own questions; no decode
         loop, no KV."""
         self.remote = bool(getattr(engine, "remote", False))
@@ -43,8 +45,8 @@ class Admission:
             self.continuous, self.layout, self.prefill_order = False, "remote", config.prefill_order
             self._cell, self._max_cells, self._since_admit = 0, None, 0
             return
-        from fastgate.decode import DecodeLoop, mergeable
-        from fastgate.packed import PackedLoop, packable
+        from fastgate.engine.decode import DecodeLoop, mergeable
+        from fastgate.engine.packed import PackedLoop, packable
 
         self._cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
         self._max_cells = None if config.kv_budget is None else max(1, config.kv_budget // self._cell)
@@ -54,7 +56,8 @@ class Admission:
         if config.layout == "packed" and not packable(engine):
             raise InputError(f"model {engine.lm.name} cannot run packed passes (sliding-window layers or an "
                              "attention that is not transformers' interface): use layout='padded'")
-        # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward (fastgate.packed)
+        # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward
+        # (fastgate.engine.packed)
         self.layout = ("packed" if packable(engine) else "padded") if config.layout == "auto" else config.layout
         self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
         self.prefill_order = config.prefill_order

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastgate.engine import Engine, GenerationBatch
+from fastgate.engine.local import Engine, GenerationBatch
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.programs import (

@@ -1,7 +1,8 @@
 """The scheduler's settings: :class:`SchedulerConfig` owns their defaults and their validation.
 
 The defaults are those of the library's scheduler (``Method.answer_batch``, ``fastgate ask`` and ``fastgate eval``:
-batch throughput). ``fastgate serve`` runs its scheduler with :class:`fastgate.service.ServiceConfig`'s, which keep
+batch throughput). ``fastgate serve`` runs its scheduler with :class:`fastgate.serving.service.ServiceConfig`'s, which
+keep
 cheap requests cheap under load; that class takes these fields' help lines and validation from here. Calls nothing
 but :mod:`fastgate.settings` (the fields' metadata) and :mod:`fastgate.errors`.
 """
@@ -40,10 +41,12 @@ class SchedulerConfig:
             generation that cannot fit even alone fails with :class:`~fastgate.errors.InputError`. Buffers never
             take more than the budget as spare. (Closed calls, for sliding-window models, are bounded by
             ``max_rows`` only.)
-        layout: ``packed`` (the default where the model allows it, see :func:`fastgate.packed.packable`): each step
+        layout: ``packed`` (the default where the model allows it, see :func:`fastgate.engine.packed.packable`): each
+        step
             is one forward of the decode rows' tokens and the step's prompt chunks, the rows' keys / values in
             fixed store rows written in place; ``padded``: the rows left-padded into one batch, prompts prefilled in
-            forwards of their own (:class:`~fastgate.decode.DecodeLoop`, the only layout for sliding-window models).
+            forwards of their own (:class:`~fastgate.engine.decode.DecodeLoop`, the only layout for sliding-window
+            models).
         prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
             so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
             ones; ``arrival``: each prompt in the order its generation was asked for.

@@ -6,7 +6,8 @@ waits on several), the order of a tick (the cheap requests first, in rounds, the
 step), delivering each result into the program's trace and its listener's events, and ending a program with its
 result or error. Calls the batching table (:mod:`fastgate.scheduler.batching`) for every batched call, admission
 (:mod:`fastgate.scheduler.admission`) for the engine calls and the decode loop, and the method (``program``,
-``result``) of each task; :class:`~fastgate.methods.base.Method` and :class:`~fastgate.service.AnswerService` call it.
+``result``) of each task; :class:`~fastgate.methods.base.Method` and :class:`~fastgate.serving.service.AnswerService`
+call it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
-from fastgate.engine import Engine
+from fastgate.engine.local import Engine
 from fastgate.errors import InputError
 from fastgate.programs import All, Answer, Batched, Decide, Generate, PromptStates, Search, SearchVectors
 from fastgate.scheduler.admission import Admission

@@ -26,7 +26,7 @@ def _examples(args: argparse.Namespace):
 def _cache_dir(args: argparse.Namespace, lm, meta: dict) -> Path:
     if args.cache:
         return Path(args.cache)
-    from fastgate.paths import home
+    from fastgate.assets.paths import home
 
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
     return home() / "features" / f"{lm.name}-{meta['kind']}-{key}"
@@ -69,9 +69,9 @@ def _report(results, layers) -> dict:
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from fastgate.engine import Engine
-    from fastgate.gate_checkpoints import save_probe_checkpoint
-    from fastgate.models import load
+    from fastgate.assets.models import load
+    from fastgate.engine.local import Engine
+    from fastgate.gates.checkpoints import save_probe_checkpoint
     from fastgate.train import FitConfig, fit_probers
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
@@ -100,10 +100,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from fastgate.engine import Engine
+    from fastgate.assets.models import load
+    from fastgate.engine.local import Engine
     from fastgate.eval.datasets import load_qa, split_examples
-    from fastgate.gate_checkpoints import load_probe_checkpoint
-    from fastgate.models import load
+    from fastgate.gates.checkpoints import load_probe_checkpoint
     from fastgate.train.evaluate import evaluate_gate
 
     lm = load(args.model, device=args.device)
@@ -122,10 +122,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_reranker(args: argparse.Namespace) -> int:
-    from fastgate.engine import Engine
-    from fastgate.gate_checkpoints import load_probe_checkpoint, resolve_checkpoint
+    from fastgate.assets.models import load
+    from fastgate.engine.local import Engine
+    from fastgate.gates.checkpoints import load_probe_checkpoint, resolve_checkpoint
     from fastgate.gates.prober import ConfidenceGate
-    from fastgate.models import load
     from fastgate.retrieval import open_retriever
     from fastgate.train.reranker import RerankerConfig, fit_reranker, shift_preferences
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine import Engine
+from fastgate.engine.local import Engine
 from fastgate.errors import CheckpointError
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy

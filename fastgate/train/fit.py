@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastgate.errors import InputError
-from fastgate.gate_checkpoints import Prober, stack_probers
+from fastgate.gates.checkpoints import Prober, stack_probers
 from fastgate.ops import ProbeParams
 
 __all__ = ["FitConfig", "FitResult", "fit_prober", "fit_probers"]

@@ -24,7 +24,7 @@ def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path,
     """Run (or resume) the collecting pass; returns its records in question order."""
     from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
-    from fastgate.runtime import check_request
+    from fastgate.serving.runtime import check_request
 
     if is_benchmark(data):
         spec = parse_benchmark(data)
@@ -83,10 +83,10 @@ def _curve_line(name: str, logits: np.ndarray, cb: np.ndarray, rd: np.ndarray, r
 
 
 def _cmd_read(args: argparse.Namespace) -> int:
+    from fastgate.assets.paths import home
     from fastgate.errors import InputError
     from fastgate.gates.read import FEATURE_SETS, fit_read_model, save_read_checkpoint
-    from fastgate.paths import home
-    from fastgate.runtime import Runtime
+    from fastgate.serving.runtime import Runtime
 
     runtime = Runtime(args.model, device=args.device, index=args.index)
     store_dir = Path(args.cache) if args.cache else (

@@ -76,7 +76,7 @@ def fit_reranker(prefs: list[Preference], out_dir: str | Path, base: str | Path 
     batch's other positives. Saves a sentence-transformers-compatible directory; returns the loss per step."""
     from transformers import AutoModel, AutoTokenizer
 
-    from fastgate.embedder import default_embedder_path
+    from fastgate.assets.embedder import default_embedder_path
 
     if not prefs:
         raise InputError("fit_reranker: no preference pairs (no question had both an increase and a decrease)")

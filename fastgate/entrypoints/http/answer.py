@@ -1,0 +1,48 @@
+"""The native endpoint ``POST /v1/answer``: a question (with an optional method, its parameters and an answer-token
+limit) in, the ``fastgate ask --json`` record out, non-finite gate scores as ``null``.
+
+Calls :meth:`AnswerService.submit <fastgate.serving.service.AnswerService.submit>` and waits for the answer within the
+HTTP
+timeout; errors go through :class:`~fastgate.entrypoints.http.errors.ErrorMap` (native format). Registered by
+:func:`fastgate.entrypoints.http.app.create_app`.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the endpoint's annotations at runtime
+import time
+from typing import Any
+
+from fastgate.entrypoints.http.common import finite, wait_answer
+from fastgate.entrypoints.http.errors import NATIVE_RESPONSES, ErrorMap
+from fastgate.entrypoints.http.metrics import HttpMetrics
+from fastgate.entrypoints.http.protocol import AnswerRequest, AnswerResponse
+from fastgate.errors import FastgateError
+
+__all__ = ["add_answer_routes", "answer_question"]
+
+
+async def answer_question(service: Any, body: AnswerRequest, timeout_s: float, errors: ErrorMap,
+                          metrics: HttpMetrics) -> Any:
+    """The record answering ``body``, or an error response."""
+    t0 = time.perf_counter()
+    try:
+        future = service.submit(body.question, body.method, body.params, body.max_tokens)
+    except FastgateError as exc:
+        return errors.native(exc, queued=False)
+    try:
+        record = await wait_answer(service, future, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
+        return errors.native(exc)
+    metrics.count(200)
+    metrics.observe(time.perf_counter() - t0)
+    return finite(record)
+
+
+def add_answer_routes(app: Any, service: Any, request_model: type[AnswerRequest], timeout_s: float, errors: ErrorMap,
+                      metrics: HttpMetrics) -> None:
+    """Register ``POST /v1/answer`` on ``app``; ``request_model``: the server's :class:`AnswerRequest` (its limits,
+    :func:`~fastgate.entrypoints.http.protocol.server_models`)."""
+
+    async def answer(body: request_model) -> Any:  # type: ignore[valid-type]
+        return await answer_question(service, body, timeout_s, errors, metrics)
+
+    app.post("/v1/answer", response_model=AnswerResponse, responses=NATIVE_RESPONSES)(answer)

@@ -1,0 +1,77 @@
+"""The FastAPI application of ``fastgate serve`` and the uvicorn server running it.
+
+:func:`create_app` builds the app on an :class:`~fastgate.serving.service.AnswerService`: the request models with the
+service's limits (:func:`fastgate.entrypoints.http.protocol.server_models`), one error map and one metrics registry
+shared by
+every route, the native routes (:mod:`fastgate.entrypoints.http.answer`), the OpenAI-compatible ones
+(:mod:`fastgate.entrypoints.http.openai`),
+``GET /healthz`` and ``GET /metrics``. FastAPI serves the schema at ``/openapi.json``.
+
+The serving extras (FastAPI, pydantic, prometheus-client) are imported once they are known to be installed, so that a
+missing one is reported with its install hint.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime
+import os
+from typing import Any
+
+from fastgate.entrypoints.http.common import require_serving, version
+
+__all__ = ["create_app", "serve"]
+
+
+def create_app(service: Any, timeout_s: float | None = None, replica: str | None = None) -> Any:
+    """The FastAPI application serving ``service`` (which the caller starts and stops); ``timeout_s``: the HTTP
+    timeout (default: the service's); ``replica`` names this server process in OpenAI responses and ``/healthz`` (Ray
+    Serve runs several)."""
+    require_serving()
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from fastgate.entrypoints.http.answer import add_answer_routes
+    from fastgate.entrypoints.http.errors import ErrorMap
+    from fastgate.entrypoints.http.metrics import CONTENT_TYPE_LATEST, HttpMetrics
+    from fastgate.entrypoints.http.openai import OpenAIServing, add_openai_routes
+    from fastgate.entrypoints.http.protocol import server_models
+
+    cfg = service.config
+    timeout = timeout_s if timeout_s is not None else cfg.timeout_s
+    models = server_models(cfg)
+    http_metrics = HttpMetrics()
+    errors = ErrorMap(cfg.timeout_s, http_metrics.count)
+
+    app = FastAPI(title="fastgate", version=version(),
+                  description="Adaptive retrieval-augmented generation gated on the model's own signals.")
+    errors.install(app)
+    add_answer_routes(app, service, models.answer, timeout, errors, http_metrics)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok" if service.running else "stopped", "model": service.model_name,
+                "dtype": service.dtype_name, "step": service.step_name, "method": cfg.method,
+                "queue_depth": service.queue_depth,
+                "live_programs": service.live_programs, "kv_budget_mb": cfg.kv_budget_mb,
+                "kv_used_mb": round(service.kv_used_bytes / 2**20, 1), "layout": service.layout, "replica": replica,
+                "pid": os.getpid()}
+
+    openai = OpenAIServing(service, timeout, errors, http_metrics, replica)
+    add_openai_routes(app, openai, models.chat, models.completion)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(http_metrics.render(service), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(service: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Start ``service``, serve it over HTTP until interrupted, then drain and stop it."""
+    require_serving()
+    import uvicorn
+
+    app = create_app(service)
+    service.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        service.stop()

@@ -1,0 +1,82 @@
+"""Helpers every module of :mod:`fastgate.entrypoints.http` shares, with no web framework imported: the check that the
+serving
+extras are installed, waiting for an answer within the HTTP timeout, JSON-safe records (no infinities), server-sent
+events, the paths of the OpenAI endpoints and their model-name prefix, and the version the app reports.
+
+Imports nothing of :mod:`fastgate.entrypoints.http` (every other module of the package may import it); calls
+:mod:`fastgate.errors` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from concurrent.futures import Future
+from typing import Any
+
+from fastgate.errors import InputError
+
+__all__ = ["MODEL_PREFIX", "OPENAI_PATHS", "NotAnswered", "finite", "require_serving", "sse", "version", "wait_answer"]
+
+MODEL_PREFIX = "fastgate-"  # OpenAI model names: fastgate-<method>
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")  # OpenAI's error format and 400 there
+
+
+def require_serving() -> None:
+    """Raise :class:`~fastgate.errors.InputError` with the install hint when the serving extras are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import pydantic  # noqa: F401
+    except ImportError as exc:
+        raise InputError(f"serving needs {exc.name}: pip install 'fastgate[serve]'") from None
+
+
+class NotAnswered(Exception):
+    """A request not answered within the HTTP timeout (it has been cancelled)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"not answered within {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+async def wait_answer(service: Any, future: Future, timeout_s: float) -> Any:
+    """The result of a submitted request, or :class:`NotAnswered` after ``timeout_s`` (the request is then cancelled:
+    dropped if queued, else its program stops at the next tick); the request's own error is raised as it is."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+    except asyncio.TimeoutError:
+        service.cancel(future)
+        raise NotAnswered(timeout_s) from None
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (an eigenscore with no valid sample is +inf) as None: JSON has no
+    infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, default=_scalar)}\n\n"
+
+
+def _scalar(obj: Any) -> Any:
+    """numpy and torch scalars as Python numbers."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def version() -> str:
+    """fastgate's version, as the app (and its OpenAPI schema) reports it."""
+    from fastgate import __version__
+
+    return __version__

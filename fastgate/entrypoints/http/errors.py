@@ -1,0 +1,135 @@
+"""The one error map of ``fastgate serve``: which status code and message an exception becomes, for every endpoint.
+
+- an :class:`ApiError` a route raises: its own status;
+- ``OverloadedError`` (the queue is full): 503 with ``Retry-After`` (the service's estimate), code ``overloaded``;
+- ``InputError``, ``CheckpointError``: 422 natively, 400 on the OpenAI endpoints, code ``invalid_value``;
+- :class:`~fastgate.entrypoints.http.common.NotAnswered` (the HTTP timeout) and the scheduler's ``CancelledError`` (the
+  service's own timeout): 504 ``not answered within N s``, code ``timeout``;
+- any other ``FastgateError`` raised while submitting (e.g. the service is stopping): 503 with ``Retry-After: 5``,
+  code ``unavailable``;
+- anything else: 500 ``internal error: <type>: <message>``, code ``internal_error`` (the server keeps serving).
+
+Invalid request bodies (FastAPI's validation) get 422 on the native endpoints and 400 on the OpenAI ones. The two
+formats: native ``{"error": message}``; OpenAI ``{"error": {"message", "type", "param", "code"}}``. Every error
+response is counted in the app's metrics by its status.
+
+Imports :mod:`fastgate.entrypoints.http.common` and :mod:`fastgate.entrypoints.http.protocol`; the routes
+(:mod:`fastgate.entrypoints.http.answer`,
+:mod:`fastgate.entrypoints.http.openai`, :mod:`fastgate.entrypoints.http.plain`,
+:mod:`fastgate.entrypoints.http.streaming`) call :class:`ErrorMap`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from fastgate.entrypoints.http.common import OPENAI_PATHS, NotAnswered
+from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
+from fastgate.errors import CheckpointError, FastgateError, InputError
+from fastgate.scheduler import CancelledError as ProgramCancelled
+from fastgate.serving.service import OverloadedError
+
+__all__ = ["NATIVE_RESPONSES", "OPENAI_RESPONSES", "ApiError", "ErrorMap", "openai_error", "validation_message"]
+
+# the error responses each endpoint documents in /openapi.json
+NATIVE_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (422, 503, 504)}
+OPENAI_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (400, 404, 500, 503, 504)}
+
+
+class ApiError(Exception):
+    """An error response: status, message and, in OpenAI's format, the offending field and a code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def _error_type(status: int) -> str:
+    return {400: "invalid_request_error", 404: "invalid_request_error", 503: "overloaded_error",
+            504: "timeout_error"}.get(status, "server_error")
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The body of an OpenAI-style error."""
+    return {"error": {"message": message, "type": _error_type(status), "param": param, "code": code}}
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending field of a FastAPI ``RequestValidationError``."""
+    parts, param = [], None
+    for e in exc.errors()[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+class ErrorMap:
+    """The map of one app (see the module docstring), counting every error response it writes.
+
+    Args:
+        service_timeout_s: the service's own timeout (``ServiceConfig.timeout_s``), named when it cancels a program.
+        count: called with the status code of every error response (metrics).
+    """
+
+    def __init__(self, service_timeout_s: float, count: Callable[[int], None]) -> None:
+        self.service_timeout_s = service_timeout_s
+        self.count = count
+
+    def error(self, exc: BaseException, *, openai: bool, queued: bool = True) -> ApiError:
+        """What ``exc`` becomes; ``openai``: the OpenAI endpoints (invalid input is 400 there, 422 natively);
+        ``queued``: raised once the request was queued (while answering), else by submitting it."""
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, OverloadedError):
+            return ApiError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)})
+        if isinstance(exc, (InputError, CheckpointError)):
+            return ApiError(400 if openai else 422, str(exc), code="invalid_value")
+        if isinstance(exc, NotAnswered):
+            return ApiError(504, str(exc), code="timeout")
+        if isinstance(exc, ProgramCancelled):  # the service's own timeout
+            return ApiError(504, f"not answered within {self.service_timeout_s:g} s", code="timeout")
+        if isinstance(exc, FastgateError) and not queued:  # e.g. the service is stopping
+            return ApiError(503, str(exc), code="unavailable", headers={"Retry-After": "5"})
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+    def native(self, exc: BaseException, *, queued: bool = True) -> JSONResponse:
+        """The native error response (``{"error": message}``) of ``exc``."""
+        err = self.error(exc, openai=False, queued=queued)
+        self.count(err.status)
+        return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+
+    def openai(self, exc: BaseException, *, queued: bool = True) -> JSONResponse:
+        """The OpenAI error response of ``exc``."""
+        err = self.error(exc, openai=True, queued=queued)
+        self.count(err.status)
+        return JSONResponse(openai_error(err.status, err.message, err.param, err.code), status_code=err.status,
+                            headers=err.headers)
+
+    def openai_event(self, exc: BaseException, *, code: bool = True) -> dict[str, Any]:
+        """The OpenAI error body of ``exc`` as a stream's last event (the status is sent already: 200). ``code``:
+        with the param and code (a stream's own deadline), else the status's type and the message only (a program
+        that failed)."""
+        err = self.error(exc, openai=True)
+        self.count(err.status)
+        if not code:
+            return openai_error(err.status, err.message)
+        return openai_error(err.status, err.message, err.param, err.code)
+
+    def install(self, app: Any) -> None:
+        """Answer invalid request bodies on ``app``: 400 in OpenAI's format on its paths (OpenAI clients expect it),
+        else 422 natively."""
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+            message, param = validation_message(exc)
+            if request.url.path in OPENAI_PATHS:
+                return self.openai(ApiError(400, message, param, "invalid_value"))
+            return self.native(ApiError(422, message))

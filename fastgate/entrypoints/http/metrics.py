@@ -1,0 +1,77 @@
+"""The Prometheus metrics of one app (``GET /metrics``): requests by status code and their latency, counted by the
+routes, and the service's own counters (``AnswerService.metrics``: decode-step rows, answers, retrievals,
+cancellations, queue depth), read when the metrics are scraped.
+
+Imports prometheus_client only; :mod:`fastgate.entrypoints.http.app` builds one per app and passes it to the routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics"]
+
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class HttpMetrics:
+    """One app's registry (its own: several apps may live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests_total = Counter("fastgate_requests_total", "HTTP answer requests by status code", ["status"],
+                                      registry=registry)
+        self.latency = Histogram("fastgate_request_latency_seconds", "answer request latency", registry=registry,
+                                 buckets=_SECONDS)
+        self.rows = Histogram("fastgate_generation_rows",
+                              "sequences per decode step (per closed generation call without the decode loop)",
+                              registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.class_latency = Histogram("fastgate_answer_latency_seconds",
+                                       "submit-to-answer latency by whether it retrieved", ["retrieved"],
+                                       registry=registry, buckets=_SECONDS)
+        self.live = Gauge("fastgate_live_programs", "requests whose programs are running", registry=registry)
+        self.gen_calls = Gauge("fastgate_generation_calls_total",
+                               "decode steps (closed generation calls without the decode loop)", registry=registry)
+        self.shared_calls = Gauge("fastgate_shared_generation_calls_total",
+                                  "decode steps whose rows came from programs of more than one method",
+                                  registry=registry)
+        self.ticks = Gauge("fastgate_scheduler_ticks_total", "scheduler ticks that ran requests", registry=registry)
+        self.cancelled = Gauge("fastgate_cancelled_total",
+                               "requests whose programs were cancelled (timeout, disconnect)", registry=registry)
+        self.answered = Gauge("fastgate_answered_total", "questions answered", registry=registry)
+        self.retrieved = Gauge("fastgate_retrieved_total", "answered questions that read retrieved passages",
+                               registry=registry)
+        self.searches = Gauge("fastgate_searches_total", "retrieval calls: searches, read or not (the read gate "
+                              "searches every question)", registry=registry)
+        self.retrieval_rate = Gauge("fastgate_retrieval_rate", "retrieved / answered", registry=registry)
+        self.depth = Gauge("fastgate_queue_depth", "requests waiting for a batch", registry=registry)
+
+    def count(self, status: int) -> None:
+        """One request answered with ``status``."""
+        self.requests_total.labels(str(status)).inc()
+
+    def observe(self, seconds: float) -> None:
+        """The latency of one request answered with 200."""
+        self.latency.observe(seconds)
+
+    def render(self, service: Any) -> str:
+        """The exposition text, with ``service``'s counters read now."""
+        m = service.metrics
+        new_rows, latencies = m.drain()
+        for n in new_rows:
+            self.rows.observe(n)
+        for was_retrieved, seconds in latencies:
+            self.class_latency.labels("yes" if was_retrieved else "no").observe(seconds)
+        self.live.set(service.live_programs)
+        self.gen_calls.set(m.generation_calls)
+        self.shared_calls.set(m.shared_generation_calls)
+        self.ticks.set(m.ticks_total)
+        self.cancelled.set(m.cancelled)
+        self.answered.set(m.answered)
+        self.retrieved.set(m.retrieved)
+        self.searches.set(m.searches)
+        self.retrieval_rate.set(m.retrieved / m.answered if m.answered else 0.0)
+        self.depth.set(service.queue_depth)
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,150 @@
+"""Scale-out on Ray Serve (``pip install 'fastgate[ray]'``): ``fastgate serve --ray --replicas N`` runs N engine
+replicas behind Ray Serve's HTTP proxy, with the same endpoints as ``fastgate serve`` (``/v1/answer``, the
+OpenAI-compatible ones, ``/healthz``, ``/metrics``).
+
+Each replica is a Ray actor that loads the model, opens the read-only indexes and runs its own
+:class:`~fastgate.serving.service.AnswerService` (one scheduler batching that replica's requests) behind the FastAPI
+app of
+:func:`fastgate.entrypoints.http.create_app`, mounted with ``@serve.ingress``. Ray Serve's proxy spreads requests over
+the
+replicas, at most ``max_ongoing_requests`` at a time on each (default: the service's ``max_live``, so requests wait in
+Ray's router, which sends them to the least loaded replica, rather than in one replica's queue; beyond ``max_queue``
+waiting there Ray answers 503). Ray checks every replica's health (``check_health``: its scheduler thread is alive)
+and replaces a replica whose actor dies; a request that was on it gets an error from the proxy (5xx) or a retry,
+never a hang, and the others are served by the remaining replicas meanwhile. Responses name their replica in
+``fastgate.replica`` and ``/healthz``.
+
+On one machine ``fastgate serve --ray`` starts a local Ray; on a cluster, start Ray first (``ray start --head`` on one
+machine, ``ray start --address=HEAD:6379`` on the others, fastgate installed on all of them) and pass
+``--address auto`` on the head: replicas are then placed on any node with a free CPU (``--num-cpus`` each).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastgate.errors import InputError
+from fastgate.serving.service import AnswerService, ServiceConfig
+
+__all__ = ["FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    """How ``fastgate serve --ray`` deploys the replicas."""
+
+    replicas: int = 2  # engine replicas; each holds a model and its own KV cache
+    address: str | None = None  # None: start a local Ray; "auto" or HOST:PORT: join a cluster started by `ray start`
+    host: str = "127.0.0.1"  # where Ray Serve's HTTP proxy listens (loopback unless asked)
+    port: int = 8000  # the proxy's port
+    num_cpus: float = 1.0  # CPUs Ray reserves per replica (Ray also sets its torch threads to this)
+    max_ongoing_requests: int | None = None  # per replica; None: the service's max_live (its batch)
+    health_check_period_s: float = 5.0  # a replica whose scheduler died is found within this and replaced
+    health_check_timeout_s: float = 30.0  # a check blocked this long (a stuck replica) counts as failed
+    app_name: str = "fastgate"  # the Ray Serve application name
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise InputError(f"replicas must be >= 1, got {self.replicas}")
+        if not self.num_cpus > 0:
+            raise InputError(f"num_cpus must be > 0, got {self.num_cpus}")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise InputError("max_ongoing_requests must be >= 1")
+        if not 0 < self.port < 65536:
+            raise InputError(f"port must be in 1..65535, got {self.port}")
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise InputError("scale-out on Ray Serve needs ray[serve]: pip install 'fastgate[ray]'") from None
+    return ray, serve
+
+
+class FastgateReplica:
+    """One Ray Serve replica: an :class:`AnswerService` (model, indexes, scheduler) and its FastAPI app.
+
+    Args:
+        config: the service settings (model, index, method, limits), the same for every replica.
+        runtime_factory: builds the replica's :class:`~fastgate.serving.runtime.Runtime` (tests pass one building the
+        tiny
+            model); None: built from ``config``. Must be picklable by reference (a module-level function or a
+            ``functools.partial`` of one), as Ray ships it to the replica's process.
+        timeout_s: the request timeout (default: ``config.timeout_s``).
+    """
+
+    def __init__(self, config: ServiceConfig, runtime_factory: Callable[[], Any] | None = None,
+                 timeout_s: float | None = None) -> None:
+        from ray import serve
+
+        runtime = runtime_factory() if runtime_factory is not None else None
+        self.service = AnswerService(config, runtime).start()  # loads the model and the default method now
+        self.timeout_s = timeout_s
+        context = serve.get_replica_context()
+        self.replica = f"{context.replica_id.unique_id}@{os.getpid()}"
+
+    def __serve_build_asgi_app__(self):
+        """Called by Ray Serve after ``__init__``: the app is built on the replica's own service."""
+        from fastgate.entrypoints.http import create_app
+
+        return create_app(self.service, self.timeout_s, replica=self.replica)
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose scheduler thread has died is replaced."""
+        if not self.service.running:
+            raise RuntimeError("the fastgate scheduler thread is not running")
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop(drain=False)
+
+
+def build_app(config: ServiceConfig, ray_config: RayServeConfig | None = None,
+              runtime_factory: Callable[[], Any] | None = None, timeout_s: float | None = None):
+    """The Ray Serve application: ``ray_config.replicas`` replicas of :class:`FastgateReplica`."""
+    _, serve = _ray()
+    rc = ray_config or RayServeConfig()
+    ingress = serve.ingress()(FastgateReplica)  # the app is late-bound: __serve_build_asgi_app__
+    deployment = serve.deployment(
+        ingress, name="fastgate", num_replicas=rc.replicas,
+        max_ongoing_requests=rc.max_ongoing_requests or config.max_live,
+        max_queued_requests=config.max_queue,  # beyond it Ray answers 503, like one server's full queue
+        ray_actor_options={"num_cpus": rc.num_cpus},
+        health_check_period_s=rc.health_check_period_s, health_check_timeout_s=rc.health_check_timeout_s)
+    return deployment.bind(config, runtime_factory, timeout_s)
+
+
+def serve_ray(config: ServiceConfig, ray_config: RayServeConfig | None = None, timeout_s: float | None = None,
+              runtime_factory: Callable[[], Any] | None = None, block: bool = True) -> None:
+    """Deploy the replicas on Ray Serve and, with ``block``, serve until interrupted (Ctrl-C or SIGTERM), then shut
+    Serve down (and the local Ray, if this call started it)."""
+    ray, serve = _ray()
+    rc = ray_config or RayServeConfig()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=rc.address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": rc.host, "port": rc.port})  # cluster-wide: ignored if Serve already runs
+    serve.run(build_app(config, rc, runtime_factory, timeout_s), name=rc.app_name, route_prefix="/")
+    if not block:
+        return
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):  # a timed wait: Ctrl-C is handled between waits
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        serve.delete(rc.app_name)
+        if started:
+            serve.shutdown()
+            ray.shutdown()

@@ -1,0 +1,221 @@
+"""One loaded model and its retrievers, building methods on request: what ``fastgate ask``, ``fastgate eval`` and
+``fastgate serve`` share.
+
+Requests are checked with :func:`check_request` before anything heavy is loaded, so a bad method name, parameter or
+missing checkpoint fails in milliseconds with a clear message. Where the model is known (a server), the check builds
+the method's typed config once, calibrated for the model, and it travels with the :class:`AnswerRequest` to the
+method built for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastgate.errors import UnknownNameError
+
+__all__ = ["AnswerRequest", "Runtime", "check_request", "result_record"]
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """A validated request to answer with a method: the method, the retriever it searches, the parameters given by
+    the user and, once built, the method's typed config (equal requests compare equal with or without it)."""
+
+    method: str
+    retriever: str | None  # None for methods that never retrieve
+    params: tuple[tuple[str, Any], ...]  # user parameters, sorted; calibration is applied on top at build time
+    # the method's config: the user's parameters on top of the model's calibrated ones, validated once (None: built
+    # when the method is, see Runtime.method_config)
+    config: Any = field(default=None, compare=False)
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+def check_request(method: str, params: dict[str, Any] | None = None, retriever: str | None = None,
+                  model_name: str | None = None, remote: str | None = None,
+                  calibrate: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> AnswerRequest:
+    """Validate a method request without loading the model (unknown names, bad parameters, missing checkpoints).
+
+    ``remote``: the name of the remote engine the method will run on (``RemoteConfig.name``); a method that reads
+    hidden states is then refused. ``calibrate``: ``(method, params) -> params`` with the model's calibrated values
+    under the user's (:meth:`Runtime.calibrated`, once the model is known): the config is then built from those and
+    travels with the request (``request.config``), so building the method does not build it again.
+
+    Raises:
+        UnknownNameError: unknown method or retriever.
+        InputError: a parameter the method does not have, a value of the wrong type or range, or a method that
+            cannot run on the remote engine.
+        CheckpointError: the method needs a checkpoint that is missing for ``model_name``.
+    """
+    from fastgate.errors import InputError
+    from fastgate.methods import METHODS, make_config
+    from fastgate.methods.base import black_box_refusal
+    from fastgate.retrieval import RETRIEVERS
+
+    if method not in METHODS:
+        raise UnknownNameError("method", method, list(METHODS))
+    cls = METHODS[method]
+    if remote is not None and not cls.black_box:
+        raise InputError(black_box_refusal(method, remote))
+    if retriever is None:
+        retriever = cls.default_retriever
+    if retriever not in RETRIEVERS:
+        raise UnknownNameError("retriever", retriever, RETRIEVERS)
+    params = dict(params or {})
+    config = make_config(method, params if calibrate is None else calibrate(method, params))
+    cls.preflight(config, model_name)
+    return AnswerRequest(method, retriever if cls.needs_retriever else None, tuple(sorted(params.items())),
+                         None if calibrate is None else config)
+
+
+class Runtime:
+    """A loaded model with its engine, plus retrievers opened on first use.
+
+    Args:
+        model: embedded model name or a local HF directory.
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        index: index root holding ``bm25/`` and ``dense/`` (default: the default corpus, built on first use).
+        paper_defaults: use the papers' thresholds instead of the values calibrated for the model.
+        engine: an already built :class:`~fastgate.engine.local.Engine` to use instead of loading ``model``.
+        dtype: the weights' dtype, ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32
+            elsewhere; see :mod:`fastgate.assets.precision`), ``float32`` or ``bfloat16``; chosen once, when the model
+            loads.
+        step: how the decode loops run their decode-only steps: ``auto`` (compiled on CUDA, eager on CPU),
+            ``eager`` or ``compiled`` (one static step per batch bucket, :mod:`fastgate.engine.static_step`).
+        remote: generate on an OpenAI-compatible server instead (:class:`~fastgate.engine.remote.RemoteConfig`): no
+        model
+            loads here, ``model`` becomes the server's model name, and only the methods that read nothing but text
+            and token log-probabilities can be built (never, always, flare, scaar, dtr).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
+                 paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto",
+                 remote=None) -> None:
+        from fastgate.assets.precision import canonical_dtype
+        from fastgate.engine.static_step import StepConfig
+
+        self.remote = remote
+        if remote is not None:
+            model = remote.model
+        self.model = model
+        self.device = device
+        self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
+        self.step = StepConfig(mode=step).mode  # and so does an unknown step
+        self.index = index
+        self.paper_defaults = paper_defaults
+        self._engine = engine
+        self._retrievers: dict[str, Any] = {}
+        self.setup_s = 0.0  # seconds spent loading the model and opening retrievers
+
+    @property
+    def engine(self):
+        """The :class:`~fastgate.engine.local.Engine`; the model is loaded on first access."""
+        if self._engine is None:
+            t0 = time.perf_counter()
+            if self.remote is not None:
+                from fastgate.engine.remote import RemoteEngine
+
+                self._engine = RemoteEngine(self.remote).connect()  # a server without logprobs is refused here
+            else:
+                from fastgate.assets.models import load
+                from fastgate.engine.local import Engine
+
+                self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype), step=self.step)
+            self.setup_s += time.perf_counter() - t0
+        return self._engine
+
+    @property
+    def engine_name(self) -> str:
+        """What records name as the engine: ``local``, or ``openai:<base-url>:<model>`` for a remote one."""
+        if self.remote is not None:
+            return self.remote.name
+        if getattr(self._engine, "remote", False):  # a RemoteEngine passed in as ``engine``
+            return self._engine.name
+        return "local"
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model has been loaded (a resumed evaluation with nothing left to answer never loads it)."""
+        return self._engine is not None
+
+    @property
+    def dtype_name(self) -> str | None:
+        """The weights' dtype (``float32``, ``bfloat16``; None on a remote engine), known without loading the model
+        unless only the probe at load can tell (``auto`` on a CPU with native bf16 flags): a resumed evaluation
+        checks its records with it."""
+        if self.remote is not None or getattr(self._engine, "remote", False):
+            return None  # a server's weights: not known here
+        if self._engine is None:
+            from fastgate.assets.models import resolve_device
+            from fastgate.assets.precision import expected_dtype
+
+            name = expected_dtype(self.dtype, resolve_device(self.device))
+            if name is not None:
+                return name
+        return self.engine.dtype_name
+
+    @property
+    def lm(self):
+        return self.engine.lm
+
+    @property
+    def model_name(self) -> str:
+        return self.lm.name
+
+    def retriever(self, kind: str):
+        """The retriever of ``kind`` over this runtime's index (opened once)."""
+        from fastgate.retrieval import open_retriever
+
+        if kind not in self._retrievers:
+            t0 = time.perf_counter()
+            self._retrievers[kind] = open_retriever(kind, self.index)
+            self.setup_s += time.perf_counter() - t0
+        return self._retrievers[kind]
+
+    def calibrated(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults``); loads
+        the model (its name picks the calibration)."""
+        from fastgate.methods.calibration import calibrated_params
+
+        return params if self.paper_defaults else calibrated_params(self.lm.name, method, params)
+
+    def effective_params(self, request: AnswerRequest) -> dict[str, Any]:
+        """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""
+        return self.calibrated(request.method, request.param_dict)
+
+    def method_config(self, request: AnswerRequest):
+        """The typed config the method of ``request`` is built with: the one it carries, else built now from
+        :meth:`effective_params`."""
+        if request.config is not None:
+            return request.config
+        from fastgate.methods import make_config
+
+        return make_config(request.method, self.effective_params(request))
+
+    def build(self, request: AnswerRequest):
+        """Construct the method of ``request`` on this runtime's engine."""
+        from fastgate.methods import METHODS, build_method
+
+        retriever = self.retriever(request.retriever) if request.retriever is not None else None
+        others = {kind: self.retriever(kind) for kind in METHODS[request.method].uses_retrievers}
+        return build_method(request.method, self.engine, retriever, retrievers=others or None,
+                            config=self.method_config(request))
+
+
+def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
+                  dtype: str | None = None, engine: str | None = None) -> dict[str, Any]:
+    """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
+    weights' ``dtype`` and the ``engine``, ``local`` or ``openai:<base-url>:<model>``, when given)."""
+    record = result.to_dict()
+    record.update({"model": model, "retriever": retriever})
+    if dtype is not None:
+        record["dtype"] = dtype
+    if engine is not None:
+        record["engine"] = engine
+    record["timings"] = {**record["timings"], "setup_s": setup_s}
+    return record

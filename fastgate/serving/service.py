@@ -1,0 +1,580 @@
+"""The embeddable answering service: a thread-safe ``submit() -> Future`` in front of one engine, on one
+:class:`~fastgate.scheduler.Scheduler`, with a bounded queue and metrics. ``fastgate serve`` puts HTTP in front of it
+(:mod:`fastgate.entrypoints.http`).
+
+Every accepted request becomes its method's program for its question and joins the running scheduler at its next
+tick; programs of every method and parameter set share the batched calls (generation, search, embedding, gate ops),
+and a request's future resolves as soon as its own program ends: a question the gate answers closed-book does not
+wait for the ones that retrieve. A request that times out, or whose client goes away, is cancelled: its program stops
+at the next tick and consumes no more work. Example::
+
+    from fastgate.serving.service import AnswerService, ServiceConfig
+
+    service = AnswerService(ServiceConfig(method="dtr"))
+    service.start()
+    futures = [service.submit(q) for q in ["Who wrote Hamlet?", "What is the capital of Burkina Faso?"]]
+    print([f.result(timeout=60)["answer"] for f in futures])
+    service.stop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from fastgate.assets.precision import DTYPES
+from fastgate.errors import FastgateError, InputError
+from fastgate.methods.base import check_questions
+from fastgate.scheduler.config import SchedulerConfig
+from fastgate.settings import setting
+
+__all__ = ["AnswerService", "OverloadedError", "ServiceConfig"]
+
+
+class OverloadedError(FastgateError):
+    """The request queue is full; retry after ``retry_after_s``."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"the server is busy ({depth} requests queued); retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+def _scheduler_setting(name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A field of :class:`SchedulerConfig`'s ``name``: its help line and choices, and its default unless ``default``
+    is given (a serving default that differs from the library's)."""
+    f = SchedulerConfig.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=f.metadata)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the service batches, bounds and answers requests. The fields with a help line are ``fastgate serve``'s
+    flags (:func:`fastgate.settings.add_setting_args`); those of the scheduler are checked by
+    :class:`~fastgate.scheduler.SchedulerConfig` (:meth:`scheduler_config`)."""
+
+    # the method of requests that name none: the gate `fastgate ask` uses by default
+    method: str = setting("dtr", "default method of requests that name none (default: %(default)s)")
+    # the default embedded model, the smallest of fastgate.assets.models.MODELS
+    model: str = setting("smollm2-135m", "embedded model ({models}) or a local HF directory (default: %(default)s)")
+    # CUDA when available
+    device: str = setting("auto", "auto (CUDA if available), cpu or cuda (default: %(default)s)")
+    # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
+    dtype: str = setting("auto", "the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
+                                 "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
+                                 "(default: %(default)s)", choices=("auto", *DTYPES))
+    # compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling takes minutes there and gains little:
+    # docs/RESULTS.md)
+    step: str = setting("auto", "decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph "
+                                "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
+                                "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
+                        choices=("auto", "eager", "compiled"))
+    # None: the default corpus
+    index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
+                                      "first use)")
+    # thresholds calibrated for the model unless asked otherwise
+    paper_defaults: bool = setting(False, "use the papers' thresholds instead of the values calibrated for the model")
+    # programs running at once; beyond this a CPU decode step gets slower than it gains
+    max_live: int = setting(32, "requests whose programs run at once; more wait in the queue (default: %(default)s)")
+    # the library scheduler's: sequences (prompts x samples) per engine call; bounds the KV cache
+    max_rows: int = _scheduler_setting("max_rows")
+    # not the library's 8: with a chunked prefill a generation joining at once is cheap, and it does not wait 8 steps
+    admit_every: int = _scheduler_setting("admit_every", 1)
+    # not the library's whole prompts: 512 prompt tokens a decode step keep cheap requests cheap under load; packed,
+    # they ride in the decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
+    prefill_budget: int = _scheduler_setting("prefill_budget", 512)
+    # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
+    kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
+                                          "one that cannot fit alone gets 422 (default: %(default)s)")
+    # the library scheduler's: packed (decode rows + prompt chunks in one forward) where the model allows it
+    layout: str = _scheduler_setting("layout")
+    # the library scheduler's: the oldest request's prompts first, so a RAG prompt after its gate does not queue
+    # behind newer requests (closed-loop p95, docs/RESULTS.md)
+    prefill_order: str = _scheduler_setting("prefill_order")
+    # an idle scheduler waits this long after a request for others of the same burst
+    admit_wait_ms: float = setting(10.0, "an idle server waits this long after a request for the rest of its burst "
+                                         "(default: %(default)s)")
+    # requests waiting beyond this are refused with 503 instead of timing out later
+    max_queue: int = setting(256, "queued requests before 503 (default: %(default)s)")
+    # a request not answered by then gets 504 (it is dropped if it has not started)
+    timeout_s: float = setting(120.0, "seconds before 504 (default: %(default)s)", flag="--timeout")
+    max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
+    max_tokens_limit: int = 256  # the most answer tokens a request may ask for
+    max_int_param: int = 1024  # requests cannot set an integer parameter above this (k, samples, ...)
+    methods_cached: int = 8  # built (method, parameters) pipelines kept; building one is cheap but not free
+    params: tuple[tuple[str, Any], ...] = ()  # server-wide parameters of the default method (requests override)
+    locked_params: tuple[str, ...] = ("checkpoint", "reranker_path")  # file paths: set by the operator, not clients
+    remote: Any = None  # a fastgate.engine.remote.RemoteConfig: generate on that server instead of a local model
+
+    def __post_init__(self) -> None:
+        for name in ("max_live", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
+                     "methods_cached"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1")
+        if not self.kv_budget_mb > 0:
+            raise InputError("kv_budget_mb must be > 0")
+        self.scheduler_config()  # max_rows, admit_every, prefill_budget, layout and prefill_order: checked there
+        if not self.timeout_s > 0:
+            raise InputError("timeout_s must be > 0")
+        if not 0 <= self.admit_wait_ms <= 1000:
+            raise InputError(f"admit_wait_ms must be in [0, 1000], got {self.admit_wait_ms}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The settings of the service's scheduler."""
+        return SchedulerConfig(max_rows=self.max_rows, admit_every=self.admit_every,
+                               prefill_budget=self.prefill_budget, kv_budget=int(self.kv_budget_mb * 2**20),
+                               layout=self.layout, prefill_order=self.prefill_order)
+
+
+@dataclass
+class _Queued:
+    """A request waiting in the service's queue, then running as a scheduler task."""
+
+    question: str
+    request: Any  # a validated fastgate.serving.runtime.AnswerRequest, its method's config with it
+    future: Future
+    submitted: float
+    task: Any = None  # its scheduler task once admitted
+    listener: Any = None  # progress events of its program (fastgate.scheduler), for streaming
+    program: Any = None  # a bare program (a plain completion) instead of a method's: its result is the future's
+    answer_tokens: bool = False  # add the answer generation's tokens and log-probs to the record (``_answer_tokens``)
+
+
+class AnswerService:
+    """Thread-safe answering on one scheduler (see the module docstring).
+
+    Args:
+        config: the service settings.
+        runtime: an existing :class:`~fastgate.serving.runtime.Runtime` (tests pass one with a tiny model); default:
+        built
+            from ``config``.
+    """
+
+    def __init__(self, config: ServiceConfig | None = None, runtime=None) -> None:
+        from fastgate.serving.runtime import Runtime
+
+        self.config = config or ServiceConfig()
+        self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
+                                          self.config.paper_defaults, dtype=self.config.dtype,
+                                          step=self.config.step, remote=self.config.remote)
+        self._queue: queue.Queue[_Queued] = queue.Queue(maxsize=self.config.max_queue)
+        self._methods: OrderedDict[tuple, Any] = OrderedDict()
+        self._requests: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        self._scheduler = None  # built with the engine, in start()
+        self._running: dict[int, _Queued] = {}  # id(task) -> job, for timeouts and cancellation
+        self._cancel: list[Future] = []
+        self._top = None  # the top-logprobs pass of plain completions, built on first use
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.metrics = _Metrics()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> AnswerService:
+        """Load the model, build the default method (so the first request does not pay for it), start the worker."""
+        if self._thread is not None:
+            return self
+        from fastgate.scheduler import Scheduler
+
+        self._method(self._request(self.config.method, None))
+        self._scheduler = self._new_scheduler(Scheduler)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop the worker; with ``drain`` the queued requests are answered first, else they fail."""
+        if self._thread is None:
+            return
+        if drain:
+            while (not self._queue.empty() or self._running) and self._thread.is_alive():
+                time.sleep(0.01)
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(FastgateError("the service stopped before answering"))
+        for job in list(self._running.values()):
+            if not job.future.done():
+                job.future.set_exception(FastgateError("the service stopped before answering"))
+        self._running.clear()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def live_programs(self) -> int:
+        """Requests whose programs are running."""
+        return len(self._running)
+
+    @property
+    def kv_used_bytes(self) -> int:
+        """Bytes the decode loop's KV cache holds now (0 when stopped)."""
+        sched = self._scheduler
+        return sched.kv_bytes if sched is not None else 0
+
+    @property
+    def layout(self) -> str:
+        """The decode loop's layout the scheduler chose (``packed`` or ``padded``; the configured one when stopped)."""
+        sched = self._scheduler
+        return sched.layout if sched is not None else self.config.layout
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @property
+    def model_name(self) -> str:
+        return self.runtime.model_name
+
+    @property
+    def step_name(self) -> str:
+        """How decode steps run, ``compiled`` or ``eager`` (``auto`` resolved for the device), as ``/healthz`` says."""
+        from fastgate.assets.models import resolve_device
+        from fastgate.engine.static_step import compiled_by_default
+
+        rt = self.runtime
+        if rt.remote is not None:
+            return "remote"  # the server's own steps
+        if rt.loaded:
+            return "compiled" if rt.engine.runner.compiled else "eager"
+        if rt.step != "auto":
+            return rt.step
+        return "compiled" if compiled_by_default(resolve_device(rt.device)) else "eager"
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype (``float32``, ``bfloat16``), as ``/healthz`` reports it."""
+        return self.runtime.dtype_name
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, method: str | None, params: dict[str, Any] | None):
+        """A validated request, memoised by (method, parameters): validation builds the method's config (calibrated
+        for the model) and checks checkpoints."""
+        from fastgate.serving.runtime import check_request
+
+        name = self.config.method if method is None else method
+        client = dict(params or {})
+        locked = sorted(set(client) & set(self.config.locked_params))
+        if locked:
+            raise InputError(f"parameter {locked[0]} cannot be set per request; start the server with it")
+        params = {**(dict(self.config.params) if name == self.config.method else {}), **client}
+        for key, value in params.items():
+            if not isinstance(key, str) or not isinstance(value, (bool, int, float, str)):
+                raise InputError(f"parameter {key!r} must be a number, string or boolean")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InputError(f"parameter {key} must be finite")
+            if isinstance(value, str) and len(value) > 200:
+                raise InputError(f"parameter {key} is too long")
+        remote = self.runtime.engine_name if self.runtime.remote is not None else None
+
+        def validated():  # the method's config is built here, once, and travels with the request
+            req = check_request(name, params, None, self.runtime.model, remote=remote,
+                                calibrate=self.runtime.calibrated)
+            _check_int_params(req, self.config.max_int_param)
+            return req
+
+        cache_key = (name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in params.items())))
+        return self._memo(self._requests, cache_key, validated)
+
+    def _memo(self, store: dict, key, make):
+        """``store[key]``, computed by ``make()`` on a miss (outside the lock); at most 256 entries, oldest out."""
+        with self._lock:
+            value = store.get(key)
+        if value is None:
+            value = make()
+            with self._lock:
+                store[key] = value
+                if len(store) > 256:
+                    store.pop(next(iter(store)))
+        return value
+
+    def _method(self, req):
+        """The built method of a request; only the worker thread (and :meth:`start`) build methods."""
+        key = (req.method, req.retriever, req.params)
+        with self._lock:
+            method = self._methods.get(key)
+            if method is not None:
+                self._methods.move_to_end(key)
+                return method
+        method = self.runtime.build(req)
+        with self._lock:
+            self._methods[key] = method
+            while len(self._methods) > self.config.methods_cached:
+                self._methods.popitem(last=False)
+        return method
+
+    def submit_completion(self, prompt: str, config, seed: int | None = None, top_logprobs: int = 0) -> Future:
+        """Queue a plain completion of ``prompt`` (a :class:`~fastgate.config.GenerationConfig`); the future resolves
+        to a :class:`~fastgate.serving.completion.Completion` (the generation, its tokens' bytes, the top
+        ``top_logprobs``
+        alternatives at each token). It shares the scheduler with the questions. Not on a remote engine.
+
+        Raises:
+            InputError: an empty or over-long prompt, or ``top_logprobs`` out of range (nothing is queued).
+            OverloadedError: the queue is full.
+        """
+        from fastgate.serving.completion import MAX_TOP_LOGPROBS, TopLogprobs, completion_program
+
+        engine = self.runtime.engine
+        if getattr(engine, "remote", False):
+            raise InputError("plain completions are served by a local model, not through a remote engine")
+        if not isinstance(prompt, str) or not prompt:
+            raise InputError("the prompt must be a non-empty string")
+        if "\x00" in prompt:
+            raise InputError("the prompt contains a NUL character")
+        if len(prompt) > 8 * engine.lm.max_context:
+            raise InputError(f"the prompt is too long ({len(prompt)} characters) for the {engine.lm.max_context}-"
+                             "token context")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if config.max_new_tokens > self.config.max_tokens_limit:
+            raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
+        if not self.running:
+            raise FastgateError("the service is not running")
+        with self._lock:
+            if self._top is None:
+                self._top = TopLogprobs(engine)
+            top = self._top
+        future: Future = Future()
+        self._enqueue(_Queued(prompt, None, future, time.perf_counter(),
+                              program=completion_program(engine, prompt, config, seed, top_logprobs, top)))
+        return future
+
+    def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
+               max_tokens: int | None = None, listener: Callable[[dict], None] | None = None,
+               answer_tokens: bool = False) -> Future:
+        """Queue a question; the future resolves to the ``fastgate ask --json`` record of its answer.
+
+        ``listener`` gets its program's progress events (gate decisions, searches, the answer's text as it is
+        decoded; see :mod:`fastgate.scheduler`) on the worker thread: it must be quick and thread-safe.
+        ``answer_tokens``: the record also holds ``_answer_tokens``, the bytes and log-probabilities of the tokens
+        of the generation the answer was taken from (methods whose answer is one generation: never, always, ...),
+        or None.
+
+        Raises:
+            InputError: an invalid question, method or parameter (nothing is queued).
+            OverloadedError: the queue is full.
+        """
+        if not isinstance(question, str):
+            raise InputError(f"question must be a string, got {type(question).__name__}")
+        if len(question) > self.config.max_question_chars:
+            raise InputError(f"the question is too long ({len(question)} characters; this server takes at most "
+                             f"{self.config.max_question_chars})")
+        if "\x00" in question:
+            raise InputError("the question contains a NUL character")
+        params = dict(params or {})
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+                raise InputError("max_tokens must be an integer")
+            if not 1 <= max_tokens <= self.config.max_tokens_limit:
+                raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
+            params["max_answer_tokens"] = max_tokens
+        req = self._request(method, params)
+        # checked with the tokenizer only: building a method or running the model here would race the worker's decode
+        question = check_questions(self.runtime.engine, req.config, [question])[0]
+        if not self.running:
+            raise FastgateError("the service is not running")
+        future: Future = Future()
+        self._enqueue(_Queued(question, req, future, time.perf_counter(), listener=listener,
+                              answer_tokens=answer_tokens))
+        return future
+
+    def _enqueue(self, job: _Queued) -> None:
+        """Put ``job`` on the queue, or count it rejected and raise :class:`OverloadedError` when the queue is full."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.rejected()
+            raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
+
+    def cancel(self, future: Future) -> None:
+        """Give up on a submitted request (timed out, or its client went away): dropped if still queued, else its
+        program stops at the next tick. Thread-safe."""
+        if not future.cancel():  # already running: the worker cancels its program
+            with self._lock:
+                self._cancel.append(future)
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue has room, from the recent per-question service time."""
+        per_q = self.metrics.recent_seconds_per_question()
+        return max(1, math.ceil(per_q * self._queue.qsize() / 2))
+
+    # ------------------------------------------------------------------ the worker
+    def _loop(self) -> None:
+        sched = self._scheduler
+        while not self._stop.is_set():
+            self._admit(block=sched.idle)
+            self._expire()
+            if not sched.idle:
+                try:
+                    sched.step()
+                except Exception as exc:  # noqa: BLE001 - a failure outside any one program: fail what is running
+                    for job in list(self._running.values()):
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+                    self._running.clear()
+                    self._scheduler = sched = self._new_scheduler(type(sched))
+                self.metrics.ticks(sched)
+
+    def _new_scheduler(self, cls):
+        return cls(self.runtime.engine, self.config.scheduler_config())
+
+    def _admit(self, block: bool) -> None:
+        """Move queued requests into the scheduler (up to ``max_live`` running).
+
+        When idle, wait for a request, then up to ``admit_wait_ms`` for the rest of its burst: requests sent together
+        reach the server over a few milliseconds, and those that miss the first tick would wait for its whole engine
+        call (a lone request pays the window once)."""
+        window_end = None
+        while len(self._running) < self.config.max_live:
+            try:
+                if block:
+                    job = self._queue.get(timeout=0.05)
+                elif window_end is not None and (left := window_end - time.perf_counter()) > 0:
+                    job = self._queue.get(timeout=left)
+                else:
+                    job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if block:
+                block = False
+                window_end = time.perf_counter() + self.config.admit_wait_ms / 1000
+            if not job.future.set_running_or_notify_cancel():  # cancelled while queued: dropped
+                continue
+            if job.program is not None:  # a plain completion
+                job.task = self._scheduler.submit(None, "", on_done=self._done, program=job.program)
+                self._running[id(job.task)] = job
+                continue
+            try:
+                method = self._method(job.request)
+            except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that fails to load
+                job.future.set_exception(exc)
+                continue
+            job.task = self._scheduler.submit(method, job.question, on_done=self._done, listener=job.listener)
+            self._running[id(job.task)] = job
+
+    def _expire(self) -> None:
+        """Cancel the programs of requests past their timeout or given up by their clients."""
+        with self._lock:
+            cancel, self._cancel = self._cancel, []
+        gone = {id(f) for f in cancel}
+        deadline = time.perf_counter() - self.config.timeout_s
+        for job in self._running.values():
+            if id(job.future) in gone or job.submitted < deadline:
+                self._scheduler.cancel(job.task)
+
+    def _done(self, task) -> None:
+        """A program ended: resolve its future now (the others keep running)."""
+        from fastgate.serving.runtime import result_record
+
+        job = self._running.pop(id(task), None)
+        if job is None or job.future.done():
+            return
+        latency = time.perf_counter() - job.submitted
+        if task.error is not None:
+            job.future.set_exception(task.error)
+            self.metrics.finished(latency, retrieved=False, failed=True, cancelled=task.cancelled)
+            return
+        if job.program is not None:
+            job.future.set_result(task.result)
+            self.metrics.finished(latency, retrieved=False)
+            return
+        record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name)
+        if job.answer_tokens:
+            seq = task.trace.answer
+            record["_answer_tokens"] = None if seq is None else (
+                self.runtime.engine.token_pieces(seq.token_ids[:seq.answer_tokens]),
+                list(seq.token_logprobs[:seq.answer_tokens]))
+        job.future.set_result(record)
+        self.metrics.finished(latency, retrieved=bool(task.result.retrieved),
+                              searches=int(task.result.retrieval_calls))
+
+
+def _check_int_params(req, limit: int) -> None:
+    """Refuse an integer parameter the client set above ``limit`` (its value in the request's config: the user's)."""
+    for name, _ in req.params:
+        value = getattr(req.config, name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
+            raise InputError(f"parameter {name}={value} is above this server's limit ({limit})")
+
+
+class _Metrics:
+    """Counters the worker updates; :mod:`fastgate.entrypoints.http` exports them in the Prometheus format."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.answered = 0
+        self.retrieved = 0  # answered questions that read retrieved passages into a prompt
+        self.searches = 0  # retrieval calls (the read gate searches every question and reads some)
+        self.failed = 0
+        self.cancelled = 0
+        self.rejected_total = 0
+        self.ticks_total = 0
+        self.generation_calls = 0
+        self.shared_generation_calls = 0  # decode steps with rows of several methods
+        self.generation_rows: list[int] = []  # sequences per decode step, recent, for the exporter
+        self.latencies: list[tuple[bool, float]] = []  # (retrieved, seconds) per answered request, to drain
+        self._recent: list[float] = []  # latencies of the last answers
+        self._scheduler_id, self._seen = 0, 0
+
+    def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False,
+                 searches: int = 0) -> None:
+        with self._lock:
+            if failed:
+                self.failed += 1
+                self.cancelled += bool(cancelled)
+                return
+            self.answered += 1
+            self.retrieved += bool(retrieved)
+            self.searches += int(searches)
+            self.latencies.append((retrieved, seconds))
+            self._recent = (self._recent + [seconds])[-50:]
+
+    def ticks(self, scheduler) -> None:
+        """Take the scheduler's new generation calls (rows per call, methods sharing them)."""
+        with self._lock:
+            if id(scheduler) != self._scheduler_id:  # a new scheduler (after a failure) counts from zero
+                self._scheduler_id, self._seen = id(scheduler), 0
+            self.ticks_total = scheduler.ticks
+            new = scheduler.generation_calls - self._seen
+            if new > 0:
+                rows = scheduler.generation_rows[-new:]
+                self.generation_rows.extend(rows)
+                self.shared_generation_calls += sum(len(m) > 1 for m in scheduler.generation_methods[-new:])
+                self.generation_calls += new
+                self._seen = scheduler.generation_calls
+
+    def rejected(self) -> None:
+        with self._lock:
+            self.rejected_total += 1
+
+    def drain(self) -> tuple[list[int], list[tuple[bool, float]]]:
+        """Rows per generation call and per-request latencies since the last drain."""
+        with self._lock:
+            rows, self.generation_rows = self.generation_rows, []
+            lat, self.latencies = self.latencies, []
+            return rows, lat
+
+    def recent_seconds_per_question(self) -> float:
+        """Mean latency of the last answers (over the programs that ran concurrently: an estimate)."""
+        with self._lock:
+            return sum(self._recent) / len(self._recent) if self._recent else 1.0

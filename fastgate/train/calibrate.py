@@ -1,0 +1,241 @@
+"""``fastgate calibrate``: a gated method's threshold for a model, from one resumable pass on dev questions.
+
+The pass evaluates the method with its first gate forced to skip (its :class:`~fastgate.methods.base.GateThreshold`
+``skip`` value), so every question's first score is recorded; the records are stored like any `fastgate eval` run,
+so an interrupted calibration resumes. The threshold is then chosen from the scores:
+
+- ``rate`` (default): the value at which ``--rate`` of the first gates retrieve (the midpoint between the scores on
+  either side of the boundary);
+- ``best``: the value with the largest gain over the random gate at the same rate (accuracy replayed from the
+  skipped answers and ``always``'s answers on the same questions, which the pass then also runs), among rates up to
+  ``--rate``.
+
+It is shown with its dev curve and written to ``$FASTGATE_HOME/calibration/<model>.json``, which ask, eval and serve
+read on top of the shipped values (:mod:`fastgate.methods.calibration`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastgate.errors import InputError
+
+__all__ = ["CalibrationResult", "add_calibrate_parser", "choose_cut", "dev_curve"]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """A calibrated threshold and what it was chosen from."""
+
+    method: str
+    param: str
+    value: float
+    rate: float  # share of the dev questions whose first gate retrieves at ``value``
+    n: int
+    rule: str
+    gain: float | None = None  # replayed ACC − random gate at that rate (``best`` only)
+
+
+def _order(scores: np.ndarray, retrieve_above: bool) -> np.ndarray:
+    """Scores sorted so that the first k are the k questions that retrieve first."""
+    return np.sort(scores)[::-1] if retrieve_above else np.sort(scores)
+
+
+def choose_cut(scores: np.ndarray, k: int, retrieve_above: bool) -> float:
+    """A score boundary at which exactly the ``k`` most retrieving questions retrieve (midpoint between neighbours)."""
+    s = _order(np.asarray(scores, dtype=np.float64), retrieve_above)
+    n = len(s)
+    sign = 1.0 if retrieve_above else -1.0
+    if k <= 0:
+        return float(s[0] + sign * max(1.0, abs(s[0])))
+    if k >= n:
+        return float(s[-1] - sign * 1e-6 * max(1.0, abs(s[-1])))
+    return float((s[k - 1] + s[k]) / 2)
+
+
+def dev_curve(scores: np.ndarray, retrieve_above: bool, skip_acc: np.ndarray | None = None,
+              read_acc: np.ndarray | None = None) -> list[dict[str, float]]:
+    """For k = 0..n retrieving questions: the rate, the boundary, and (given both answers) replayed ACC and the random
+    gate's ACC at that rate."""
+    scores = np.asarray(scores, dtype=np.float64)
+    n = len(scores)
+    order = np.argsort(-scores if retrieve_above else scores, kind="stable")
+    rows = []
+    for k in range(n + 1):
+        row = {"k": k, "rate": k / n, "cut": choose_cut(scores, k, retrieve_above)}
+        if skip_acc is not None and read_acc is not None:
+            retrieve = np.zeros(n, dtype=bool)
+            retrieve[order[:k]] = True
+            row["acc"] = float(np.where(retrieve, read_acc, skip_acc).mean())
+            row["random"] = float((1 - k / n) * skip_acc.mean() + k / n * read_acc.mean())
+        rows.append(row)
+    return rows
+
+
+def _examples(data: str, n: int | None, seed: int, index: str | None):
+    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+
+    if is_benchmark(data):
+        spec = parse_benchmark(data)
+        return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
+    return data, sample_examples(load_qa(data), n, seed)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from fastgate.assets.paths import home
+    from fastgate.entrypoints.cli_params import parse_params
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.methods import METHODS, make_config
+    from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
+    from fastgate.serving.runtime import Runtime, check_request
+
+    if args.method not in METHODS:
+        from fastgate.errors import UnknownNameError
+
+        raise UnknownNameError("method", args.method, list(METHODS))
+    spec = METHODS[args.method].threshold
+    if spec is None:
+        gated = [m for m, c in METHODS.items() if c.threshold is not None]
+        raise InputError(f"{args.method} has no gate threshold to calibrate (gated methods: {', '.join(gated)})")
+    if not 0.0 < args.rate <= 1.0:
+        raise InputError(f"--rate must be in (0, 1], got {args.rate}")
+    user = parse_params(args.param)
+    if spec.param in user:
+        raise InputError(f"--param {spec.param}=... is what calibration chooses; leave it out")
+    budget = args.budget
+    if budget == "auto":
+        import torch
+
+        budget = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "full"
+    base = dict(CPU_EVAL_BUDGET.get(args.method, {})) if budget == "cpu" else {}
+    forced = {**base, **user, spec.param: f"{spec.skip:g}".replace("e+0", "e").replace("e-0", "e-")}  # "1e9"
+    req = check_request(args.method, forced, args.retriever, args.model)
+    run = RunSpec(req.method, req.retriever, req.params)
+    runs = [run]
+    if args.rule == "best":
+        runs.append(RunSpec("always", check_request("always", {}, None, args.model).retriever, ()))
+    data, examples = _examples(args.data, args.n, args.seed, args.index)
+    out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
+        f"{Path(args.model).name}-{data.replace(':', '-')}-seed{args.seed}")
+    check_settings(out, EvalSettings(model=args.model, data=data, seed=args.seed))
+    store = ResultsStore(out / "results.jsonl")
+    todo = sum(not store.done(r.key, e.id) for r in runs for e in examples)
+    print(f"calibrating {args.method} ({spec.param}) for {args.model} on {len(examples)} question(s) of {data}: "
+          f"{run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} (resumable)")
+    runtime = Runtime(args.model, device=args.device, index=args.index)
+    t0 = time.perf_counter()
+    evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
+    recs = [store.records[(run.key, e.id)] for e in examples]
+    usable = [i for i, r in enumerate(recs) if r.get("gate_steps") and not r.get("error")]
+    if len(usable) < 2:
+        raise InputError(f"{len(usable)} question(s) with a first gate score: too few to calibrate")
+    scores = np.array([recs[i]["gate_steps"][0]["score"] for i in usable], dtype=np.float64)
+    skip_acc = read_acc = None
+    if args.rule == "best":
+        skip_acc = np.array([float(recs[i]["acc"]) for i in usable])
+        read_acc = np.array([float(store.records[("always", examples[i].id)]["acc"]) for i in usable])
+    curve = dev_curve(scores, spec.retrieve_above, skip_acc, read_acc)
+    k_cap = int(math.floor(args.rate * len(usable) + 1e-9))
+    if args.rule == "best":
+        pick = max(curve[: k_cap + 1], key=lambda r: (round(r["acc"] - r["random"], 12), -r["k"]))
+    else:
+        pick = curve[int(round(args.rate * len(usable)))]
+    value = round(spec.value(pick["cut"]), 6)
+    result = CalibrationResult(args.method, spec.param, value, pick["rate"], len(usable), args.rule,
+                               None if "acc" not in pick else pick["acc"] - pick["random"])
+    _print_curve(curve, pick, spec, args.method)
+    when = dict(sorted(user.items()))
+    if args.method == "read":  # the threshold belongs to one trained gate: its base and feature set
+        cfg = make_config("read", {**user})
+        when = {**when, "base": cfg.base, "features": cfg.features}
+    entry: dict[str, Any] = {"method": args.method, **({"when": when} if when else {}),
+                             "params": {spec.param: value}, "rule": args.rule, "rate": round(pick["rate"], 4),
+                             "target_rate": args.rate, "data": data, "n": len(usable), "seed": args.seed,
+                             "date": time.strftime("%Y-%m-%d"),
+                             "note": f"fastgate calibrate: {run.key} forced to skip on {len(usable)} questions of "
+                                     f"{data}; scores {scores.min():.4g}..{scores.max():.4g}"}
+    if result.gain is not None:
+        entry["dev_gain_over_random"] = round(result.gain, 4)
+    model_name = runtime.model_name if runtime.loaded else Path(args.model).name  # resumed: the model never loaded
+    path = Path(args.write) if args.write else user_calibration_file(model_name)
+    if not args.dry_run:
+        write_calibration(model_name, entry, path)
+    _plot(curve, pick, out / f"calibration-{run.key}.png", args.method)
+    print(f"{args.method}: {spec.param} = {value:g} (first gates retrieve on {pick['rate']:.1%} of {len(usable)} dev "
+          f"questions{'' if result.gain is None else f'; {100 * result.gain:+.1f} points over the random gate'}); "
+          f"{'not written (--dry-run)' if args.dry_run else f'written to {path}'}; {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _print_curve(curve, pick, spec, method: str) -> None:
+    n = len(curve) - 1
+    marks = sorted({min(n, max(0, int(round(q * n)))) for q in np.linspace(0, 1, 11)} | {pick["k"]})
+    has_acc = "acc" in curve[0]
+    print(f"{'retrieve':>8}  {spec.param:>10}" + ("   dev ACC   random   gain" if has_acc else ""))
+    for k in marks:
+        r = curve[k]
+        line = f"{r['rate']:8.1%}  {spec.value(r['cut']):10.4g}"
+        if has_acc:
+            line += f"   {r['acc']:7.3f}  {r['random']:7.3f}  {100 * (r['acc'] - r['random']):+5.1f}"
+        print(line + ("   <- chosen" if k == pick["k"] else ""))
+
+
+def _plot(curve, pick, path: Path, method: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plot is a convenience: `pip install fastgate[eval]`
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    rates = [r["rate"] for r in curve]
+    if "acc" in curve[0]:
+        ax.plot(rates, [r["acc"] for r in curve], label=f"{method}: thresholded first score")
+        ax.plot(rates, [r["random"] for r in curve], "--", label="random gate")
+        ax.set_ylabel("dev ACC")
+        ax.plot([pick["rate"]], [pick["acc"]], "o", label="chosen")
+    else:
+        ax.plot(rates, [r["cut"] for r in curve], label="boundary score")
+        ax.set_ylabel("first gate score")
+        ax.plot([pick["rate"]], [pick["cut"]], "o", label="chosen")
+    ax.set_xlabel("share of questions retrieving")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="calibrate a gated method's threshold for a model on dev questions "
+                                         "(resumable); writes $FASTGATE_HOME/calibration/<model>.json")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--method", required=True, help="a gated method (see `fastgate methods`)")
+    p.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
+                   help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")
+    p.add_argument("--data", default="nq:dev:balanced", help="dev questions (default: nq:dev:balanced)")
+    p.add_argument("--n", type=int, default=200, help="questions of the seeded order (default: 200)")
+    p.add_argument("--rule", choices=("rate", "best"), default="rate",
+                   help="rate: retrieve on --rate of the questions; best: the largest gain over the random gate at "
+                        "rates up to --rate (also runs `always` on the questions)")
+    p.add_argument("--rate", type=float, default=0.7, help="target (rate) or largest (best) retrieval rate (0.7)")
+    p.add_argument("--retriever", default=None, help="the method's retriever (default: its own)")
+    p.add_argument("--budget", choices=("auto", "cpu", "full"), default="auto",
+                   help="as in `fastgate eval`: cpu runs the costly methods with fewer samples (auto: cpu without "
+                        "a GPU)")
+    p.add_argument("--out", default=None, help="records of the pass (default: under $FASTGATE_HOME/calibration/runs)")
+    p.add_argument("--write", default=None, help="calibration file (default: $FASTGATE_HOME/calibration/<model>.json)")
+    p.add_argument("--dry-run", action="store_true", help="show the threshold, write nothing")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--index", default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_calibrate)
