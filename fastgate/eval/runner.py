@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError, disk_error
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy, exact_match, token_f1
@@ -45,7 +46,7 @@ __all__ = [
 class EvalSettings:
     """What must stay fixed for the records of one output directory to be comparable and resumable."""
 
-    model: str = "smollm2-135m"  # the default embedded model
+    model: str = DEFAULT_MODEL  # the default embedded model
     data: str = "heldout"  # the documented held-out split: training never saw it
     seed: int = 0  # order in which questions are drawn; the first n of a seed are the same questions for any n
     paper_defaults: bool = False  # thresholds: the papers' values instead of those calibrated for the model

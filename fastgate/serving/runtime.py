@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import UnknownNameError
 
 __all__ = ["AnswerRequest", "Runtime", "check_request", "result_record"]
@@ -93,7 +94,7 @@ class Runtime:
             and token log-probabilities can be built (never, always, flare, scaar, dtr).
     """
 
-    def __init__(self, model: str = "smollm2-135m", device: str = "auto", index: str | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "auto", index: str | None = None,
                  paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto",
                  remote=None) -> None:
         from fastgate.assets.precision import canonical_dtype

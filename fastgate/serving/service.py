@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.assets.precision import DTYPES
 from fastgate.errors import FastgateError, InputError
 from fastgate.methods.base import check_questions
@@ -63,7 +64,7 @@ class ServiceConfig:
     # the method of requests that name none: the gate `fastgate ask` uses by default
     method: str = setting("dtr", "default method of requests that name none (default: %(default)s)")
     # the default embedded model, the smallest of fastgate.assets.models.MODELS
-    model: str = setting("smollm2-135m", "embedded model ({models}) or a local HF directory (default: %(default)s)")
+    model: str = setting(DEFAULT_MODEL, "embedded model ({models}) or a local HF directory (default: %(default)s)")
     # CUDA when available
     device: str = setting("auto", "auto (CUDA if available), cpu or cuda (default: %(default)s)")
     # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
 
 __all__ = ["CalibrationResult", "add_calibrate_parser", "choose_cut", "dev_curve"]
@@ -216,7 +217,7 @@ def _plot(curve, pick, path: Path, method: str) -> None:
 def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate a gated method's threshold for a model on dev questions "
                                          "(resumable); writes $FASTGATE_HOME/calibration/<model>.json")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--method", required=True, help="a gated method (see `fastgate methods`)")
     p.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
                    help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")

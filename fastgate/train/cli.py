@@ -8,6 +8,8 @@ import json
 import random
 from pathlib import Path
 
+from fastgate.assets.pins import DEFAULT_MODEL
+
 __all__ = ["add_train_parser"]
 
 
@@ -150,7 +152,7 @@ def add_train_parser(sub) -> None:
     ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
                                            "accuracy vs the majority class)")
     ev.add_argument("--checkpoint", required=True)
-    ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--model", default=DEFAULT_MODEL)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--data", default="default")
     ev.add_argument("--n", type=int, default=0, help="held-out questions to use (0 = all)")
@@ -161,7 +163,7 @@ def add_train_parser(sub) -> None:
     ev.add_argument("--seed", type=int, default=0)
     ev.set_defaults(func=_cmd_evaluate)
     rr = kinds.add_parser("reranker", help="CBDR's reranker: InfoNCE fine-tune of MiniLM on confidence-shift pairs")
-    rr.add_argument("--model", default="smollm2-135m")
+    rr.add_argument("--model", default=DEFAULT_MODEL)
     rr.add_argument("--device", default="auto")
     rr.add_argument("--data", default="default")
     rr.add_argument("--n", type=int, default=200, help="training questions")
@@ -181,7 +183,7 @@ def add_train_parser(sub) -> None:
         ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),
     ):
         p = kinds.add_parser(kind, help=help_text)
-        p.add_argument("--model", default="smollm2-135m")
+        p.add_argument("--model", default=DEFAULT_MODEL)
         p.add_argument("--device", default="auto")
         p.add_argument("--data", default="default", help="capitals | fanoutqa | default (both) | a JSONL file")
         p.add_argument("--n", type=int, default=0, help="training questions to use (0 = all of the training split)")

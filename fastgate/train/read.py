@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from fastgate.assets.pins import DEFAULT_MODEL
+
 __all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "training_pass"]
 
 
@@ -122,7 +124,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
 
 def add_read_parser(kinds) -> None:
     p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--device", default="auto")
     p.add_argument("--base", default="dtr", help="the gated method whose first signal the gate sees (default: dtr)")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions only (default: nq:dev:balanced)")
