@@ -93,6 +93,9 @@ class RunSummary:
     em_se: float = float("nan")  # standard errors of the means: sample standard deviation / sqrt(n)
     f1_se: float = float("nan")
     acc_se: float = float("nan")
+    s_per_q: float = float("nan")  # wall seconds per question (1 / questions_per_s): what the time-matched coin pays
+    prompt_tokens_per_q: float = 0.0  # prompt tokens of every LM call, per question
+    invocations: int = 0  # how many `fastgate eval` invocations answered these records (1: timed in one sitting)
 
 
 class ResultsStore:
@@ -272,7 +275,8 @@ def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
 
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
-             on_batch: Callable[[RunSpec, int], None] | None = None) -> list[RunSummary]:
+             on_batch: Callable[[RunSpec, int], None] | None = None,
+             invocation: str | None = None) -> list[RunSummary]:
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
 
     Args:
@@ -284,6 +288,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         progress: show a progress bar per run.
         on_batch: called after each stored batch with the run and the number of questions stored so far (tests
             use it to interrupt a run).
+        invocation: an id of this invocation (``fastgate eval`` makes one per call), stored in every new record as
+            ``invocation``: the report says whether a run's seconds per question were measured in one sitting.
 
     Returns:
         One :class:`RunSummary` per run over ``examples``.
@@ -319,7 +325,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             try:
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
-                    tags = {"params": params, "engine": engine, **({"dtype": dtype} if dtype is not None else {})}
+                    tags = {"params": params, "engine": engine, **({"dtype": dtype} if dtype is not None else {}),
+                            **({"invocation": invocation} if invocation is not None else {})}
                     store.append([{**rec, **tags} for rec in _answer_batch(method, run, batch, runtime.model_name)])
                     stored += len(batch)
                     if bar is not None:
@@ -379,16 +386,20 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
         questions_per_s=len(ok) / wall if wall > 0 else float("nan"),
         gate_share=gate_s / answer_s if answer_s > 0 else 0.0, errors=n - len(ok),
         em_se=se("em"), f1_se=se("f1"), acc_se=se("acc"),
+        s_per_q=wall / len(ok) if ok and wall > 0 else float("nan"), prompt_tokens_per_q=mean("prompt_tokens"),
+        invocations=len({r["invocation"] for r in records if r.get("invocation")}),
     )
 
 
 _COLUMNS = [  # (field, header, format)
     ("run", "run", "{}"), ("n", "n", "{}"), ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("acc", "ACC", "{:.3f}"),
     ("acc_se", "± ACC (SE)", "{:.3f}"), ("retrieval_rate", "retrieved", "{:.0%}"),
-    ("retrievals_per_q", "retrievals/q", "{:.2f}"),
-    ("lm_calls_per_q", "LM calls/q", "{:.2f}"), ("tokens_per_q", "tokens/q", "{:.1f}"),
+    ("retrievals_per_q", "searches/q", "{:.2f}"),
+    ("lm_calls_per_q", "LM calls/q", "{:.2f}"), ("prompt_tokens_per_q", "prompt tokens/q", "{:.0f}"),
+    ("tokens_per_q", "generated tokens/q", "{:.1f}"),
     ("latency_p50_s", "latency p50 (s)", "{:.2f}"), ("latency_p95_s", "latency p95 (s)", "{:.2f}"),
-    ("questions_per_s", "q/s", "{:.2f}"), ("gate_share", "gate time", "{:.2%}"), ("errors", "errors", "{}"),
+    ("questions_per_s", "q/s", "{:.2f}"), ("s_per_q", "s/question", "{:.3f}"), ("gate_share", "gate time", "{:.2%}"),
+    ("errors", "errors", "{}"),
 ]
 
 

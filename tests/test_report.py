@@ -1,0 +1,116 @@
+"""The report of `fastgate eval` (fastgate.eval.report): the time-matched coin worked out by hand, the oracle point,
+the cost section, always answered again at the end of an invocation, and why a lone gate has no coin section."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fastgate.errors import InputError
+from fastgate.eval.report import NO_COIN, oracle_point, time_matched_coin
+
+
+def _recs(accs, run="r"):
+    return {f"q{i}": {"run": run, "id": f"q{i}", "acc": float(a)} for i, a in enumerate(accs)}
+
+
+NEVER, ALWAYS, GATED = _recs([0, 0, 1, 0]), _recs([1, 1, 1, 0]), _recs([1, 0, 1, 0])
+IDS = ["q0", "q1", "q2", "q3"]
+
+
+def test_time_matched_coin_by_hand():
+    t = time_matched_coin(GATED, NEVER, ALWAYS, IDS, s_run=0.6, s_never=0.1, s_always=[1.0, 1.2], run="g")
+    # always costs the mean of its two passes, 1.1 s: p = (0.6 - 0.1) / (1.1 - 0.1) = 0.5
+    assert t.always_s == pytest.approx(1.1) and t.share == pytest.approx(0.5)
+    # per question the coin scores 0.5, 0.5, 1, 0 (mean 0.5); the run 1, 0, 1, 0: differences 0.5, -0.5, 0, 0
+    assert t.coin_acc == pytest.approx(0.5) and t.acc == pytest.approx(0.5) and t.diff == pytest.approx(0.0)
+    assert t.diff_se == pytest.approx(math.sqrt(0.5 / 3) / 2)
+    assert t.coin_se == pytest.approx(math.sqrt(0.5 / 3) / 2)  # deviations 0, 0, 0.5, -0.5 from 0.5
+    assert t.p_value == pytest.approx(1.0) and t.always_passes == (1.0, 1.2)
+    # a run dearer than always is matched with always, a run cheaper than never with never (p clipped to [0, 1])
+    dear = time_matched_coin(GATED, NEVER, ALWAYS, IDS, s_run=3.0, s_never=0.1, s_always=[1.1])
+    assert dear.share == 1.0 and dear.coin_acc == pytest.approx(0.75) and dear.diff == pytest.approx(-0.25)
+    cheap = time_matched_coin(GATED, NEVER, ALWAYS, IDS, s_run=0.05, s_never=0.1, s_always=[1.1])
+    assert cheap.share == 0.0 and cheap.diff == pytest.approx(0.25)
+    assert 0 < cheap.p_value < 1 and cheap.p_value == pytest.approx(math.erfc(0.25 / cheap.diff_se / math.sqrt(2)))
+    # a gate that beats the coin clearly on many questions has a small p
+    many = 50
+    never, always = _recs([0, 1] * many), _recs([1, 1] * many)
+    gated = _recs([1, 1] * many)
+    ids = list(never)
+    sharp = time_matched_coin(gated, never, always, ids, s_run=0.2, s_never=0.1, s_always=[1.1])
+    assert sharp.share == pytest.approx(0.1) and sharp.diff == pytest.approx(0.45) and sharp.p_value < 1e-6
+    with pytest.raises(InputError, match="no question"):
+        time_matched_coin(GATED, NEVER, ALWAYS, ["zz"], s_run=0.6, s_never=0.1, s_always=[1.1])
+    # always no dearer than never: no coin can be matched
+    assert math.isnan(time_matched_coin(GATED, NEVER, ALWAYS, IDS, s_run=0.6, s_never=1.0, s_always=[1.0]).share)
+
+
+def test_oracle_reads_only_where_reading_fixes_the_answer():
+    o = oracle_point(NEVER, ALWAYS, IDS, 0.1, 1.1)
+    assert o.rate == pytest.approx(0.5) and o.acc == pytest.approx(0.75) and o.s_per_q == pytest.approx(0.6)
+
+
+@pytest.fixture()
+def eval_cli(monkeypatch, tmp_path, tiny, small_index):
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, *args, **kwargs: tiny)
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in (
+        ("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+        ("What is the largest planet?", "Jupiter"))))
+
+    def run(out, *extra: str) -> int:
+        return main(["eval", "--data", str(data), "--index", str(small_index), "--out", str(out), "--model", "tiny",
+                     "--quiet", "--batch-size", "4", *extra])
+
+    return run
+
+
+def test_a_lone_gate_says_why_there_is_no_coin_section(eval_cli, capsys, tmp_path):
+    out = tmp_path / "alone"
+    assert eval_cli(out, "--method", "dtr") == 0
+    captured = capsys.readouterr()
+    for text in (captured.out, (out / "summary.md").read_text()):
+        assert "No coin section" in text and "`never` and `always`" in text and "beat a coin" not in text
+        assert "## What each run cost" in text
+    assert "No coin section" in captured.err
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["no_coin"] == NO_COIN and doc["coin"] == [] and doc["time_matched"] == []
+    assert doc["runs"][0]["s_per_q"] > 0 and doc["runs"][0]["invocations"] == 1
+    assert not (out / "always-again.jsonl").exists() and not (out / "cost.png").exists()
+
+
+def test_one_invocation_times_always_twice_and_matches_a_coin_on_time(eval_cli, capsys, tmp_path):
+    out = tmp_path / "three"
+    assert eval_cli(out, "--method", "never,always,dtr") == 0
+    captured = capsys.readouterr()
+    assert "answering always again" in captured.err
+    summary = (out / "summary.md").read_text()
+    for text in (captured.out, summary):
+        assert "| always (again, at the end) |" in text and "### Against a coin matched on time" in text
+        assert "s/question" in text and "prompt tokens/q" in text
+    again = [json.loads(line) for line in (out / "always-again.jsonl").read_text().splitlines()]
+    first = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(again) == 3 and len(first) == 9  # the second pass never mixes into the records
+    assert len({r["invocation"] for r in first + again}) == 1
+    assert [r["answer"] for r in again] == [r["answer"] for r in first if r["run"] == "always"]
+    doc = json.loads((out / "summary.json").read_text())
+    (tm,) = doc["time_matched"]
+    runs = {r["run"]: r for r in doc["runs"]}
+    assert tm["run"] == "dtr" and tm["one_sitting"] is True
+    assert tm["always_passes"] == pytest.approx([runs["always"]["s_per_q"], doc["always_again"]["s_per_q"]])
+    assert tm["always_s"] == pytest.approx(sum(tm["always_passes"]) / 2)
+    share = (runs["dtr"]["s_per_q"] - runs["never"]["s_per_q"]) / (tm["always_s"] - runs["never"]["s_per_q"])
+    assert tm["share"] == pytest.approx(min(1.0, max(0.0, share)))
+    assert runs["always"]["prompt_tokens_per_q"] > runs["never"]["prompt_tokens_per_q"] > 0
+    assert doc["oracle"] is not None and len(doc["coin"]) == 1
+    assert (out / "cost.png").read_bytes()[:4] == b"\x89PNG"
+    # a rerun answers nothing: always is not timed again, and the report is the same figures
+    assert eval_cli(out, "--method", "never,always,dtr") == 0
+    assert "answering always again" not in capsys.readouterr().err
+    assert len((out / "always-again.jsonl").read_text().splitlines()) == 3
