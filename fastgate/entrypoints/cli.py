@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
-from fastgate.entrypoints.cli_params import parse_params as _parse_params
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
+from fastgate.entrypoints.cli_params import parse_params as _parse_params
 
 __all__ = ["main"]
 
@@ -152,38 +152,13 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
     return name.strip(), vals
 
 
-def _machine_line() -> str:
-    import platform
-
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import torch
-
-    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return f"{cpu} ({os.cpu_count()} cores){gpu}"
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import dataclasses
     from datetime import datetime, timezone
     from pathlib import Path
 
     from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
-    from fastgate.eval.gate_quality import BASELINES, coin_section, gate_quality_for_runs, plot_gate_quality
-    from fastgate.eval.runner import (
-        EvalSettings,
-        ResultsStore,
-        RunSpec,
-        check_settings,
-        evaluate,
-        plot_accuracy_vs_retrieval,
-        summarize,
-        write_summary,
-    )
+    from fastgate.eval.report import machine_line, new_invocation, run_always_again, write_report
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS
     from fastgate.methods.calibration import CPU_EVAL_BUDGET
     from fastgate.serving.runtime import Runtime, check_request
@@ -245,55 +220,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
                       step=args.step, remote=remote)
+    answered = {r.key: sum(not store.done(r.key, ex.id) for ex in examples) for r in runs}
+    invocation = new_invocation()
     try:
-        summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
+        summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
+                             invocation=invocation)
+        # machines drift: always once more after the others, so that both timings show (fastgate.eval.report)
+        again = run_always_again(runtime, runs, examples, out, answered, batch_size=args.batch_size,
+                                 progress=not args.quiet, invocation=invocation)
     except KeyboardInterrupt:
-        print(f"fastgate: interrupted; finished batches are in {store.path}: rerun the same command to resume",
+        print(f"fastgate: interrupted; finished batches are in {out}: rerun the same command to resume",
               file=sys.stderr)
         return 130
-    # the summary covers every run recorded in DIR for these questions (earlier invocations included)
-    order = {m: i for i, m in enumerate(METHODS)}
-    keys = sorted({k for k, _ in store.records}, key=lambda k: (order.get(k.split("[")[0], 99), k))
-    table = []
-    for key in keys:
-        recs = [store.records.get((key, ex.id)) for ex in examples]
-        if all(recs):
-            spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
-            table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
               f"({runtime.dtype_name or runtime.engine_name}), "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
               f"batch {args.batch_size}; "
-              f"{_machine_line()}; {stamp}")
-    # with never and always on these questions: does each gated run beat a coin retrieving at its rate?
-    split = {ex.id: bool(ex.meta["answerable"]) for ex in examples if "answerable" in ex.meta}
-    gates = gate_quality_for_runs(store.records, ids=[ex.id for ex in examples], answerable=split or None,
-                                  runs=[s.run for s in table if s.method not in BASELINES])
-    md, cs = write_summary(out, table, header=header, sections=[coin_section(gates)] if gates else ())
-    print(header + "\n")
-    print(md.read_text().split("\n\n", 1)[-1], end="")
-    written = [md, cs]
-    if gates:
-        try:
-            written.append(plot_gate_quality(gates, out / "gate-quality.png",
-                                             f"do the gates beat a coin? ({len(examples)} q)"))
-        except InputError as exc:  # matplotlib missing: the tables are written all the same
-            print(f"fastgate: no gate-quality plot: {exc}", file=sys.stderr)
-    if args.all or args.sweep:
-        if args.sweep:
-            key = _parse_sweep(args.sweep)[0]
-            anchors = [s for s in table if s.run in ("never", "always")]
-            points = [s for s in summaries if s.run not in ("never", "always")]
-            labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
-                                                 if s.run not in ("never", "always")]
-            png = out / f"sweep-{args.method}-{key}.png"
-            plot_accuracy_vs_retrieval(anchors + points, png, f"{args.method}: {args.sweep} ({len(examples)} q)",
-                                       labels=labels)
-        else:
-            png = plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({len(examples)} q)",
-                                             labels=[s.method for s in summaries])
-        written.append(png)
+              f"{machine_line()}; {stamp}")
+    # the summary covers every run recorded in DIR for these questions (earlier invocations included)
+    sweep = (args.method, _parse_sweep(args.sweep)[0], args.sweep) if args.sweep else None
+    written = write_report(out, store, examples, runs, summaries, header=header, again=again, plot_all=args.all,
+                           sweep=sweep)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
