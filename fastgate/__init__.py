@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.errors import FastgateError, InputError, UnknownNameError
-
-__version__ = "0.1.0"
+from fastgate.version import __version__
 
 __all__ = [
     "Engine",

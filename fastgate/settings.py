@@ -2,10 +2,11 @@
 its help line and its choices, and the CLI flags are generated from the fields (as vLLM's ``engine/arg_utils.py``
 generates its flags from its config classes), so a default or a help line is written in one place.
 
-Owns the field metadata (``help``, ``flag``, ``choices``: :func:`setting`) and the argparse flags made from it
-(:func:`add_setting_args`). Imports nothing of fastgate: :mod:`fastgate.serving.service` and
-:mod:`fastgate.scheduler.config`
-declare their fields with it, and :mod:`fastgate.entrypoints.cli` adds the flags of those fields to its commands.
+Owns the field metadata (``help``, ``flag``, ``choices``: :func:`setting`), the argparse flags made from it
+(:func:`add_setting_args`) and the parsing of repeated ``--param name=value`` flags (:func:`parse_params`, shared by
+the CLI's commands and ``fastgate calibrate``). Imports nothing of fastgate but :mod:`fastgate.errors`:
+:mod:`fastgate.serving.service` and :mod:`fastgate.scheduler.config` declare their fields with it, and
+:mod:`fastgate.entrypoints.cli` adds the flags of those fields to its commands.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["add_setting_args", "setting"]
+from fastgate.errors import InputError
+
+__all__ = ["add_setting_args", "parse_params", "setting"]
 
 
 def setting(default: Any, help: str | None = None, *, flag: str | None = None,  # noqa: A002 - argparse's word
@@ -44,11 +47,12 @@ def _scalar(annotation: Any) -> Any:
 
 def add_setting_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, names: Iterable[str],
                      help: Mapping[str, str] | None = None,  # noqa: A002 - argparse's word
-                     placeholders: Mapping[str, str] | None = None) -> None:
+                     placeholders: Mapping[str, str] | None = None, dest_prefix: str = "") -> None:
     """Add one flag per field of dataclass ``cls`` in ``names``, in that order: its ``dest`` is the field's name, its
     default the field's, its type the field's (a ``bool`` field is a switch, ``store_true``), its help the field's
     ``help`` (or ``help[name]``) with each ``{key}`` of ``placeholders`` replaced (e.g. the method names, known only
-    once the methods are imported)."""
+    once the methods are imported). ``dest_prefix`` goes before each ``dest`` (two configs with a field of one name
+    in one parser); a field without a default (``setting(dataclasses.MISSING, ...)``) defaults to None."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for name in names:
@@ -61,9 +65,10 @@ def add_setting_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
         if kind is bool:
             if f.default is not False:
                 raise TypeError(f"{cls.__name__}.{name}: a switch must default to False")
-            parser.add_argument(flag, dest=name, action="store_true", help=text)
+            parser.add_argument(flag, dest=dest_prefix + name, action="store_true", help=text)
             continue
-        kwargs: dict[str, Any] = {"dest": name, "default": f.default, "help": text}
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs: dict[str, Any] = {"dest": dest_prefix + name, "default": default, "help": text}
         if "choices" in f.metadata:
             kwargs["choices"] = list(f.metadata["choices"])
         else:  # the flag's name, as argparse writes it (not the field's, e.g. --timeout's TIMEOUT, not TIMEOUT_S)
@@ -71,3 +76,18 @@ def add_setting_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
         if kind in (int, float):
             kwargs["type"] = kind
         parser.add_argument(flag, **kwargs)
+
+
+def parse_params(items: list[str] | None) -> dict[str, str]:
+    """``["name=value", ...]`` (repeated ``--param`` flags) -> ``{name: value}``, both stripped; later names win.
+
+    Raises:
+        InputError: an item without ``=``.
+    """
+    params: dict[str, str] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise InputError(f"--param expects name=value, got {item!r}")
+        key, value = item.split("=", 1)
+        params[key.strip()] = value.strip()
+    return params

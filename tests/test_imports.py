@@ -191,6 +191,70 @@ def test_the_engine_module_still_exports_the_result_types():
     assert engine.FinishReason is generation.FinishReason
 
 
+# The layers of docs/ARCHITECTURE.md, from the bottom up: a module may import its own layer and those below, never one
+# above (lazy imports included). Within a layer, a longer prefix wins (fastgate.version is base, fastgate the facade).
+LAYERS = [
+    ("base", ("fastgate.errors", "fastgate.settings", "fastgate.config", "fastgate.version")),
+    ("models and data", ("fastgate.assets",)),
+    ("prompts", ("fastgate.prompts",)),
+    ("ops and kernels", ("fastgate.ops", "fastgate.kernels")),
+    ("retrieval", ("fastgate.retrieval",)),
+    ("engine", ("fastgate.engine",)),
+    ("gates", ("fastgate.gates",)),
+    ("programs", ("fastgate.programs",)),
+    ("scheduler", ("fastgate.scheduler",)),
+    ("methods", ("fastgate.methods",)),
+    ("serving", ("fastgate.serving",)),
+    ("evaluation", ("fastgate.eval",)),
+    ("training", ("fastgate.train",)),
+    ("entry points", ("fastgate.entrypoints", "fastgate.__main__")),
+    ("facade", ("fastgate", "fastgate.testing")),
+]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} is in no layer of docs/ARCHITECTURE.md (add it to LAYERS and the page)"
+    return best[0]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = import_graph()
+    up = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+          for m, deps in sorted(graph.items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
+    assert not up, "imports against the layer order:\n" + "\n".join(up)
+
+
+def test_the_layer_test_can_fail():
+    assert layer_of("fastgate.engine.packed") < layer_of("fastgate.scheduler.driver")
+    assert layer_of("fastgate.version") < layer_of("fastgate.entrypoints.http.common") < layer_of("fastgate")
+
+
+def test_the_architecture_page_names_every_layer_folder():
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    for _, prefixes in LAYERS[1:-1]:
+        for p in prefixes:
+            path = "fastgate/" + p.removeprefix("fastgate.").replace(".", "/") if p != "fastgate.kernels" else "kernels/"
+            assert path in page, f"docs/ARCHITECTURE.md does not name {path}"
+
+
+def test_at_most_twelve_modules_at_the_top():
+    top = sorted(p.name for p in (ROOT / "fastgate").glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_the_version_is_the_projects():
+    import re
+
+    from fastgate.version import __version__
+
+    assert re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1) == __version__
+
+
 def test_setup_lists_every_package():
     """A package missing from setup.py's list is left out of a wheel (``pip install .``) while an editable install
     still finds it: a new package must be listed."""

@@ -227,10 +227,12 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
     from fastgate.engine.kv_cache import cell_bytes
 
     engine = world[0]
-    cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
+    cell = engine.kv.cell_bytes
+    assert cell == cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
     cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
     prompts = [f"Q: {q}\nA:" for q in QUESTIONS[:6]]
     kv_budget = 2 * (max(engine.count_tokens(p) for p in prompts) + 6 + 2) * cell + cell
+    assert engine.kv.row_columns(max(engine.count_tokens(p) for p in prompts), 6) * cell * 2 + cell == kv_budget
 
     def gen(prompt):
         (out,) = (yield Generate(prompt, cfg)).sequences
@@ -243,7 +245,7 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
     peak_rows = peak_bytes = 0
     while not all(t.done for t in tasks):
         sched.step()
-        peak_rows = max(peak_rows, sum(loop.size for loop in sched._loops.values()))
+        peak_rows = max(peak_rows, sum(loop.size for loop in sched.admission.loops.values()))
         peak_bytes = max(peak_bytes, sched.kv_bytes)
     assert 1 <= peak_rows <= 2  # the others waited for room
     assert 0 < peak_bytes <= kv_budget
@@ -303,8 +305,8 @@ def test_prefill_order_puts_the_oldest_requests_prompt_first(world, order):
     new = Task(None, "", program=one(QUESTIONS[1]))  # its long prompt is queued before the old one's second
     sched._inbox.append(new)
     sched.step()
-    assert [job.ticket.owner[0] for job in sched._loops[engine.n_layers // 2].prefilling] == [new]
-    (loop,) = sched._loops.values()
+    assert [job.ticket.owner[0] for job in sched.admission.loops[engine.n_layers // 2].prefilling] == [new]
+    (loop,) = sched.admission.loops.values()
     for _ in range(20):
         if len(loop.prefilling) == 2:
             break

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine.generation import FinishReason, Generation, GenerationBatch, RowState
-from fastgate.engine.kv_cache import cache_bytes, new_cache, plain_layers
+from fastgate.engine.kv_cache import GrowingLayer, cache_bytes, new_cache, plain_layers
 from fastgate.engine.model_runner import ModelRunner, runner_of
 
 __all__ = ["DecodeLoop", "Ticket", "mergeable", "process_logits"]
@@ -214,15 +214,16 @@ class DecodeLoop:
         """The most rows × columns the cache can reach if generations ``joining`` ((prompt tokens, rows, new tokens)
         each) join now and nothing else does: every row right-aligned to the widest prompt, the width growing until
         the row with the most steps left ends (a forced EOS and a flush step included)."""
+        kv = self.runner.kv
         live = [r for r in self.rows if not r.final]
         width = self.mask.shape[1] if live else 0
-        steps = [r.cfg.max_new_tokens - len(r.tokens) + 2 for r in live]
+        steps = [kv.steps_left(r.cfg.max_new_tokens, len(r.tokens)) for r in live]
         for job in self.prefilling:
             width = max(width, max(len(r) for r in job.rows))
-            steps += [s.config.max_new_tokens + 2 for s in job.specs]
+            steps += [kv.steps_left(s.config.max_new_tokens) for s in job.specs]
         for prompt, _, new in joining:
             width = max(width, prompt)
-            steps.append(new + 2)
+            steps.append(kv.steps_left(new))
         return (self.size + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
 
     # ------------------------------------------------------------------ admission
@@ -416,8 +417,8 @@ class DecodeLoop:
     def _fits(self, cache, mask) -> bool:
         """Whether rows with ``cache`` / ``mask`` can be written into the loop's buffers in place (no copy)."""
         layer = self.cache.layers[0]
-        return (getattr(layer, "_buf_k", None) is not None and layer._ours() and mask.shape[1] <= self.mask.shape[1]
-                and len(self.rows) + mask.shape[0] <= layer._buf_k.shape[0])
+        return (isinstance(layer, GrowingLayer.cls()) and mask.shape[1] <= self.mask.shape[1]
+                and layer.has_room(len(self.rows) + mask.shape[0], self.mask.shape[1]))
 
     def _relayout(self, running, old: tuple[int, ...], new: tuple[int, ...], m: int):
         out = torch.zeros((m, len(new), self.runner.hidden_size), dtype=torch.float32, device=self.runner.device)

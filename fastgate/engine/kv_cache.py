@@ -1,4 +1,12 @@
-"""A KV cache whose layers append in place.
+"""KV memory: :class:`KVCacheManager`, the one object that says what a row of the cache costs, and a KV cache whose
+layers append in place.
+
+:class:`KVCacheManager` (one per model runner, ``runner.kv``; the scheduler's admission asks it through
+``engine.kv``) owns the KV geometry (:class:`KVGeometry`: layers, KV heads, head size, dtype, and so the bytes one
+cell costs), the prompt's truncation to the context (room for the new tokens and a forced EOS step) and a row's
+worst case (:data:`EXTRA_STEPS` beyond its new tokens: the forced EOS and the flush step). The decode loops size
+their buffers with it and admission bounds the KV budget with it, so the rule is written once, like vLLM's
+``KVCacheManager``.
 
 HF's ``DynamicLayer`` appends a decode step's keys / values with ``torch.cat`` of the whole cache: every step reads
 and writes the entire cache once more (at batch 16 with 600-token contexts, 442 MB a step for SmolLM2-135M).
@@ -16,9 +24,95 @@ Layers that are not plain growing layers (sliding windows) are left as HF builds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["GrowingLayer", "cache_bytes", "cell_bytes", "new_cache", "plain_layers", "within_cells"]
+from fastgate.errors import InputError
+
+__all__ = ["EXTRA_STEPS", "GrowingLayer", "KVCacheManager", "KVGeometry", "cache_bytes", "cell_bytes", "new_cache",
+           "plain_layers", "within_cells"]
+
+EXTRA_STEPS = 2  # the columns a row takes beyond its prompt and new tokens: the forced EOS step and the flush step
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one token's keys and values: ``layers`` × (keys, values) × ``kv_heads`` × ``head_dim`` of
+    ``dtype``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype) -> KVGeometry:
+        """The geometry of a model ``config`` (its text config for a multimodal one) with caches of ``dtype``."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return cls(text.num_hidden_layers, heads, head_dim, dtype)
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes one token of one sequence takes in the KV cache of every layer (keys and values)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVCacheManager:
+    """What KV memory a generation takes, for one model: the prompt's truncation, a row's worst case in columns and
+    the budget in cells (rows × columns). Computes; allocates nothing (the loops' buffers do, sized by it).
+
+    Args:
+        geometry: the model's :class:`KVGeometry`.
+        max_context: the model's context in tokens (prompt, new tokens and the forced EOS step must fit).
+    """
+
+    def __init__(self, geometry: KVGeometry, max_context: int) -> None:
+        self.geometry = geometry
+        self.max_context = max_context
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes one cell (one token of one row, every layer) costs."""
+        return self.geometry.cell_bytes
+
+    def budget_cells(self, budget_bytes: int | None) -> int | None:
+        """A budget in bytes as cells (at least one); None (no bound) stays None."""
+        return None if budget_bytes is None else max(1, budget_bytes // self.cell_bytes)
+
+    def prompt_room(self, max_new_tokens: int) -> int:
+        """The most prompt tokens a row generating ``max_new_tokens`` keeps (room for the forced EOS step).
+
+        Raises:
+            InputError: ``max_new_tokens`` leaves no room for a prompt in the context.
+        """
+        room = self.max_context - max_new_tokens - 1
+        if room < 1:
+            raise InputError(f"max_new_tokens={max_new_tokens} leaves no room in the {self.max_context}-token context")
+        return room
+
+    def truncate(self, rows: list[list[int]], max_new_tokens: list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Each prompt's token ids cut on the left to its :meth:`prompt_room` (the end holds the question), and
+        whether it was cut."""
+        rooms = [self.prompt_room(m) for m in max_new_tokens]
+        truncated = [len(r) > b for r, b in zip(rows, rooms)]
+        return [r[-b:] if t else r for r, t, b in zip(rows, truncated, rooms)], truncated
+
+    def prompt_tokens(self, tokens: int, max_new_tokens: int) -> int:
+        """The prompt tokens a row keeps of ``tokens`` (after :meth:`truncate`)."""
+        return min(tokens, self.max_context - max_new_tokens - 1)
+
+    @staticmethod
+    def steps_left(max_new_tokens: int, generated: int = 0) -> int:
+        """The most columns a row that has generated ``generated`` of ``max_new_tokens`` may still add."""
+        return max_new_tokens - generated + EXTRA_STEPS
+
+    @classmethod
+    def row_columns(cls, prompt: int, max_new_tokens: int, generated: int = 0) -> int:
+        """A row's worst case in columns: its prompt (or its length now) and every step it may still take."""
+        return prompt + cls.steps_left(max_new_tokens, generated)
 
 
 def _dynamic_layer():
@@ -60,10 +154,7 @@ def within_cells(rows: int, cols: int, need_rows: int, need_cols: int, max_cells
 
 def cell_bytes(config, dtype: torch.dtype) -> int:
     """Bytes one token of one sequence takes in the KV cache of every layer (keys and values)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return KVGeometry.of(config, dtype).cell_bytes
 
 
 def cache_bytes(cache) -> int:
@@ -102,6 +193,11 @@ def _make_growing_layer(base):
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             self._buf_k = self._buf_v = None  # [rows capacity, heads, columns capacity, head_dim]
+
+        def has_room(self, rows: int, cols: int) -> bool:
+            """Whether ``rows`` rows of ``cols`` columns can be written into this layer's own buffer in place."""
+            return (getattr(self, "_buf_k", None) is not None and self._ours() and rows <= self._buf_k.shape[0]
+                    and cols <= self._buf_k.shape[2])
 
         def _ours(self) -> bool:
             """Whether ``keys`` is still the view of our buffer we last handed out (nobody replaced it)."""

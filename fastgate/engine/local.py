@@ -45,7 +45,7 @@ def _per_prompt(value, kind: type, n: int, what: str) -> list:
 
 
 class Engine:
-    """Batched generation with taps on one loaded model.
+    """Batched generation with taps on one loaded model (implements :class:`~fastgate.engine.protocol.LLMEngine`).
 
     The arguments are :class:`~fastgate.engine.model_runner.ModelRunner`'s (``engine.runner``, built here): ``backend``
     for the
@@ -56,6 +56,9 @@ class Engine:
     :mod:`fastgate.eval.baseline` does) without changing what the loops run.
     """
 
+    remote = False  # the model runs here: generations join the scheduler's decode loop within the KV budget
+    black_box = False  # hidden states, taps and prompt states are all here
+
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
                  step: StepConfig | str = "auto") -> None:
@@ -65,12 +68,14 @@ class Engine:
 
     # ------------------------------------------------------------------ the runner's, read-only
     lm = property(lambda self: self.runner.lm, doc="The :class:`~fastgate.assets.models.LoadedModel`.")
+    name = property(lambda self: self.runner.lm.name, doc="The model's name (what messages call the engine).")
     model = property(lambda self: self.runner.model, doc="The HF causal LM.")
     tokenizer = property(lambda self: self.runner.tokenizer)
     device = property(lambda self: self.runner.device)
     dtype = property(lambda self: self.runner.dtype, doc="The weights' dtype (chosen when the model loaded).")
     dtype_name = property(lambda self: self.runner.dtype_name, doc="``float32`` or ``bfloat16``: what records name.")
     n_layers = property(lambda self: self.runner.n_layers)
+    kv = property(lambda self: self.runner.kv, doc="The :class:`~fastgate.engine.kv_cache.KVCacheManager`.")
     eos_ids = property(lambda self: self.runner.eos_ids)
     eos_id = property(lambda self: self.runner.eos_id)
     eos_id_set = property(lambda self: self.runner.eos_id_set)
@@ -98,9 +103,13 @@ class Engine:
         layer (:meth:`ModelRunner.prompt_states <fastgate.engine.model_runner.ModelRunner.prompt_states>`)."""
         return self.runner.prompt_states(prompts, layer, batch_size)
 
-    # the runner's helpers under their old names, for subclasses (fastgate.eval.baseline.ReferenceEngine)
-    def _encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
+    def encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Token ids of each prompt, cut on the left to leave room for its ``max_new_tokens`` and a forced EOS (the
+        KV owner's truncation, :meth:`KVCacheManager.truncate <fastgate.engine.kv_cache.KVCacheManager.truncate>`);
+        and whether each was cut."""
         return self.runner.encode(prompts, max_new_tokens)
+
+    # the runner's helpers under their old names, for subclasses (fastgate.eval.baseline.ReferenceEngine)
 
     def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.runner.pad(rows)

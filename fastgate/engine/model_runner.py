@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 from fastgate.assets.models import LoadedModel
-from fastgate.engine.kv_cache import new_cache, plain_layers
+from fastgate.engine.kv_cache import KVCacheManager, KVGeometry, new_cache, plain_layers
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head
 from fastgate.engine.static_step import StaticStep, StepConfig, compiled_by_default
 from fastgate.errors import InputError
@@ -188,9 +188,9 @@ class ModelRunner:
         self.hidden_size = model.hidden_size
         self.device = model.device
         self.dtype = next(self.model.parameters()).dtype  # the weights' (and KV cache's), chosen when the model loaded
-        text = self.model.config
-        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
+        self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
+        self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim
         self._pieces = _piece_decoder(self.tokenizer)
         if prefix_cache < 0:
             raise InputError(f"prefix_cache must be >= 0, got {prefix_cache}")
@@ -232,17 +232,13 @@ class ModelRunner:
     def encode(self, prompts: list[str], max_new_tokens: int | list[int]) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each prompt, cut on the left to leave room for its ``max_new_tokens`` (and a forced EOS)."""
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-        budgets = [self.lm.max_context - m - 1 for m in limits]  # room for the forced EOS step
-        for m, budget in zip(limits, budgets):
-            if budget < 1:
-                raise InputError(f"max_new_tokens={m} leaves no room in the {self.lm.max_context}-token context")
+        for m in limits:
+            self.kv.prompt_room(m)  # a limit leaving no room is the caller's error, before any tokenising
         rows = [self.tokenizer(p)["input_ids"] for p in prompts]
         empty = [i for i, r in enumerate(rows) if not r]
         if empty:
             raise InputError(f"prompt {empty[0]} is empty after tokenisation")
-        truncated = [len(r) > b for r, b in zip(rows, budgets)]
-        rows = [r[-b:] if t else r for r, t, b in zip(rows, truncated, budgets)]  # keep the end: it holds the question
-        return rows, truncated
+        return self.kv.truncate(rows, limits)
 
     def pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ``ids [N, T]`` and ``mask [N, T]``: every row's next token then sits in the last column."""

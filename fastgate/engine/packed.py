@@ -22,13 +22,13 @@ out. Models whose layers keep a sliding window (Gemma-3) keep the padded layout.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from fastgate.engine.attention import attention_implementation
 from fastgate.engine.decode import DecodeLoop, _Spec, mergeable
 from fastgate.engine.generation import RowState
 from fastgate.engine.kv_cache import within_cells
@@ -36,18 +36,7 @@ from fastgate.engine.static_step import batch_bucket, choose, covers, row_key, w
 
 __all__ = ["PackedPlan", "PrefillSeg", "SlotStore", "packed_forward"]
 
-_NAME = "fastgate_packed"
-_registered = False
-
-
-def _register() -> None:
-    """Register the packed attention function with transformers (once, on first use; never at import)."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_NAME, _packed_attention)
-        _registered = True
+_NAME = "fastgate_packed"  # the packed attention function's name in transformers' AttentionInterface
 
 
 class SlotStore:
@@ -162,25 +151,13 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.unsqueeze(0), None
 
 
-@contextlib.contextmanager
-def _packed_attention_on(config):
-    """The model's attention implementation switched to the packed function for one pass (every layer reads the
-    shared config at call time); the padded paths (prefix cache, prompt states, closed batches) never see it."""
-    _register()
-    old = config._attn_implementation
-    config._attn_implementation = _NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
-
-
 def packed_forward(model, ids: torch.Tensor, positions: torch.Tensor, plan: PackedPlan,
                    keep: torch.Tensor) -> torch.Tensor:
     """Run ``ids [T]`` (decode tokens first, then the chunks) at ``positions [T]``; logits ``[len(keep), V]`` of the
     pack positions ``keep`` (float32)."""
     dummy = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=ids.device)  # a 4D mask: HF builds none of its own
-    with _packed_attention_on(model.config):
+    # every layer reads the implementation from the shared config: the packed function for this pass only
+    with attention_implementation(model.config, _NAME, _packed_attention):
         out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=dummy, use_cache=False,
                     logits_to_keep=keep, fastgate_plan=plan)
     return out.logits[0].to(torch.float32)  # [K, V]
@@ -254,20 +231,22 @@ class PackedLoop(DecodeLoop):
 
     def _final_cols(self) -> int:
         """The columns the longest live row reaches by its end (a forced EOS and a flush step included)."""
-        return max((n + r.cfg.max_new_tokens - len(r.tokens) + 2 for r, n in zip(self.rows, self.lens)
+        kv = self.runner.kv
+        return max((kv.row_columns(n, r.cfg.max_new_tokens, len(r.tokens)) for r, n in zip(self.rows, self.lens)
                     if not r.final), default=0)
 
     def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
         """The most rows × columns the store and the prefill buffers can reach if generations ``joining``
         ((prompt tokens, rows, new tokens) each) join now and nothing else does: the store as wide as its
         longest row will grow and never smaller than it is, plus every queued prompt's prefill buffer."""
+        kv = self.runner.kv
         cols = [self._final_cols()]
         prompts = 0
         for job in self.prefilling:
-            cols.append(len(job.ids) + job.spec.config.max_new_tokens + 2)
+            cols.append(kv.row_columns(len(job.ids), job.spec.config.max_new_tokens))
             prompts += len(job.ids)
         for prompt, _, new in joining:
-            cols.append(prompt + new + 2)
+            cols.append(kv.row_columns(prompt, new))
             prompts += prompt
         rows = self.size + sum(k for _, k, _ in joining)
         return max(rows, self.store.rows_cap) * max(max(cols), self.store.cols_cap) + prompts
@@ -584,7 +563,7 @@ class PackedLoop(DecodeLoop):
         bound = None
         if self.max_cells is not None:
             bound = max(1, self.max_cells - n - sum(len(j.ids) for j in self.prefilling))
-        cols = max(self._final_cols(), n + job.spec.config.max_new_tokens + 2)
+        cols = max(self._final_cols(), self.runner.kv.row_columns(n, job.spec.config.max_new_tokens))
         self.store.reserve(m + k, cols, m, max(self.lens, default=0), bound)
         self.store.write_rows(m, job.kv, n, k)
         job.kv = None

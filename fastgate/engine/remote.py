@@ -40,12 +40,13 @@ import email.utils
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine.generation import Generation, GenerationBatch
 from fastgate.errors import InputError, RemoteError, require
+from fastgate.settings import setting
 
 __all__ = ["RemoteConfig", "RemoteEngine", "RemoteLM", "token_bytes"]
 
@@ -54,12 +55,20 @@ __all__ = ["RemoteConfig", "RemoteEngine", "RemoteLM", "token_bytes"]
 class RemoteConfig:
     """Where and how a :class:`RemoteEngine` sends its generations."""
 
-    base_url: str  # the server's OpenAI base URL, with its /v1 (as the openai client takes it)
-    model: str  # the model name the server serves (vLLM: the HF name; fastgate serve: its LM's name)
+    # the flags of --engine openai are generated from these fields (fastgate.settings; fastgate.serving.engine_args)
+    # the server's OpenAI base URL, with its /v1 (as the openai client takes it)
+    base_url: str = setting(MISSING, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    # the model name the server serves (vLLM: the HF name; fastgate serve: its LM's name); calibrations are keyed by it
+    model: str = setting(MISSING, "the model name the server serves (fastgate serve: its LM's name, e.g. "
+                                  "smollm2-135m); its calibration is looked up under this name", flag="--api-model")
     api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; the CLI reads it from the env
-    timeout_s: float = 60.0  # per request: a 48-token sentence takes well under a second on any GPU server
-    concurrency: int = 8  # requests in flight at once: enough to keep a server's batch full without flooding it
-    max_retries: int = 3  # on 429 / 5xx: rides out a server restart or a short overload, then the question fails
+    # per request: a 48-token sentence takes well under a second on any GPU server
+    timeout_s: float = setting(60.0, "seconds per request (default: %(default)s)", flag="--api-timeout")
+    # requests in flight at once: enough to keep a server's batch full without flooding it
+    concurrency: int = setting(8, "requests in flight at once (default: %(default)s)", flag="--api-concurrency")
+    # on 429 / 5xx: rides out a server restart or a short overload, then the question fails
+    max_retries: int = setting(3, "retries of a request answered 429 or 5xx, waiting what Retry-After says "
+                                  "(default: %(default)s)", flag="--api-retries")
     max_retry_wait_s: float = 30.0  # the longest Retry-After honoured; longer ones are waited this long
     logprobs: int = 1  # asked per token; 1, not 0: llama.cpp's server returns no log-probabilities for 0
     context_tokens: int = 4096  # the server's context as the question-length check assumes it (the server checks too)
@@ -115,7 +124,8 @@ def token_bytes(token: str, raw: Sequence[int] | None = None) -> bytes:
 
 
 class RemoteEngine:
-    """The engine facade over an OpenAI-compatible server (see the module docstring).
+    """The engine facade over an OpenAI-compatible server (see the module docstring); implements
+    :class:`~fastgate.engine.protocol.ConcurrentEngine`.
 
     Offers what the methods and the scheduler call: :meth:`generate` (and :meth:`generate_each`, one result or error
     per prompt), :meth:`token_pieces`, :meth:`count_tokens`, :meth:`cache_prefix` (nothing to cache here), ``ops``

@@ -46,10 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastgate.engine.attention import attention_implementation, register_attention
 from fastgate.errors import InputError
 
-__all__ = ["BATCH_BUCKETS", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket", "choose", "compiled_by_default",
-           "covers", "row_key", "uniform", "width_bucket"]
+__all__ = ["BATCH_BUCKETS", "STEP_MODES", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket", "choose",
+           "compiled_by_default", "covers", "row_key", "uniform", "width_bucket"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the batch sizes a graph is traced for (vLLM captures a similar set)
 TOP_K_MAX = 64  # sampled rows draw among their top-k within this many candidates (SeaKR samples with top-k 50)
@@ -132,8 +133,8 @@ class _StoreView:
         return k, v
 
 
-_ATTENTION = "fastgate_static"
-_registered = False
+STEP_MODES = ("auto", "eager", "compiled")  # how decode steps run: auto is compiled on CUDA, eager on a CPU
+_ATTENTION = "fastgate_static"  # the step's attention function's name in transformers' AttentionInterface
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -145,16 +146,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)  # [B, H, 1, D]
     return out.transpose(1, 2), None
-
-
-def _register() -> None:
-    """Register :func:`_attention` with transformers (once, when the first step is built; never at import)."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_ATTENTION, _attention)
-        _registered = True
 
 
 def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -209,7 +200,7 @@ class StepConfig:
     cache_dir: str | None = None  # compiled kernels' cache (None: $FASTGATE_HOME/compile): a later start reuses them
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "eager", "compiled"):
+        if self.mode not in STEP_MODES:
             raise InputError(f"step must be auto, eager or compiled, got {self.mode!r}")
 
 
@@ -246,7 +237,7 @@ class StaticStep:
             # compiles for a minute or two once instead of per bucket; a CUDA graph needs the static shapes anyway
             fn = torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend=backend)
         self._fn = fn
-        _register()
+        register_attention(_ATTENTION, _attention)  # before the step is traced
 
     @property
     def layers(self) -> int:
@@ -286,13 +277,8 @@ class StaticStep:
     def _run(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # the layers read the attention implementation from the shared config when they run (and the compiled graph
         # guards on it): it names the step's own function for the step only, as the packed pass does for its own
-        config = self.runner.model.config
-        old = config._attn_implementation
-        config._attn_implementation = _ATTENTION
-        try:
+        with attention_implementation(self.runner.model.config, _ATTENTION, _attention):
             return self._call(args)
-        finally:
-            config._attn_implementation = old
 
     def _call(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cuda_graphs:

@@ -15,8 +15,9 @@ import sys
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
-from fastgate.entrypoints.cli_params import parse_params as _parse_params
+from fastgate.settings import parse_params as _parse_params
 
 __all__ = ["main"]
 
@@ -264,7 +265,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                     num_cpus=args.num_cpus)
     elif args.replicas != 1 or args.address is not None:
         raise InputError("--replicas and --address need --ray")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in LOOPBACK:
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
     config = ServiceConfig(**{name: getattr(args, name) for name in SERVE_SETTINGS}, remote=remote,
@@ -423,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "/v1/chat/completions, /v1/completions, /v1/models, /healthz, /metrics)",
                         description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
     _add_settings(sv, ("method",))
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sv.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
+    sv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
     _add_settings(sv, ("index", "paper_defaults", *_SERVE_LIMITS))
     sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")

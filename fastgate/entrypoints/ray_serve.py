@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
 from fastgate.errors import InputError
 from fastgate.serving.service import AnswerService, ServiceConfig
 
@@ -40,8 +41,8 @@ class RayServeConfig:
 
     replicas: int = 2  # engine replicas; each holds a model and its own KV cache
     address: str | None = None  # None: start a local Ray; "auto" or HOST:PORT: join a cluster started by `ray start`
-    host: str = "127.0.0.1"  # where Ray Serve's HTTP proxy listens (loopback unless asked)
-    port: int = 8000  # the proxy's port
+    host: str = DEFAULT_HOST  # where Ray Serve's HTTP proxy listens (loopback unless asked)
+    port: int = DEFAULT_PORT  # the proxy's port
     num_cpus: float = 1.0  # CPUs Ray reserves per replica (Ray also sets its torch threads to this)
     max_ongoing_requests: int | None = None  # per replica; None: the service's max_live (its batch)
     health_check_period_s: float = 5.0  # a replica whose scheduler died is found within this and replaced

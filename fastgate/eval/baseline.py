@@ -180,7 +180,7 @@ class ReferenceEngine(Engine):
         seqs: list[Generation] = []
         sums, counts, pre, eos_states = [], [], [], []
         for i, prompt in enumerate(prompts):
-            rows, truncated = self._encode([prompt], cfg.max_new_tokens)
+            rows, truncated = self.encode([prompt], cfg.max_new_tokens)
             ids, mask = self._pad(rows)
             plen = ids.shape[1]
             for j in range(k):
@@ -264,7 +264,7 @@ class ReferenceEngine(Engine):
         layer = self.n_layers // 2 if layer is None else layer
         out = []
         for p in prompts:
-            ids, mask = self._pad(self._encode([p], 1)[0])
+            ids, mask = self._pad(self.encode([p], 1)[0])
             out.append(self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
                        .hidden_states[layer][0, -1].float())
         return torch.stack(out)

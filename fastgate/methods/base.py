@@ -179,8 +179,8 @@ class Method:
     black_box: ClassVar[bool] = False  # needs only generated text and token log-probs: runs on a remote engine
 
     def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
-        if getattr(engine, "black_box", False) and not self.black_box:
-            raise InputError(black_box_refusal(self.name, getattr(engine, "name", "a remote engine")))
+        if engine.black_box and not self.black_box:
+            raise InputError(black_box_refusal(self.name, engine.name))
         self.engine = engine
         self.retriever = retriever
         self.config = config or self.config_class()

@@ -2,81 +2,113 @@
 decode step of every loop; models whose cache cannot take rows into a running loop (sliding-window layers) run each
 tick's generations as closed engine calls instead.
 
-Owns the choice of loop (packed or padded layout, continuous or closed, made once from the model), the KV budget in
-cache cells, when generations join (every ``admit_every`` steps of a busy loop, in arrival order, a large fan-out not
-overtaken), how their prompts are prefilled (whole, or ``prefill_budget`` tokens a step, oldest request first), the
-decode step and the streaming of answer text. Calls :class:`~fastgate.engine.packed.PackedLoop` /
-:class:`~fastgate.engine.decode.DecodeLoop` (``admit``, ``add``, ``step``, ``cancel``, ``cells_after``), and the
-batching
-table (:mod:`fastgate.scheduler.batching`) for closed calls and prefills; the driver
-(:mod:`fastgate.scheduler.driver`) calls :meth:`Admission._run_engine_calls` and :meth:`Admission._decode_step` once a
-tick, and receives each finished generation through its ``_deliver``.
+Owns the decode loops and the choice of loop (packed or padded layout, continuous or closed, made once from the
+model), the KV budget in cache cells (what a row costs is the engine's KV owner's word,
+:class:`~fastgate.engine.kv_cache.KVCacheManager`), when generations join (every ``admit_every`` steps of a busy
+loop, in arrival order, a large fan-out not overtaken), how their prompts are prefilled (whole, or ``prefill_budget``
+tokens a step, oldest request first), the decode step and the streaming of answer text. Calls
+:class:`~fastgate.engine.packed.PackedLoop` / :class:`~fastgate.engine.decode.DecodeLoop` (``admit``, ``add``,
+``step``, ``cancel``, ``cells_after``) and the batching table (:mod:`fastgate.scheduler.batching`) for closed calls
+and prefills; the driver (:mod:`fastgate.scheduler.driver`) calls :meth:`Admission.run_engine_calls` and
+:meth:`Admission.decode_step` once a tick, and receives each finished generation through its
+:class:`~fastgate.scheduler.task.Delivery`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
-from fastgate.engine.kv_cache import cell_bytes
 from fastgate.engine.local import Engine
+from fastgate.engine.protocol import LLMEngine
 from fastgate.errors import InputError
 from fastgate.programs import Generate, PromptStates
-from fastgate.scheduler.batching import mid_layer
+from fastgate.scheduler.batching import BatchingTable, mid_layer
 from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
-from fastgate.scheduler.task import RUNNING, Task
+from fastgate.scheduler.task import Counters, Delivery, Task
 
 __all__ = ["Admission"]
 
 
 class Admission:
-    """The :class:`~fastgate.scheduler.Scheduler`'s decode loops and their admission (see the module docstring). A
-    part of the scheduler (its ``engine``, ``config`` and running state are the scheduler's)."""
+    """The :class:`~fastgate.scheduler.Scheduler`'s decode loops and their admission (see the module docstring).
 
-    def _init_loops(self, engine: Engine, config: SchedulerConfig) -> None:
-        """Choose, once, how generations run on ``engine``: the loop's layout, continuous or closed calls, the KV
-        budget in cells. A remote engine (:mod:`fastgate.engine.remote`) has no model here: each tick's generations go
-        out as
-        one call of concurrent requests (``generate_each``), whose failures end only their own questions; no decode
-        loop, no KV."""
-        self.remote = bool(getattr(engine, "remote", False))
-        if self.remote:
-            self.continuous, self.layout, self.prefill_order = False, "remote", config.prefill_order
-            self._cell, self._max_cells, self._since_admit = 0, None, 0
+    Chooses, once, how generations run on ``engine``: the loop's layout, continuous or closed calls, the KV budget in
+    cells. A remote engine (:mod:`fastgate.engine.remote`) has no model here: each tick's generations go out as one
+    call of concurrent requests (``generate_each``), whose failures end only their own questions; no decode loop, no
+    KV.
+
+    Args:
+        engine: the engine the loops run on.
+        config: the scheduler's settings (rows, KV budget, admission cadence, prefill budget and order, layout).
+        batching: the batching table, for closed calls and whole prefills.
+        counters: the scheduler's call counters (shared with the batching table).
+        delivery: where finished generations and errors go (the driver).
+
+    Raises:
+        InputError: ``layout="packed"`` on a model that cannot run packed passes.
+    """
+
+    def __init__(self, engine: LLMEngine, config: SchedulerConfig, batching: BatchingTable, counters: Counters,
+                 delivery: Delivery) -> None:
+        self.engine = engine
+        self.config = config
+        self.batching = batching
+        self.counters = counters
+        self.delivery = delivery
+        self.loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
+        self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
+        self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
+        self._since_admit = 0  # decode steps since generations last joined a busy loop
+        self.prefill_order = config.prefill_order
+        if engine.remote:
+            self.continuous, self.layout = False, "remote"
+            self._cell, self._max_cells = 0, None
             return
         from fastgate.engine.decode import DecodeLoop, mergeable
         from fastgate.engine.packed import PackedLoop, packable
 
-        self._cell = cell_bytes(engine.model.config, next(engine.model.parameters()).dtype)
-        self._max_cells = None if config.kv_budget is None else max(1, config.kv_budget // self._cell)
-        self._since_admit = 0  # decode steps since generations last joined a busy loop
+        local = cast(Engine, engine)
+        self.kv = local.kv  # the engine's KV owner: what a row costs, the prompt's truncation, bytes a cell
+        self._cell = self.kv.cell_bytes
+        self._max_cells = self.kv.budget_cells(config.kv_budget)
         # chosen once: generations join a running decode loop, unless the model's cache cannot merge rows
-        self.continuous = mergeable(engine) if config.continuous is None else config.continuous
-        if config.layout == "packed" and not packable(engine):
-            raise InputError(f"model {engine.lm.name} cannot run packed passes (sliding-window layers or an "
+        self.continuous = mergeable(local) if config.continuous is None else config.continuous
+        if config.layout == "packed" and not packable(local):
+            raise InputError(f"model {local.lm.name} cannot run packed passes (sliding-window layers or an "
                              "attention that is not transformers' interface): use layout='padded'")
         # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward
         # (fastgate.engine.packed)
-        self.layout = ("packed" if packable(engine) else "padded") if config.layout == "auto" else config.layout
+        self.layout = ("packed" if packable(local) else "padded") if config.layout == "auto" else config.layout
         self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
-        self.prefill_order = config.prefill_order
-        self._empty_loop = self._loop_cls(engine, engine.n_layers // 2)  # never admits: asked what one row alone takes
+        self._empty_loop = self._loop_cls(local, local.n_layers // 2)  # never admits: asked what one row alone takes
 
-    def _run_engine_calls(self, pending: list[tuple[Task, int, Any]]) -> bool:
+    @property
+    def busy(self) -> bool:
+        """Whether generations are decoding (a decode step has work)."""
+        return bool(self._inflight)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the decode loops' KV caches hold now (spare included). Read from other threads too: the dict is
+        copied first (atomic under the GIL)."""
+        return sum(loop.kv_bytes for loop in list(self.loops.values()))
+
+    def run_engine_calls(self, pending: list[tuple[Task, int, Any]]) -> bool:
         """This tick's generations and prefills (``pending``): one closed call per group without a decode loop, else
         the prefills as batched calls and the generations joining the loop (every ``admit_every`` steps of a busy
         one). Returns whether anything ran."""
         if not pending:
             return False
         if not self.continuous:  # the closed-batch path: sliding-window models and remote engines
-            self._execute(pending)
+            self.batching.execute(pending)
             return True
         prefills = [item for item in pending if isinstance(item[2], PromptStates)]
         if prefills:
-            self._execute(prefills)
+            self.batching.execute(prefills)
         gens = [item for item in pending if isinstance(item[2], Generate)]
-        busy = any(loop.busy for loop in self._loops.values())
+        busy = any(loop.busy for loop in self.loops.values())
         if gens and (not busy or self._since_admit >= self.config.admit_every - 1):
             self._admit_generations(gens)
             self._since_admit = 0
@@ -86,7 +118,7 @@ class Admission:
 
     def _admit_generations(self, items: list[tuple[Task, int, Generate]]) -> None:
         """Prefill pending generations into the decode loop, up to ``max_rows`` decoding rows; the rest wait."""
-        rows = sum(loop.size for loop in self._loops.values())
+        rows = sum(loop.size for loop in self.loops.values())
         by_loop: dict[int, list[tuple[Task, int, Generate]]] = defaultdict(list)
         joining: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # mid -> (prompt, rows, new) admitted now
         for item in items:
@@ -94,53 +126,54 @@ class Admission:
                 continue  # ended by an earlier request of its fan-out
             req = item[2]
             k = req.k
-            if rows and rows + k > self.max_rows:
+            if rows and rows + k > self.config.max_rows:
                 break  # these wait for rows to finish (in order: a large fan-out is not overtaken for ever)
             mid = mid_layer(self.engine, req)
             if mid is None:
-                mid = next(iter(self._loops), self.engine.n_layers // 2)
+                mid = next(iter(self.loops), self.engine.n_layers // 2)
             if self._max_cells is not None:
                 new = req.config.max_new_tokens
-                prompt = min(self.engine.count_tokens(req.prompt), self.engine.lm.max_context - new - 1)
+                prompt = self.kv.prompt_tokens(self.engine.count_tokens(req.prompt), new)
                 ask = (prompt, k, new)
                 alone = self._empty_loop.cells_after([ask])
                 if alone > self._max_cells:
-                    self._finish(item[0], error=InputError(
+                    self.delivery.finish(item[0], error=InputError(
                         f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows of "
-                        f"{prompt + new + 2} tokens), more than the budget of {self.config.kv_budget / 2**20:.0f} MiB"))
+                        f"{self.kv.row_columns(prompt, new)} tokens), more than the budget of "
+                        f"{self.config.kv_budget / 2**20:.0f} MiB"))
                     continue
-                if mid not in self._loops:  # an empty loop holds nothing: building one allocates nothing
-                    self._loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
+                if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
+                    self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
                 cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
-                            for m, loop in self._loops.items())
+                            for m, loop in self.loops.items())
                 if cells > self._max_cells:
                     break  # waits for rows to finish (in order)
                 joining[mid].append(ask)
             rows += k
             by_loop[mid].append(item)
         for mid, group in by_loop.items():
-            loop = self._loops.get(mid)
+            loop = self.loops.get(mid)
             if loop is None:
-                loop = self._loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
-            self._calls += 1
+                loop = self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
+            call = self.counters.next_call()
             t0 = time.perf_counter()
             try:
                 tickets = self._join(loop, group)
             except Exception as exc:
                 if len(group) == 1:
-                    self._finish(group[0][0], error=exc)
+                    self.delivery.finish(group[0][0], error=exc)
                     continue
                 tickets = []  # find the request that failed; the others still join
                 for item in group:
                     try:
                         tickets += self._join(loop, [item])
                     except Exception as one:  # noqa: BLE001 - that request's own error
-                        self._finish(item[0], error=one)
+                        self.delivery.finish(item[0], error=one)
             elapsed = time.perf_counter() - t0
             for ticket in tickets:
                 task, i, req = ticket.owner
-                task._results[i] = RUNNING
-                task._time(self._calls, "generation_s", elapsed)
+                task.mark_running(i)
+                task.count_time(call, "generation_s", elapsed)
                 self._inflight[id(ticket)] = (loop, ticket)
                 if req.answer and task.listener is not None:
                     self._streams[id(ticket)] = [ticket, ""]
@@ -154,12 +187,12 @@ class Admission:
         join = loop.add if self.config.prefill_budget == WHOLE_PROMPTS else loop.admit
         return join(specs, owners=group)
 
-    def _decode_step(self) -> None:
+    def decode_step(self) -> None:
         """One decode step of every loop; generations that finished go back to their programs."""
-        for mid, loop in list(self._loops.items()):
+        for mid, loop in list(self.loops.items()):
             if not loop.busy:
                 continue
-            self._calls += 1
+            call = self.counters.next_call()
             members = [(ticket.owner[0], ticket) for lp, ticket in self._inflight.values() if lp is loop]
             rows = loop.size
             t0 = time.perf_counter()
@@ -167,25 +200,22 @@ class Admission:
                 # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
                 done = loop.step(self.config.prefill_budget or None)
             except Exception as exc:  # the whole loop is lost: its programs end with the error
-                del self._loops[mid]
+                del self.loops[mid]
                 for task, ticket in members:
                     self._inflight.pop(id(ticket), None)
                     if not task.done:
-                        self._finish(task, error=exc)
+                        self.delivery.finish(task, error=exc)
                 continue
             elapsed = time.perf_counter() - t0
-            self.generation_calls += 1
-            self.generation_rows = (self.generation_rows + [rows])[-1000:]
-            methods = frozenset(t.method.name for t, _ in members if t.method is not None)
-            self.generation_methods = (self.generation_methods + [methods])[-1000:]
+            self.counters.generated(rows, frozenset(t.method.name for t, _ in members if t.method is not None))
             for task, _ in members:
-                task._time(self._calls, "generation_s", elapsed)
+                task.count_time(call, "generation_s", elapsed)
             if self._streams:
                 self._stream_text(loop)
             for ticket in done:
                 self._inflight.pop(id(ticket))
                 task, i, req = ticket.owner
-                self._deliver(task, i, req, ticket.result, 0.0)
+                self.delivery.deliver(task, i, req, ticket.result, 0.0)
 
     def _stream_text(self, loop) -> None:
         """Send the text of the answer generations decoding in ``loop`` to their listeners, where a step changed it
@@ -201,10 +231,10 @@ class Admission:
             if text != sent:
                 entry[1] = text
                 req = ticket.owner[2]
-                self._emit(ticket.owner[0], {"event": "answer", "text": text, "stop": list(req.config.stop),
+                self.delivery.emit(ticket.owner[0], {"event": "answer", "text": text, "stop": list(req.config.stop),
                                              "done": False})
 
-    def _drop_orphans(self) -> None:
+    def drop_orphans(self) -> None:
         """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
         for key, (loop, ticket) in list(self._inflight.items()):
             if ticket.owner[0].done:

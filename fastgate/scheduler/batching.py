@@ -5,8 +5,8 @@ one score launch per gate kind, one call per batch op, one engine call for gener
 each group's call and split its result back per request (:func:`split` for a generation batch, :func:`slices` for
 the others), and the search for the one request that failed a batched call (the others still run). Calls the engine
 (``generate``, ``generate_each`` for a remote engine, ``prompt_states``), the retrievers, the encoders and the gates;
-the driver (:mod:`fastgate.scheduler.driver`) calls :meth:`BatchingTable._execute` and receives each result through
-its ``_deliver`` / ``_finish``.
+the driver (:mod:`fastgate.scheduler.driver`) and admission call :meth:`BatchingTable.execute`, and each result goes
+back through the :class:`~fastgate.scheduler.task.Delivery` the table was given (the driver).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
-from fastgate.engine.local import Engine, GenerationBatch
+from fastgate.engine.generation import GenerationBatch
+from fastgate.engine.protocol import ConcurrentEngine, LLMEngine
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.programs import (
@@ -37,7 +38,8 @@ from fastgate.programs import (
 from fastgate.retrieval.base import Hit
 
 if TYPE_CHECKING:
-    from fastgate.scheduler.task import Task
+    from fastgate.scheduler.config import SchedulerConfig
+    from fastgate.scheduler.task import Counters, Delivery, Task
 
 __all__ = ["PHASES", "RUNNERS", "BatchingTable", "Failed", "group_key", "mid_layer", "slices", "split"]
 
@@ -48,24 +50,36 @@ PHASES = {Generate: "generation_s", PromptStates: "generation_s", Search: "retri
 
 class BatchingTable:
     """The :class:`~fastgate.scheduler.Scheduler`'s batched calls: one call per group of requests with equal keys.
-    A part of the scheduler (its ``engine``, ``max_rows``, ``remote`` and counters are the scheduler's)."""
 
-    def _execute(self, pending: list[tuple[Task, int, Any]]) -> None:
+    Args:
+        engine: the engine generations and prefills run on (a ``remote`` one gets every request at once).
+        config: the scheduler's settings (``max_rows`` splits a closed generate call).
+        counters: the scheduler's call counters (shared with admission).
+        delivery: where results and errors go (the driver).
+    """
+
+    def __init__(self, engine: LLMEngine, config: SchedulerConfig, counters: Counters, delivery: Delivery) -> None:
+        self.engine = engine
+        self.config = config
+        self.counters = counters
+        self.delivery = delivery
+        self._methods: frozenset[str] = frozenset()  # the methods of the call running now (for the counters)
+
+    def execute(self, pending: list[tuple[Task, int, Any]]) -> None:
         """Run ``pending`` ((task, slot, request) each) as one call per group; deliver each result to its task."""
         groups: dict[tuple, list[tuple[Task, int, Any]]] = defaultdict(list)
         for item in pending:
             groups[group_key(item[2])].append(item)
         for key, items in groups.items():
             run = RUNNERS[key[0]]
-            self._calls += 1
+            self.counters.next_call()
             self._methods = frozenset(t.method.name for t, _, _ in items if t.method is not None)
             t0 = time.perf_counter()
             try:
                 outs = run(self, [r for _, _, r in items])
             except Exception as exc:
                 if len(items) == 1:
-                    items[0][0].error = exc
-                    self._finish(items[0][0], error=exc)
+                    self.delivery.finish(items[0][0], error=exc)
                     continue
                 for item in items:  # find the request that failed; the others still run
                     self._execute_one(item)
@@ -73,37 +87,36 @@ class BatchingTable:
             elapsed = time.perf_counter() - t0
             for (task, i, req), out in zip(items, outs):
                 if isinstance(out, Failed):  # that request's own error (a remote engine's request)
-                    self._finish(task, error=out.error)
+                    self.delivery.finish(task, error=out.error)
                     continue
-                self._deliver(task, i, req, out, elapsed)
+                self.delivery.deliver(task, i, req, out, elapsed)
 
     def _execute_one(self, item: tuple[Task, int, Any]) -> None:
         """Run one request alone (after its group's call failed): its error ends its own task only."""
         task, i, req = item
         if task.done:
             return
-        self._calls += 1
+        self.counters.next_call()
         self._methods = frozenset([task.method.name] if task.method is not None else [])
         t0 = time.perf_counter()
         try:
             (out,) = RUNNERS[group_key(req)[0]](self, [req])
         except Exception as exc:
-            self._finish(task, error=exc)
+            self.delivery.finish(task, error=exc)
             return
         if isinstance(out, Failed):
-            self._finish(task, error=out.error)
+            self.delivery.finish(task, error=out.error)
             return
-        self._deliver(task, i, req, out, time.perf_counter() - t0)
+        self.delivery.deliver(task, i, req, out, time.perf_counter() - t0)
 
 
     # ------------------------------------------------------------------ runners: one batched call per group
     def _run_generate(self, reqs: list[Generate]) -> list[GenerationBatch]:
-        if self.remote:  # every request in flight at once; one that fails ends its own question only
-            parts = self.engine.generate_each([r.prompt for r in reqs], [r.config for r in reqs],
-                                              [r.taps for r in reqs], [r.k for r in reqs], [r.seed for r in reqs])
-            self.generation_calls += 1
-            self.generation_rows = (self.generation_rows + [sum(r.k for r in reqs)])[-1000:]
-            self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+        if self.engine.remote:  # every request in flight at once; one that fails ends its own question only
+            engine = cast(ConcurrentEngine, self.engine)
+            parts = engine.generate_each([r.prompt for r in reqs], [r.config for r in reqs], [r.taps for r in reqs],
+                                         [r.k for r in reqs], [r.seed for r in reqs])
+            self.counters.generated(sum(r.k for r in reqs), self._methods)
             return [Failed(p) if isinstance(p, BaseException) else p for p in parts]  # type: ignore[misc]
         out: list[GenerationBatch | None] = [None] * len(reqs)
         # rows asking for pre-answer / EOS states must share their layer; others join any call
@@ -113,7 +126,7 @@ class BatchingTable:
             idx = [i for i, m in enumerate(mid_of) if m == mid or (m is None and mid == mids[0])]
             calls, rows = [[]], 0
             for i in idx:
-                if calls[-1] and rows + reqs[i].k > self.max_rows:
+                if calls[-1] and rows + reqs[i].k > self.config.max_rows:
                     calls.append([])
                     rows = 0
                 calls[-1].append(i)
@@ -122,9 +135,7 @@ class BatchingTable:
                 sub = [reqs[i] for i in call]
                 batch = self.engine.generate([r.prompt for r in sub], [r.config for r in sub], [r.taps for r in sub],
                                              [r.k for r in sub], [r.seed for r in sub])
-                self.generation_calls += 1
-                self.generation_rows = (self.generation_rows + [len(batch.sequences)])[-1000:]
-                self.generation_methods = (self.generation_methods + [self._methods])[-1000:]
+                self.counters.generated(len(batch.sequences), self._methods)
                 for i, part in zip(call, split(batch, sub)):
                     out[i] = part
         return out  # type: ignore[return-value]
@@ -217,7 +228,7 @@ def _fn_key(fn: Callable) -> tuple:
     return (id(owner), getattr(fn, "__func__", fn)) if owner is not None else (id(fn),)
 
 
-def mid_layer(engine: Engine, req: Generate) -> int | None:
+def mid_layer(engine: LLMEngine, req: Generate) -> int | None:
     """The layer of the pre-answer / EOS states ``req`` asks for (rows asking for them share one); None: none."""
     t = req.taps
     if not (t.pre_answer or t.eos_state):

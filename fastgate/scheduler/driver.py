@@ -4,34 +4,35 @@ Owns the programs' lives: :meth:`Scheduler.submit` / :meth:`Scheduler.cancel` (t
 programs submitted since the last tick, advancing each program until it waits on a request (a fan-out, ``All``,
 waits on several), the order of a tick (the cheap requests first, in rounds, then the engine calls, then a decode
 step), delivering each result into the program's trace and its listener's events, and ending a program with its
-result or error. Calls the batching table (:mod:`fastgate.scheduler.batching`) for every batched call, admission
-(:mod:`fastgate.scheduler.admission`) for the engine calls and the decode loop, and the method (``program``,
-``result``) of each task; :class:`~fastgate.methods.base.Method` and :class:`~fastgate.serving.service.AnswerService`
-call it.
+result or error. Holds its two parts as objects and talks to them through their public methods: the batching table
+(:mod:`fastgate.scheduler.batching`, ``scheduler.batching``) for every batched call, admission
+(:mod:`fastgate.scheduler.admission`, ``scheduler.admission``) for the engine calls and the decode loops; both hand
+results back through the driver's :class:`~fastgate.scheduler.task.Delivery` methods (:meth:`Scheduler.deliver`,
+:meth:`Scheduler.finish`, :meth:`Scheduler.emit`). Calls the method (``program``, ``result``) of each task;
+:class:`~fastgate.methods.base.Method` and :class:`~fastgate.serving.service.AnswerService` call it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
-from fastgate.engine.local import Engine
+from fastgate.engine.protocol import LLMEngine
 from fastgate.errors import InputError
 from fastgate.programs import All, Answer, Batched, Decide, Generate, PromptStates, Search, SearchVectors
 from fastgate.scheduler.admission import Admission
 from fastgate.scheduler.batching import PHASES, BatchingTable, group_key
 from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
-from fastgate.scheduler.task import NONE, RUNNING, CancelledError, Task
+from fastgate.scheduler.task import CancelledError, Counters, Task
 
 __all__ = ["Scheduler"]
 
 _CHEAP_ROUNDS = 16  # rounds of searches / gate ops / embeddings per tick before the engine calls run
 
 
-class Scheduler(Admission, BatchingTable):
+class Scheduler:
     """Runs per-question programs together on one engine (see :mod:`fastgate.scheduler`).
 
     Args:
@@ -46,14 +47,19 @@ class Scheduler(Admission, BatchingTable):
         InputError: a setting out of range, or ``layout="packed"`` on a model that cannot run packed passes.
     """
 
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, **settings: Any) -> None:
+    def __init__(self, engine: LLMEngine, config: SchedulerConfig | None = None, **settings: Any) -> None:
         if settings.get("prefill_budget", WHOLE_PROMPTS) is None:
             settings["prefill_budget"] = WHOLE_PROMPTS
         config = config or SchedulerConfig()
         self.config = dataclasses.replace(config, **settings) if settings else config
         self.engine = engine
-        self._init_state()
-        self._init_loops(engine, self.config)
+        self._inbox: list[Task] = []
+        self._lock = threading.Lock()
+        self._live: list[Task] = []
+        self.ticks = 0
+        self.counters = Counters()
+        self.batching = BatchingTable(engine, self.config, self.counters, self)
+        self.admission = Admission(engine, self.config, self.batching, self.counters, self)
 
     @property
     def max_rows(self) -> int:
@@ -71,20 +77,30 @@ class Scheduler(Admission, BatchingTable):
     def kv_budget(self) -> int | None:
         return self.config.kv_budget
 
-    def _init_state(self) -> None:
-        """The scheduler's running state (programs, loops, counters), whatever the engine."""
-        self._loops: dict[int, Any] = {}  # pre-answer / EOS layer -> DecodeLoop (rows asking for none join any)
-        self._inflight: dict[int, tuple[Any, Any]] = {}  # id(ticket) -> (loop, ticket); ticket.owner: (task, i, req)
-        self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
-        self._inbox: list[Task] = []
-        self._lock = threading.Lock()
-        self._live: list[Task] = []
-        self._calls = 0
-        self._methods: frozenset[str] = frozenset()
-        self.ticks = 0
-        self.generation_calls = 0
-        self.generation_rows: list[int] = []  # sequences per engine generate call (bounded history)
-        self.generation_methods: list[frozenset[str]] = []  # the methods whose rows shared each generate call
+    @property
+    def layout(self) -> str:
+        """The decode loops' layout, chosen once: ``packed``, ``padded`` or ``remote``."""
+        return self.admission.layout
+
+    @property
+    def continuous(self) -> bool:
+        """Whether generations join a running decode loop (else each tick's run as closed calls)."""
+        return self.admission.continuous
+
+    @property
+    def generation_calls(self) -> int:
+        """Engine generate calls and decode steps so far."""
+        return self.counters.generation_calls
+
+    @property
+    def generation_rows(self) -> list[int]:
+        """Sequences per engine generate call or decode step (bounded history)."""
+        return self.counters.generation_rows
+
+    @property
+    def generation_methods(self) -> list[frozenset[str]]:
+        """The methods whose rows shared each generate call or decode step (bounded history)."""
+        return self.counters.generation_methods
 
     # ------------------------------------------------------------------ submitting
     def submit(self, method, question: str, on_done: Callable[[Task], None] | None = None,
@@ -114,9 +130,8 @@ class Scheduler(Admission, BatchingTable):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the decode loops' KV caches hold now (spare included). Read from other threads too: the lists are
-        copied first (each copy is atomic under the GIL)."""
-        return sum(loop.kv_bytes for loop in list(self._loops.values()))
+        """Bytes the decode loops' KV caches hold now (spare included); read from other threads too."""
+        return self.admission.kv_bytes
 
     # ------------------------------------------------------------------ running
     def run(self, tasks: list[Task]) -> list[Task]:
@@ -161,9 +176,9 @@ class Scheduler(Admission, BatchingTable):
             self._advance(task, None, start=True)
         for task in self._live:
             if task.cancelled and not task.done:
-                self._finish(task, error=CancelledError("the request was cancelled"))
+                self.finish(task, error=CancelledError("the request was cancelled"))
         self._live = [t for t in self._live if not t.done]
-        self._drop_orphans()
+        self.admission.drop_orphans()
         ran = False
         for _ in range(_CHEAP_ROUNDS):  # bounded: a program that only ever searches cannot hold the tick
             pending = self._pending()
@@ -171,63 +186,54 @@ class Scheduler(Admission, BatchingTable):
             if not cheap:
                 break
             ran = True
-            self._execute(cheap)
+            self.batching.execute(cheap)
             self._resume()
         pending = [item for item in self._pending() if isinstance(item[2], (Generate, PromptStates))]
-        ran = self._run_engine_calls(pending) or ran
-        if self._inflight:
+        ran = self.admission.run_engine_calls(pending) or ran
+        if self.admission.busy:
             ran = True
-            self._decode_step()
+            self.admission.decode_step()
         self._resume()
         if ran:
             self.ticks += 1
         return bool(self._live) or bool(self._inbox)
 
     def _pending(self) -> list[tuple[Task, int, Any]]:
-        return [(t, i, r) for t in self._live if not t.done for i, r in enumerate(t._waiting or ())
-                if t._results[i] is NONE]
+        return [(t, i, r) for t in self._live if not t.done for i, r in t.pending()]
 
     def _resume(self) -> None:
         """Send their results to the programs whose requests are all answered."""
         for task in list(self._live):
-            if not task.done and task._waiting is not None and all(r is not NONE and r is not RUNNING
-                                                                    for r in task._results):
-                results = task._results if task._fanout else task._results[0]
-                self._advance(task, results)
+            if task.ready:
+                self._advance(task, task.results)
         self._live = [t for t in self._live if not t.done]
 
     def _advance(self, task: Task, value: Any, start: bool = False) -> None:
         """Send ``value`` into the program; record what it yields next (or its end)."""
         try:
-            if start:
-                task._gen = task.program if task.program is not None else task.method.program(task.question)
-                request = next(task._gen)
-            else:
-                request = task._gen.send(value)
+            request = task.start() if start else task.send(value)
         except StopIteration as stop:
-            self._finish(task, answer=stop.value)
+            self.finish(task, answer=stop.value)
             return
         except Exception as exc:  # a program's own error ends that question only
-            self._finish(task, error=exc)
+            self.finish(task, error=exc)
             return
-        task._fanout = isinstance(request, All)
-        waiting = list(request.requests) if task._fanout else [request]
+        parts = list(request.requests) if isinstance(request, All) else [request]
         try:
-            for r in waiting:
+            for r in parts:
                 group_key(r)  # not a request: that program's error, found before it reaches a batch
         except InputError as exc:
-            self._finish(task, error=exc)
+            self.finish(task, error=exc)
             return
-        task._waiting = waiting
-        task._results = [NONE] * len(task._waiting)
-        if task._fanout and not task._waiting:
+        task.wait_on(request)
+        if task.fanout and not task.waiting:
             self._advance(task, [])
 
-    def _finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:
-        task.finished = time.perf_counter()
-        task._waiting, task._results = None, []
-        if task._gen is not None and error is not None:
-            task._gen.close()
+    # ------------------------------------------------------------------ Delivery: the parts hand results back here
+    def finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:
+        """End ``task`` with the program's ``answer`` (its result is built by the method) or ``error``; tell its
+        ``on_done``."""
+        task.end(error)
         if error is not None:
             task.error = error
         elif task.method is None:
@@ -246,8 +252,7 @@ class Scheduler(Admission, BatchingTable):
         if task.on_done is not None:
             task.on_done(task)
 
-    # ------------------------------------------------------------------ results
-    def _deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
+    def deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
         """Put ``out``, the result of ``task``'s ``i``-th pending request ``req``, in its slot; count it in the
         task's trace and timings and tell its listener (a gate decision, a search, the answer's text)."""
         if task.done:
@@ -261,26 +266,26 @@ class Scheduler(Admission, BatchingTable):
             if req.answer and out.sequences:
                 seq = trace.answer = out.sequences[0]
                 trace.finish_reason = "length" if seq.finish_reason == "length" else "stop"
-                self._emit(task, {"event": "answer", "text": seq.text, "stop": list(req.config.stop), "done": True})
+                self.emit(task, {"event": "answer", "text": seq.text, "stop": list(req.config.stop), "done": True})
         elif isinstance(req, PromptStates):
             trace.lm_calls += 1
             trace.prompt_tokens += sum(self.engine.count_tokens(p) for p in req.prompts)
         elif isinstance(req, (Search, SearchVectors)):
             trace.retrieval_calls += 1
             if task.listener is not None:
-                self._emit(task, {"event": "retrieval",
+                self.emit(task, {"event": "retrieval",
                                   "queries": list(req.queries) if isinstance(req, Search) else None,
                                   "hits": [[{"id": h.id, "title": h.title, "score": float(h.score)} for h in hits]
                                            for hits in out]})
         elif isinstance(req, Decide):
             trace.gate_steps.append(out)
-            self._emit(task, {"event": "gate", "step": out.to_dict()})
+            self.emit(task, {"event": "gate", "step": out.to_dict()})
         phase = req.phase if isinstance(req, Batched) else PHASES[type(req)]
-        task._time(self._calls, phase, elapsed)
-        task._results[i] = out
+        task.count_time(self.counters.call, phase, elapsed)
+        task.fill(i, out)
 
     @staticmethod
-    def _emit(task: Task, event: dict) -> None:
+    def emit(task: Task, event: dict) -> None:
         """Give ``event`` to the task's listener; one that fails is dropped (the program goes on)."""
         listener = task.listener
         if listener is None:

@@ -49,7 +49,7 @@ class TopLogprobs:
         out = []
         eng = self.engine
         for prompt, cfg, tokens, n in items:
-            (row,), _ = eng._encode([prompt], cfg.max_new_tokens)
+            (row,), _ = eng.encode([prompt], cfg.max_new_tokens)
             ids = torch.tensor([row + tokens[:-1]], dtype=torch.long, device=eng.device)  # [1, P + T - 1]
             logits = eng.model(input_ids=ids).logits[0, len(row) - 1:].float()  # [T, V]
             lp = torch.log_softmax(logits, dim=-1)

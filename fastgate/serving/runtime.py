@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
+from fastgate.assets.precision import DTYPES
+from fastgate.engine.static_step import STEP_MODES
 from fastgate.errors import UnknownNameError
+from fastgate.settings import setting
 
-__all__ = ["AnswerRequest", "Runtime", "check_request", "result_record"]
+__all__ = ["AnswerRequest", "Runtime", "RuntimeConfig", "check_request", "result_record"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,33 @@ def check_request(method: str, params: dict[str, Any] | None = None, retriever: 
                          None if calibrate is None else config)
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What a :class:`Runtime` loads, each with its default and its flag: the one source of these defaults for the
+    library's ``Runtime(...)``, ``fastgate serve`` (:class:`~fastgate.serving.service.ServiceConfig` extends it) and
+    the CLI's ``ask`` / ``eval`` flags."""
+
+    # the default embedded model, the smallest of fastgate.assets.models.MODELS
+    model: str = setting(DEFAULT_MODEL, "embedded model ({models}) or a local HF directory (default: %(default)s)")
+    # CUDA when available
+    device: str = setting("auto", "auto (CUDA if available), cpu or cuda (default: %(default)s)")
+    # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
+    dtype: str = setting("auto", "the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
+                                 "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
+                                 "(default: %(default)s)", choices=("auto", *DTYPES))
+    # compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling takes minutes there and gains little:
+    # docs/RESULTS.md)
+    step: str = setting("auto", "decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph "
+                                "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
+                                "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
+                        choices=STEP_MODES)
+    # None: the default corpus
+    index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
+                                      "first use)")
+    # thresholds calibrated for the model unless asked otherwise
+    paper_defaults: bool = setting(False, "use the papers' thresholds instead of the values calibrated for the model")
+
+
 class Runtime:
     """A loaded model with its engine, plus retrievers opened on first use.
 
@@ -94,9 +124,9 @@ class Runtime:
             and token log-probabilities can be built (never, always, flare, scaar, dtr).
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, device: str = "auto", index: str | None = None,
-                 paper_defaults: bool = False, engine=None, dtype: str = "auto", step: str = "auto",
-                 remote=None) -> None:
+    def __init__(self, model: str = RuntimeConfig.model, device: str = RuntimeConfig.device,
+                 index: str | None = RuntimeConfig.index, paper_defaults: bool = RuntimeConfig.paper_defaults,
+                 engine=None, dtype: str = RuntimeConfig.dtype, step: str = RuntimeConfig.step, remote=None) -> None:
         from fastgate.assets.precision import canonical_dtype
         from fastgate.engine.static_step import StepConfig
 
@@ -135,7 +165,7 @@ class Runtime:
         """What records name as the engine: ``local``, or ``openai:<base-url>:<model>`` for a remote one."""
         if self.remote is not None:
             return self.remote.name
-        if getattr(self._engine, "remote", False):  # a RemoteEngine passed in as ``engine``
+        if self._engine is not None and self._engine.remote:  # a RemoteEngine passed in as ``engine``
             return self._engine.name
         return "local"
 

@@ -30,11 +30,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from fastgate.assets.pins import DEFAULT_MODEL
-from fastgate.assets.precision import DTYPES
 from fastgate.errors import FastgateError, InputError
 from fastgate.methods.base import check_questions
 from fastgate.scheduler.config import SchedulerConfig
+from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
 
 __all__ = ["AnswerService", "OverloadedError", "ServiceConfig"]
@@ -56,32 +55,14 @@ def _scheduler_setting(name: str, default: Any = dataclasses.MISSING) -> Any:
 
 
 @dataclass(frozen=True)
-class ServiceConfig:
-    """How the service batches, bounds and answers requests. The fields with a help line are ``fastgate serve``'s
-    flags (:func:`fastgate.settings.add_setting_args`); those of the scheduler are checked by
-    :class:`~fastgate.scheduler.SchedulerConfig` (:meth:`scheduler_config`)."""
+class ServiceConfig(RuntimeConfig):
+    """How the service batches, bounds and answers requests, and what its runtime loads (the fields of
+    :class:`~fastgate.serving.runtime.RuntimeConfig`: model, device, dtype, step, index, paper_defaults). The fields
+    with a help line are ``fastgate serve``'s flags (:func:`fastgate.settings.add_setting_args`); those of the
+    scheduler are checked by :class:`~fastgate.scheduler.SchedulerConfig` (:meth:`scheduler_config`)."""
 
     # the method of requests that name none: the gate `fastgate ask` uses by default
     method: str = setting("dtr", "default method of requests that name none (default: %(default)s)")
-    # the default embedded model, the smallest of fastgate.assets.models.MODELS
-    model: str = setting(DEFAULT_MODEL, "embedded model ({models}) or a local HF directory (default: %(default)s)")
-    # CUDA when available
-    device: str = setting("auto", "auto (CUDA if available), cpu or cuda (default: %(default)s)")
-    # the weights': bf16 on CUDA and on a CPU that multiplies it natively, else float32
-    dtype: str = setting("auto", "the weights' dtype; auto: bfloat16 on CUDA and on a CPU that multiplies it natively "
-                                 "(AMX-BF16 / AVX512-BF16, confirmed by a timed product at load), float32 elsewhere "
-                                 "(default: %(default)s)", choices=("auto", *DTYPES))
-    # compiled (a CUDA graph per batch bucket) on CUDA, eager on a CPU (compiling takes minutes there and gains little:
-    # docs/RESULTS.md)
-    step: str = setting("auto", "decode steps: compiled by torch.compile, one static step per batch size (a CUDA graph "
-                                "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
-                                "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
-                        choices=("auto", "eager", "compiled"))
-    # None: the default corpus
-    index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
-                                      "first use)")
-    # thresholds calibrated for the model unless asked otherwise
-    paper_defaults: bool = setting(False, "use the papers' thresholds instead of the values calibrated for the model")
     # programs running at once; beyond this a CPU decode step gets slower than it gains
     max_live: int = setting(32, "requests whose programs run at once; more wait in the queue (default: %(default)s)")
     # the library scheduler's: sequences (prompts x samples) per engine call; bounds the KV cache
@@ -336,7 +317,7 @@ class AnswerService:
         from fastgate.serving.completion import MAX_TOP_LOGPROBS, TopLogprobs, completion_program
 
         engine = self.runtime.engine
-        if getattr(engine, "remote", False):
+        if engine.remote:
             raise InputError("plain completions are served by a local model, not through a remote engine")
         if not isinstance(prompt, str) or not prompt:
             raise InputError("the prompt must be a non-empty string")

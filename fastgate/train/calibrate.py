@@ -91,7 +91,7 @@ def _examples(data: str, n: int | None, seed: int, index: str | None):
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
-    from fastgate.entrypoints.cli_params import parse_params
+    from fastgate.settings import parse_params
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS, make_config
     from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration

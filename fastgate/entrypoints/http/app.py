@@ -15,6 +15,7 @@ missing one is reported with its install hint.
 import os
 from typing import Any
 
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
 from fastgate.entrypoints.http.common import require_serving, version
 
 __all__ = ["create_app", "serve"]
@@ -64,7 +65,7 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
     return app
 
 
-def serve(service: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(service: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info") -> None:
     """Start ``service``, serve it over HTTP until interrupted, then drain and stop it."""
     require_serving()
     import uvicorn

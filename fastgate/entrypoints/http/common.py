@@ -77,6 +77,6 @@ def _scalar(obj: Any) -> Any:
 
 def version() -> str:
     """fastgate's version, as the app (and its OpenAPI schema) reports it."""
-    from fastgate import __version__
+    from fastgate.version import __version__
 
     return __version__

@@ -1,0 +1,37 @@
+"""The one place that switches a model's attention implementation: fastgate's decode paths (the packed pass of
+:mod:`fastgate.engine.packed`, the static step of :mod:`fastgate.engine.static_step`) run their own attention
+functions through transformers' ``AttentionInterface`` for one pass each, and every layer reads the implementation's
+name from the shared config when it runs. Registering (once, on first use; never at import) and switching (for the
+pass only, restored after it) are written here so the two paths cannot disagree on how.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+__all__ = ["attention_implementation", "register_attention"]
+
+_registered: dict[str, Callable] = {}
+
+
+def register_attention(name: str, fn: Callable) -> None:
+    """Register ``fn`` with transformers as attention implementation ``name`` (once)."""
+    if _registered.get(name) is not fn:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, fn)
+        _registered[name] = fn
+
+
+@contextlib.contextmanager
+def attention_implementation(config, name: str, fn: Callable) -> Iterator[None]:
+    """``config``'s attention implementation is ``name`` (the function ``fn``, registered on first use) inside the
+    block, and what it was after it; the padded paths outside the block never see it."""
+    register_attention(name, fn)
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
