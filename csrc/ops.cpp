@@ -1,4 +1,4 @@
-// fastgate._C: CPU hot paths for the gates (SPEC §4 ops 3-4).
+// fastgate._C: CPU hot paths for the gates (ops 3 and 4 of docs/ARCHITECTURE.md: AIS and word alignment).
 //
 // Every function here has a pure-Python twin in fastgate/ops/_python.py that must give the same
 // result; tests/test_ops_parity.py holds them to it.

@@ -10,7 +10,7 @@ from fastgate.engine.decode import DecodeLoop, mergeable
 from fastgate.engine.packed import PackedLoop, packable
 
 G = GenerationConfig
-SPECS = [  # (prompt, config, taps, k, seed): lengths, stops, sampling and taps all differ
+CASES = [  # (prompt, config, taps, k, seed): lengths, stops, sampling and taps all differ
     ("Q: What is the capital of France?\nA:", G(max_new_tokens=12, stop_at_eos=False), TapSpec(layers=(1,)), 1, None),
     ("Hi", G(max_new_tokens=3, stop_at_eos=False), TapSpec(), 1, None),
     ("The quick brown fox jumps over", G(max_new_tokens=9, do_sample=True, temperature=0.8, top_k=20),
@@ -59,16 +59,16 @@ def test_rows_joining_mid_way_equal_their_generation_alone(tiny_engine, kind):
             for t in loop.step():
                 results[t.owner] = t.result
 
-    loop.add(SPECS[:2], owners=[0, 1])
+    loop.add(CASES[:2], owners=[0, 1])
     run(2)
-    loop.add(SPECS[2:3], owners=[2])  # joins rows two steps in, with a longer prompt
+    loop.add(CASES[2:3], owners=[2])  # joins rows two steps in, with a longer prompt
     run(4)
     assert 1 in results  # the 3-token row finished and left while the others run
-    loop.add(SPECS[3:], owners=[3, 4])
+    loop.add(CASES[3:], owners=[3, 4])
     while loop.busy:
         run(1)
     assert sorted(results) == [0, 1, 2, 3, 4]
-    for i, spec in enumerate(SPECS):
+    for i, spec in enumerate(CASES):
         _same(results[i], _alone(tiny_engine, spec))
     assert not loop.rows and loop.mask is None  # everything left: nothing is held
 
@@ -86,9 +86,9 @@ def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budg
             for t in loop.step(prefill_budget=budget):
                 results[t.owner] = t.result
 
-    loop.admit(SPECS[:2], owners=[0, 1])
+    loop.admit(CASES[:2], owners=[0, 1])
     run(3)
-    loop.admit(SPECS[2:], owners=[2, 3, 4])
+    loop.admit(CASES[2:], owners=[2, 3, 4])
     first = loop.rows[0] if loop.rows else None
     decoded = len(first.tokens) if first is not None else 0
     run(2)
@@ -96,7 +96,7 @@ def test_chunked_prefill_between_steps_equals_generation_alone(tiny_engine, budg
     while loop.busy:
         run(1)
     assert sorted(results) == [0, 1, 2, 3, 4]
-    for i, spec in enumerate(SPECS):
+    for i, spec in enumerate(CASES):
         _same(results[i], _alone(tiny_engine, spec))
     assert not loop.rows and not loop.prefilling
 
@@ -153,7 +153,7 @@ def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
 @LAYOUTS
 def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine, kind):
     loop = _loop(kind, tiny_engine)
-    tickets = loop.add(SPECS[:3], owners=[0, 1, 2])
+    tickets = loop.add(CASES[:3], owners=[0, 1, 2])
     loop.step()
     loop.cancel(tickets[0])
     done = {}
@@ -161,7 +161,7 @@ def test_a_cancelled_ticket_leaves_and_the_others_are_unchanged(tiny_engine, kin
         done.update({t.owner: t.result for t in loop.step()})
     assert sorted(done) == [1, 2] and tickets[0].result is None
     for i in (1, 2):
-        _same(done[i], _alone(tiny_engine, SPECS[i]))
+        _same(done[i], _alone(tiny_engine, CASES[i]))
 
 
 def test_growing_layer_appends_in_place_and_equals_dynamic_layer():

@@ -238,7 +238,8 @@ def test_the_architecture_page_names_every_layer_folder():
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     for _, prefixes in LAYERS[1:-1]:
         for p in prefixes:
-            path = "fastgate/" + p.removeprefix("fastgate.").replace(".", "/") if p != "fastgate.kernels" else "kernels/"
+            folder = p.removeprefix("fastgate.").replace(".", "/")
+            path = "kernels/" if p == "fastgate.kernels" else f"fastgate/{folder}"
             assert path in page, f"docs/ARCHITECTURE.md does not name {path}"
 
 
@@ -263,3 +264,24 @@ def test_setup_lists_every_package():
     listed = set(re.findall(r'"(fastgate(?:\.[a-z_]+)*)"', (ROOT / "setup.py").read_text()))
     packages = {name for name, path in modules().items() if path.name == "__init__.py"}
     assert packages <= listed, f"packages missing from setup.py: {sorted(packages - listed)}"
+
+
+# what the line a doc links to (``path#Ln``) must hold: the links of docs/ARCHITECTURE.md's newcomer routes
+LINKED_LINES = {"fastgate/methods/dtr.py": "Decide(", "fastgate/engine/packed.py": "def step(",
+                "fastgate/engine/kv_cache.py": "class KVCacheManager", "fastgate/engine/protocol.py": "class LLMEngine"}
+
+
+def test_line_links_in_the_docs_point_at_their_lines():
+    import re
+
+    found = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, line in re.findall(r"\]\(((?:\.\./)?fastgate/[\w/]+\.py)#L(\d+)\)", page.read_text()):
+            path = (page.parent / target).resolve().relative_to(ROOT).as_posix()
+            lines = (ROOT / path).read_text().splitlines()
+            assert int(line) <= len(lines), f"{page.name}: {path}#L{line} is past the end of the file"
+            want = LINKED_LINES.get(path)
+            assert want is not None, f"{page.name} links {path}#L{line}: say in LINKED_LINES what that line holds"
+            assert want in lines[int(line) - 1], f"{page.name}: {path}#L{line} no longer holds {want!r}"
+            found += 1
+    assert found >= 4  # the newcomer's routes of docs/ARCHITECTURE.md

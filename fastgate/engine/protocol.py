@@ -38,6 +38,7 @@ class LLMEngine(Protocol):
     lm: Any  # the model's name, max_context, fingerprint, n_layers and hidden_size (LoadedModel or RemoteLM)
     ops: Ops  # every gate op, bound once for this engine's device
     backend: str
+    device: Any  # where tensors the gates read live (a torch device; None on a remote engine: the CPU)
     dtype_name: str | None  # the weights' dtype as records name it; None where the server's weights are its own
     n_layers: int
     prefix_hits: int

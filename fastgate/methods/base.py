@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from fastgate.config import GenerationConfig
-from fastgate.engine.local import Engine, Generation
+from fastgate.engine.generation import Generation
+from fastgate.engine.protocol import LLMEngine
 from fastgate.errors import InputError
 from fastgate.gates.base import GateStep
 from fastgate.programs import Generate, Program
@@ -132,7 +133,7 @@ def black_box_refusal(method: str, engine: str) -> str:
             f"on a remote engine use one of: {', '.join(black_box_methods())}")
 
 
-def check_questions(engine: Engine, config: MethodConfig, questions: list[str]) -> list[str]:
+def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str]) -> list[str]:
     """Strip ``questions`` and reject empty ones or ones that cannot fit the model context with the closed-book prompt
     around them and ``config.max_answer_tokens`` (passages may then be truncated). Needs only the tokenizer, so a
     server can check a request on its own thread while the engine decodes on another.
@@ -178,7 +179,7 @@ class Method:
     threshold: ClassVar[GateThreshold | None] = None  # the first gate's threshold parameter (gated methods)
     black_box: ClassVar[bool] = False  # needs only generated text and token log-probs: runs on a remote engine
 
-    def __init__(self, engine: Engine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
+    def __init__(self, engine: LLMEngine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
         if engine.black_box and not self.black_box:
             raise InputError(black_box_refusal(self.name, engine.name))
         self.engine = engine

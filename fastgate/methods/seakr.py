@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgate.config import GenerationConfig
-from fastgate.engine.local import Generation
+from fastgate.engine.generation import Generation
 from fastgate.errors import InputError
 from fastgate.gates.eigen import EigenScoreGate, PathChoice
 from fastgate.methods.base import GateThreshold, Method, MethodConfig, append_sentence
