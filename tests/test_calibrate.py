@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from fastgate.errors import InputError
 from fastgate.methods.calibration import calibrated_params, calibration_entries, write_calibration
 from fastgate.train.calibrate import choose_cut, dev_curve
 
@@ -127,7 +128,10 @@ def test_conditional_entries_and_corrupt_files(monkeypatch, tmp_path):
                             "params": {"threshold": 0.5}})
     assert calibrated_params("m", "read")["threshold"] == 1.5  # the defaults are base=dtr, features=all
     assert calibrated_params("m", "read", {"features": "dense"})["threshold"] == 0.5
-    assert "threshold" not in calibrated_params("m", "read", {"base": "cbdr"})
+    with pytest.raises(InputError, match="no calibrated threshold for read on model m .base=cbdr"):
+        calibrated_params("m", "read", {"base": "cbdr"})  # not the 0.0 default: the base's own calibration or none
+    assert calibrated_params("m", "read", {"base": "cbdr", "threshold": "0.2"})["threshold"] == "0.2"
+    assert "threshold" not in calibrated_params("m", "read", {"base": "cbdr", "collect": True})  # training pass
     (tmp_path / "calibration" / "m.json").write_text("{broken")
     with pytest.raises(InputError, match="calibration file .* is corrupt"):
         calibrated_params("m", "read")
@@ -140,3 +144,68 @@ def test_shipped_files_keep_the_documented_values():
     assert CALIBRATED["qwen2.5-1.5b"]["dtr"] == {"tau": 0.53}
     assert CALIBRATED["smollm2-135m"]["cbdr"] == {"beta": 0.8}
     assert SEAKR_DELTA_BY_SAMPLES == {"smollm2-135m": {3: 6.6}, "qwen2.5-0.5b": {3: 2.56}}
+
+
+@pytest.fixture()
+def fresh_warnings(monkeypatch):
+    import fastgate.methods.calibration as calibration
+
+    monkeypatch.setattr(calibration, "_WARNED", set())
+
+
+def test_a_model_without_an_entry_says_so_once(monkeypatch, tmp_path, caplog, fresh_warnings):
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path))
+    with caplog.at_level("WARNING", logger="fastgate.calibration"):
+        assert "tau" not in calibrated_params("unknown-model", "dtr")
+        assert "tau" not in calibrated_params("unknown-model", "dtr", {"k": 2})
+        assert calibrated_params("unknown-model", "dtr", {"tau": 0.3})["tau"] == 0.3  # set by the user: no warning
+        calibrated_params("unknown-model", "never")  # no gate, nothing to calibrate
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "no calibration of dtr on model unknown-model" in warning and "tau=0.001" in warning
+    assert "fastgate calibrate --method dtr --model unknown-model" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastgate.calibration"):
+        calibrated_params("other-model", "dtr")
+        calibrated_params("qwen2.5-0.5b", "dtr")  # shipped: no warning
+    messages = [r.getMessage().split(":")[2].strip() for r in caplog.records]
+    assert messages == ["no calibration of dtr on model other-model"]
+
+
+def test_an_own_checkpoint_does_not_inherit_the_shipped_threshold(monkeypatch, tmp_path, caplog, fresh_warnings):
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    ckpt = tmp_path / "my-probers"
+    ckpt.mkdir()
+    assert calibrated_params("qwen2.5-0.5b", "probing")["theta"] == -5.32  # the shipped probers' value
+    with caplog.at_level("WARNING", logger="fastgate.calibration"):
+        assert "theta" not in calibrated_params("qwen2.5-0.5b", "probing", {"checkpoint": str(ckpt)})
+    assert f"with checkpoint {ckpt.resolve()}" in caplog.records[0].getMessage()
+    # the read gate refuses rather than silently using the shipped checkpoint's threshold on another one
+    with pytest.raises(InputError, match="no calibrated threshold for read on model qwen2.5-0.5b with checkpoint"):
+        calibrated_params("qwen2.5-0.5b", "read", {"checkpoint": str(ckpt)})
+    # an entry made for that checkpoint applies to it, named by a relative or an absolute path, and to no other
+    from fastgate.methods.calibration import checkpoint_key
+
+    write_calibration("qwen2.5-0.5b", {"method": "probing", "when": {"checkpoint": checkpoint_key(ckpt)},
+                                       "params": {"theta": -1.5}})
+    monkeypatch.chdir(tmp_path)
+    assert calibrated_params("qwen2.5-0.5b", "probing", {"checkpoint": "my-probers"})["theta"] == -1.5
+    assert calibrated_params("qwen2.5-0.5b", "probing")["theta"] == -5.32
+
+
+@pytest.mark.parametrize("data", ["nq", "nq:test", "triviaqa:test:balanced", "webq", "heldout"])
+def test_training_and_calibration_refuse_test_splits(data, capsys, monkeypatch, tmp_path):
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path))
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may load before the split is refused")
+
+    monkeypatch.setattr(fastgate.assets.models, "load", never)
+    for argv in (["calibrate", "--method", "dtr"], ["train", "read"], ["train", "confidence"], ["train", "prober"]):
+        assert main([*argv, "--model", "tiny", "--data", data]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("fastgate: error: ") and "refuses --data " + data in err and "\n" not in err
+        if data.startswith("nq"):
+            assert "use nq:dev" in err

@@ -198,3 +198,11 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
     assert len(recs) == 12 and all(json.loads(r)["details"]["read"] for r in recs)
     assert main(argv) == 0  # resumed: nothing recomputed
     assert len((tmp_path / "pass" / "results.jsonl").read_text().splitlines()) == 12
+    # without --out the checkpoint goes under $FASTGATE_HOME, never relative to the working directory
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main([a for a in argv if a not in ("--out", str(tmp_path / "ck"))]) == 0
+    assert f"checkpoint: {tmp_path / 'home' / 'checkpoints' / 'tiny-read-dtr'}" in capsys.readouterr().out
+    assert load_read_checkpoint(tmp_path / "home" / "checkpoints" / "tiny-read-dtr", "all", model=tiny, base="dtr")
+    assert list(cwd.iterdir()) == []

@@ -245,3 +245,70 @@ def test_eval_records_name_the_engine_and_refuse_a_resume_on_another(tiny_engine
         evaluate(local, [run], examples, ResultsStore(store.path), progress=False)
     evaluate(through, [run], examples, ResultsStore(store.path), progress=False)
     assert len(ResultsStore(store.path).records) == 2
+
+
+def test_calibrate_through_a_server_writes_a_threshold_that_ask_through_it_uses(fastgate_server, small_index,
+                                                                                 tmp_path, monkeypatch, capsys,
+                                                                                 caplog):
+    """Issue 43's acceptance: `fastgate calibrate --method dtr --engine openai ...` against a running `fastgate serve`
+    writes a threshold for the served model, and `fastgate ask --engine openai` with that model uses it."""
+    import fastgate.assets.models
+    import fastgate.methods.calibration as calibration
+    from fastgate.entrypoints.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("a remote engine loads no local model")
+
+    monkeypatch.setattr(fastgate.assets.models, "load", never)
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(calibration, "_WARNED", set())
+    remote = ["--engine", "openai", "--base-url", fastgate_server, "--api-model", "tiny", "--index", str(small_index)]
+    ask = ["ask", *remote, "--method", "dtr", "--json", "--param", "max_answer_tokens=6", "--param",
+           "pseudo_tokens=8", QUESTIONS[1]]
+    with caplog.at_level("WARNING", logger="fastgate.calibration"):  # no entry yet: it says so, once
+        assert main(ask) == 0 and main(ask) == 0
+    assert [r.getMessage() for r in caplog.records if "no calibration of dtr on model tiny" in r.getMessage()] \
+        and len(caplog.records) == 1
+    capsys.readouterr()
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in (
+        ("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+        ("What is the largest planet?", "Jupiter"), ("capital of Kyrgyzstan", "Bishkek"))))
+    assert main(["calibrate", "--method", "dtr", *remote, "--data", str(data), "--n", "4", "--rate", "0.5",
+                 "--quiet", "--batch-size", "4", "--param", "max_answer_tokens=6", "--param", "pseudo_tokens=8",
+                 "--out", str(tmp_path / "runs")]) == 0
+    assert f"for tiny behind {fastgate_server}" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "home" / "calibration" / "tiny.json").read_text())
+    (entry,) = doc["entries"]
+    assert entry["method"] == "dtr" and entry["engine"] == f"openai:{fastgate_server}:tiny" and entry["n"] == 4
+    recs = [json.loads(line) for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
+    assert all(r["engine"] == f"openai:{fastgate_server}:tiny" for r in recs)
+    tau = entry["params"]["tau"]
+    assert main(ask) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["gate_steps"][0]["threshold"] == pytest.approx(tau)
+    assert "tau" not in entry.get("when", {})
+
+
+def test_the_remote_flags_are_generated_from_the_remote_config():
+    """One source: every command that takes --engine openai gets RemoteConfig's fields as flags, defaults included."""
+    import argparse
+
+    from fastgate.engine.remote import RemoteConfig
+    from fastgate.entrypoints.cli import build_parser
+    from fastgate.methods.calibration import user_calibration_file
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("ask", "eval", "serve", "calibrate"):
+        flags = {s for a in subs[command]._actions for s in a.option_strings}
+        assert {"--engine", "--base-url", "--api-model", "--api-timeout", "--api-concurrency", "--api-retries",
+                "--api-key-env"} <= flags, command
+    args = parser.parse_args(["calibrate", "--method", "dtr", "--engine", "openai", "--base-url", "http://h:1/v1",
+                              "--api-model", "m/x", "--api-retries", "5"])
+    from fastgate.serving.engine_args import remote_config
+
+    config = remote_config(args)
+    assert config == RemoteConfig("http://h:1/v1", "m/x", max_retries=5)
+    assert (args.api_timeout_s, args.api_concurrency) == (RemoteConfig.timeout_s, RemoteConfig.concurrency)
+    assert user_calibration_file("m/x").name == "m--x.json"

@@ -55,42 +55,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from fastgate.methods import METHODS
+    from fastgate.serving.engine_args import add_engine_args
 
-    black_box = [name for name, cls in METHODS.items() if cls.black_box]  # what a remote engine can run
-    g = p.add_argument_group("remote engine", "generate on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's "
-                             "server, another fastgate serve) instead of a local model; only "
-                             f"{', '.join(black_box[:-1])} and {black_box[-1]} run there (the others read hidden "
-                             "states)")
-    g.add_argument("--engine", choices=["local", "openai"], default="local",
-                   help="local: the --model loaded here; openai: --base-url's /v1/completions with logprobs "
-                        "(default: %(default)s)")
-    g.add_argument("--base-url", default=None, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    g.add_argument("--api-model", default=None,
-                   help="the model name the server serves (fastgate serve: its LM's name, e.g. smollm2-135m)")
-    g.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
-                   help="environment variable holding the API key, sent as a bearer token if set (default: "
-                        "%(default)s; keys never go on the command line)")
-    g.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request (default: %(default)s)")
-    g.add_argument("--api-concurrency", type=int, default=8,
-                   help="requests in flight at once (default: %(default)s)")
-    g.add_argument("--api-retries", type=int, default=3,
-                   help="retries of a request answered 429 or 5xx, waiting what Retry-After says "
-                        "(default: %(default)s)")
+    add_engine_args(p)
 
 
 def _remote(args: argparse.Namespace):
     """The :class:`~fastgate.engine.remote.RemoteConfig` of ``--engine openai`` (None for the local engine)."""
-    if args.engine == "local":
-        if args.base_url is not None or args.api_model is not None:
-            raise InputError("--base-url and --api-model need --engine openai")
-        return None
-    if not args.base_url or not args.api_model:
-        raise InputError("--engine openai needs --base-url URL (with its /v1) and --api-model NAME")
-    from fastgate.engine.remote import RemoteConfig
+    from fastgate.serving.engine_args import remote_config
 
-    return RemoteConfig(args.base_url, args.api_model, api_key=os.environ.get(args.api_key_env) or None,
-                        timeout_s=args.api_timeout, concurrency=args.api_concurrency, max_retries=args.api_retries)
+    return remote_config(args)
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:

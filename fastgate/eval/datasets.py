@@ -41,6 +41,7 @@ __all__ = [
     "load_benchmark",
     "load_qa",
     "parse_benchmark",
+    "refuse_test_split",
     "sample_examples",
     "split_examples",
 ]
@@ -231,6 +232,27 @@ class BenchmarkSpec:
 def is_benchmark(data: str | Path) -> bool:
     """Whether ``data`` names a benchmark (``nq``, ``triviaqa:dev``, ...) rather than a built-in set or a file."""
     return str(data).split(":", 1)[0] in BENCHMARKS and not Path(str(data)).is_file()
+
+
+def refuse_test_split(data: str | Path, what: str) -> None:
+    """Raise unless ``data`` may be fitted on: training and calibration never see a question that is reported on (a
+    benchmark's ``test`` split, also what a bare ``nq`` means, or ``heldout``).
+
+    Raises:
+        InputError: ``data`` is a test split.
+    """
+    name = str(data)
+    if name == "heldout":
+        raise InputError(f"{what} refuses --data heldout: it is the split evaluations report on (use default, "
+                         "capitals, fanoutqa or a benchmark's dev split)")
+    if is_benchmark(name):
+        spec = parse_benchmark(name)
+        if spec.split == "test":
+            dev = [s for s in BENCHMARKS[spec.name].splits if s != "test"]
+            hint = (f"use {spec.name}:{dev[0]}" + (f":{spec.subset}" if spec.subset != "all" else "")
+                    if dev else f"{spec.name} has no dev split: use another benchmark's dev split or a JSONL file")
+            raise InputError(f"{what} refuses --data {name}: that is {spec.name}'s test split, which results are "
+                             f"reported on ({hint})")
 
 
 def parse_benchmark(data: str, split: str | None = None, subset: str | None = None) -> BenchmarkSpec:

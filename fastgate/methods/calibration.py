@@ -17,6 +17,7 @@ a caller of :func:`calibrated_params`.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "SHIPPED",
     "calibrated_params",
     "calibration_entries",
+    "checkpoint_key",
     "user_calibration_file",
     "write_calibration",
 ]
@@ -73,10 +75,11 @@ SEAKR_DELTA_BY_SAMPLES = {m: v for m, v in SEAKR_DELTA_BY_SAMPLES.items() if v}
 
 
 def user_calibration_file(model_name: str) -> Path:
-    """Where ``fastgate calibrate`` writes the model's calibration (under ``$FASTGATE_HOME``)."""
+    """Where ``fastgate calibrate`` writes the model's calibration (under ``$FASTGATE_HOME``). A served model's name
+    may hold ``/`` (``Qwen/Qwen2.5-0.5B-Instruct``): the file name has ``--`` there."""
     from fastgate.assets.paths import home
 
-    return home() / "calibration" / f"{model_name}.json"
+    return home() / "calibration" / f"{model_name.replace('/', '--')}.json"
 
 
 def calibration_entries(model_name: str) -> list[dict[str, Any]]:
@@ -84,23 +87,76 @@ def calibration_entries(model_name: str) -> list[dict[str, Any]]:
     return list(_SHIPPED_ENTRIES.get(model_name, [])) + _read(user_calibration_file(model_name))
 
 
-def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool:
-    if entry["method"] != method:
-        return False
-    when = entry.get("when") or {}
-    if not when:
-        return True
+def checkpoint_key(value: Any) -> str:
+    """How an entry names the checkpoint it was made for: ``""`` for the one shipped for the model, else the
+    directory's resolved path (so ``./ckpt`` and its absolute path are one checkpoint)."""
+    return str(Path(str(value)).expanduser().resolve()) if value else ""
+
+
+def _defaults(method: str) -> dict[str, Any]:
     from fastgate.methods.base import method_class  # the interface, not the methods table (which lists read)
 
     cls = method_class(method)
-    defaults = cls.parameters() if cls is not None else {}
-    return all(params.get(k, defaults.get(k)) == v for k, v in when.items())
+    return cls.parameters() if cls is not None else {}
 
 
-def calibrated_params(model_name: str, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``params`` on top of the calibrated values for (model, method); user values win."""
+def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool:
+    """Whether ``entry`` is for this request. A checkpoint-based gate's entry is for one checkpoint (its ``when``'s
+    ``checkpoint``; none: the shipped one), so a user's own checkpoint never inherits the shipped threshold."""
+    if entry["method"] != method:
+        return False
+    when = entry.get("when") or {}
+    defaults = _defaults(method)
+    if "checkpoint" in defaults and \
+            checkpoint_key(when.get("checkpoint")) != checkpoint_key(params.get("checkpoint", defaults["checkpoint"])):
+        return False
+    return all(params.get(k, defaults.get(k)) == v for k, v in when.items() if k != "checkpoint")
+
+
+_WARNED: set[tuple[str, str, str]] = set()  # (model, method, checkpoint) already warned about in this process
+
+
+def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bool) -> None:
+    """No entry applies to a gated method whose threshold the user did not set: say so once per process, model,
+    method and checkpoint; the read gate, whose log-odds threshold has no default that means anything, refuses."""
+    from fastgate.methods.base import method_class
+
+    cls = method_class(method)
+    spec = cls.threshold if cls is not None else None
+    if spec is None or spec.param in params:
+        return
+    defaults = cls.parameters()
+    ckpt = checkpoint_key(params.get("checkpoint", defaults.get("checkpoint")))
+    what = f"{method} on model {model_name}" + (f" with checkpoint {ckpt}" if ckpt else "")
+    conditions = " ".join(f"--param {k}={v}" for k, v in sorted(params.items()) if k != spec.param)
+    command = f"`fastgate calibrate --method {method} --model {model_name}" + (f" {conditions}`" if conditions else "`")
+    if method == "read" and str(params.get("collect", defaults.get("collect"))).lower() not in ("true", "1", "yes"):
+        raise InputError(f"no calibrated threshold for {what} (base={params.get('base', defaults.get('base'))}, "
+                         f"features={params.get('features', defaults.get('features'))}): the read gate's log-odds "
+                         f"threshold is fitted per checkpoint; run {command}, or pass --param {spec.param}=T")
+    key = (model_name, method, ckpt)
+    if warn and key not in _WARNED:
+        _WARNED.add(key)
+        served = " (with --engine openai --base-url URL --api-model NAME for a served model)" if cls.black_box else ""
+        logging.getLogger("fastgate.calibration").warning(
+            "fastgate: warning: no calibration of %s: using %s=%s, the default (tuned for other models); run %s%s",
+            what, spec.param, defaults.get(spec.param), command, served)
+
+
+def calibrated_params(model_name: str, method: str, params: dict[str, Any] | None = None, *,
+                      warn: bool = True) -> dict[str, Any]:
+    """``params`` on top of the calibrated values for (model, method); user values win.
+
+    A gated method with no entry for the model (or for the user's own ``checkpoint``) keeps its default threshold
+    and says so once per process (``warn``), except the read gate, which refuses (:class:`InputError`)."""
     params = dict(params or {})
-    merged = dict(CALIBRATED.get(model_name, {}).get(method, {}))
+    defaults = _defaults(method)
+    shipped_checkpoint = checkpoint_key(params.get("checkpoint", defaults.get("checkpoint"))) == ""
+    merged: dict[str, Any] = {}
+    applied = False
+    if shipped_checkpoint:  # the unconditional shipped values are the shipped checkpoints'
+        merged = dict(CALIBRATED.get(model_name, {}).get(method, {}))
+        applied = bool(merged)
     if method == "seakr" and "delta" in merged and model_name in SEAKR_DELTA_BY_SAMPLES:
         from fastgate.methods.seakr import SeakrConfig
 
@@ -112,9 +168,13 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
         if entry.get("when") and not (method == "seakr" and set(entry["when"]) == {"samples"}) \
                 and _applies(entry, method, params):
             merged.update(entry["params"])
+            applied = True
     for entry in _read(user_calibration_file(model_name)):
         if _applies(entry, method, params):
             merged.update(entry["params"])
+            applied = True
+    if not applied:
+        _uncalibrated(model_name, method, params, warn)
     merged.update(params)
     return merged
 

@@ -95,7 +95,8 @@ class Read(Method):
             if kind not in self.retrievers:
                 self.retrievers[kind] = retriever if getattr(retriever, "name", None) == kind else open_retriever(kind)
         base_cls = method_class(c.base)  # one of BASES (ReadConfig checks); through the interface, not the table
-        base_config = _base_config(base_cls, calibrated_params(engine.lm.name, c.base, {}))
+        # the base runs to its first score only (its decision is not followed): its threshold does not matter here
+        base_config = _base_config(base_cls, calibrated_params(engine.lm.name, c.base, {}, warn=False))
         base_retriever = self.retrievers.get(base_cls.default_retriever, retriever)
         self.base = base_cls(engine, base_retriever, base_config)
         self.gate = None

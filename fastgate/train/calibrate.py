@@ -81,8 +81,16 @@ def dev_curve(scores: np.ndarray, retrieve_above: bool, skip_acc: np.ndarray | N
 
 
 def _examples(data: str, n: int | None, seed: int, index: str | None):
-    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.datasets import (
+        is_benchmark,
+        load_benchmark,
+        load_qa,
+        parse_benchmark,
+        refuse_test_split,
+        sample_examples,
+    )
 
+    refuse_test_split(data, "calibration")
     if is_benchmark(data):
         spec = parse_benchmark(data)
         return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
@@ -91,11 +99,11 @@ def _examples(data: str, n: int | None, seed: int, index: str | None):
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
-    from fastgate.settings import parse_params
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS, make_config
     from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
     from fastgate.serving.runtime import Runtime, check_request
+    from fastgate.settings import parse_params
 
     if args.method not in METHODS:
         from fastgate.errors import UnknownNameError
@@ -107,7 +115,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"{args.method} has no gate threshold to calibrate (gated methods: {', '.join(gated)})")
     if not 0.0 < args.rate <= 1.0:
         raise InputError(f"--rate must be in (0, 1], got {args.rate}")
+    from fastgate.eval.datasets import refuse_test_split
+    from fastgate.serving.engine_args import remote_config
+
+    refuse_test_split(args.data, "calibration")  # before anything loads
+    remote = remote_config(args)
+    model = remote.model if remote is not None else args.model  # a served model is calibrated under its name
+    engine = remote.name if remote is not None else None
     user = parse_params(args.param)
+    if user.get("checkpoint"):  # an entry is for one checkpoint: named by its resolved path
+        from fastgate.methods.calibration import checkpoint_key
+
+        user["checkpoint"] = checkpoint_key(user["checkpoint"])
     if spec.param in user:
         raise InputError(f"--param {spec.param}=... is what calibration chooses; leave it out")
     budget = args.budget
@@ -117,20 +136,21 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         budget = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "full"
     base = dict(CPU_EVAL_BUDGET.get(args.method, {})) if budget == "cpu" else {}
     forced = {**base, **user, spec.param: f"{spec.skip:g}".replace("e+0", "e").replace("e-0", "e-")}  # "1e9"
-    req = check_request(args.method, forced, args.retriever, args.model)
+    req = check_request(args.method, forced, args.retriever, model, remote=engine)
     run = RunSpec(req.method, req.retriever, req.params)
     runs = [run]
     if args.rule == "best":
-        runs.append(RunSpec("always", check_request("always", {}, None, args.model).retriever, ()))
+        runs.append(RunSpec("always", check_request("always", {}, None, model, remote=engine).retriever, ()))
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
-        f"{Path(args.model).name}-{data.replace(':', '-')}-seed{args.seed}")
-    check_settings(out, EvalSettings(model=args.model, data=data, seed=args.seed))
+        f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
+    check_settings(out, EvalSettings(model=model, data=data, seed=args.seed))
     store = ResultsStore(out / "results.jsonl")
     todo = sum(not store.done(r.key, e.id) for r in runs for e in examples)
-    print(f"calibrating {args.method} ({spec.param}) for {args.model} on {len(examples)} question(s) of {data}: "
+    where = f" behind {remote.base_url}" if remote is not None else ""
+    print(f"calibrating {args.method} ({spec.param}) for {model}{where} on {len(examples)} question(s) of {data}: "
           f"{run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} (resumable)")
-    runtime = Runtime(args.model, device=args.device, index=args.index)
+    runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote)
     t0 = time.perf_counter()
     evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
     recs = [store.records[(run.key, e.id)] for e in examples]
@@ -164,7 +184,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                                      f"{data}; scores {scores.min():.4g}..{scores.max():.4g}"}
     if result.gain is not None:
         entry["dev_gain_over_random"] = round(result.gain, 4)
-    model_name = runtime.model_name if runtime.loaded else Path(args.model).name  # resumed: the model never loaded
+    if remote is not None:  # the server it was measured through (the entry is keyed by the served model's name)
+        entry["engine"] = remote.name
+    # keyed by the model it was made for: a served model's name, else the loaded model's (resumed: it never loaded)
+    model_name = remote.model if remote is not None else (runtime.model_name if runtime.loaded
+                                                          else Path(args.model).name)
     path = Path(args.write) if args.write else user_calibration_file(model_name)
     if not args.dry_run:
         write_calibration(model_name, entry, path)
@@ -239,4 +263,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    from fastgate.serving.engine_args import add_engine_args
+
+    add_engine_args(p)  # a model behind an OpenAI-compatible server gets its own thresholds
     p.set_defaults(func=_cmd_calibrate)

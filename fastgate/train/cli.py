@@ -14,8 +14,9 @@ __all__ = ["add_train_parser"]
 
 
 def _examples(args: argparse.Namespace):
-    from fastgate.eval.datasets import load_qa, split_examples
+    from fastgate.eval.datasets import load_qa, refuse_test_split, split_examples
 
+    refuse_test_split(args.data, f"fastgate train {args.kind}")
     train, held_out = split_examples(load_qa(args.data))
     rng = random.Random(args.seed)
     rng.shuffle(train)
@@ -95,7 +96,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     params, results = fit_probers(feats, labels, cfg)
     extra = {**_report(results, layers), "data": str(args.data), "n_rows": len(labels),
              "fit": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
-    out = Path(args.out) if args.out else Path("checkpoints") / f"{lm.name}-{kind}"
+    from fastgate.assets.paths import home
+
+    out = Path(args.out) if args.out else home() / "checkpoints" / f"{lm.name}-{kind}"
     save_probe_checkpoint(out, params, kind=kind, model=lm, layers=layers, extra=extra)
     print(f"checkpoint: {out}")
     return 0
@@ -187,7 +190,8 @@ def add_train_parser(sub) -> None:
         p.add_argument("--device", default="auto")
         p.add_argument("--data", default="default", help="capitals | fanoutqa | default (both) | a JSONL file")
         p.add_argument("--n", type=int, default=0, help="training questions to use (0 = all of the training split)")
-        p.add_argument("--out", default=None, help="checkpoint directory (default: checkpoints/<model>-<kind>)")
+        p.add_argument("--out", default=None,
+                       help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-<kind>)")
         p.add_argument("--cache", default=None, help="feature cache directory (default: under $FASTGATE_HOME)")
         p.add_argument("--layers", default=None, help="comma-separated layers (default: the paper's choice)")
         p.add_argument("--index", default=None, help="retrieval index root (prober: BM25 passages)")

@@ -24,10 +24,18 @@ __all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "trainin
 def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path, *, seed: int = 0,
                   batch_size: int = 16, index: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """Run (or resume) the collecting pass; returns its records in question order."""
-    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.datasets import (
+        is_benchmark,
+        load_benchmark,
+        load_qa,
+        parse_benchmark,
+        refuse_test_split,
+        sample_examples,
+    )
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.serving.runtime import check_request
 
+    refuse_test_split(data, "the read gate's training pass")
     if is_benchmark(data):
         spec = parse_benchmark(data)
         data = str(spec)
@@ -87,9 +95,11 @@ def _curve_line(name: str, logits: np.ndarray, cb: np.ndarray, rd: np.ndarray, r
 def _cmd_read(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
     from fastgate.errors import InputError
+    from fastgate.eval.datasets import refuse_test_split
     from fastgate.gates.read import FEATURE_SETS, fit_read_model, save_read_checkpoint
     from fastgate.serving.runtime import Runtime
 
+    refuse_test_split(args.data, "fastgate train read")  # before the model loads
     runtime = Runtime(args.model, device=args.device, index=args.index)
     store_dir = Path(args.cache) if args.cache else (
         home() / "features" / f"{args.model}-read-{args.base}-{args.data.replace(':', '-')}")
@@ -112,7 +122,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
         models[name] = fit_read_model(rows, labels, FEATURE_SETS[name], l2=args.l2)
         report[name] = {"weights": dict(zip(models[name].features, (round(w, 4) for w in models[name].weights)))}
         print(f"{'':>6}  weights: " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"].items()))
-    out = Path(args.out) if args.out else Path("checkpoints") / f"{runtime.model_name}-read-{args.base}"
+    out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-read-{args.base}"
     meta = {"data": args.data, "n": len(rows), "seed": args.seed, "fixed": int(labels.sum()), "l2": args.l2,
             "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4)}
     save_read_checkpoint(out, models, model=runtime.lm, base=args.base, meta=meta)
@@ -132,7 +142,8 @@ def add_read_parser(kinds) -> None:
     p.add_argument("--features", default="all,dense", help="feature sets to fit, comma-separated (default: both)")
     p.add_argument("--l2", type=float, default=1.0, help="L2 penalty of the logistic model (default: 1)")
     p.add_argument("--rate", type=float, default=0.7, help="reading rate of the printed dev curve point")
-    p.add_argument("--out", default=None, help="checkpoint directory (default: checkpoints/<model>-read-<base>)")
+    p.add_argument("--out", default=None,
+                   help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-read-<base>)")
     p.add_argument("--cache", default=None, help="records of the training pass (default: under $FASTGATE_HOME)")
     p.add_argument("--index", default=None)
     p.add_argument("--batch-size", type=int, default=16)
