@@ -35,6 +35,7 @@ import torch
 from fastgate.assets import pins
 from fastgate.assets.paths import models_dir, remove_stale
 from fastgate.assets.precision import choose_dtype, probe_bf16
+from fastgate.assets.quant import canonical_weights, quantize_model
 from fastgate.errors import ModelError, UnknownNameError
 
 __all__ = [
@@ -240,6 +241,8 @@ class LoadedModel:
     fingerprint: str  # stable id of the weights: hash of the source file, or of the config for random models
     # why the weights have their dtype (fastgate.assets.precision.choose_dtype); "" when built directly
     dtype_reason: str = ""
+    # how the decoder blocks' linear weights are held: "float" (in the dtype) or "int8" (fastgate.assets.quant)
+    weights: str = "float"
 
     @property
     def device(self) -> torch.device:
@@ -412,20 +415,23 @@ def _eos_ids(tokenizer, spec: ModelSpec) -> list[int]:
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-         probe: bool = True) -> LoadedModel:
+         probe: bool = True, weights: str = "float") -> LoadedModel:
     """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
 
     ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
     once, by :func:`fastgate.assets.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP
     shape
-    confirms the CPU's flags), ``float32`` or ``bfloat16``.
+    confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype) or
+    ``int8`` (the decoder blocks' linear weights quantized per output channel, :mod:`fastgate.assets.quant`;
+    activations, embeddings, LM head and logits stay in the dtype).
 
     Raises:
-        UnknownNameError: neither an embedded name nor an existing directory.
+        UnknownNameError: neither an embedded name nor an existing directory, or an unknown ``weights``.
         ModelError: the directory is not a loadable causal LM, or lacks ``model.model.layers``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    weights = canonical_weights(weights)  # an unknown format fails before anything loads
     local = Path(name_or_path).expanduser()
     if name_or_path in MODELS:
         path = prepare(name_or_path)
@@ -454,5 +460,6 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
+    quantize_model(model, weights)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
-                       dtype_reason=choice.reason)
+                       dtype_reason=choice.reason, weights=weights)

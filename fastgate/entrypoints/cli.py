@@ -29,7 +29,7 @@ DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
 # ``fastgate serve``'s flags that are fields of ServiceConfig (generated from them: fastgate.settings), in --help order
 _SERVE_LIMITS = ("max_live", "max_rows", "admit_every", "prefill_budget", "kv_budget_mb", "layout", "prefill_order",
                  "admit_wait_ms", "max_queue", "timeout_s")
-_MODEL_SETTINGS = ("model", "device", "dtype", "step")  # ask, eval and serve
+_MODEL_SETTINGS = ("model", "device", "dtype", "step", "weights")  # ask, eval and serve
 SERVE_SETTINGS = ("method", "index", "paper_defaults", *_SERVE_LIMITS, *_MODEL_SETTINGS)
 
 
@@ -83,14 +83,14 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     request = check_request(args.method, params, args.retriever, remote.model if remote else args.model,
                             remote=remote.name if remote else None)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
-                      step=args.step, remote=remote)
+                      step=args.step, remote=remote, weights=args.weights)
     if request.retriever is not None:  # before the model: a bad index fails fast
         runtime.retriever(request.retriever)
     method = runtime.build(request)
     results = method.answer_batch(questions)
     for r in results:
         record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s, dtype=runtime.dtype_name,
-                               engine=runtime.engine_name)
+                               engine=runtime.engine_name, weights=runtime.weights_name)
         if args.json:
             print(json.dumps(record, ensure_ascii=False))
         else:
@@ -194,7 +194,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
-                      step=args.step, remote=remote)
+                      step=args.step, remote=remote, weights=args.weights)
     answered = {r.key: sum(not store.done(r.key, ex.id) for ex in examples) for r in runs}
     invocation = new_invocation()
     try:

@@ -263,6 +263,16 @@ def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> 
                              f"new --out directory, or pass --dtype {rec.get('dtype', legacy)}")
 
 
+def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:
+    """Refuse to resume or summarise ``run`` over records made with the linear weights held otherwise (``int8``
+    answers differ from ``float`` ones). Records written before they named it were made with ``float`` weights."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get("weights", "float") != weights:
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with "
+                             f"{rec.get('weights', 'float')} weights, but this run would use {weights}: evaluate into "
+                             f"a new --out directory, or pass --weights {rec.get('weights', 'float')}")
+
+
 def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
     """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
     server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
@@ -304,6 +314,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
     dtype = runtime.dtype_name  # None on a remote engine: the server's weights are not known here
     legacy = "bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32"
+    weights = getattr(runtime, "weights_name", None)  # float or int8 (None on a remote engine), beside the dtype
     engine = getattr(runtime, "engine_name", "local")  # records name the engine; a resume on another is refused
     summaries = []
     for run in runs:
@@ -317,6 +328,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         _check_engine(store, run, engine)
         if dtype is not None:
             _check_dtype(store, run, dtype, legacy)
+        if weights is not None:
+            _check_weights(store, run, weights)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
             method = runtime.build(AnswerRequest(run.method, run.retriever, run.params, config))  # built once
@@ -326,6 +339,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
                 for start in range(0, len(todo), batch_size):
                     batch = todo[start:start + batch_size]
                     tags = {"params": params, "engine": engine, **({"dtype": dtype} if dtype is not None else {}),
+                            **({"weights": weights} if weights is not None else {}),
                             **({"invocation": invocation} if invocation is not None else {})}
                     store.append([{**rec, **tags} for rec in _answer_batch(method, run, batch, runtime.model_name)])
                     stored += len(batch)

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.assets.precision import DTYPES
+from fastgate.assets.quant import WEIGHTS
 from fastgate.engine.static_step import STEP_MODES
 from fastgate.errors import UnknownNameError
 from fastgate.settings import setting
@@ -97,6 +98,11 @@ class RuntimeConfig:
                                 "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
                                 "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
                         choices=STEP_MODES)
+    # the decoder blocks' linear weights as loaded: float keeps the dtype's; int8 pays with bf16 activations
+    weights: str = setting("float", "how the decoder blocks' linear weights are held: float (in --dtype) or int8 "
+                                    "(weight-only, one scale per output channel; activations, LM head and logits stay "
+                                    "in --dtype; faster with bfloat16 activations at small batches, "
+                                    "fastgate/assets/quant.py) (default: %(default)s)", choices=WEIGHTS)
     # None: the default corpus
     index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
                                       "first use)")
@@ -126,8 +132,10 @@ class Runtime:
 
     def __init__(self, model: str = RuntimeConfig.model, device: str = RuntimeConfig.device,
                  index: str | None = RuntimeConfig.index, paper_defaults: bool = RuntimeConfig.paper_defaults,
-                 engine=None, dtype: str = RuntimeConfig.dtype, step: str = RuntimeConfig.step, remote=None) -> None:
+                 engine=None, dtype: str = RuntimeConfig.dtype, step: str = RuntimeConfig.step, remote=None,
+                 weights: str = RuntimeConfig.weights) -> None:
         from fastgate.assets.precision import canonical_dtype
+        from fastgate.assets.quant import canonical_weights
         from fastgate.engine.static_step import StepConfig
 
         self.remote = remote
@@ -137,6 +145,7 @@ class Runtime:
         self.device = device
         self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
         self.step = StepConfig(mode=step).mode  # and so does an unknown step
+        self.weights = canonical_weights(weights)  # and an unknown weight format
         self.index = index
         self.paper_defaults = paper_defaults
         self._engine = engine
@@ -156,7 +165,8 @@ class Runtime:
                 from fastgate.assets.models import load
                 from fastgate.engine.local import Engine
 
-                self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype), step=self.step)
+                self._engine = Engine(load(self.model, device=self.device, dtype=self.dtype, weights=self.weights),
+                                      step=self.step)
             self.setup_s += time.perf_counter() - t0
         return self._engine
 
@@ -189,6 +199,16 @@ class Runtime:
             if name is not None:
                 return name
         return self.engine.dtype_name
+
+    @property
+    def weights_name(self) -> str | None:
+        """How the linear weights are held (``float``, ``int8``; None on a remote engine), known without loading: the
+        engine passed in says its own (its model's ``weights``)."""
+        if self.remote is not None or getattr(self._engine, "remote", False):
+            return None
+        if self._engine is not None:
+            return getattr(self._engine.lm, "weights", "float")
+        return self.weights
 
     @property
     def lm(self):
@@ -239,13 +259,16 @@ class Runtime:
 
 
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
-                  dtype: str | None = None, engine: str | None = None) -> dict[str, Any]:
+                  dtype: str | None = None, engine: str | None = None, weights: str | None = None) -> dict[str, Any]:
     """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
-    weights' ``dtype`` and the ``engine``, ``local`` or ``openai:<base-url>:<model>``, when given)."""
+    weights' ``dtype`` and format (``weights``: ``float``, ``int8``) and the ``engine``, ``local`` or
+    ``openai:<base-url>:<model>``, when given)."""
     record = result.to_dict()
     record.update({"model": model, "retriever": retriever})
     if dtype is not None:
         record["dtype"] = dtype
+    if weights is not None:
+        record["weights"] = weights
     if engine is not None:
         record["engine"] = engine
     record["timings"] = {**record["timings"], "setup_s": setup_s}

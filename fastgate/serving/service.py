@@ -145,7 +145,8 @@ class AnswerService:
         self.config = config or ServiceConfig()
         self.runtime = runtime or Runtime(self.config.model, self.config.device, self.config.index,
                                           self.config.paper_defaults, dtype=self.config.dtype,
-                                          step=self.config.step, remote=self.config.remote)
+                                          step=self.config.step, remote=self.config.remote,
+                                          weights=self.config.weights)
         self._queue: queue.Queue[_Queued] = queue.Queue(maxsize=self.config.max_queue)
         self._methods: OrderedDict[tuple, Any] = OrderedDict()
         self._requests: dict[tuple, Any] = {}
@@ -241,6 +242,11 @@ class AnswerService:
         if rt.step != "auto":
             return rt.step
         return "compiled" if compiled_by_default(resolve_device(rt.device)) else "eager"
+
+    @property
+    def weights_name(self) -> str | None:
+        """How the linear weights are held (``float``, ``int8``; None on a remote engine), as ``/healthz`` says."""
+        return self.runtime.weights_name
 
     @property
     def dtype_name(self) -> str:

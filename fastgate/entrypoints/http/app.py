@@ -49,8 +49,8 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok" if service.running else "stopped", "model": service.model_name,
-                "dtype": service.dtype_name, "step": service.step_name, "method": cfg.method,
-                "queue_depth": service.queue_depth,
+                "dtype": service.dtype_name, "weights": service.weights_name, "step": service.step_name,
+                "method": cfg.method, "queue_depth": service.queue_depth,
                 "live_programs": service.live_programs, "kv_budget_mb": cfg.kv_budget_mb,
                 "kv_used_mb": round(service.kv_used_bytes / 2**20, 1), "layout": service.layout, "replica": replica,
                 "pid": os.getpid()}

@@ -1,0 +1,152 @@
+"""Weight-only quantized linear layers, chosen once when a model loads (``--weights``).
+
+``float`` keeps every weight in the model's dtype (:mod:`fastgate.assets.precision`). ``int8`` replaces each linear
+layer of the decoder blocks (attention q/k/v/o, MLP gate/up/down) by an :class:`Int8Linear`: an int8 weight ``q [N, K]``
+with one float32 scale per output channel ``s [N]`` (symmetric, ``s = max|w_n| / 127``), multiplied as
+
+    y = x @ (q * s[:, None]).T + b        (:func:`int8_reference`, the plain torch definition)
+
+Only the weights are quantized: activations, the residual stream, the KV cache, the embeddings, the LM head and so
+the logits, taps, gate inputs and log-probs keep the model's dtype, as with ``float``. The LM head stays float
+because SmolLM2 ties it to the embeddings, and log-probs are what the gates read.
+
+How the product runs (torch 2.13's CPU build; timings in ``bench/bench_engine.py``'s ``weights`` column):
+
+- bf16 activations, at most :data:`KERNEL_ROWS` rows, ``K`` a multiple of 16: ``aten._weight_int8pack_mm``, the
+  AVX-512-BF16 weight-only kernel. It reads a quarter of the float32 bytes: on a 2-core EPYC (AVX512-BF16) a
+  576 → 1536 product of one row took about 15 µs against 50-75 µs for the dense bf16 product (shared machine).
+  Its time grows linearly with the rows (a GEMV per row); beyond ~16 rows the dense product wins, hence the bound.
+  With ``K`` not a multiple of 16 the kernel crashed the process in bf16 (a segmentation fault, M > 1), so such
+  layers never reach it.
+- every other case (float32 activations, where the same kernel runs a scalar loop 6-40x slower than a dense
+  float32 product; more rows; another device): the weight is cast to the activations' dtype and multiplied densely,
+  then scaled per channel (``(x @ q.T) * s``, equal to the definition up to rounding). That reads the int8 bytes and
+  writes a float copy per call: with float32 activations ``int8`` saves memory, not time.
+
+A 4-bit form (``aten._weight_int4pack_mm_for_cpu``, groups of 32 with scale and zero, semantics
+``w = (q - 8) * scale + zero``) was timed beside it and was not faster than the int8 kernel on that CPU (1 × 2048 →
+8192 bf16: about 260 µs against 200 µs), so it is not offered (issue 45 asks for it only where a kernel multiplies
+it faster).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastgate.errors import UnknownNameError
+
+__all__ = [
+    "KERNEL_ROWS",
+    "WEIGHTS",
+    "Int8Linear",
+    "canonical_weights",
+    "int8_reference",
+    "quantize_int8",
+    "quantize_model",
+    "quantized_layers",
+]
+
+WEIGHTS = ("float", "int8")  # what --weights accepts
+KERNEL_ROWS = 16  # rows up to which the weight-only kernel beats a dense bf16 product (module docstring)
+_KERNEL_K_MULTIPLE = 16  # the bf16 kernel's K must be a multiple of this (it crashed otherwise)
+
+
+def canonical_weights(weights: str) -> str:
+    """``weights``' canonical name (``float``, ``int8``); an unknown name raises
+    :class:`~fastgate.errors.UnknownNameError` naming the choices."""
+    name = {"fp": "float", "none": "float"}.get(str(weights).lower(), str(weights).lower())
+    if name not in WEIGHTS:
+        raise UnknownNameError("weight format", weights, WEIGHTS)
+    return name
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 of ``weight [N, K]``: ``(q [N, K] int8, s [N] float32)`` with
+    ``|w - q * s| <= s / 2`` elementwise (a row of zeros gets the scale 1)."""
+    w = weight.detach().to(torch.float32)  # [N, K]
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    return q.contiguous(), scale.contiguous()
+
+
+def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: ``x [..., K] @ (q [N, K] * scale [N, None]).T (+ bias)``, in float32, de-quantized."""
+    w = q.to(torch.float32) * scale.to(torch.float32)[:, None]  # [N, K]
+    return F.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
+
+
+class Int8Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` holding an int8 weight ``[N, K]`` and float32 scales ``[N]`` (buffers, so the
+    model's ``parameters()`` still name its float dtype). The output has ``x``'s dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_rows: int = KERNEL_ROWS) -> None:
+        super().__init__()
+        if q.dim() != 2 or q.dtype != torch.int8 or scale.shape != (q.shape[0],):
+            raise ValueError(f"Int8Linear needs q [N, K] int8 and scale [N]; got {tuple(q.shape)} {q.dtype} and "
+                             f"{tuple(scale.shape)}")
+        self.out_features, self.in_features = int(q.shape[0]), int(q.shape[1])
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.kernel_rows = kernel_rows
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel_rows: int = KERNEL_ROWS) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight)
+        q, scale = q.to(linear.weight.device), scale.to(linear.weight.device)
+        return cls(q, scale, linear.bias, kernel_rows)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (2-D, contiguous rows) goes through ``aten._weight_int8pack_mm``."""
+        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= self.kernel_rows
+                and self.in_features % _KERNEL_K_MULTIPLE == 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if self.uses_kernel(x2):
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale.to(x2.dtype))  # [M, N]
+        else:
+            y = F.linear(x2, self.q.to(x2.dtype)) * self.scale.to(x2.dtype)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+def quantized_layers(model: nn.Module) -> int:
+    """How many :class:`Int8Linear` layers ``model`` holds."""
+    return sum(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def quantize_model(model: nn.Module, weights: str, kernel_rows: int = KERNEL_ROWS) -> int:
+    """Swap the linear layers of ``model.model.layers`` (the decoder blocks; never the embeddings or the LM head)
+    for the ``weights`` format, in place; returns how many were swapped (0 for ``float``).
+
+    Raises:
+        UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
+    """
+    if canonical_weights(weights) == "float":
+        return 0
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers to quantize")
+    swapped = 0
+    for block in layers:
+        for name, child in list(block.named_modules()):
+            if type(child) is not nn.Linear:
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            setattr(parent, attr, Int8Linear.from_linear(child, kernel_rows))
+            swapped += 1
+    return swapped

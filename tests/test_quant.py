@@ -1,0 +1,213 @@
+"""Weight-only int8 linear layers (fastgate.assets.quant): products against the de-quantized definition over awkward
+shapes, the quantization's error bounds, the tiny model generating with them, and ``--weights`` reaching records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fastgate.assets.quant import (
+    KERNEL_ROWS,
+    Int8Linear,
+    canonical_weights,
+    int8_reference,
+    quantize_int8,
+    quantize_model,
+    quantized_layers,
+)
+from fastgate.errors import InputError, UnknownNameError
+
+# (rows, K, N): single elements, primes, 769 outputs, K a multiple of 16 (the bf16 kernel's) and not
+SHAPES = [(1, 1, 1), (1, 13, 7), (3, 64, 769), (5, 769, 17), (2, 97, 31), (1, 64, 128), (16, 32, 5), (17, 48, 11),
+          (7, 13, 769)]
+
+
+def _layer(k: int, n: int, bias: bool = False, seed: int = 0) -> tuple[nn.Linear, Int8Linear]:
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn((n, k), generator=gen) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn((n,), generator=gen))
+    return lin, Int8Linear.from_linear(lin)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_product_equals_the_dequantized_reference_in_float32(m, k, n):
+    _, q = _layer(k, n, bias=n % 2 == 1)
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(1))  # [M, K]
+    ref = int8_reference(x, q.q, q.scale, q.bias)  # [M, N]
+    y = q(x)
+    assert y.dtype is torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_product_in_bfloat16_is_the_reference_within_bf16_rounding(m, k, n):
+    _, q = _layer(k, n)
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert q.uses_kernel(x) == (m <= KERNEL_ROWS and k % 16 == 0)  # K = 13, 97, 769: never the kernel (it crashed)
+    y = q(x)
+    ref = int8_reference(x, q.q, q.scale)  # the bf16 inputs, multiplied in float32
+    assert y.dtype is torch.bfloat16 and y.shape == (m, n)
+    tol = 2e-2 * ref.abs().max().item() + 1e-3
+    assert (y.float() - ref).abs().max().item() <= tol
+
+
+def test_int8_product_of_non_contiguous_and_3d_inputs():
+    _, q = _layer(64, 769, bias=True)
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn((4, 128), generator=gen)
+    for x in (wide[:, ::2], torch.randn((64, 4), generator=gen).T, torch.randn((2, 3, 64), generator=gen)):
+        assert not x.is_contiguous() or x.dim() == 3
+        torch.testing.assert_close(q(x), int8_reference(x, q.q, q.scale, q.bias), rtol=1e-5, atol=1e-5)
+        xb = x.to(torch.bfloat16)  # the kernel wants contiguous 2-D rows: the layer makes them
+        assert q(xb).shape == (*x.shape[:-1], 769)
+
+
+def test_quantization_error_is_bounded_by_half_a_step():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn((769, 97), generator=gen)
+    w[5] = 0.0  # a row of zeros keeps scale 1 and quantizes to zeros
+    w[6, 3] = 1e3  # an outlier costs its own row only
+    q, s = quantize_int8(w)
+    assert q.dtype is torch.int8 and s.shape == (769,) and int(q.abs().max()) <= 127
+    assert s[5] == 1 and not q[5].any()
+    err = (w - q.float() * s[:, None]).abs()  # [N, K]
+    assert bool((err <= s[:, None] / 2 + 1e-6).all())
+    # the product's error is bounded by sum_k |x_k| * s_n / 2, and small against the float product
+    x = torch.randn((3, 97), generator=gen)
+    exact = x @ w.T  # [3, N]
+    got = int8_reference(x, q, s)
+    bound = x.abs().sum(dim=1, keepdim=True) * s[None, :] / 2 + 1e-4  # [3, N]
+    assert bool(((got - exact).abs() <= bound).all())
+    ok = [r for r in range(769) if r != 6]
+    rel = (got - exact)[:, ok].norm() / exact[:, ok].norm()
+    assert rel.item() < 0.01
+
+
+def test_quantize_model_swaps_the_blocks_linears_only(tiny):
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model()
+    head = lm.model.lm_head.weight.clone()
+    assert quantize_model(lm.model, "float") == 0 and quantized_layers(lm.model) == 0
+    n = quantize_model(lm.model, "int8")
+    assert n == lm.n_layers * 7 == quantized_layers(lm.model)  # q, k, v, o, gate, up, down
+    assert type(lm.model.lm_head) is nn.Linear and torch.equal(lm.model.lm_head.weight, head)
+    assert next(lm.model.parameters()).dtype is torch.float32  # the runner's dtype: still the activations'
+    # logits close to the float model's (the tiny model's weights are random, so only loosely)
+    ids = lm.tokenizer("Who wrote Hamlet?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a, b = tiny.model(ids).logits, lm.model(ids).logits
+    assert ((a - b).abs().max() / a.abs().max()).item() < 0.05
+
+
+def _int8_tiny(dtype: torch.dtype = torch.float32):
+    from fastgate.engine.local import Engine
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=dtype)
+    quantize_model(lm.model, "int8")
+    lm.weights = "int8"
+    return Engine(lm)
+
+
+@pytest.fixture(scope="module")
+def int8_engine():
+    return _int8_tiny()
+
+
+def test_greedy_generation_with_int8_weights_equals_hf_generate(int8_engine):
+    from fastgate.config import GenerationConfig, TapSpec
+
+    lm = int8_engine.lm
+    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?"]
+    batch = int8_engine.generate(prompts, GenerationConfig(max_new_tokens=8, stop_at_eos=False),
+                                 TapSpec(layers=(1, 4)))
+    for prompt, seq in zip(prompts, batch.sequences):
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        out = lm.model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
+        assert list(seq.token_ids) == out[0, enc.input_ids.shape[1]:].tolist()
+        assert all(isinstance(lp, float) for lp in seq.token_logprobs)
+    assert batch.running_sum.dtype is torch.float32
+
+
+def test_int8_weights_with_bf16_activations_generate():
+    from fastgate.config import GenerationConfig
+
+    engine = _int8_tiny(torch.bfloat16)
+    assert engine.dtype_name == "bfloat16"
+    seq = engine.generate(["Who wrote Hamlet?"], GenerationConfig(max_new_tokens=6, stop_at_eos=False)).sequences[0]
+    assert len(seq.token_ids) == 6 and all(isinstance(lp, float) for lp in seq.token_logprobs)
+
+
+def test_an_unknown_weight_format_is_refused_with_the_choices():
+    from fastgate.assets.models import load
+    from fastgate.serving.runtime import Runtime
+
+    assert canonical_weights("INT8") == "int8" and canonical_weights("float") == "float"
+    with pytest.raises(UnknownNameError, match=r"unknown weight format 'int3'; choose one of: float, int8"):
+        canonical_weights("int3")
+    with pytest.raises(UnknownNameError, match="weight format"):
+        load("/nonexistent/model", weights="int4")  # refused before the model is looked for
+    with pytest.raises(UnknownNameError, match="weight format"):
+        Runtime("tiny", weights="q4")
+    assert isinstance(UnknownNameError("weight format", "x", ["float"]), InputError)
+
+
+def test_eval_records_name_the_weights_and_refuse_a_resume_under_another(tiny_engine, int8_engine, small_index,
+                                                                          tmp_path):
+    from fastgate.eval.datasets import QAExample
+    from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
+    from fastgate.serving.runtime import Runtime
+
+    examples = [QAExample("q1", "What is the capital of France?", ("Paris",)),
+                QAExample("q2", "Who wrote Hamlet?", ("Shakespeare",))]
+    run = RunSpec("never", None)
+    store = ResultsStore(tmp_path / "results.jsonl")
+    plain = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    int8 = Runtime("tiny", index=str(small_index), engine=int8_engine)
+    assert plain.weights_name == "float" and int8.weights_name == "int8"
+    evaluate(int8, [run], examples[:1], store, progress=False)
+    assert [(r["weights"], r["dtype"]) for r in store.records.values()] == [("int8", "float32")]
+    with pytest.raises(InputError, match="int8 weights, but this run would use float"):
+        evaluate(plain, [run], examples, ResultsStore(store.path), progress=False)
+    # records from before they named their weights were float: resumed with float, refused with int8
+    other = ResultsStore(tmp_path / "old.jsonl")
+    evaluate(plain, [run], examples[:1], other, progress=False)
+    lines = [json.loads(line) for line in other.path.read_text().splitlines()]
+    other.path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "weights"}) + "\n" for r in lines))
+    with pytest.raises(InputError, match="float weights, but this run would use int8"):
+        evaluate(int8, [run], examples, ResultsStore(other.path), progress=False)
+    evaluate(plain, [run], examples, ResultsStore(other.path), progress=False)
+    assert [r.get("weights") for r in ResultsStore(other.path).records.values()] == [None, "float"]
+
+
+def test_ask_json_and_healthz_name_the_weights(tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from fastgate.entrypoints.cli import main
+    from fastgate.entrypoints.http.app import create_app
+    from fastgate.serving.service import AnswerService, ServiceConfig
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model()
+    lm.model.save_pretrained(tmp_path / "tiny")
+    lm.tokenizer.save_pretrained(tmp_path / "tiny")
+    argv = ["ask", "--model", str(tmp_path / "tiny"), "--device", "cpu", "--method", "never", "--json",
+            "--max-tokens", "4", "--dtype", "float32"]
+    assert main([*argv, "--weights", "int8", "Who wrote Hamlet?"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["weights"] == "int8" and record["dtype"] == "float32"
+    assert main([*argv, "Who wrote Hamlet?"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights"] == "float"
+
+    service = AnswerService(ServiceConfig(model=str(tmp_path / "tiny"), device="cpu", dtype="float32",
+                                          weights="int8"))
+    assert service.weights_name == "int8"  # known before the model loads
+    health = TestClient(create_app(service)).get("/healthz").json()
+    assert health["weights"] == "int8" and health["dtype"] == "float32"
