@@ -196,8 +196,15 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
         assert m.features == FEATURE_SETS[features]
     recs = (tmp_path / "pass" / "results.jsonl").read_text().splitlines()
     assert len(recs) == 12 and all(json.loads(r)["details"]["read"] for r in recs)
+    assert {json.loads(r)["retriever"] for r in recs} == {"bm25"}
+    # the dense-only gate's labels come from reading dense passages (its own pass), as it reads them when it runs
+    dense = [json.loads(r) for r in (tmp_path / "pass-dense-reads" / "results.jsonl").read_text().splitlines()]
+    assert len(dense) == 12 and {r["retriever"] for r in dense} == {"dense"}
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["labels_from_reads"] == {"all": "bm25",
+                                                                                             "dense": "dense"}
     assert main(argv) == 0  # resumed: nothing recomputed
     assert len((tmp_path / "pass" / "results.jsonl").read_text().splitlines()) == 12
+    assert len((tmp_path / "pass-dense-reads" / "results.jsonl").read_text().splitlines()) == 12
     # without --out the checkpoint goes under $FASTGATE_HOME, never relative to the working directory
     cwd = tmp_path / "cwd"
     cwd.mkdir()

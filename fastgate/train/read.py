@@ -22,8 +22,11 @@ __all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "trainin
 
 
 def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path, *, seed: int = 0,
-                  batch_size: int = 16, index: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """Run (or resume) the collecting pass; returns its records in question order."""
+                  batch_size: int = 16, index: str | None = None, progress: bool = True,
+                  reads: str = "bm25") -> list[dict[str, Any]]:
+    """Run (or resume) the collecting pass, reading the top-k passages of ``reads`` (``bm25``, or ``dense`` for the
+    dense-only gate, which reads dense passages: its labels must come from the passages it will read); returns its
+    records in question order."""
     from fastgate.eval.datasets import (
         is_benchmark,
         load_benchmark,
@@ -42,7 +45,7 @@ def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path,
         examples = load_benchmark(spec, seed=seed, n=n, index=index)
     else:
         examples = sample_examples(load_qa(data), n, seed)
-    req = check_request("read", {"base": base, "collect": True}, "bm25", runtime.model)
+    req = check_request("read", {"base": base, "collect": True}, reads, runtime.model)
     run = RunSpec(req.method, req.retriever, req.params)
     check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
     store = ResultsStore(store_dir / "results.jsonl")
@@ -103,28 +106,43 @@ def _cmd_read(args: argparse.Namespace) -> int:
     runtime = Runtime(args.model, device=args.device, index=args.index)
     store_dir = Path(args.cache) if args.cache else (
         home() / "features" / f"{args.model}-read-{args.base}-{args.data.replace(':', '-')}")
-    print(f"training pass: read[base={args.base},collect=true] on {args.n or 'all'} question(s) of {args.data} "
-          f"-> {store_dir} (resumable)")
-    records = training_pass(runtime, args.base, args.data, args.n, store_dir, seed=args.seed,
-                            batch_size=args.batch_size, index=args.index, progress=not args.quiet)
-    rows, labels, cb, rd = collect_rows(records)
-    if len(rows) < 10 or labels.sum() < 2:
-        raise InputError(f"read gate: {len(rows)} usable questions with {int(labels.sum())} fixed by reading: too few "
-                         f"to fit (use more --n)")
-    print(f"{len(rows)} questions: closed-book ACC {cb.mean():.3f}, with passages {rd.mean():.3f}; reading fixes "
-          f"{int(labels.sum())}, breaks {int(((rd < cb)).sum())}")
-    models, report = {}, {}
-    for name in args.features.split(","):
+    names = [name.strip() for name in args.features.split(",") if name.strip()]
+    if not names:
+        raise InputError("--features names no feature set")
+    for name in names:
         if name not in FEATURE_SETS:
             raise InputError(f"--features: unknown set {name!r} (known: {', '.join(FEATURE_SETS)})")
+    # a gate is trained on labels from the passages it will read: BM25's for `all`, dense's for `dense` (its own pass)
+    reads = {name: "dense" if name == "dense" else "bm25" for name in names}
+    passes: dict[str, tuple] = {}
+    for retriever in dict.fromkeys(reads.values()):
+        where = store_dir if retriever == "bm25" else store_dir.with_name(store_dir.name + "-dense-reads")
+        print(f"training pass: read[base={args.base},collect=true] reading {retriever} passages on {args.n or 'all'} "
+              f"question(s) of {args.data} -> {where} (resumable)")
+        records = training_pass(runtime, args.base, args.data, args.n, where, seed=args.seed,
+                                batch_size=args.batch_size, index=args.index, progress=not args.quiet,
+                                reads=retriever)
+        rows, labels, cb, rd = collect_rows(records)
+        if len(rows) < 10 or labels.sum() < 2:
+            raise InputError(f"read gate: {len(rows)} usable questions with {int(labels.sum())} fixed by reading "
+                             f"{retriever} passages: too few to fit (use more --n)")
+        print(f"{len(rows)} questions: closed-book ACC {cb.mean():.3f}, with {retriever} passages {rd.mean():.3f}; "
+              f"reading fixes {int(labels.sum())}, breaks {int(((rd < cb)).sum())}")
+        passes[retriever] = (rows, labels, cb, rd)
+    models, report = {}, {}
+    for name in names:
+        rows, labels, cb, rd = passes[reads[name]]
         oof = cross_validated_logits(rows, labels, FEATURE_SETS[name], l2=args.l2)
-        print(_curve_line(name, oof, cb, rd, args.rate) + "  (out-of-fold on these dev questions)")
+        print(_curve_line(name, oof, cb, rd, args.rate) + f"  (out-of-fold on these dev questions, {reads[name]} "
+              "reads)")
         models[name] = fit_read_model(rows, labels, FEATURE_SETS[name], l2=args.l2)
         report[name] = {"weights": dict(zip(models[name].features, (round(w, 4) for w in models[name].weights)))}
         print(f"{'':>6}  weights: " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"].items()))
+    rows, labels, cb, rd = passes[reads[names[0]]]
     out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-read-{args.base}"
     meta = {"data": args.data, "n": len(rows), "seed": args.seed, "fixed": int(labels.sum()), "l2": args.l2,
-            "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4)}
+            "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4),
+            "labels_from_reads": reads}
     save_read_checkpoint(out, models, model=runtime.lm, base=args.base, meta=meta)
     print(f"checkpoint: {out}\nnext: `fastgate calibrate --model {runtime.model_name} --method read "
           f"--param base={args.base} --param checkpoint={out}` for its threshold")
