@@ -114,3 +114,48 @@ def test_one_invocation_times_always_twice_and_matches_a_coin_on_time(eval_cli, 
     assert eval_cli(out, "--method", "never,always,dtr") == 0
     assert "answering always again" not in capsys.readouterr().err
     assert len((out / "always-again.jsonl").read_text().splitlines()) == 3
+
+
+def _full(run, qid, acc, retrieved, *, method=None, retriever="bm25", params=None, latency=1.0, score=None):
+    rec = {"run": run, "id": qid, "method": method or run.split("[")[0], "answer": "x", "acc": float(acc),
+           "em": float(acc), "f1": float(acc), "retrieved": retrieved, "retrieval_calls": int(retrieved),
+           "lm_calls": 1, "generated_tokens": 3, "prompt_tokens": 400 if retrieved else 80, "latency_s": latency,
+           "batch_size": 1, "timings": {"total_s": latency}, "retriever": retriever, "params": params or {},
+           "invocation": "inv-1", "gate_steps": []}
+    if score is not None:
+        rec["gate_steps"] = [{"gate": "g", "score": score, "threshold": 0.5, "retrieve": retrieved}]
+    return rec
+
+
+def test_a_run_reading_dense_passages_is_measured_against_always_reading_dense(tmp_path, capsys):
+    from fastgate.eval.datasets import QAExample
+    from fastgate.eval.report import write_report
+    from fastgate.eval.runner import ResultsStore, RunSpec
+
+    examples = [QAExample(f"q{i}", f"question {i}?", ("a",)) for i in range(4)]
+    store = ResultsStore(tmp_path / "results.jsonl")
+    recs = []
+    for i, ex in enumerate(examples):
+        recs += [_full("never", ex.id, i == 3, False, latency=0.1),
+                 _full("always", ex.id, i in (0, 3), True, latency=1.0),
+                 _full("always[retriever=dense]", ex.id, i in (1, 2, 3), True, retriever="dense", latency=2.0),
+                 _full("read[features=dense]", ex.id, i in (1, 3), i == 1, params={"features": "dense"},
+                       latency=0.5, score=1.0 if i == 1 else 0.0),
+                 _full("flare", ex.id, i in (0, 3), i == 0, latency=0.5, score=1.0 if i == 0 else 0.0)]
+    store.append(recs)
+    write_report(tmp_path, store, examples, [RunSpec("never", None)], [], header="h")
+    text = (tmp_path / "summary.md").read_text()
+    assert "| read[features=dense] (vs always[retriever=dense]) |" in text and "| flare |" in text
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    coins = {c["run"]: c for c in doc["coin"]}
+    # against dense always (right on q1, q2, q3, not BM25's q0 and q3): reading q1 is what the oracle does at that rate
+    assert coins["read[features=dense]"]["always_acc"] == pytest.approx(0.75)
+    assert coins["read[features=dense]"]["oracle_acc"] == pytest.approx(0.5)
+    assert coins["read[features=dense]"]["replay_acc"] == pytest.approx(0.5)
+    assert coins["flare"]["always_acc"] == pytest.approx(0.5) and coins["flare"]["acc"] == pytest.approx(0.5)
+    timed = {t["run"]: t for t in doc["time_matched"]}
+    dense = timed["read[features=dense] (vs always[retriever=dense])"]
+    assert dense["always_passes"] == [2.0] and dense["share"] == pytest.approx(0.4 / 1.9)
+    assert timed["flare"]["always_passes"] == [1.0] and timed["flare"]["share"] == pytest.approx(0.4 / 0.9)
+    assert timed["flare"]["one_sitting"] is True
+    capsys.readouterr()

@@ -43,6 +43,7 @@ from fastgate.eval.runner import ResultsStore, RunSpec, RunSummary, _replace, ev
 
 __all__ = [
     "AGAIN_FILE",
+    "DENSE_ALWAYS",
     "NO_COIN",
     "Oracle",
     "TimeMatched",
@@ -50,6 +51,7 @@ __all__ = [
     "new_invocation",
     "oracle_point",
     "plot_cost",
+    "reads_dense",
     "run_always_again",
     "time_matched_coin",
     "time_matched_section",
@@ -57,6 +59,7 @@ __all__ = [
 ]
 
 AGAIN_FILE = "always-again.jsonl"  # always's second pass at the end of an invocation: timing only
+DENSE_ALWAYS = "always[retriever=dense]"  # the baseline of a run that reads dense passages, when DIR has it
 
 NO_COIN = ("No coin section: a gated run is measured against a coin only when `never` and `always` have records for "
            "the same questions in this directory; run them in the same invocation as the gate (e.g. `fastgate eval "
@@ -231,7 +234,7 @@ def time_matched_section(results: Sequence[TimeMatched], oracle: Oracle | None =
     rows = [f"| {t.run} | {_f(t.s_per_q, '.3f')} | {_f(t.share, '.1%')} | {_f(t.coin_acc, '.3f')} ± "
             f"{_f(t.coin_se, '.3f')} | {t.acc:.3f} | {_pts(t.diff, t.diff_se)} | {_f(t.p_value, '.2g')} "
             f"| {'yes' if t.one_sitting else 'no'} |" for t in results]
-    first = results[0] if results else None
+    first = next((t for t in results if " (vs " not in t.run), results[0] if results else None)
     times = ""
     if first is not None:
         passes = ", ".join(f"{x:.3f}" for x in first.always_passes)
@@ -325,30 +328,44 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
         by_run.setdefault(key, {})[qid] = rec
     split = {ex.id: bool(ex.meta["answerable"]) for ex in examples if "answerable" in ex.meta}
     gated_runs = [s.run for s in table if s.method not in BASELINES]
-    gates = gate_quality_for_runs(store.records, ids=ids, answerable=split or None, runs=gated_runs)
+    # a run that reads dense passages is measured against `always` reading dense passages when DIR has that run
+    complete = {k for k, recs in by_run.items() if all(q in recs for q in ids)}
+    against = {run: DENSE_ALWAYS if DENSE_ALWAYS in complete and reads_dense(by_run[run]) else BASELINES[1]
+               for run in gated_runs}
+    gates = gate_quality_for_runs(store.records, ids=ids, answerable=split or None,
+                                  runs=[r for r in gated_runs if against[r] == BASELINES[1]])
+    dense_runs = [r for r in gated_runs if against[r] == DENSE_ALWAYS]
+    if dense_runs:
+        view = {(BASELINES[1] if k == DENSE_ALWAYS else k, q): rec for (k, q), rec in store.records.items()
+                if k != BASELINES[1]}
+        gates += gate_quality_for_runs(view, ids=ids, answerable=split or None, runs=dense_runs)
+        gates.sort(key=lambda g: gated_runs.index(g.run))
+    labels = [g.run + (f" (vs {DENSE_ALWAYS})" if against[g.run] == DENSE_ALWAYS else "") for g in gates]
     rows = {s.run: s for s in table}
     never_s, always_s = rows.get(BASELINES[0]), rows.get(BASELINES[1])
     timed: list[TimeMatched] = []
-    oracle = None
-    if gates and never_s is not None and always_s is not None:
-        passes = [always_s.s_per_q] + ([again.s_per_q] if again is not None else [])
-        passes = [x for x in passes if x == x]
-        sittings = {BASELINES[0]: _sittings(by_run[BASELINES[0]], ids),
-                    BASELINES[1]: _sittings(by_run[BASELINES[1]], ids)}
-        if passes:
-            t_always = float(np.mean(passes))
-            oracle = oracle_point(by_run[BASELINES[0]], by_run[BASELINES[1]], ids, never_s.s_per_q, t_always)
-            for g in gates:
-                own = _sittings(by_run[g.run], ids)
-                union = own | sittings[BASELINES[0]] | sittings[BASELINES[1]]
-                one = len(union) == 1 and "" not in union
-                timed.append(time_matched_coin(by_run[g.run], by_run[BASELINES[0]], by_run[BASELINES[1]], ids,
-                                               s_run=rows[g.run].s_per_q, s_never=never_s.s_per_q,
-                                               s_always=passes, run=g.run, one_sitting=one))
+    oracle, oracle_always_s = None, float("nan")
+    if gates and never_s is not None:
+        timings = {key: [x for x in [rows[key].s_per_q] + ([again.s_per_q] if again is not None
+                                                           and key == BASELINES[1] else []) if x == x]
+                   for key in (BASELINES[1], DENSE_ALWAYS) if key in rows}
+        if timings.get(BASELINES[1]):
+            oracle_always_s = float(np.mean(timings[BASELINES[1]]))
+            oracle = oracle_point(by_run[BASELINES[0]], by_run[BASELINES[1]], ids, never_s.s_per_q, oracle_always_s)
+        never_sittings = _sittings(by_run[BASELINES[0]], ids)
+        for g, label in zip(gates, labels):
+            key = against[g.run]
+            if not timings.get(key):
+                continue
+            union = _sittings(by_run[g.run], ids) | never_sittings | _sittings(by_run[key], ids)
+            timed.append(time_matched_coin(by_run[g.run], by_run[BASELINES[0]], by_run[key], ids,
+                                           s_run=rows[g.run].s_per_q, s_never=never_s.s_per_q,
+                                           s_always=timings[key], run=label,
+                                           one_sitting=len(union) == 1 and "" not in union))
     sections = [cost_section(table, again)]
     no_coin = None
     if gates:
-        sections.append(coin_section(gates) + ("\n" + time_matched_section(timed, oracle) if timed else ""))
+        sections.append(coin_section(gates, labels) + ("\n" + time_matched_section(timed, oracle) if timed else ""))
     elif gated_runs:
         no_coin = NO_COIN
         sections.append(NO_COIN + "\n")
@@ -365,9 +382,10 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
     n = len(examples)
     try:
         if gates:
-            written.append(plot_gate_quality(gates, out / "gate-quality.png", f"do the gates beat a coin? ({n} q)"))
-        if timed and never_s is not None and always_s is not None:
-            written.append(plot_cost(table, never_s, timed[0].always_s, always_s.acc, oracle, out / "cost.png",
+            written.append(plot_gate_quality(gates, out / "gate-quality.png", f"do the gates beat a coin? ({n} q)",
+                                             labels=labels))
+        if oracle is not None and never_s is not None and always_s is not None:
+            written.append(plot_cost(table, never_s, oracle_always_s, always_s.acc, oracle, out / "cost.png",
                                      f"accuracy against time ({n} q)"))
     except InputError as exc:  # matplotlib missing: the tables are written all the same
         print(f"fastgate: no plot: {exc}", file=sys.stderr)
@@ -385,6 +403,15 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
     if no_coin:
         print(f"fastgate: {no_coin}", file=sys.stderr)
     return written
+
+
+def reads_dense(recs: Mapping[str, Record]) -> bool:
+    """Whether a run reads dense passages: the read gate with ``features=dense`` (it searches and reads only dense),
+    else a run whose retriever is ``dense``."""
+    first = next(iter(recs.values()), {})
+    if first.get("method") == "read":
+        return (first.get("params") or {}).get("features") == "dense"
+    return first.get("retriever") == "dense"
 
 
 def _sittings(recs: Mapping[str, Record], ids: Sequence[str]) -> set[str]:
