@@ -391,7 +391,11 @@ def plot_gate_quality(results: Sequence[GateQuality], path: str | Path, title: s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="upper left")
     fig.tight_layout()
+    from fastgate.eval.runner import _replace  # written beside its place and renamed into it
+
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        _replace(path, fig.savefig)
+    finally:
+        plt.close(fig)
     return path

@@ -3,7 +3,8 @@
 fastgate's own extension beyond the papers (docs/DEVIATIONS.md). The papers' gates look only at the model: they know
 when the closed-book answer is likely wrong, but not whether the corpus holds a better one, and on small models they
 do no better than a coin that retrieves at the same rate. A search costs a fraction of a millisecond (BM25) to a few
-milliseconds (dense); reading its passages costs a ~700-token prefill. So the search runs first, and a small logistic
+milliseconds (dense); reading its passages costs a ~430-token prompt, about five times the closed-book prompt
+(~80 tokens; the committed records' prompt_tokens). So the search runs first, and a small logistic
 model combines the method's own signal and the closed-book answer's token log-probabilities (free in the decode
 loop) with what the search returned: top scores, the drop from the first to the k-th, how much of the question the
 top passage covers, whether the closed-book answer already appears in the passages, agreement of BM25 and dense.
