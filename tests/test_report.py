@@ -159,3 +159,22 @@ def test_a_run_reading_dense_passages_is_measured_against_always_reading_dense(t
     assert timed["flare"]["always_passes"] == [1.0] and timed["flare"]["share"] == pytest.approx(0.4 / 0.9)
     assert timed["flare"]["one_sitting"] is True
     capsys.readouterr()
+
+
+def test_summary_cost_fields():
+    from fastgate.eval.runner import RunSpec, markdown_table, summarize
+
+    recs = [_full("read", "q0", 1, True, latency=2.0), _full("read", "q1", 0, False, latency=2.0)]
+    for r in recs:
+        r["batch_size"] = 2  # one batch of two questions in 2 s
+    s = summarize(RunSpec("read", "bm25"), recs)
+    assert s.s_per_q == pytest.approx(1.0) and s.questions_per_s == pytest.approx(1.0)
+    assert s.prompt_tokens_per_q == pytest.approx(240) and s.invocations == 1
+    assert "| s/question |" in markdown_table([s]) and "| prompt tokens/q |" in markdown_table([s])
+    recs[1]["invocation"] = "inv-2"
+    assert summarize(RunSpec("read", "bm25"), recs).invocations == 2
+    del recs[1]["invocation"]  # a record from before records named their invocation: a sitting of its own
+    assert summarize(RunSpec("read", "bm25"), recs).invocations == 2
+    for r in recs:
+        r.pop("invocation", None)
+    assert summarize(RunSpec("read", "bm25"), recs).invocations == 0

@@ -401,7 +401,9 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
         gate_share=gate_s / answer_s if answer_s > 0 else 0.0, errors=n - len(ok),
         em_se=se("em"), f1_se=se("f1"), acc_se=se("acc"),
         s_per_q=wall / len(ok) if ok and wall > 0 else float("nan"), prompt_tokens_per_q=mean("prompt_tokens"),
-        invocations=len({r["invocation"] for r in records if r.get("invocation")}),
+        # records from before they named their invocation count as one more (unknown) sitting beside named ones
+        invocations=len({r.get("invocation") or "" for r in records}) if any(r.get("invocation") for r in records)
+        else 0,
     )
 
 
