@@ -88,7 +88,7 @@ class KVCacheManager:
         Raises:
             InputError: ``max_new_tokens`` leaves no room for a prompt in the context.
         """
-        room = self.max_context - max_new_tokens - 1
+        room = self._room(max_new_tokens)
         if room < 1:
             raise InputError(f"max_new_tokens={max_new_tokens} leaves no room in the {self.max_context}-token context")
         return room
@@ -102,7 +102,10 @@ class KVCacheManager:
 
     def prompt_tokens(self, tokens: int, max_new_tokens: int) -> int:
         """The prompt tokens a row keeps of ``tokens`` (after :meth:`truncate`)."""
-        return min(tokens, self.max_context - max_new_tokens - 1)
+        return min(tokens, self._room(max_new_tokens))
+
+    def _room(self, max_new_tokens: int) -> int:
+        return self.max_context - max_new_tokens - 1  # the forced EOS step takes the last column
 
     @staticmethod
     def steps_left(max_new_tokens: int, generated: int = 0) -> int:

@@ -189,7 +189,7 @@ class Runtime:
         """The weights' dtype (``float32``, ``bfloat16``; None on a remote engine), known without loading the model
         unless only the probe at load can tell (``auto`` on a CPU with native bf16 flags): a resumed evaluation
         checks its records with it."""
-        if self.remote is not None or getattr(self._engine, "remote", False):
+        if self.remote is not None or (self._engine is not None and self._engine.remote):
             return None  # a server's weights: not known here
         if self._engine is None:
             from fastgate.assets.models import resolve_device
@@ -204,7 +204,7 @@ class Runtime:
     def weights_name(self) -> str | None:
         """How the linear weights are held (``float``, ``int8``; None on a remote engine), known without loading: the
         engine passed in says its own (its model's ``weights``)."""
-        if self.remote is not None or getattr(self._engine, "remote", False):
+        if self.remote is not None or (self._engine is not None and self._engine.remote):
             return None
         if self._engine is not None:
             return getattr(self._engine.lm, "weights", "float")
