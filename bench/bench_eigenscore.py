@@ -104,9 +104,10 @@ def main() -> None:
             if device == "cuda":
                 row["gbps_read_z_once"] = z.numel() * z.element_size() / t_fast / 1e9
             rows.append(row)
+            path = append_rows('eigenscore', [row])  # written as measured: a run cut short keeps its rows
             print_table([row], ["provider", "d", "B", "fastgate_us", "torch_batched_us", "torch_eager_us", "seakr_us",
                                 "inside_us", "speedup_vs_seakr", "speedup_vs_eager"])
-    print(f"appended to {append_rows('eigenscore', rows)}")
+    print(f"appended {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":

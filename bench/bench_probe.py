@@ -75,9 +75,10 @@ def main() -> None:
                 nbytes = sum(t.numel() * t.element_size() for t in params) + sums.numel() * sums.element_size()
                 row["gbps"] = nbytes / t_fast / 1e9
             rows.append(row)
+            path = append_rows('probe', [row])  # written as measured: a run cut short keeps its rows
             print_table([row], ["d", "B", "fastgate_us", "torch_eager_us", "probing_rag_us", "speedup_vs_eager",
                                 "speedup_vs_probing_rag"])
-    print(f"appended to {append_rows('probe', rows)}")
+    print(f"appended {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":
