@@ -211,3 +211,31 @@ def test_ask_json_and_healthz_name_the_weights(tmp_path, capsys):
     assert service.weights_name == "int8"  # known before the model loads
     health = TestClient(create_app(service)).get("/healthz").json()
     assert health["weights"] == "int8" and health["dtype"] == "float32"
+
+
+def test_the_traced_static_step_runs_int8_weights_as_the_eager_pass():
+    """The compiled decode step (fastgate.engine.static_step, traced whole through AOTAutograd) takes the int8 layers
+    (bf16 activations: the weight-only kernel is in the graph): the same greedy tokens as the eager packed pass."""
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.engine.static_step import StepConfig
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(n_layers=2, dtype=torch.bfloat16)
+    quantize_model(lm.model, "int8")
+    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    specs = [("Q: What is the capital of France?\nA:", cfg, TapSpec(layers=(1,)), 1, None),
+             ("Who wrote Hamlet?", cfg, TapSpec(), 1, None)]
+
+    def run(step):
+        loop = PackedLoop(ModelRunner(lm, step=step), mid=1)
+        tickets = loop.add(specs)
+        while loop.busy:
+            loop.step()
+        return [list(t.result.sequences[0].token_ids) for t in tickets], loop
+
+    eager, _ = run("eager")
+    got, loop = run(StepConfig("compiled", backend="aot_eager"))
+    assert got == eager and all(len(t) == 8 for t in got)
+    assert loop.static_steps > 0 and loop.static.compiled
