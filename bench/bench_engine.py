@@ -167,9 +167,12 @@ def gguf_type(path: Path) -> str:
 
 
 def _llama_next(llm) -> int:
+    """The greedy next token: the argmax of the last evaluated position's logits, read from llama.cpp's own buffer
+    (llama-cpp-python 0.3.x keeps no copy in ``llm.scores`` unless ``logits_all``)."""
     import numpy as np
 
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))  # the last evaluated position's logits
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # [V] float32, no copy
+    return int(np.argmax(logits))
 
 
 def llama_cpp_prompt(llm, context: int) -> list[int]:
