@@ -94,10 +94,10 @@ def append_rows(name: str, rows: list[dict[str, Any]]) -> Path:
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    widths = [max(len(c), *(len(_fmt(r.get(c, ""))) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
-        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
+        print("  ".join(_fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
 
 
 def _fmt(v: Any) -> str:

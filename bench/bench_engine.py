@@ -402,7 +402,7 @@ def main() -> None:
             append_rows("engine", [row])
 
     torch_designs = [d for d in designs if d != "llama.cpp"]
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes.split(",") if torch_designs else ():  # --designs llama.cpp alone loads no model
         for fmt in formats:
             if out_of_time():
                 break
