@@ -34,8 +34,7 @@ weights take as held (int8 and its scales included), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
 is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (row chunks
-of the
-runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
+of the runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
 
 Each step row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same
 run (a ``sum`` over a buffer far larger than the caches), ``of_bound`` = bound / step (1.0: at the bandwidth limit)

@@ -4,11 +4,9 @@ Two parts, in one run, for each ``--models`` entry:
 
 - ``head``: ``hidden [rows, K] @ W.T`` over the model's real head weight, plain (``F.linear``) and in slices of
   ``--columns`` output features (:func:`fastgate.engine.lm_head.sliced_linear`), at ``--rows``; ``speedup`` = plain /
-  sliced
-  and ``same`` says whether the logits are bitwise equal (machine-dependent: where they are not, the engine's
+  sliced and ``same`` says whether the logits are bitwise equal (machine-dependent: where they are not, the engine's
   :class:`fastgate.engine.lm_head.SlicedHead` keeps the plain product for that row count). ``GBps`` is the weight bytes
-  read
-  per second and ``of_bound`` that rate over the read bandwidth of a ``sum`` in the same run (the head reads its
+  read per second and ``of_bound`` that rate over the read bandwidth of a ``sum`` in the same run (the head reads its
   weight once).
 - ``step``: a packed decode step (:class:`fastgate.engine.packed.PackedLoop`, the service's layout) of ``--batch`` rows
 with

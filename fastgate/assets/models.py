@@ -420,8 +420,7 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
 
     ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
     once, by :func:`fastgate.assets.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP
-    shape
-    confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype) or
+    shape confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype) or
     ``int8`` (the decoder blocks' linear weights quantized per output channel, :mod:`fastgate.assets.quant`;
     activations, embeddings, LM head and logits stay in the dtype).
 

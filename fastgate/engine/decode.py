@@ -1,8 +1,7 @@
 """The decode loop: sequences join it at any step and leave it at the step they finish.
 
 :meth:`Engine.generate <fastgate.engine.local.Engine.generate>` runs one loop from a single admission to its end (a
-closed
-batch). The scheduler keeps one loop running and admits the generations its programs ask for between steps, so a
+closed batch). The scheduler keeps one loop running and admits the generations its programs ask for between steps, so a
 question never waits for another question's generation to end. A loop owns its rows (tokens, states, running sums)
 and the choice of their tokens; it runs the model through the public API of a
 :class:`~fastgate.engine.model_runner.ModelRunner`
@@ -17,9 +16,8 @@ between decode steps under a per-step token budget (:meth:`DecodeLoop.admit`, th
 do: one 500-token prompt then never stalls the running rows for its whole prefill, and the prefill with the fewest
 tokens left goes first, so a short prompt is not held behind long ones). In this padded layout a chunk runs as its
 own forward pass; :class:`fastgate.engine.packed.PackedLoop` (the scheduler's default where the model allows it) runs
-the
-chunks in the decode rows' pass, as Sarathi does, with attention over ragged rows. Prefilled rows are written after the
-loop's rows, left-padded to its width (positions come from the attention mask, so padding changes nothing), in place
+the chunks in the decode rows' pass, as Sarathi does, with attention over ragged rows. Prefilled rows are written after
+the loop's rows, left-padded to its width (positions come from the attention mask, so padding changes nothing), in place
 when the cache's buffers have room (:class:`~fastgate.engine.kv_cache.GrowingLayer`). Finished rows leave when half the
 loop has finished, or when rows join and a copy is due anyway; columns that are padding for every row are trimmed
 then (one copy of the cache).

@@ -2,10 +2,8 @@
 gates share.
 
 Why a module of its own: the loops (:mod:`fastgate.engine.decode`, :mod:`fastgate.engine.packed`) build these results
-and the gates
-read them; with the types inside :mod:`fastgate.engine.local`, the loops imported the engine module that imports them
-(an
-import cycle) and every gate depended on the engine. This module depends on torch only.
+and the gates read them; with the types inside :mod:`fastgate.engine.local`, the loops imported the engine module that
+imports them (an import cycle) and every gate depended on the engine. This module depends on torch only.
 """
 
 from __future__ import annotations

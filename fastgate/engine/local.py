@@ -1,16 +1,14 @@
 """The engine: ``Engine.generate``, a facade over the model runner and the decode loop.
 
 :class:`~fastgate.engine.model_runner.ModelRunner` owns the model's passes (prefill, eager or compiled decode step,
-prefix cache,
-taps) and binds the ops (:func:`fastgate.ops.build_ops`), :class:`~fastgate.engine.decode.DecodeLoop` chooses tokens and
-keeps the rows' states, :mod:`fastgate.engine.generation` holds the result types. This module holds :class:`Engine`:
-what
-methods and gates read of a model (the runner's attributes, ``engine.ops`` and ``engine.backend``, which a subclass
-may swap), the runner's helpers under the names subclasses use, and ``generate``, which checks a call's arguments and
-runs one loop from a single admission to its end (:class:`~fastgate.scheduler.Scheduler` runs its own loops). It
-imports those modules and none of them imports it (the loops take a runner). ``Generation``, ``GenerationBatch``,
-``FinishReason`` and ``accumulate_taps`` are re-exported here for the code that has always imported them from this
-module.
+prefix cache, taps) and binds the ops (:func:`fastgate.ops.build_ops`), :class:`~fastgate.engine.decode.DecodeLoop`
+chooses tokens and keeps the rows' states, :mod:`fastgate.engine.generation` holds the result types. This module holds
+:class:`Engine`: what methods and gates read of a model (the runner's attributes, ``engine.ops`` and ``engine.backend``,
+which a subclass may swap), the runner's helpers under the names subclasses use, and ``generate``, which checks a call's
+arguments and runs one loop from a single admission to its end (:class:`~fastgate.scheduler.Scheduler` runs its own
+loops). It imports those modules and none of them imports it (the loops take a runner). ``Generation``,
+``GenerationBatch``, ``FinishReason`` and ``accumulate_taps`` are re-exported here for the code that has always imported
+them from this module.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ class Engine:
     """Batched generation with taps on one loaded model (implements :class:`~fastgate.engine.protocol.LLMEngine`).
 
     The arguments are :class:`~fastgate.engine.model_runner.ModelRunner`'s (``engine.runner``, built here): ``backend``
-    for the
-    gating ops, ``prefix_cache``, ``prefill_chunk``, ``head_columns`` and ``step`` (eager or compiled decode
+    for the gating ops, ``prefix_cache``, ``prefill_chunk``, ``head_columns`` and ``step`` (eager or compiled decode
     steps). The attributes methods and gates read (``lm``, ``model``, ``tokenizer``, ``device``, ``dtype``,
     ``n_layers``, the EOS and pad ids) are the runner's. ``ops`` (every op, :func:`fastgate.ops.build_ops`) and
     ``backend`` are the engine's own, set from the runner's: a subclass may swap them (the baseline pipeline of

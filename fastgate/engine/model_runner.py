@@ -146,8 +146,7 @@ class ModelRunner:
         head_columns: on a float32 CPU model, compute the LM head this many vocabulary columns at a time (bitwise the
             same logits: a row count where this machine's BLAS sums the slices in another order keeps the plain
             product; 1.2–1.5× faster at 4–32 rows on a 2-core EPYC; :mod:`fastgate.engine.lm_head`); 0: the plain
-            product.
-            This sets the shared model's head, so the last runner built on a model decides.
+            product. This sets the shared model's head, so the last runner built on a model decides.
         step: how the packed loop runs its decode-only steps: ``compiled`` (one static step per batch and width
             bucket through ``torch.compile``, a CUDA graph on GPU: :mod:`fastgate.engine.static_step`), ``eager`` (the
             packed pass), or ``auto`` (compiled on CUDA, eager on CPU); a

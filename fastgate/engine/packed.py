@@ -16,8 +16,7 @@ do); only attention differs per sequence, and that is what this module supplies,
 
 Why not transformers' ``continuous_batching`` (paged cache, its own scheduler): the gates' taps, forced-EOS step and
 per-row generators need the loop of :mod:`fastgate.engine.decode`; this module only replaces how its forward pass is
-laid
-out. Models whose layers keep a sliding window (Gemma-3) keep the padded layout.
+laid out. Models whose layers keep a sliding window (Gemma-3) keep the padded layout.
 """
 
 from __future__ import annotations
@@ -209,8 +208,7 @@ class PackedLoop(DecodeLoop):
         self._arrivals = 0  # admissions so far: the tie-break of equal priorities
         # the static step (None: every pass eager). With it, the running sums keep every layer (the graph never
         # depends on the rows' asks) and every row's token is chosen by fastgate.engine.static_step.choose, in the step
-        # or,
-        # for logits from an eager pass, eagerly: the same draw whichever pass made the logits
+        # or, for logits from an eager pass, eagerly: the same draw whichever pass made the logits
         self.static = self.runner.static_step(mid)
         self.chosen: tuple[torch.Tensor, torch.Tensor] | None = None  # [M] tokens, [M] log-probs from the step
         self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bucket -> running, count, eos

@@ -4,14 +4,12 @@ OpenAI-compatible ones, ``/healthz``, ``/metrics``).
 
 Each replica is a Ray actor that loads the model, opens the read-only indexes and runs its own
 :class:`~fastgate.serving.service.AnswerService` (one scheduler batching that replica's requests) behind the FastAPI
-app of
-:func:`fastgate.entrypoints.http.create_app`, mounted with ``@serve.ingress``. Ray Serve's proxy spreads requests over
-the
-replicas, at most ``max_ongoing_requests`` at a time on each (default: the service's ``max_live``, so requests wait in
-Ray's router, which sends them to the least loaded replica, rather than in one replica's queue; beyond ``max_queue``
-waiting there Ray answers 503). Ray checks every replica's health (``check_health``: its scheduler thread is alive)
-and replaces a replica whose actor dies; a request that was on it gets an error from the proxy (5xx) or a retry,
-never a hang, and the others are served by the remaining replicas meanwhile. Responses name their replica in
+app of :func:`fastgate.entrypoints.http.create_app`, mounted with ``@serve.ingress``. Ray Serve's proxy spreads requests
+over the replicas, at most ``max_ongoing_requests`` at a time on each (default: the service's ``max_live``, so requests
+wait in Ray's router, which sends them to the least loaded replica, rather than in one replica's queue; beyond
+``max_queue`` waiting there Ray answers 503). Ray checks every replica's health (``check_health``: its scheduler thread
+is alive) and replaces a replica whose actor dies; a request that was on it gets an error from the proxy (5xx) or a
+retry, never a hang, and the others are served by the remaining replicas meanwhile. Responses name their replica in
 ``fastgate.replica`` and ``/healthz``.
 
 On one machine ``fastgate serve --ray`` starts a local Ray; on a cluster, start Ray first (``ray start --head`` on one

@@ -132,9 +132,8 @@ class ScaarGate(_WordGate):
 
     Args:
         embedder: anything with ``encode(list[str]) -> [n, dim]`` unit vectors (the packaged MiniLM by default).
-        theta: base threshold (SCAAR: 0.8).
-        alpha: PFQ keeps the top ``alpha`` fraction of words by contribution (SCAAR: 50%).
-        weighting: ``literal`` or ``normalized`` (see above).
+        theta: base threshold (SCAAR: 0.8). alpha: PFQ keeps the top ``alpha`` fraction of words by contribution (SCAAR:
+        50%). weighting: ``literal`` or ``normalized`` (see above).
     """
 
     name = "scaar"

@@ -4,10 +4,9 @@ Each :meth:`Scheduler.step` (a tick) admits the programs submitted since the las
 it waits on a request, groups the pending requests by kind and runs each group as one batched call: one
 ``search_batch`` per (retriever, k), one embedding call per encoder, one score launch per gate kind, one call per
 batch op. Generations join one running :class:`~fastgate.engine.decode.DecodeLoop` (rows may differ in decoding
-settings,
-taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back to its
-program at that step, and a new one joins at the next (its prompt prefilled in chunks between decode steps, at most
-``prefill_budget`` tokens a step, within the ``kv_budget``), so no question waits for another's generation to end.
+settings, taps, sample counts and seeds) and each tick runs one decode step of it: a generation that finishes goes back
+to its program at that step, and a new one joins at the next (its prompt prefilled in chunks between decode steps, at
+most ``prefill_budget`` tokens a step, within the ``kv_budget``), so no question waits for another's generation to end.
 Programs of different methods and parameters share these calls. A program's result is delivered as soon as its own
 program ends (the batch-synchronous ``answer_batch`` of earlier versions returned when its slowest question ended).
 Models whose cache cannot be merged (sliding-window layers) run each tick's generations as one closed engine call.

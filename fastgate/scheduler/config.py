@@ -2,8 +2,7 @@
 
 The defaults are those of the library's scheduler (``Method.answer_batch``, ``fastgate ask`` and ``fastgate eval``:
 batch throughput). ``fastgate serve`` runs its scheduler with :class:`fastgate.serving.service.ServiceConfig`'s, which
-keep
-cheap requests cheap under load; that class takes these fields' help lines and validation from here. Calls nothing
+keep cheap requests cheap under load; that class takes these fields' help lines and validation from here. Calls nothing
 but :mod:`fastgate.settings` (the fields' metadata) and :mod:`fastgate.errors`.
 """
 

@@ -1,9 +1,7 @@
 """Plain completions with token log-probabilities: what ``fastgate serve`` answers for its LM's own name on
 ``/v1/completions`` (so that one fastgate can be the black-box model of another, see :mod:`fastgate.engine.remote`).
-This
-module holds the program the scheduler runs and its result; :mod:`fastgate.entrypoints.http.logprobs` writes the result
-in
-OpenAI's formats.
+This module holds the program the scheduler runs and its result; :mod:`fastgate.entrypoints.http.logprobs` writes the
+result in OpenAI's formats.
 
 The chosen tokens' log-probabilities are the decode loop's own (float32, temperature 1, exactly what the local gates
 read). ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) need the whole distribution at each step, which the loop

@@ -313,8 +313,8 @@ class AnswerService:
     def submit_completion(self, prompt: str, config, seed: int | None = None, top_logprobs: int = 0) -> Future:
         """Queue a plain completion of ``prompt`` (a :class:`~fastgate.config.GenerationConfig`); the future resolves
         to a :class:`~fastgate.serving.completion.Completion` (the generation, its tokens' bytes, the top
-        ``top_logprobs``
-        alternatives at each token). It shares the scheduler with the questions. Not on a remote engine.
+        ``top_logprobs`` alternatives at each token). It shares the scheduler with the questions. Not on a remote
+        engine.
 
         Raises:
             InputError: an empty or over-long prompt, or ``top_logprobs`` out of range (nothing is queued).

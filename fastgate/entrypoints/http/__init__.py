@@ -11,11 +11,10 @@ gate scores (an eigenscore with no valid sample is +inf) are sent as ``null``: J
 
 The modules, from the bottom up: :mod:`~fastgate.entrypoints.http.common` (shared helpers, no web framework),
 :mod:`~fastgate.entrypoints.http.protocol` (every request and response model), :mod:`~fastgate.entrypoints.http.errors`
-(the one map from
-exceptions to status codes), :mod:`~fastgate.entrypoints.http.metrics`, :mod:`~fastgate.entrypoints.http.logprobs`,
+(the one map from exceptions to status codes), :mod:`~fastgate.entrypoints.http.metrics`,
+:mod:`~fastgate.entrypoints.http.logprobs`,
 :mod:`~fastgate.entrypoints.http.streaming` and :mod:`~fastgate.entrypoints.http.plain` (pieces of the OpenAI
-responses), the routes
-(:mod:`~fastgate.entrypoints.http.answer`, :mod:`~fastgate.entrypoints.http.openai`) and
+responses), the routes (:mod:`~fastgate.entrypoints.http.answer`, :mod:`~fastgate.entrypoints.http.openai`) and
 :mod:`~fastgate.entrypoints.http.app` (the app). Importing this
 package needs none of the serving extras; :func:`create_app` and :func:`serve` say which one is missing.
 """

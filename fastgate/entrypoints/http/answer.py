@@ -2,8 +2,7 @@
 limit) in, the ``fastgate ask --json`` record out, non-finite gate scores as ``null``.
 
 Calls :meth:`AnswerService.submit <fastgate.serving.service.AnswerService.submit>` and waits for the answer within the
-HTTP
-timeout; errors go through :class:`~fastgate.entrypoints.http.errors.ErrorMap` (native format). Registered by
+HTTP timeout; errors go through :class:`~fastgate.entrypoints.http.errors.ErrorMap` (native format). Registered by
 :func:`fastgate.entrypoints.http.app.create_app`.
 """
 

@@ -2,10 +2,9 @@
 
 :func:`create_app` builds the app on an :class:`~fastgate.serving.service.AnswerService`: the request models with the
 service's limits (:func:`fastgate.entrypoints.http.protocol.server_models`), one error map and one metrics registry
-shared by
-every route, the native routes (:mod:`fastgate.entrypoints.http.answer`), the OpenAI-compatible ones
-(:mod:`fastgate.entrypoints.http.openai`),
-``GET /healthz`` and ``GET /metrics``. FastAPI serves the schema at ``/openapi.json``.
+shared by every route, the native routes (:mod:`fastgate.entrypoints.http.answer`), the OpenAI-compatible ones
+(:mod:`fastgate.entrypoints.http.openai`), ``GET /healthz`` and ``GET /metrics``. FastAPI serves the schema at
+``/openapi.json``.
 
 The serving extras (FastAPI, pydantic, prometheus-client) are imported once they are known to be installed, so that a
 missing one is reported with its install hint.

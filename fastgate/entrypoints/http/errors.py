@@ -14,8 +14,8 @@ formats: native ``{"error": message}``; OpenAI ``{"error": {"message", "type", "
 response is counted in the app's metrics by its status.
 
 Imports :mod:`fastgate.entrypoints.http.common` and :mod:`fastgate.entrypoints.http.protocol`; the routes
-(:mod:`fastgate.entrypoints.http.answer`,
-:mod:`fastgate.entrypoints.http.openai`, :mod:`fastgate.entrypoints.http.plain`,
+(:mod:`fastgate.entrypoints.http.answer`, :mod:`fastgate.entrypoints.http.openai`,
+:mod:`fastgate.entrypoints.http.plain`,
 :mod:`fastgate.entrypoints.http.streaming`) call :class:`ErrorMap`.
 """
 

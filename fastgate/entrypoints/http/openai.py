@@ -44,8 +44,7 @@ client that disconnects cancels its program.
 
 Calls :meth:`AnswerService.submit <fastgate.serving.service.AnswerService.submit>`, the method table
 (:data:`fastgate.methods.METHODS`), :mod:`fastgate.entrypoints.http.plain`, :mod:`fastgate.entrypoints.http.streaming`
-and
-:mod:`fastgate.entrypoints.http.logprobs`.
+and :mod:`fastgate.entrypoints.http.logprobs`.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime
