@@ -59,8 +59,9 @@ class RemoteConfig:
     # the server's OpenAI base URL, with its /v1 (as the openai client takes it)
     base_url: str = setting(MISSING, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     # the model name the server serves (vLLM: the HF name; fastgate serve: its LM's name); calibrations are keyed by it
-    model: str = setting(MISSING, "the model name the server serves (fastgate serve: its LM's name, e.g. "
-                                  "smollm2-135m); its calibration is looked up under this name", flag="--api-model")
+    model: str = setting(MISSING, "the model name the server serves (fastgate serve: the name of its model, as "
+                                  "/v1/models lists it); its calibration is looked up under this name",
+                         flag="--api-model")
     api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; the CLI reads it from the env
     # per request: a 48-token sentence takes well under a second on any GPU server
     timeout_s: float = setting(60.0, "seconds per request (default: %(default)s)", flag="--api-timeout")
