@@ -406,6 +406,7 @@ def main() -> None:
             if out_of_time():
                 break
             lm = build_model(args.model, args.device, dtype, fmt)
+            FIRST_STEP.clear()  # first steps are this model's
             engine = Engine(lm, prefix_cache=0, step="eager")  # every row prefilled whole; eager on CUDA too
             # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and
             # width bucket

@@ -38,11 +38,31 @@ def _layer(k: int, n: int, bias: bool = False, seed: int = 0) -> tuple[nn.Linear
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int8_product_equals_the_dequantized_reference_in_float32(m, k, n):
     _, q = _layer(k, n, bias=n % 2 == 1)
+    q.bf16_products = False  # the dense float32 path: the definition up to float32 rounding
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(1))  # [M, K]
+    assert not q.uses_kernel(x)
     ref = int8_reference(x, q.q, q.scale, q.bias)  # [M, N]
     y = q(x)
     assert y.dtype is torch.float32 and y.shape == (m, n)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_float32_rows_through_bf16_products_stay_within_bf16_rounding(m, k, n):
+    """float32 rows rounded to bf16 for the kernel (an AVX-512 CPU's default): float32 out, the definition within
+    the inputs' bf16 rounding; rows or K the kernel does not take stay on the exact dense path."""
+    _, q = _layer(k, n, bias=True)
+    q.bf16_products = True
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(5))
+    assert q.uses_kernel(x) == (m <= KERNEL_ROWS and k % 16 == 0)
+    y = q(x)
+    ref = int8_reference(x, q.q, q.scale, q.bias)
+    assert y.dtype is torch.float32 and y.shape == (m, n)
+    err = (y - ref).abs().max().item()
+    if q.uses_kernel(x):
+        assert err <= 2e-2 * ref.abs().max().item() + 1e-3
+    else:
+        assert err <= 1e-4 * ref.abs().max().item() + 1e-5
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -63,7 +83,11 @@ def test_int8_product_of_non_contiguous_and_3d_inputs():
     wide = torch.randn((4, 128), generator=gen)
     for x in (wide[:, ::2], torch.randn((64, 4), generator=gen).T, torch.randn((2, 3, 64), generator=gen)):
         assert not x.is_contiguous() or x.dim() == 3
+        q.bf16_products = False
         torch.testing.assert_close(q(x), int8_reference(x, q.q, q.scale, q.bias), rtol=1e-5, atol=1e-5)
+        q.bf16_products = True  # the kernel path of the same rows
+        ref = int8_reference(x, q.q, q.scale, q.bias)
+        assert (q(x) - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
         xb = x.to(torch.bfloat16)  # the kernel wants contiguous 2-D rows: the layer makes them
         assert q(xb).shape == (*x.shape[:-1], 769)
 

@@ -18,10 +18,17 @@ How the product runs (torch 2.13's CPU build; timings in ``bench/bench_engine.py
   Its time grows linearly with the rows (a GEMV per row); beyond ~16 rows the dense product wins, hence the bound.
   With ``K`` not a multiple of 16 the kernel crashed the process in bf16 (a segmentation fault, M > 1), so such
   layers never reach it.
-- every other case (float32 activations, where the same kernel runs a scalar loop 6-40x slower than a dense
-  float32 product; more rows; another device): the weight is cast to the activations' dtype and multiplied densely,
-  then scaled per channel (``(x @ q.T) * s``, equal to the definition up to rounding). That reads the int8 bytes and
-  writes a float copy per call: with float32 activations ``int8`` saves memory, not time.
+- float32 activations, the same bounds, on a CPU where torch dispatches AVX-512 code
+  (:data:`FLOAT32_VIA_BF16`): the rows are rounded to bf16 for the product only and the result cast back to float32
+  (``bf16_products``). The kernel's own float32 path is a scalar loop, 6-40x slower than a dense float32 product,
+  and the cast weight of the dense path costs more than float32 weights (SmolLM2's batch-1 step took 350 ms
+  against 40 ms, shared machine). The rounding of the product's inputs (a relative 2^-9) is of the order of the
+  weights' own quantization error (half a step of 1/127 of a row's largest weight); the residual stream, norms,
+  attention and KV cache stay float32.
+- every other case (more rows: a prefill; ``K`` not a multiple of 16; another device or CPU): the weight is cast to
+  the activations' dtype and multiplied densely, then scaled per channel (``(x @ q.T) * s``, equal to the definition
+  up to rounding). That reads the int8 bytes and writes a float copy per call; over many rows the copy is small
+  beside the product.
 
 A 4-bit form (``aten._weight_int4pack_mm_for_cpu``, groups of 32 with scale and zero, semantics
 ``w = (q - 8) * scale + zero``) was timed beside it and was not faster than the int8 kernel on that CPU (1 × 2048 →
@@ -38,6 +45,7 @@ from torch import nn
 from fastgate.errors import UnknownNameError
 
 __all__ = [
+    "FLOAT32_VIA_BF16",
     "KERNEL_ROWS",
     "WEIGHTS",
     "Int8Linear",
@@ -50,6 +58,8 @@ __all__ = [
 
 WEIGHTS = ("float", "int8")  # what --weights accepts
 KERNEL_ROWS = 16  # rows up to which the weight-only kernel beats a dense bf16 product (module docstring)
+# float32 rows go through the bf16 kernel where torch runs its AVX-512 code (the kernel's vectorized path)
+FLOAT32_VIA_BF16 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 _KERNEL_K_MULTIPLE = 16  # the bf16 kernel's K must be a multiple of this (it crashed otherwise)
 
 
@@ -94,6 +104,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.float32).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.kernel_rows = kernel_rows
+        self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = KERNEL_ROWS) -> Int8Linear:
@@ -105,8 +116,10 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` (2-D, contiguous rows) goes through ``aten._weight_int8pack_mm``."""
-        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= self.kernel_rows
+        """Whether ``x`` (2-D, contiguous rows) goes through ``aten._weight_int8pack_mm`` (float32 rows rounded to
+        bf16 for it where ``bf16_products``)."""
+        kinds = (torch.bfloat16, torch.float32) if self.bf16_products else (torch.bfloat16,)
+        return (x.device.type == "cpu" and x.dtype in kinds and x.shape[0] <= self.kernel_rows
                 and self.in_features % _KERNEL_K_MULTIPLE == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +128,8 @@ class Int8Linear(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if self.uses_kernel(x2):
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale.to(x2.dtype))  # [M, N]
+            xb = x2.to(torch.bfloat16)  # a no-op for bf16 rows
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale.to(torch.bfloat16)).to(x2.dtype)  # [M, N]
         else:
             y = F.linear(x2, self.q.to(x2.dtype)) * self.scale.to(x2.dtype)  # [M, N]
         if self.bias is not None:
