@@ -26,7 +26,7 @@ KEEP = ("run", "id", "question", "answer", "retrieved", "passages", "retrieval_c
 
 
 def run_all(n: int, batch_size: int, out: Path, methods: list[str] | None = None, dtype: str = "float32",
-            step: str = "eager") -> list[dict]:
+            step: str = "eager", weights: str = "float") -> list[dict]:
     """Answer ``n`` held-out questions with every method (or ``methods``) under the CPU eval budget; the records in
     run order."""
     from fastgate.eval.datasets import load_qa, sample_examples
@@ -41,8 +41,8 @@ def run_all(n: int, batch_size: int, out: Path, methods: list[str] | None = None
     examples = sample_examples(load_qa("heldout"), n, 0)
     store = ResultsStore(out / "results.jsonl")
     # the fixture was recorded in float32 with eager steps: replayed so unless asked otherwise, whatever `auto` picks
-    evaluate(Runtime("smollm2-135m", "cpu", dtype=dtype, step=step), runs, examples, store, batch_size=batch_size,
-             progress=True)
+    evaluate(Runtime("smollm2-135m", "cpu", dtype=dtype, step=step, weights=weights), runs, examples, store,
+             batch_size=batch_size, progress=True)
     return [{k: store.records[(r.key, ex.id)][k] for k in KEEP} for r in runs for ex in examples]
 
 
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", default="eager", choices=["eager", "compiled"],
                     help="decode steps (fastgate.engine.static_step); compiled: greedy answers equal, "
                          "SeaKR's samples are drawn by another generator")
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="the linear weights (fastgate.assets.quant; the fixture is float: int8 answers are counted)")
     args = ap.parse_args(argv)
     if args.serving:
         _serving_scheduler()
@@ -114,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        records = run_all(args.n, args.batch_size, Path(args.out), methods, args.dtype, args.step)
+        records = run_all(args.n, args.batch_size, Path(args.out), methods, args.dtype, args.step,
+                          args.weights)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            records = run_all(args.n, args.batch_size, Path(tmp), methods, args.dtype, args.step)
+            records = run_all(args.n, args.batch_size, Path(tmp), methods, args.dtype, args.step, args.weights)
     elapsed = time.perf_counter() - t0
     if args.record:
         FIXTURE.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -133,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(d)
     same = {(w["run"], w["id"]) for w in want} - {tuple(d.split(":")[0].rsplit(" ", 1)) for d in diffs}
     if diffs:
-        print(f"{len(same)}/{len(want)} records identical in every field ({args.dtype}, {args.step} steps)")
+        print(f"{len(same)}/{len(want)} records identical in every field ({args.dtype}, {args.weights} weights, "
+              f"{args.step} steps)")
+        mine = {(r["run"], r["id"]): r["answer"] for r in records}
+        answers = sum(mine.get((w["run"], w["id"])) == w["answer"] for w in want)
+        print(f"{answers}/{len(want)} answers identical")
     print(f"{len(records) - len(diffs)}/{len(want)} records agree ({elapsed:.0f} s)" if diffs else
           f"all {len(want)} records agree with {FIXTURE.name} ({elapsed:.0f} s)")
     return 1 if diffs else 0
