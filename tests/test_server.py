@@ -124,8 +124,10 @@ def test_timeout_cancels_the_program(tiny_engine, small_index):
 
     svc = _service(tiny_engine, small_index, timeout_s=0.5).start()
     try:
-        f = svc.submit("capital of Kyrgyzstan", "seakr", {"samples": 8, "step_tokens": 32, "max_steps": 4,
-                                                          "delta": -1e9, "answer_tokens": 64})
+        # ~650 decode steps of 16 rows: seconds on any CPU, far past the timeout (8 samples of 4 x 32 tokens, the
+        # earlier load, finished within 0.5 s on a fast 2-core EPYC and the test then failed)
+        f = svc.submit("capital of Kyrgyzstan", "seakr", {"samples": 16, "step_tokens": 64, "max_steps": 8,
+                                                          "delta": -1e9, "answer_tokens": 128})
         with pytest.raises(CancelledError):
             f.result(timeout=60)
         deadline = time.time() + 30
