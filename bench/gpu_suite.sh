@@ -19,7 +19,8 @@
 # $OUT: env.txt, the part's log and its CSVs.
 #
 # Environment: OUT (required on the device; default bench/results/gpu-<part>-<time>), PYTHON (python3), BUDGET (seconds
-# for the part, default 450), DTYPES (bench dtypes, default bfloat16).
+# for the part, default 450), DTYPES (bench dtypes, default bfloat16), DEVICE (default cuda; cpu for a smoke run of the
+# command lines on a machine without a GPU).
 set -uo pipefail
 
 PART=${1:-}
@@ -32,6 +33,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-450}
 DTYPES=${DTYPES:-bfloat16}
+DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FASTGATE_BENCH_RESULTS="$OUT" FASTGATE_HOME=/tmp/fastgate-home TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 LOG="$OUT/$PART.log"
@@ -59,7 +61,7 @@ case "$PART" in
     ;;
   smollm2)
     # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600: 4 graphs
-    timeout "$(left)" "$PY" bench/bench_engine.py --device cuda --model smollm2-135m-shape --dtypes "$DTYPES" \
+    timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model smollm2-135m-shape --dtypes "$DTYPES" \
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
       --contexts 30,600 --compile-batches 1,16 --compile-contexts 600 --prefill 16x700 --steps 30 --rounds 1 \
       --max-minutes "$(minutes 90)" 2>&1 | tee "$LOG"
@@ -70,7 +72,7 @@ case "$PART" in
     # what is left. compiles: packed-compiled and hf-static-compile at batch 1, context 600: 2 graphs of 32 layers
     timeout 90 "$PY" bench/bench_probe.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee "$LOG"
     timeout 90 "$PY" bench/bench_eigenscore.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee -a "$LOG"
-    timeout "$(left)" "$PY" bench/bench_engine.py --device cuda --model llama3-8b-shape --dtypes "$DTYPES" \
+    timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model llama3-8b-shape --dtypes "$DTYPES" \
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
       --contexts 30,600 --compile-batches 1 --compile-contexts 600 --prefill 16x700 --steps 20 --rounds 1 \
       --max-minutes "$(minutes 120)" 2>&1 | tee -a "$LOG"
