@@ -213,3 +213,217 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
     assert f"checkpoint: {tmp_path / 'home' / 'checkpoints' / 'tiny-read-dtr'}" in capsys.readouterr().out
     assert load_read_checkpoint(tmp_path / "home" / "checkpoints" / "tiny-read-dtr", "all", model=tiny, base="dtr")
     assert list(cwd.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------- decide=prefill
+def _projection(tiny, rank: int = 3):
+    from fastgate.gates.read import StateProjection
+
+    rng = np.random.default_rng(1)
+    comps = np.linalg.qr(rng.normal(size=(tiny.hidden_size, rank)))[0].T  # [rank, d], orthonormal rows
+    return StateProjection(tiny.n_layers // 2, tuple(rng.normal(size=tiny.hidden_size).tolist()),
+                           tuple(tuple(c) for c in comps.tolist()))
+
+
+def _prefill_checkpoint(tmp_path, tiny, weight: float = 1.0, name: str = "pf") -> str:
+    """A prefill checkpoint whose log-odds are ``weight`` × BM25 top score (its state weights 0)."""
+    from fastgate.gates.read import ReadModel, prefill_feature_names
+
+    proj = _projection(tiny)
+    models = {}
+    for fs in ("all", "dense"):
+        names = prefill_feature_names(fs, proj.rank)
+        models[fs] = ReadModel(names, tuple(0.0 for _ in names), tuple(1.0 for _ in names),
+                               tuple(weight if f == "bm25_top" else 0.0 for f in names), 0.0 if fs == "all" else 1.0)
+    return str(save_read_checkpoint(tmp_path / name, models, model=tiny, base=None, meta={}, decide="prefill",
+                                    projection=proj))
+
+
+def test_prefill_features_by_hand(tiny):
+    from fastgate.gates.read import PREFILL_SEARCH_FEATURES, StateProjection, prefill_feature_names, prefill_features
+
+    proj = StateProjection(2, (1.0, 0.0, -1.0), ((1.0, 0.0, 0.0), (0.0, 0.6, 0.8)))
+    bm = [_hit("a", "Paris", "Paris is the capital of France.", 9.0), _hit("b", "Berlin", "Berlin.", 4.0)]
+    dn = [_hit("b", "Berlin", "Berlin.", 0.5), _hit("c", "Rome", "Rome.", 0.25)]
+    import torch
+
+    f = prefill_features("What is the capital of France?", torch.tensor([3.0, 1.0, 1.0]), proj, bm, dn)
+    # state - mean = (2, 1, 2): (1,0,0)·=2; (0,.6,.8)·=0.6+1.6=2.2
+    assert f["state_0"] == pytest.approx(2.0) and f["state_1"] == pytest.approx(2.2)
+    assert f["bm25_top"] == 9.0 and f["bm25_drop"] == 5.0 and f["bm25_cover"] == 1.0
+    assert f["dense_top"] == 0.5 and f["dense_drop"] == 0.25 and f["dense_cover"] == 0.0
+    assert f["agree"] == 0.5 and f["q_words"] == pytest.approx(math.log1p(6))
+    # nothing that needs the closed-book answer; the names are the checkpoint's, in order
+    assert set(f) == set(prefill_feature_names("all", 2))
+    assert prefill_feature_names("dense", 2) == ("state_0", "state_1", "q_words", "dense_top", "dense_drop",
+                                                 "dense_cover")
+    assert not any(k.startswith("bm25") for k in PREFILL_SEARCH_FEATURES["dense"])
+    # the search features are the answer mode's own, so one training pass serves both modes
+    full = read_features("What is the capital of France?", _gen("Paris", [-0.5]), 1.0, bm, dn)
+    assert all(f[k] == full[k] for k in PREFILL_SEARCH_FEATURES["all"])
+    with pytest.raises(InputError, match="4-d state"):
+        proj.project(np.zeros(4))
+
+
+def test_state_projection_is_the_top_principal_components():
+    from fastgate.gates.read import fit_state_projection
+
+    rng = np.random.default_rng(0)
+    direction = np.array([3.0, 4.0, 0.0, 0.0]) / 5.0
+    x = rng.normal(size=(200, 1)) * 10.0 * direction + rng.normal(size=(200, 4)) * 0.1 + 7.0
+    p = fit_state_projection(x, layer=1, rank=2)
+    assert p.rank == 2 and p.layer == 1 and p.dim == 4
+    np.testing.assert_allclose(np.asarray(p.components[0]), direction, atol=0.02)  # sign fixed: largest entry > 0
+    np.testing.assert_allclose(np.asarray(p.mean), x.mean(0))
+    np.testing.assert_allclose(p.project(x[:3]), (x[:3] - x.mean(0)) @ np.asarray(p.components).T)
+
+
+def test_prefill_checkpoint_refuses_the_other_mode_and_other_models(tmp_path, tiny):
+    from fastgate.gates.read import load_prefill_checkpoint
+
+    path = _prefill_checkpoint(tmp_path, tiny)
+    m, proj = load_prefill_checkpoint(path, "all", model=tiny)
+    assert m.features[:3] == ("state_0", "state_1", "state_2") and proj == _projection(tiny)
+    doc = json.loads((tmp_path / "pf" / "config.json").read_text())
+    assert doc["decide"] == "prefill" and doc["base"] is None
+    with pytest.raises(CheckpointError, match="made for decide=prefill, not decide=answer"):
+        load_read_checkpoint(path, "all", model=tiny, base="dtr")
+    answer = _checkpoint(tmp_path, tiny, 1.0)
+    with pytest.raises(CheckpointError, match="made for decide=answer, not decide=prefill"):
+        load_prefill_checkpoint(answer, "all", model=tiny)
+    other = type("M", (), {"name": "other-model", "fingerprint": "", "hidden_size": 64, "n_layers": 4})()
+    with pytest.raises(CheckpointError, match="trained for model"):
+        load_prefill_checkpoint(path, "all", model=other)
+    wide = type("M", (), {"name": "tiny", "fingerprint": "", "hidden_size": 128, "n_layers": 4})()
+    with pytest.raises(CheckpointError, match="projects 64-d states"):
+        load_prefill_checkpoint(path, "all", model=wide)
+    with pytest.raises(InputError, match="state projection"):
+        save_read_checkpoint(tmp_path / "x", {}, model=tiny, base=None, meta={}, decide="prefill")
+
+
+def _recording(method):
+    """Record every request ``method``'s programs yield (an All's parts flattened, tagged with its position)."""
+    seen: dict[str, list] = {}
+    program = method.program
+
+    def rec(question):
+        log = seen.setdefault(question, [])
+        gen, out = program(question), None
+        try:
+            while True:
+                req = gen.send(out)
+                log.append(req)
+                out = yield req
+        except StopIteration as stop:
+            return stop.value
+
+    method.program = rec
+    return seen
+
+
+def _kinds(reqs) -> list:
+    from fastgate.programs import All
+
+    return [tuple(type(r).__name__ for r in req.requests) if isinstance(req, All) else type(req).__name__
+            for req in reqs]
+
+
+def test_prefill_skip_and_read_request_sequences_and_costs(tmp_path, tiny, tiny_engine, retrievers):
+    from fastgate.prompts import closed_book_prompt
+
+    bm25 = retrievers["bm25"]
+    ck = _prefill_checkpoint(tmp_path, tiny)
+    never = build_method("never", tiny_engine).answer_batch(QUESTIONS)
+    always = build_method("always", tiny_engine, bm25).answer_batch(QUESTIONS)
+    answer_ck = _checkpoint(tmp_path, tiny, 1.0)
+
+    # skip everything: PromptStates and both searches in one fan-out, the decision, ONE closed-book generation
+    skip = build_method("read", tiny_engine, bm25, {"decide": "prefill", "checkpoint": ck, "threshold": 1e9},
+                        retrievers=retrievers)
+    seen = _recording(skip)
+    hits0 = tiny_engine.prefix_hits
+    res = skip.answer_batch(QUESTIONS)
+    assert all(_kinds(seen[q]) == [("PromptStates", "Search", "Search"), "Decide", "Generate"] for q in QUESTIONS)
+    gen = seen[QUESTIONS[0]][-1]
+    assert gen.prompt == closed_book_prompt(QUESTIONS[0]) and gen.answer and gen.k == 1
+    # the prefill and the generation both start from the cached few-shot block: the prompt is not prefilled twice
+    assert tiny_engine.prefix_hits - hits0 == 2 * len(QUESTIONS)
+    assert [r.answer for r in res] == [r.answer for r in never]
+    for r, n in zip(res, never):
+        assert not r.retrieved and r.passages == [] and r.retrieval_calls == 2 and r.lm_calls == 2
+        assert r.generated_tokens == n.generated_tokens  # one closed-book answer, nothing else generated
+        assert r.prompt_tokens == 2 * n.prompt_tokens  # the states' prefill counts the prompt as sent, too
+        assert r.details["closed_book_answer"] == n.answer and r.details["decide"] == "prefill"
+        assert [s.gate for s in r.gate_steps] == ["read"] and not r.gate_steps[0].retrieve
+
+    # read everything: no closed-book generation at all; the answer is always's
+    read = build_method("read", tiny_engine, bm25, {"decide": "prefill", "checkpoint": ck, "threshold": -1e9},
+                        retrievers=retrievers)
+    seen = _recording(read)
+    res = read.answer_batch(QUESTIONS)
+    assert all(_kinds(seen[q]) == [("PromptStates", "Search", "Search"), "Decide", "Generate"] for q in QUESTIONS)
+    assert all(seen[q][-1].prompt != closed_book_prompt(q) for q in QUESTIONS)
+    today = build_method("read", tiny_engine, bm25, {"checkpoint": answer_ck, "threshold": -1e9},
+                         retrievers=retrievers).answer_batch(QUESTIONS)
+    assert [r.answer for r in res] == [r.answer for r in always] == [r.answer for r in today]
+    for r, a, n, t in zip(res, always, never, today):
+        assert r.retrieved and r.lm_calls == 2 and r.retrieval_calls == 2 and "closed_book_answer" not in r.details
+        assert r.generated_tokens == a.generated_tokens  # only the answer from the passages
+        assert t.generated_tokens == a.generated_tokens + n.generated_tokens  # today's read also generated closed-book
+        assert r.prompt_tokens == a.prompt_tokens + n.prompt_tokens == t.prompt_tokens
+    json.dumps([r.to_dict() for r in res])
+
+
+def test_prefill_features_in_the_record_match_a_hand_computed_reference(tmp_path, tiny, tiny_engine, retrievers):
+    from fastgate.prompts import closed_book_prompt
+
+    ck = _prefill_checkpoint(tmp_path, tiny)
+    proj = _projection(tiny)
+    bm25, dense = retrievers["bm25"], retrievers["dense"]
+    m = build_method("read", tiny_engine, bm25, {"decide": "prefill", "checkpoint": ck, "threshold": 1e9},
+                     retrievers=retrievers)
+    res = m.answer_batch(QUESTIONS)
+    states = tiny_engine.prompt_states([closed_book_prompt(q) for q in QUESTIONS], proj.layer).double().numpy()
+    ref = (states - np.asarray(proj.mean)) @ np.asarray(proj.components).T  # [4, rank]
+    for q, r, z in zip(QUESTIONS, res, ref):
+        f = r.details["features"]
+        np.testing.assert_allclose([f[f"state_{i}"] for i in range(proj.rank)], z, rtol=1e-4, atol=1e-4)
+        b, d = bm25.search(q, 3), dense.search(q, 3)
+        assert f["bm25_top"] == pytest.approx(b[0].score) and f["dense_top"] == pytest.approx(d[0].score)
+        assert f["bm25_drop"] == pytest.approx(b[0].score - b[-1].score)
+        assert r.gate_steps[0].score == pytest.approx(f["bm25_top"])  # weight 1 on bm25_top, bias 0, std 1
+    # the decision follows the score: read exactly where the BM25 top score >= threshold
+    thr = float(np.median([r.details["features"]["bm25_top"] for r in res]))
+    mid = build_method("read", tiny_engine, bm25, {"decide": "prefill", "checkpoint": ck, "threshold": thr},
+                       retrievers=retrievers).answer_batch(QUESTIONS)
+    assert [r.retrieved for r in mid] == [r.details["features"]["bm25_top"] >= thr for r in mid]
+    assert 0 < sum(r.retrieved for r in mid) < len(QUESTIONS)
+
+
+def test_prefill_dense_features_search_dense_only(tmp_path, tiny, tiny_engine, retrievers):
+    ck = _prefill_checkpoint(tmp_path, tiny)
+    res = build_method("read", tiny_engine, retrievers["bm25"], {"decide": "prefill", "checkpoint": ck,
+                                                                 "features": "dense", "threshold": 0.0},
+                       retrievers=retrievers).answer_batch(QUESTIONS[:2])
+    assert all(r.retrieval_calls == 1 and r.retrieved for r in res)  # bias 1: reads dense hits
+    assert res[0].details["features"]["bm25_top"] == 0.0  # not searched: 0, as in the answer mode
+    assert [h.id for h in res[0].passages] == [h.id for h in retrievers["dense"].search(QUESTIONS[0], 3)]
+
+
+def test_prefill_refuses_bad_configs(tmp_path, tiny, tiny_engine, retrievers):
+    with pytest.raises(InputError, match="decide must be one of"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"decide": "early"}, retrievers=retrievers)
+    with pytest.raises(InputError, match="collect=true"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"decide": "prefill", "collect": True},
+                     retrievers=retrievers)
+    with pytest.raises(CheckpointError, match="--decide prefill"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"decide": "prefill", "threshold": 0.0},
+                     retrievers=retrievers)
+    with pytest.raises(CheckpointError, match="made for decide=answer"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"decide": "prefill", "threshold": 0.0,
+                                                               "checkpoint": _checkpoint(tmp_path, tiny, 1.0)},
+                     retrievers=retrievers)
+    with pytest.raises(CheckpointError, match="made for decide=prefill"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"threshold": 0.0,
+                                                               "checkpoint": _prefill_checkpoint(tmp_path, tiny)},
+                     retrievers=retrievers)

@@ -11,6 +11,15 @@ top passage covers, whether the closed-book answer already appears in the passag
 
 It is a logistic regression on standardised features, written here because it is ten lines of numpy: fitting and
 scoring need no library beyond what fastgate already imports, and the checkpoint is a readable JSON file.
+
+Two modes decide at two points of a question's life (``ReadConfig.decide``, docs/DEVIATIONS.md):
+
+- ``answer`` (:func:`read_features`): after the closed-book answer, from the base method's signal, the answer's
+  token log-probabilities and the searches.
+- ``prefill`` (:func:`prefill_features`): before any generation, from the closed-book prompt's pre-answer hidden
+  state at one layer (the state CBDR's confidence model reads, from a prefill stopped at that layer), projected on its
+  first ``rank`` principal components (:class:`StateProjection`, fitted on the training questions' states), and the
+  same searches' scores; nothing that needs the closed-book answer (``answer_in``, ``cb_*``, ``base_score``).
 """
 
 from __future__ import annotations
@@ -30,15 +39,25 @@ from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.base import Gate, GateStep
 
 __all__ = [
+    "DECIDE_MODES",
     "FEATURE_SETS",
     "MODEL_FEATURES",
+    "PREFILL_SEARCH_FEATURES",
     "ReadGate",
     "ReadModel",
+    "StateProjection",
     "fit_read_model",
+    "fit_state_projection",
+    "load_prefill_checkpoint",
     "load_read_checkpoint",
+    "prefill_feature_names",
+    "prefill_features",
     "read_features",
     "save_read_checkpoint",
 ]
+
+# where the gate decides: after the closed-book answer (today's gate), or from the closed-book prompt's prefill
+DECIDE_MODES = ("answer", "prefill")
 
 # Model-side features: the method's own first score and the closed-book answer's token log-probabilities.
 MODEL_FEATURES = ("base_score", "cb_nll", "cb_min_logprob", "cb_tokens", "q_words")
@@ -51,6 +70,19 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "all": MODEL_FEATURES + BM25_FEATURES + DENSE_FEATURES + ("agree",),
     "dense": MODEL_FEATURES + DENSE_FEATURES,
 }
+
+# The prefill gate's search features: those that need no closed-book answer, per feature set (``q_words`` too).
+PREFILL_SEARCH_FEATURES: dict[str, tuple[str, ...]] = {
+    "all": ("q_words", "bm25_top", "bm25_drop", "bm25_cover", "dense_top", "dense_drop", "dense_cover", "agree"),
+    "dense": ("q_words", "dense_top", "dense_drop", "dense_cover"),
+}
+
+
+def prefill_feature_names(features: str, rank: int) -> tuple[str, ...]:
+    """The prefill gate's feature names: ``state_0 .. state_{rank-1}`` (the projected pre-answer state), then the
+    search features of set ``features``."""
+    return tuple(f"state_{i}" for i in range(rank)) + PREFILL_SEARCH_FEATURES[features]
+
 
 _STOP = frozenset("""a an the of in on at to for from by with and or is are was were be been who whom whose what which
 when where why how did does do has have had it its this that these those as into than then there their his her he she
@@ -103,6 +135,83 @@ def read_features(question: str, closed_book: Any, base_score: float, bm25_hits:
     else:
         out["agree"] = 0.0
     return out
+
+
+def prefill_features(question: str, state: Any, projection: StateProjection, bm25_hits: Sequence[Any] | None,
+                     dense_hits: Sequence[Any] | None) -> dict[str, float]:
+    """Every feature the prefill-mode read gate may use, for one question, before anything is generated.
+
+    Args:
+        question: the question.
+        state: the closed-book prompt's pre-answer hidden state ``[d]`` at ``projection.layer`` (a ``PromptStates``
+            result row: torch or numpy).
+        projection: the checkpoint's :class:`StateProjection`.
+        bm25_hits, dense_hits: top-k hits of each search (None: that search did not run; its features are 0).
+
+    The search features are :func:`read_features`' own (same names, same values), so the records of the training
+    pass of the ``answer`` mode train this mode too.
+    """
+    out = {f"state_{i}": float(v) for i, v in enumerate(projection.project(state))}
+    full = read_features(question, _NO_ANSWER, math.nan, bm25_hits, dense_hits)
+    out.update({k: full[k] for k in PREFILL_SEARCH_FEATURES["all"]})
+    return out
+
+
+class _NoAnswer:
+    """A stand-in closed-book generation for :func:`prefill_features`: nothing generated."""
+
+    text = ""
+    token_logprobs: tuple[float, ...] = ()
+    answer_tokens = 0
+
+
+_NO_ANSWER = _NoAnswer()
+
+
+@dataclass(frozen=True)
+class StateProjection:
+    """The pre-answer state's projection: ``components @ (state − mean)``, the first principal components of the
+    training questions' states at ``layer`` (``mean [d]``, ``components [rank, d]``, each row a unit vector)."""
+
+    layer: int
+    mean: tuple[float, ...]
+    components: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.components or any(len(c) != len(self.mean) for c in self.components):
+            raise CheckpointError(f"state projection: {len(self.components)} components for a {len(self.mean)}-d "
+                                  "state")
+
+    @property
+    def rank(self) -> int:
+        return len(self.components)
+
+    @property
+    def dim(self) -> int:
+        return len(self.mean)
+
+    def project(self, states: Any) -> np.ndarray:
+        """``[rank]`` of one state ``[d]``, or ``[N, rank]`` of ``[N, d]`` (float64)."""
+        if isinstance(states, torch.Tensor):
+            states = states.detach().to(device="cpu", dtype=torch.float64).numpy()
+        x = np.asarray(states, dtype=np.float64)
+        if x.shape[-1] != self.dim:
+            raise InputError(f"read gate: a {x.shape[-1]}-d state for a projection of {self.dim}-d states")
+        return (x - np.asarray(self.mean)) @ np.asarray(self.components).T
+
+
+def fit_state_projection(states: Any, layer: int, rank: int) -> StateProjection:
+    """The first ``rank`` principal components of ``states [N, d]`` (SVD of the centred matrix; each component's sign
+    fixed so its largest entry is positive: deterministic)."""
+    x = np.asarray(states, dtype=np.float64)
+    if x.ndim != 2 or len(x) < 2:
+        raise InputError(f"read gate: {len(x)} states to fit a projection")
+    rank = min(rank, x.shape[0] - 1, x.shape[1])
+    mean = x.mean(0)
+    _, _, vt = np.linalg.svd(x - mean, full_matrices=False)  # [min(N, d), d]
+    comps = vt[:rank]
+    comps = comps * np.sign(comps[np.arange(rank), np.abs(comps).argmax(1)])[:, None]
+    return StateProjection(int(layer), tuple(mean.tolist()), tuple(tuple(c) for c in comps.tolist()))
 
 
 @dataclass(frozen=True)
@@ -161,12 +270,18 @@ def fit_read_model(rows: Sequence[Mapping[str, float]], labels: Sequence[int], f
     return ReadModel(tuple(features), tuple(mean.tolist()), tuple(std.tolist()), tuple(w.tolist()), float(b))
 
 
-def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel], *, model: Any, base: str,
-                         meta: Mapping[str, Any]) -> Path:
-    """Write ``config.json`` of a read-gate checkpoint: one :class:`ReadModel` per feature set."""
+def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel], *, model: Any, base: str | None,
+                         meta: Mapping[str, Any], decide: str = "answer",
+                         projection: StateProjection | None = None) -> Path:
+    """Write ``config.json`` of a read-gate checkpoint: one :class:`ReadModel` per feature set; a ``prefill`` one
+    also holds its :class:`StateProjection` (and no base: it reads no base method's signal)."""
+    if decide not in DECIDE_MODES or (decide == "prefill") != (projection is not None):
+        raise InputError(f"read gate: decide={decide!r} with{'out' if projection is None else ''} a state projection")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"kind": "read", "model": model.name, "model_fingerprint": getattr(model, "fingerprint", ""), "base": base,
+    doc = {"kind": "read", "decide": decide, "model": model.name,
+           "model_fingerprint": getattr(model, "fingerprint", ""), "base": base if decide == "answer" else None,
+           **({"projection": asdict(projection)} if projection is not None else {}),
            "models": {name: asdict(m) for name, m in models.items()}, **dict(meta)}
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -174,12 +289,42 @@ def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel], *
     return out
 
 
-def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, base: str | None = None) -> ReadModel:
+def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, base: str | None = None,
+                         decide: str = "answer") -> ReadModel:
     """The :class:`ReadModel` for feature set ``features`` from a checkpoint directory.
 
     Raises:
-        CheckpointError: missing or corrupt, trained for another model or another base method, or without that set.
+        CheckpointError: missing or corrupt, made for the other ``decide`` mode, trained for another model or another
+            base method, or without that set.
     """
+    return _load(path, features, model=model, base=base, decide=decide)[0]
+
+
+def load_prefill_checkpoint(path: str | Path, features: str, *, model: Any = None
+                            ) -> tuple[ReadModel, StateProjection]:
+    """The ``prefill``-mode gate of a checkpoint directory: its :class:`ReadModel` for ``features`` and its
+    :class:`StateProjection` (checked against ``model``'s hidden size and depth).
+
+    Raises:
+        CheckpointError: as :func:`load_read_checkpoint`, and a projection that does not fit the model.
+    """
+    m, doc = _load(path, features, model=model, base=None, decide="prefill")
+    try:
+        p = doc["projection"]
+        proj = StateProjection(int(p["layer"]), tuple(p["mean"]), tuple(tuple(c) for c in p["components"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"read-gate checkpoint {path}: corrupt state projection ({exc})") from None
+    if m.features[: proj.rank] != tuple(f"state_{i}" for i in range(proj.rank)):
+        raise CheckpointError(f"read-gate checkpoint {path}: its {features!r} model does not read the {proj.rank} "
+                              "projected state features first")
+    if model is not None and (proj.dim != model.hidden_size or not 0 <= proj.layer <= model.n_layers):
+        raise CheckpointError(f"read-gate checkpoint {path} projects {proj.dim}-d states of layer {proj.layer}; model "
+                              f"{model.name} has hidden size {model.hidden_size} and {model.n_layers} layers")
+    return m, proj
+
+
+def _load(path: str | Path, features: str, *, model: Any, base: str | None, decide: str
+          ) -> tuple[ReadModel, dict[str, Any]]:
     cfg = Path(path) / "config.json"
     try:
         doc = json.loads(cfg.read_text())
@@ -187,12 +332,16 @@ def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, 
             raise CheckpointError(f"{cfg} is not a read-gate checkpoint (kind {doc.get('kind')!r})")
     except (OSError, json.JSONDecodeError, AttributeError) as exc:
         raise CheckpointError(f"read-gate checkpoint {cfg} is missing or corrupt: {exc}") from None
+    made = doc.get("decide", "answer")  # checkpoints from before the prefill mode decide after the answer
+    if made != decide:
+        raise CheckpointError(f"read-gate checkpoint {path} was made for decide={made}, not decide={decide}: pass "
+                              f"--param decide={made}, or train one with `fastgate train read --decide {decide}`")
     if model is not None:
         fp = getattr(model, "fingerprint", "")
         if doc.get("model") != model.name or (doc.get("model_fingerprint") and fp and doc["model_fingerprint"] != fp):
             raise CheckpointError(f"read-gate checkpoint {path} was trained for model {doc.get('model')}, not "
                                   f"{model.name}: train one with `fastgate train read --model {model.name}`")
-    if base is not None and doc.get("base") != base:
+    if decide == "answer" and base is not None and doc.get("base") != base:
         raise CheckpointError(f"read-gate checkpoint {path} was trained over {doc.get('base')}, not {base}")
     if features not in doc.get("models", {}):
         raise CheckpointError(f"read-gate checkpoint {path} has no {features!r} model (has: "
@@ -200,7 +349,7 @@ def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, 
     try:
         m = doc["models"][features]
         return ReadModel(tuple(m["features"]), tuple(m["mean"]), tuple(m["std"]), tuple(m["weights"]),
-                         float(m["bias"]))
+                         float(m["bias"])), doc
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"read-gate checkpoint {path}: corrupt {features!r} model ({exc})") from None
 
@@ -208,7 +357,7 @@ def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, 
 class ReadGate(Gate):
     """Read iff the log-odds that reading fixes the closed-book answer are ``>= threshold``.
 
-    The signal is a feature dict (:func:`read_features`).
+    The signal is a feature dict (:func:`read_features`, or :func:`prefill_features` in the ``prefill`` mode).
     """
 
     name = "read"

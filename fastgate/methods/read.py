@@ -8,6 +8,13 @@ dense, together: a fraction of a millisecond and a few milliseconds), :func:`~fa
 combines all of it, and the :class:`~fastgate.gates.read.ReadGate` decides whether to read the top-k passages of the
 reading retriever (the method's retriever, BM25 by default) into a prompt, or to keep the closed-book answer.
 
+``decide="prefill"`` decides before anything is generated (:meth:`Read.program_prefill`): one prefill of the
+closed-book prompt stopped at the gate's layer gives the pre-answer hidden state, the two searches run beside it, and
+the gate reads the state (projected) and the search scores. A skip then generates the closed-book answer, its few-shot
+block's KV cached once per engine (:class:`~fastgate.methods.base.Method` registers it), so only the question's own
+tokens are prefilled again; a read goes straight to the reading prompt and never generates closed-book. No base
+method runs.
+
 A question's record counts its searches (``retrieval_calls``) apart from its read (``retrieved``): the rate this gate
 is judged by is the share of questions that read.
 """
@@ -19,9 +26,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fastgate.errors import InputError
-from fastgate.gates.read import FEATURE_SETS, ReadGate, load_read_checkpoint, read_features
+from fastgate.gates.read import (
+    DECIDE_MODES,
+    FEATURE_SETS,
+    ReadGate,
+    load_prefill_checkpoint,
+    load_read_checkpoint,
+    prefill_features,
+    read_features,
+)
 from fastgate.methods.base import GateThreshold, Method, MethodConfig, method_class
-from fastgate.programs import All, Answer, Decide, Generate, Program, Score, Search
+from fastgate.programs import All, Answer, Decide, Generate, Program, PromptStates, Score, Search
 from fastgate.prompts import closed_book_prompt
 
 __all__ = ["Read", "ReadConfig"]
@@ -34,6 +49,7 @@ BASES = ("dtr", "cbdr", "probing", "flare", "scaar", "seakr")
 class ReadConfig(MethodConfig):
     """Read-gate parameters."""
 
+    decide: str = "answer"  # answer: after the closed-book answer (base's signal); prefill: from its prompt's prefill
     base: str = "dtr"  # the gated method whose first signal the read gate sees (DTR: the best of the papers' here)
     features: str = "all"  # "all" (BM25 + dense + model) or "dense" (dense + model: blind to the BM25-defined split)
     threshold: float = 0.0  # read iff the log-odds that reading fixes the answer >= threshold (calibrated per model)
@@ -48,6 +64,11 @@ class ReadConfig(MethodConfig):
             raise InputError(f"read: features must be one of {', '.join(FEATURE_SETS)}, got {self.features!r}")
         if math.isnan(self.threshold):
             raise InputError("read: threshold must be a number, got nan")
+        if self.decide not in DECIDE_MODES:
+            raise InputError(f"read: decide must be one of {', '.join(DECIDE_MODES)}, got {self.decide!r}")
+        if self.collect and self.decide == "prefill":
+            raise InputError("read: collect=true is the training pass of both modes (it records what both need); "
+                             "leave decide=answer: `fastgate train read --decide prefill` runs it")
 
 
 def _base_config(cls: type[Method], params: dict[str, Any]) -> MethodConfig:
@@ -80,6 +101,9 @@ class Read(Method):
             return None
         from fastgate.gates.checkpoints import resolve_checkpoint
 
+        if config.decide == "prefill":
+            return resolve_checkpoint(config.checkpoint, model_name, "read-prefill", cls.name,  # type: ignore[arg-type]
+                                      "fastgate train read --decide prefill")
         return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")
 
@@ -94,16 +118,21 @@ class Read(Method):
         for kind in self.uses_retrievers:  # opened here when constructed outside a Runtime
             if kind not in self.retrievers:
                 self.retrievers[kind] = retriever if getattr(retriever, "name", None) == kind else open_retriever(kind)
+        self._searches = [kind for kind in ("bm25", "dense") if c.collect or c.features == "all" or kind == "dense"]
+        self.gate = None
+        if c.decide == "prefill":  # no base method: the gate reads the prompt's pre-answer state
+            model, self.projection = load_prefill_checkpoint(self.preflight(c, engine.lm.name), c.features,
+                                                             model=engine.lm)
+            self.gate = ReadGate(model, c.threshold)
+            return
         base_cls = method_class(c.base)  # one of BASES (ReadConfig checks); through the interface, not the table
         # the base runs to its first score only (its decision is not followed): its threshold does not matter here
         base_config = _base_config(base_cls, calibrated_params(engine.lm.name, c.base, {}, warn=False))
         base_retriever = self.retrievers.get(base_cls.default_retriever, retriever)
         self.base = base_cls(engine, base_retriever, base_config)
-        self.gate = None
         if not c.collect:
             path = self.preflight(c, engine.lm.name)
             self.gate = ReadGate(load_read_checkpoint(path, c.features, model=engine.lm, base=c.base), c.threshold)
-        self._searches = [kind for kind in ("bm25", "dense") if c.collect or c.features == "all" or kind == "dense"]
 
     def _base_signal(self, question: str) -> Program:
         """Drive the base program up to its first gate decision: (its score, its closed-book answer or None)."""
@@ -125,6 +154,29 @@ class Read(Method):
         return float(req.gate.step(score, req.signal).score), closed
 
     def program(self, question: str) -> Program:
+        if self.config.decide == "prefill":
+            return (yield from self.program_prefill(question))
+        return (yield from self.program_answer(question))
+
+    def program_prefill(self, question: str) -> Program:
+        """Decide from the closed-book prompt's prefill and the searches, before anything is generated."""
+        c = self.config
+        # one prefill of the closed-book prompt, stopped at the gate's layer, beside the searches (one tick)
+        state, *found = yield All(PromptStates((closed_book_prompt(question),), self.projection.layer),
+                                  *(Search(self.retrievers[kind], (question,), c.k) for kind in self._searches))
+        hits = {kind: h[0] for kind, h in zip(self._searches, found)}
+        feats = prefill_features(question, state[0], self.projection, hits.get("bm25"), hits.get("dense"))
+        details = {"decide": "prefill", "features": feats}
+        step = yield Decide(self.gate, feats)
+        if not step.retrieve:  # the closed-book answer, its few-shot block's KV cached: the question's tokens only
+            closed = (yield self.closed_book(question, answer=True)).sequences[0]
+            return Answer(closed.text.strip(), details={**details, "closed_book_answer": closed.text.strip()})
+        reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
+        answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
+        return Answer(answer.text.strip(), reading, details={**details, "read": True})
+
+    def program_answer(self, question: str) -> Program:
+        """Decide after the closed-book answer, from the base's signal, the answer and the searches."""
         c = self.config
         base_score, closed = yield from self._base_signal(question)
         if closed is None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastgate.assets.pins import DEFAULT_MODEL
 
-__all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "training_pass"]
+__all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "prefill_rows", "training_pass"]
 
 
 def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path, *, seed: int = 0,
@@ -59,16 +59,43 @@ def collect_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, float]],
     from fastgate.eval.metrics import accuracy
 
     rows, fixed, cb, rd = [], [], [], []
-    for r in records:
-        d = r.get("details") or {}
-        if r.get("error") or "features" not in d:
-            continue
+    for r in usable_records(records):
+        d = r["details"]
         closed = float(accuracy(d.get("closed_book_answer", ""), r["answers"]))
         rows.append(d["features"])
         cb.append(closed)
         rd.append(float(r["acc"]))
         fixed.append(int(r["acc"] > closed))
     return rows, np.asarray(fixed), np.asarray(cb), np.asarray(rd)
+
+
+def usable_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a gate is fitted on: those with features and without an error."""
+    return [r for r in records if not r.get("error") and "features" in (r.get("details") or {})]
+
+
+def prefill_rows(engine, records: list[dict[str, Any]], rows: list[dict[str, float]], layer: int, rank: int,
+                 projection=None) -> tuple[list[dict[str, float]], Any]:
+    """The prefill gate's feature rows of a collecting pass's usable records (``rows``: their :func:`collect_rows`
+    features, in the same order): the search features that need no closed-book answer, and each question's
+    pre-answer state at ``layer`` (one prefill of its closed-book prompt) projected on ``projection``, or on the first
+    ``rank`` principal components of these states when none is given. Returns the rows and the projection."""
+    import torch
+
+    from fastgate.gates.read import PREFILL_SEARCH_FEATURES, fit_state_projection
+    from fastgate.prompts import closed_book_prompt
+
+    usable = usable_records(records)
+    if len(usable) != len(rows):
+        raise ValueError(f"{len(usable)} usable records for {len(rows)} feature rows")
+    states = engine.prompt_states([closed_book_prompt(r["question"]) for r in usable], layer)  # [N, d]
+    states = states.to(device="cpu", dtype=torch.float64).numpy()
+    if projection is None:
+        projection = fit_state_projection(states, layer, rank)
+    z = projection.project(states)  # [N, rank]
+    out = [{**{f"state_{i}": float(v) for i, v in enumerate(zi)}, **{k: row[k] for k in PREFILL_SEARCH_FEATURES["all"]}}
+           for zi, row in zip(z, rows)]
+    return out, projection
 
 
 def cross_validated_logits(rows, labels, features, folds: int = 5, l2: float = 1.0) -> np.ndarray:
@@ -99,10 +126,13 @@ def _cmd_read(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
     from fastgate.errors import InputError
     from fastgate.eval.datasets import refuse_test_split
-    from fastgate.gates.read import FEATURE_SETS, fit_read_model, save_read_checkpoint
+    from fastgate.gates.read import FEATURE_SETS, fit_read_model, prefill_feature_names, save_read_checkpoint
     from fastgate.serving.runtime import Runtime
 
     refuse_test_split(args.data, "fastgate train read")  # before the model loads
+    prefill = args.decide == "prefill"
+    if prefill and args.rank < 1:
+        raise InputError(f"--rank must be >= 1, got {args.rank}")
     runtime = Runtime(args.model, device=args.device, index=args.index)
     store_dir = Path(args.cache) if args.cache else (
         home() / "features" / f"{args.model}-read-{args.base}-{args.data.replace(':', '-')}")
@@ -115,6 +145,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     # a gate is trained on labels from the passages it will read: BM25's for `all`, dense's for `dense` (its own pass)
     reads = {name: "dense" if name == "dense" else "bm25" for name in names}
     passes: dict[str, tuple] = {}
+    projection = None  # the prefill gate's state projection: fitted on the first pass's questions, shared
     for retriever in dict.fromkeys(reads.values()):
         where = store_dir if retriever == "bm25" else store_dir.with_name(store_dir.name + "-dense-reads")
         print(f"training pass: read[base={args.base},collect=true] reading {retriever} passages on {args.n or 'all'} "
@@ -128,24 +159,34 @@ def _cmd_read(args: argparse.Namespace) -> int:
                              f"{retriever} passages: too few to fit (use more --n)")
         print(f"{len(rows)} questions: closed-book ACC {cb.mean():.3f}, with {retriever} passages {rd.mean():.3f}; "
               f"reading fixes {int(labels.sum())}, breaks {int(((rd < cb)).sum())}")
+        if prefill:  # the same questions, labels and search features; the pre-answer state instead of the answer
+            layer = runtime.lm.n_layers // 2 if args.layer is None else args.layer
+            rows, projection = prefill_rows(runtime.engine, records, rows, layer, args.rank, projection)
         passes[retriever] = (rows, labels, cb, rd)
     models, report = {}, {}
     for name in names:
         rows, labels, cb, rd = passes[reads[name]]
-        oof = cross_validated_logits(rows, labels, FEATURE_SETS[name], l2=args.l2)
+        feature_names = prefill_feature_names(name, projection.rank) if prefill else FEATURE_SETS[name]
+        oof = cross_validated_logits(rows, labels, feature_names, l2=args.l2)
         print(_curve_line(name, oof, cb, rd, args.rate) + f"  (out-of-fold on these dev questions, {reads[name]} "
               "reads)")
-        models[name] = fit_read_model(rows, labels, FEATURE_SETS[name], l2=args.l2)
+        models[name] = fit_read_model(rows, labels, feature_names, l2=args.l2)
         report[name] = {"weights": dict(zip(models[name].features, (round(w, 4) for w in models[name].weights)))}
         print(f"{'':>6}  weights: " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"].items()))
     rows, labels, cb, rd = passes[reads[names[0]]]
-    out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-read-{args.base}"
+    kind = "read-prefill" if prefill else f"read-{args.base}"
+    out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-{kind}"
     meta = {"data": args.data, "n": len(rows), "seed": args.seed, "fixed": int(labels.sum()), "l2": args.l2,
             "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4),
             "labels_from_reads": reads}
-    save_read_checkpoint(out, models, model=runtime.lm, base=args.base, meta=meta)
+    if prefill:
+        meta = {**meta, "layer": projection.layer, "rank": projection.rank,
+                "pass": f"read[base={args.base},collect=true]"}
+    save_read_checkpoint(out, models, model=runtime.lm, base=None if prefill else args.base, meta=meta,
+                         decide=args.decide, projection=projection)
+    mode = "--param decide=prefill" if prefill else f"--param base={args.base}"
     print(f"checkpoint: {out}\nnext: `fastgate calibrate --model {runtime.model_name} --method read "
-          f"--param base={args.base} --param checkpoint={out}` for its threshold")
+          f"{mode} --param checkpoint={out}` for its threshold")
     print(json.dumps({"checkpoint": str(out), **meta}))
     return 0
 
@@ -154,7 +195,16 @@ def add_read_parser(kinds) -> None:
     p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--device", default="auto")
-    p.add_argument("--base", default="dtr", help="the gated method whose first signal the gate sees (default: dtr)")
+    p.add_argument("--decide", choices=("answer", "prefill"), default="answer",
+                   help="answer: the gate after the closed-book answer; prefill: the gate on the closed-book prompt's "
+                        "pre-answer state and the search scores, before generating (read[decide=prefill])")
+    p.add_argument("--base", default="dtr",
+                   help="the gated method whose first signal the gate sees (default: dtr); with --decide prefill, the "
+                        "base of the training pass whose records it reuses")
+    p.add_argument("--layer", type=int, default=None,
+                   help="--decide prefill: the layer of the pre-answer state (default: the middle, CBDR's)")
+    p.add_argument("--rank", type=int, default=16,
+                   help="--decide prefill: principal components of the pre-answer state the gate reads (default: 16)")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions only (default: nq:dev:balanced)")
     p.add_argument("--n", type=int, default=400, help="questions of the seeded order (default: 400)")
     p.add_argument("--features", default="all,dense", help="feature sets to fit, comma-separated (default: both)")
