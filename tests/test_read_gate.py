@@ -427,3 +427,53 @@ def test_prefill_refuses_bad_configs(tmp_path, tiny, tiny_engine, retrievers):
         build_method("read", tiny_engine, retrievers["bm25"], {"threshold": 0.0,
                                                                "checkpoint": _prefill_checkpoint(tmp_path, tiny)},
                      retrievers=retrievers)
+
+
+def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(monkeypatch, tmp_path, tiny,
+                                                                              small_index, capsys):
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.read import load_prefill_checkpoint, prefill_feature_names
+    from fastgate.train import read as train_read
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
+          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answers": [a]}) + "\n"
+                            for i, (q, a) in enumerate(qa)))
+    real = train_read.collect_rows
+
+    def labelled(records):  # the tiny model answers nothing right: two classes by hand
+        rows, fixed, cb, rd = real(records)
+        return rows, np.arange(len(rows)) % 2, cb, rd
+
+    monkeypatch.setattr(train_read, "collect_rows", labelled)
+    common = ["train", "read", "--model", "tiny", "--data", str(data), "--n", "12", "--index", str(small_index),
+              "--cache", str(tmp_path / "pass"), "--quiet", "--batch-size", "4", "--features", "all"]
+    assert main(common + ["--out", str(tmp_path / "answer")]) == 0  # today's gate: the pass runs once
+    before = (tmp_path / "pass" / "results.jsonl").read_text()
+    capsys.readouterr()
+    assert main(common + ["--decide", "prefill", "--rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "pass" / "results.jsonl").read_text() == before  # the same records: nothing answered again
+    default = tmp_path / "home" / "checkpoints" / "tiny-read-prefill"
+    assert f"checkpoint: {default}" in out and "--param decide=prefill" in out and "out-of-fold" in out
+    m, proj = load_prefill_checkpoint(default, "all", model=tiny)
+    assert proj.rank == 4 and proj.layer == tiny.n_layers // 2 and proj.dim == tiny.hidden_size
+    assert m.features == prefill_feature_names("all", 4)
+    doc = json.loads((default / "config.json").read_text())
+    assert doc["decide"] == "prefill" and doc["base"] is None and doc["n"] == 12 and doc["layer"] == proj.layer
+    # the projection is of these questions' pre-answer states: they project to mean zero
+    from fastgate.engine.local import Engine
+    from fastgate.prompts import closed_book_prompt
+
+    states = Engine(tiny).prompt_states([closed_book_prompt(q) for q, _ in qa], proj.layer)
+    np.testing.assert_allclose(proj.project(states).mean(0), 0.0, atol=1e-4)
+    # the other mode's checkpoint is refused by each loader
+    with pytest.raises(CheckpointError, match="made for decide=prefill"):
+        load_read_checkpoint(default, "all", model=tiny, base="dtr")
+    with pytest.raises(CheckpointError, match="made for decide=answer"):
+        load_prefill_checkpoint(tmp_path / "answer", "all", model=tiny)
