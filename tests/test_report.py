@@ -105,8 +105,12 @@ def test_one_invocation_times_always_twice_and_matches_a_coin_on_time(eval_cli, 
     assert tm["run"] == "dtr" and tm["one_sitting"] is True
     assert tm["always_passes"] == pytest.approx([runs["always"]["s_per_q"], doc["always_again"]["s_per_q"]])
     assert tm["always_s"] == pytest.approx(sum(tm["always_passes"]) / 2)
-    share = (runs["dtr"]["s_per_q"] - runs["never"]["s_per_q"]) / (tm["always_s"] - runs["never"]["s_per_q"])
-    assert tm["share"] == pytest.approx(min(1.0, max(0.0, share)))
+    span = tm["always_s"] - runs["never"]["s_per_q"]
+    if span > 0:
+        share = (runs["dtr"]["s_per_q"] - runs["never"]["s_per_q"]) / span
+        assert tm["share"] == pytest.approx(min(1.0, max(0.0, share)))
+    else:  # three tiny-model questions on a busy machine: always may time no dearer than never, p is undefined
+        assert tm["share"] is None
     assert runs["always"]["prompt_tokens_per_q"] > runs["never"]["prompt_tokens_per_q"] > 0
     assert doc["oracle"] is not None and len(doc["coin"]) == 1
     assert (out / "cost.png").read_bytes()[:4] == b"\x89PNG"
