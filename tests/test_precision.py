@@ -155,3 +155,38 @@ def test_ask_json_names_the_dtype_of_a_bfloat16_model(tmp_path, capsys):
     assert record["dtype"] == "bfloat16" and record["model"] == "tiny"
     assert main([*argv, "--dtype", "float32", "Who wrote Hamlet?"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "float32"
+
+
+def test_a_bf16_cpu_cache_is_attended_in_float32_and_a_float32_one_as_it_is(bf16_engine, tiny_engine):
+    """The packed decode rows' attention over a bf16 cache on a CPU computes in float32 (chosen once by the runner):
+    the function's output equals SDPA over the float32-cast slices, and a float32 model attends as it always has."""
+    import torch.nn.functional as F
+
+    from fastgate.engine.packed import PackedPlan, SlotStore, _packed_attention
+
+    assert bf16_engine.runner.attention_dtype is torch.float32 and tiny_engine.runner.attention_dtype is None
+    torch.manual_seed(0)
+    m, heads, kv_heads, dim, width = 3, 4, 2, 8, 7
+    store = SlotStore(1, kv_heads, dim, torch.bfloat16, "cpu")
+    store.reserve(m, width, 0, 0, None)
+    store.keys[0][:m, :, :width] = torch.randn(m, kv_heads, width, dim).to(torch.bfloat16)
+    store.values[0][:m, :, :width] = torch.randn(m, kv_heads, width, dim).to(torch.bfloat16)
+    pos = torch.tensor([2, 6, 4])
+    mask = (torch.arange(width)[None, :] <= pos[:, None])[:, None, None, :]  # [m, 1, 1, W]
+    query = torch.randn(1, heads, m, dim).to(torch.bfloat16)
+    key = torch.randn(1, kv_heads, m, dim).to(torch.bfloat16)
+    value = torch.randn(1, kv_heads, m, dim).to(torch.bfloat16)
+    module = type("Layer", (), {"layer_idx": 0})()
+    outs = []
+    for attn_dtype in (torch.float32, None):
+        plan = PackedPlan(store, m, pos, width, mask, rows=torch.arange(m), attn_dtype=attn_dtype)
+        out, _ = _packed_attention(module, query, key, value, None, scaling=0.5, fastgate_plan=plan)  # [1, m, H, D]
+        k, v = store.keys[0][:m, :, :width], store.values[0][:m, :, :width]
+        q = query[0].transpose(0, 1).unsqueeze(2)  # [m, H, 1, D]
+        if attn_dtype is not None:
+            q, k, v = q.float(), k.float(), v.float()
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5, enable_gqa=True)[:, :, 0]
+        assert out.dtype is torch.bfloat16
+        assert torch.equal(out[0], want.to(torch.bfloat16)), attn_dtype
+        outs.append(out)
+    assert not torch.equal(*outs)  # the two ways differ on these inputs: the test tells them apart

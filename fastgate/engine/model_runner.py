@@ -187,6 +187,12 @@ class ModelRunner:
         self.hidden_size = model.hidden_size
         self.device = model.device
         self.dtype = next(self.model.parameters()).dtype  # the weights' (and KV cache's), chosen when the model loaded
+        # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32 (the cache
+        # stays as it is, each step's slice cast): torch's CPU SDPA in bf16 took 3.76 ms a layer at 16 rows x 600
+        # columns against 0.55 ms through float32 on a Zen 4 EPYC (AVX512-BF16), which made bf16's batch-16 step at
+        # 600 tokens 1.9x float32's (bench/results/engine.csv); prompt chunks keep the cache's dtype (equal there)
+        self.attention_dtype = (torch.float32 if torch.device(model.device).type == "cpu"
+                                and self.dtype in (torch.bfloat16, torch.float16) else None)
         # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
         self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
         self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim

@@ -120,6 +120,7 @@ class PackedPlan:
     mask: torch.Tensor | None  # [m, 1, 1, width] bool
     segs: list[PrefillSeg] = field(default_factory=list)
     rows: torch.Tensor | None = None  # [m] arange, for the in-place write
+    attn_dtype: torch.dtype | None = None  # the decode rows' attention computes in this dtype (None: the cache's)
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -135,8 +136,11 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         keys[plan.rows, :, plan.pos] = key[0, :, :m].transpose(0, 1)  # [m, Hkv, D] at each row's own column
         values[plan.rows, :, plan.pos] = value[0, :, :m].transpose(0, 1)
         q = query[0, :, :m].transpose(0, 1).unsqueeze(2)  # [m, H, 1, D]
-        o = F.scaled_dot_product_attention(q, keys[:m, :, :plan.width], values[:m, :, :plan.width],
-                                           attn_mask=plan.mask, scale=scaling, enable_gqa=gqa)  # [m, H, 1, D]
+        k, v = keys[:m, :, :plan.width], values[:m, :, :plan.width]  # [m, Hkv, W, D]
+        if plan.attn_dtype is not None:  # bf16 caches on a CPU: the product in float32 (ModelRunner.attention_dtype)
+            q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling,
+                                           enable_gqa=gqa)  # [m, H, 1, D]
         out[:m] = o[:, :, 0]
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
@@ -455,7 +459,7 @@ class PackedLoop(DecodeLoop):
             if job.done + n == len(job.ids):
                 ending.append((job, len(keep)))
                 keep.append(off + n - 1)
-        plan = PackedPlan(self.store, m, None, 0, None, plan_segs)
+        plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype)
         if m:
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)
