@@ -6,7 +6,7 @@ different invocations are not comparable. This runs exactly what ``fastgate eval
 ``always`` again at the end, the same report with its cost table and coins), with each ``--run`` its own method and
 parameters::
 
-    python scripts/eval_runs.py --model smollm2-135m --data nq:test:balanced --n 50 --out runs/x \\
+    python bench/eval_runs.py --model smollm2-135m --data nq:test:balanced --n 50 --out runs/x \\
         --run never --run always --run 'read:checkpoint=CK1,threshold=0.1' \\
         --run 'read:decide=prefill,checkpoint=CK2,threshold=-0.3'
 """
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
               f"({runtime.dtype_name or runtime.engine_name}), calibrated thresholds, per-run parameters "
-              f"(scripts/eval_runs.py), batch {args.batch_size}; {machine_line()}; {stamp}")
+              f"(bench/eval_runs.py), batch {args.batch_size}; {machine_line()}; {stamp}")
     written = write_report(out, store, examples, runs, summaries, header=header, again=again)
     print("wrote " + ", ".join(str(w) for w in written), file=sys.stderr)
     return 0
