@@ -391,11 +391,6 @@ def plot_gate_quality(results: Sequence[GateQuality], path: str | Path, title: s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="upper left")
     fig.tight_layout()
-    from fastgate.eval.runner import _replace  # written beside its place and renamed into it
+    from fastgate.eval.runner import save_figure  # written beside its place and renamed into it
 
-    path = Path(path)
-    try:
-        _replace(path, fig.savefig)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -39,7 +39,16 @@ import numpy as np
 
 from fastgate.errors import InputError
 from fastgate.eval.gate_quality import BASELINES, GateQuality, coin_section, gate_quality_for_runs, plot_gate_quality
-from fastgate.eval.runner import ResultsStore, RunSpec, RunSummary, _replace, evaluate, summarize, write_summary
+from fastgate.eval.runner import (
+    ResultsStore,
+    RunSpec,
+    RunSummary,
+    evaluate,
+    replace_file,
+    save_figure,
+    summarize,
+    write_summary,
+)
 
 __all__ = [
     "AGAIN_FILE",
@@ -280,12 +289,7 @@ def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: floa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = Path(path)
-    try:
-        _replace(path, fig.savefig)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _jsonable(x: Any) -> Any:
@@ -377,7 +381,7 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
            "coin": [_coin_json(g) for g in gates], "time_matched": [dataclasses.asdict(t) for t in timed],
            "oracle": dataclasses.asdict(oracle) if oracle is not None else None, "no_coin": no_coin}
     js = out / "summary.json"
-    _replace(js, lambda tmp: tmp.write_text(json.dumps(_jsonable(doc), indent=1) + "\n"))
+    replace_file(js, lambda tmp: tmp.write_text(json.dumps(_jsonable(doc), indent=1) + "\n"))
     written = [md, cs, js]
     n = len(examples)
     try:

@@ -37,6 +37,8 @@ __all__ = [
     "RunSummary",
     "evaluate",
     "plot_accuracy_vs_retrieval",
+    "replace_file",
+    "save_figure",
     "summarize",
     "write_summary",
 ]
@@ -175,7 +177,7 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _write_error(exc, "cannot create", out_dir) from None
-    _replace(path, lambda tmp: tmp.write_text(json.dumps(mine, indent=1) + "\n"))
+    replace_file(path, lambda tmp: tmp.write_text(json.dumps(mine, indent=1) + "\n"))
 
 
 def _write_error(exc: OSError, what: str, path: Path) -> OSError:
@@ -183,7 +185,7 @@ def _write_error(exc: OSError, what: str, path: Path) -> OSError:
     return disk_error(exc, what, path) or exc
 
 
-def _replace(path: Path, write: Callable[[Path], Any]) -> None:
+def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
     """``write(tmp)`` to a temporary file beside ``path`` (same suffix), then rename it to ``path``: a failed write
     leaves the file as it was."""
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
@@ -196,6 +198,18 @@ def _replace(path: Path, write: Callable[[Path], Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Save a matplotlib ``fig`` to ``path`` through :func:`replace_file` and close it; the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        replace_file(path, fig.savefig)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _score(record: dict[str, Any], answers: Sequence[str]) -> None:
@@ -433,7 +447,7 @@ def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: st
     out = Path(out_dir)
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
     text = (header + "\n\n" if header else "") + markdown_table(summaries) + "".join("\n" + s for s in sections)
-    _replace(md, lambda tmp: tmp.write_text(text))
+    replace_file(md, lambda tmp: tmp.write_text(text))
 
     def write_csv(tmp: Path) -> None:
         with open(tmp, "w", newline="") as f:
@@ -442,7 +456,7 @@ def write_summary(out_dir: str | Path, summaries: Sequence[RunSummary], stem: st
             for s in summaries:
                 w.writerow(asdict(s))
 
-    _replace(cs, write_csv)
+    replace_file(cs, write_csv)
     return md, cs
 
 
@@ -480,9 +494,4 @@ def plot_accuracy_vs_retrieval(summaries: Sequence[RunSummary], path: str | Path
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout(rect=(0, 0.06 if long else 0, 1, 1))
-    path = Path(path)
-    try:
-        _replace(path, fig.savefig)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)
