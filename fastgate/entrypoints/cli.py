@@ -131,7 +131,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
     from pathlib import Path
 
-    from fastgate.eval.datasets import is_benchmark, load_benchmark, load_qa, parse_benchmark, sample_examples
+    from fastgate.eval.datasets import is_benchmark, load_examples
     from fastgate.eval.report import machine_line, new_invocation, run_always_again, write_report
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS
@@ -174,17 +174,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             req = check_request(name, {**base, **params, **extra}, args.retriever, model,
                                 remote=remote.name if remote else None)
             runs.append(RunSpec(req.method, req.retriever, req.params))
-    data = str(args.data)
-    if is_benchmark(data):  # NAME[:SPLIT[:SUBSET]]: the loader's own seeded order (a balanced prefix stays balanced)
-        spec = parse_benchmark(data, args.split, args.subset)
-        data = str(spec)
-        examples = load_benchmark(spec, seed=args.seed, n=args.n, index=args.index)
-        stem = data.replace(":", "-")
-    else:
-        if args.split is not None or args.subset is not None:
-            raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
-        examples = sample_examples(load_qa(data), args.n, args.seed)
-        stem = Path(data).stem
+    data, examples = load_examples(args.data, args.n, args.seed, args.index, args.split, args.subset)
+    stem = data.replace(":", "-") if is_benchmark(data) else Path(data).stem
     out = Path(args.out or f"eval-{Path(model).name}-{stem}")
     settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
     check_settings(out, settings)

@@ -39,6 +39,7 @@ __all__ = [
     "is_held_out",
     "is_benchmark",
     "load_benchmark",
+    "load_examples",
     "load_qa",
     "parse_benchmark",
     "refuse_test_split",
@@ -253,6 +254,24 @@ def refuse_test_split(data: str | Path, what: str) -> None:
                     if dev else f"{spec.name} has no dev split: use another benchmark's dev split or a JSONL file")
             raise InputError(f"{what} refuses --data {name}: that is {spec.name}'s test split, which results are "
                              f"reported on ({hint})")
+
+
+def load_examples(data: str | Path, n: int | None, seed: int = 0, index: str | Path | None = None,
+                  split: str | None = None, subset: str | None = None) -> tuple[str, list[QAExample]]:
+    """The questions of ``data`` and its canonical name (what records and settings store): a benchmark
+    (``NAME[:SPLIT[:SUBSET]]``, in its loader's own seeded order, so a balanced prefix stays balanced) or a built-in
+    set or JSONL file (``n`` sampled with ``seed``).
+
+    Raises:
+        InputError: ``split`` / ``subset`` for data that is not a benchmark.
+    """
+    data = str(data)
+    if is_benchmark(data):
+        spec = parse_benchmark(data, split, subset)
+        return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
+    if split is not None or subset is not None:
+        raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
+    return data, sample_examples(load_qa(data), n, seed)
 
 
 def parse_benchmark(data: str, split: str | None = None, subset: str | None = None) -> BenchmarkSpec:

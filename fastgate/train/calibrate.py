@@ -81,20 +81,10 @@ def dev_curve(scores: np.ndarray, retrieve_above: bool, skip_acc: np.ndarray | N
 
 
 def _examples(data: str, n: int | None, seed: int, index: str | None):
-    from fastgate.eval.datasets import (
-        is_benchmark,
-        load_benchmark,
-        load_qa,
-        parse_benchmark,
-        refuse_test_split,
-        sample_examples,
-    )
+    from fastgate.eval.datasets import load_examples, refuse_test_split
 
     refuse_test_split(data, "calibration")
-    if is_benchmark(data):
-        spec = parse_benchmark(data)
-        return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
-    return data, sample_examples(load_qa(data), n, seed)
+    return load_examples(data, n, seed, index)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
