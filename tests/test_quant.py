@@ -118,10 +118,14 @@ def test_quantize_model_swaps_the_blocks_linears_only(tiny):
 
     lm = tiny_model()
     head = lm.model.lm_head.weight.clone()
+    embed = lm.model.model.embed_tokens.weight.clone()
     assert quantize_model(lm.model, "float") == 0 and quantized_layers(lm.model) == 0
     n = quantize_model(lm.model, "int8")
-    assert n == lm.n_layers * 7 == quantized_layers(lm.model)  # q, k, v, o, gate, up, down
-    assert type(lm.model.lm_head) is nn.Linear and torch.equal(lm.model.lm_head.weight, head)
+    assert n == lm.n_layers * 7 + 1 == quantized_layers(lm.model)  # q, k, v, o, gate, up, down; the LM head
+    assert isinstance(lm.model.lm_head, Int8Linear)
+    q, scale = quantize_int8(head)
+    assert torch.equal(lm.model.lm_head.q, q) and torch.equal(lm.model.lm_head.scale, scale)
+    assert torch.equal(lm.model.model.embed_tokens.weight, embed)  # the embedding table stays float
     assert next(lm.model.parameters()).dtype is torch.float32  # the runner's dtype: still the activations'
     # logits close to the float model's (the tiny model's weights are random, so only loosely)
     ids = lm.tokenizer("Who wrote Hamlet?", return_tensors="pt").input_ids

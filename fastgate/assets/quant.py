@@ -6,9 +6,12 @@ with one float32 scale per output channel ``s [N]`` (symmetric, ``s = max|w_n| /
 
     y = x @ (q * s[:, None]).T + b        (:func:`int8_reference`, the plain torch definition)
 
-Only the weights are quantized: activations, the residual stream, the KV cache, the embeddings, the LM head and so
-the logits, taps, gate inputs and log-probs keep the model's dtype, as with ``float``. The LM head stays float
-because SmolLM2 ties it to the embeddings, and log-probs are what the gates read.
+Only the weights are quantized: activations, the residual stream, the KV cache, the embedding table, the logits,
+taps, gate inputs and log-probs keep the model's dtype, as with ``float``. The LM head is quantized too, as an
+:class:`Int8Linear` of its own (per vocabulary row scales) while the embedding table it is tied to in SmolLM2 and
+Qwen2.5 stays float: the head is the largest single product of a decode step (SmolLM2: 49,152 × 576, a fifth of the
+weights), and the embedding is read one row a token. Its logits come out of the product in the model's dtype (in
+bf16 for a float32 model through ``bf16_products``: a relative 2^-9, below the head's own quantization error).
 
 How the product runs (torch 2.13's CPU build; timings in ``bench/bench_engine.py``'s ``weights`` column):
 
@@ -105,6 +108,18 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.kernel_rows = kernel_rows
         self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Derive what the forward reads from ``q`` and ``scale`` (call after replacing them): the scales in bf16 for
+        the kernel, cast once here rather than every call, and whether ``K`` suits the kernel."""
+        scale_bf16 = self.scale.to(torch.bfloat16)  # [N]
+        if "scale_bf16" in self._buffers:
+            self.scale_bf16 = scale_bf16
+        else:  # a buffer (moves with the module), left out of the state dict
+            self.register_buffer("scale_bf16", scale_bf16, persistent=False)
+        self._k_ok = self.in_features % _KERNEL_K_MULTIPLE == 0
+        self._kinds = (torch.bfloat16, torch.float32) if self.bf16_products else (torch.bfloat16,)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = KERNEL_ROWS) -> Int8Linear:
@@ -123,13 +138,17 @@ class Int8Linear(nn.Module):
                 and self.in_features % _KERNEL_K_MULTIPLE == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.dtype is torch.bfloat16 and x.shape[0] <= self.kernel_rows and self._k_ok
+                and self.bias is None and x.device.type == "cpu" and x.is_contiguous()):
+            # the common case of a bf16 decode step, in one operation (what the general path below does for it)
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale_bf16)  # [M, N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if self.uses_kernel(x2):
             xb = x2.to(torch.bfloat16)  # a no-op for bf16 rows
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale.to(torch.bfloat16)).to(x2.dtype)  # [M, N]
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale_bf16).to(x2.dtype)  # [M, N]
         else:
             y = F.linear(x2, self.q.to(x2.dtype)) * self.scale.to(x2.dtype)  # [M, N]
         if self.bias is not None:
@@ -142,9 +161,10 @@ def quantized_layers(model: nn.Module) -> int:
     return sum(isinstance(m, Int8Linear) for m in model.modules())
 
 
-def quantize_model(model: nn.Module, weights: str, kernel_rows: int = KERNEL_ROWS) -> int:
-    """Swap the linear layers of ``model.model.layers`` (the decoder blocks; never the embeddings or the LM head)
-    for the ``weights`` format, in place; returns how many were swapped (0 for ``float``).
+def quantize_model(model: nn.Module, weights: str, kernel_rows: int = KERNEL_ROWS, head: bool = True) -> int:
+    """Swap the linear layers of ``model.model.layers`` (the decoder blocks) and, with ``head``, ``model.lm_head``
+    (an :class:`Int8Linear` of its own: a tied embedding table stays float) for the ``weights`` format, in place;
+    returns how many were swapped (0 for ``float``).
 
     Raises:
         UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
@@ -163,4 +183,8 @@ def quantize_model(model: nn.Module, weights: str, kernel_rows: int = KERNEL_ROW
             parent = block.get_submodule(parent_name) if parent_name else block
             setattr(parent, attr, Int8Linear.from_linear(child, kernel_rows))
             swapped += 1
+    lm_head = getattr(model, "lm_head", None)
+    if head and type(lm_head) is nn.Linear:
+        model.lm_head = Int8Linear.from_linear(lm_head, kernel_rows)  # the tied embedding keeps its float table
+        swapped += 1
     return swapped

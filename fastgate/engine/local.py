@@ -58,8 +58,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
-                 step: StepConfig | str = "auto") -> None:
-        self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns, step)
+                 step: StepConfig | str = "auto", forward: str = "auto") -> None:
+        self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns, step, forward)
         self.ops = self.runner.ops  # every op bound for the model's device (fastgate.ops.Ops)
         self.backend = self.runner.backend
 

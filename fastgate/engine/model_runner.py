@@ -22,6 +22,8 @@ from collections import OrderedDict
 import torch
 
 from fastgate.assets.models import LoadedModel
+from fastgate.engine.attention import attention_dtype
+from fastgate.engine.fused import canonical_forward, fusable, fused_forward
 from fastgate.engine.kv_cache import KVCacheManager, KVGeometry, new_cache, plain_layers
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head
 from fastgate.engine.static_step import StaticStep, StepConfig, compiled_by_default
@@ -152,11 +154,15 @@ class ModelRunner:
             packed pass), or ``auto`` (compiled on CUDA, eager on CPU); a
             :class:`~fastgate.engine.static_step.StepConfig`
             for the compile backend and cache too. Chosen here, once.
+        forward: how packed passes run the model: ``fused`` (:mod:`fastgate.engine.fused`: the same arithmetic in a
+            few host operations a layer, the q/k/v and gate/up products concatenated), ``hf`` (HF's modules with
+            forward hooks for the taps), or ``auto`` (fused wherever :func:`~fastgate.engine.fused.fusable` covers
+            the model). Chosen here, once: ``runner.fused`` (None: HF's forward).
     """
 
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
-                 step: StepConfig | str = "auto") -> None:
+                 step: StepConfig | str = "auto", forward: str = "auto") -> None:
         from fastgate.ops.registry import build_ops
 
         self.lm = model
@@ -187,12 +193,9 @@ class ModelRunner:
         self.hidden_size = model.hidden_size
         self.device = model.device
         self.dtype = next(self.model.parameters()).dtype  # the weights' (and KV cache's), chosen when the model loaded
-        # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32 (the cache
-        # stays as it is, each step's slice cast): torch's CPU SDPA in bf16 took 3.76 ms a layer at 16 rows x 600
-        # columns against 0.55 ms through float32 on a Zen 4 EPYC (AVX512-BF16), which made bf16's batch-16 step at
-        # 600 tokens 1.9x float32's (bench/results/engine.csv); prompt chunks keep the cache's dtype (equal there)
-        self.attention_dtype = (torch.float32 if torch.device(model.device).type == "cpu"
-                                and self.dtype in (torch.bfloat16, torch.float16) else None)
+        # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32
+        # (fastgate.engine.attention.attention_dtype); prompt chunks keep the cache's dtype (equal there)
+        self.attention_dtype = attention_dtype(model.device, self.dtype)
         # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
         self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
         self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim
@@ -213,6 +216,11 @@ class ModelRunner:
         self.compiled = (compiled_by_default(model.device) if self.step_config.mode == "auto"
                          else self.step_config.mode == "compiled")
         self._static: dict[int, StaticStep] = {}  # EOS layer -> its static step (traced per bucket on first use)
+        self.forward_mode = canonical_forward(forward)
+        if self.forward_mode == "fused" and not fusable(self.model):
+            raise InputError(f"forward='fused': {type(self.model).__name__} is not covered by fastgate.engine.fused")
+        self.fused = (fused_forward(self.model) if self.forward_mode == "fused"
+                      or (self.forward_mode == "auto" and fusable(self.model)) else None)
 
     def static_step(self, mid: int) -> StaticStep | None:
         """The static decode step keeping layer ``mid``'s EOS states (None when decode steps run eager)."""

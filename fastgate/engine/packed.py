@@ -166,6 +166,16 @@ def packed_forward(model, ids: torch.Tensor, positions: torch.Tensor, plan: Pack
     return out.logits[0].to(torch.float32)  # [K, V]
 
 
+class _Outputs:
+    """The taps' outputs of a fused pass, read as :class:`fastgate.engine.model_runner.Taps` would keep them."""
+
+    def __init__(self, outputs: dict[int, torch.Tensor]) -> None:
+        self.outputs = outputs
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 def packable(engine) -> bool:
     """Whether ``engine``'s model can run packed passes: every cache layer is a plain one (no sliding window) and its
@@ -470,10 +480,16 @@ class PackedLoop(DecodeLoop):
         tap_layers = set(self.layers) if m else set()
         if (m and any(capture_eos)) or want_pre:
             tap_layers.add(self.mid)
-        hooks = eng.taps(tuple(sorted(tap_layers))) if tap_layers else None
+        fused = eng.fused  # the model's own pass in few host operations (fastgate.engine.fused), or HF's with hooks
+        hooks = eng.taps(tuple(sorted(tap_layers))) if tap_layers and fused is None else None
         try:
-            logits = packed_forward(eng.model, torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                    plan, torch.tensor(keep, dtype=torch.long, device=dev))  # [K, V]
+            args = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), plan,
+                    torch.tensor(keep, dtype=torch.long, device=dev))
+            if fused is not None:
+                logits, outputs = fused(*args, tap_layers)  # [K, V]
+                hooks = _Outputs(outputs)
+            else:
+                logits = packed_forward(eng.model, *args)  # [K, V]
             t_taps = time.perf_counter()
             if m:
                 self._read_taps(lambda layer: hooks.outputs[layer][0, :m], list(counts_now), list(capture_eos))

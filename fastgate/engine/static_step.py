@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastgate.engine.attention import attention_implementation, register_attention
+from fastgate.assets.quant import Int8Linear
+from fastgate.engine.attention import attention_dtype, attention_implementation, register_attention
 from fastgate.errors import InputError
 
 __all__ = ["BATCH_BUCKETS", "STEP_MODES", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket", "choose",
@@ -143,9 +144,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     heads go to SDPA as they are (``enable_gqa``): HF's own SDPA function copies every key and value head group by
     group (``repeat_kv``) whenever torch.compile traces it with a mask, which at batch 16 and 600 columns made the
     compiled step 3× slower than the eager one."""
+    dtype = query.dtype
+    wide = attention_dtype(query.device, dtype)  # bf16 on a CPU: in float32, as the eager packed pass attends
+    if wide is not None:
+        query, key, value = query.to(wide), key.to(wide), value.to(wide)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                          enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)  # [B, H, 1, D]
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).to(dtype), None
 
 
 def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -182,7 +187,9 @@ def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: li
     count.add_(weight)
     eos.copy_(torch.where(capture[:, None] > 0, stacked[:, mid], eos))
     head = model.get_output_embeddings()
-    logits = F.linear(h[:, 0], head.weight, head.bias).to(torch.float32)  # [B, V]
+    # a float head's plain product (a sliced head's per-shape check is no graph); an int8 head its own module
+    logits = (head(h[:, 0]) if isinstance(head, Int8Linear)
+              else F.linear(h[:, 0], head.weight, head.bias)).to(torch.float32)  # [B, V]
     return choose(logits, ints[2] > 0, floats[2], ints[3], floats[3], ints[4], ints[5])
 
 

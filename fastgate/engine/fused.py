@@ -1,0 +1,204 @@
+"""The packed pass without HF's module tree: the same arithmetic in a few host operations a layer.
+
+A batch-1 decode step of SmolLM2-135M through HF's modules dispatched ~8,200 torch operations (30 layers, each a
+dozen modules calling ~270 operations, views included) around 211 matrix products: at one thread on a Zen 4 EPYC the
+host's share was ~9 ms of a 20.6 ms step with int8 weights. :class:`FusedForward` runs the packed pass of
+:mod:`fastgate.engine.packed` (decode rows and prompt chunks alike) over the model's own weights with:
+
+* one product for ``q``, ``k``, ``v`` and one for ``gate``, ``up`` (the weights concatenated once, the projections'
+  own weights becoming views of them: no second copy), with biases where the model has them (Qwen2);
+* RoPE from a table of ``cos`` / ``sin`` per position computed once by the model's own rotary module (rows gathered
+  by position: HF recomputes them every pass), applied to ``q`` and ``k`` in one go;
+* the packed attention function itself (:func:`fastgate.engine.packed._packed_attention`), so the slot store, the
+  prefill buffers and the float32 attention of bf16 caches are the very same;
+* the taps written directly (no forward hooks): layer 0 the embeddings, layer ``i`` decoder layer ``i - 1``'s output,
+  layer ``n`` the final norm's, as :class:`fastgate.engine.model_runner.Taps` keeps them.
+
+The arithmetic is HF's, operation for operation: the RMS norm as ``LlamaRMSNorm`` computes it (float32 statistics, the
+product in the model's dtype), the residual sums in the same order, ``act(gate) * up``, the rotary formula
+``x * cos + rotate_half(x) * sin``; a concatenated product equals its parts bitwise on this CPU's BLAS (each output
+column is its own dot product; checked in tests), so float32 tokens equal the module tree's
+(``tests/test_fused.py``; the golden answers). Models it does not cover (another layer structure, a rotary type whose
+frequencies change with the length) keep HF's forward: :func:`fusable` says which.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastgate.assets.quant import Int8Linear
+
+__all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
+
+FORWARDS = ("auto", "hf", "fused")  # how the packed pass runs the model: auto is fused wherever fusable
+_STATIC_ROPE = frozenset({"default", "linear", "llama3", None})  # rotary types whose table never changes
+_ATTR = "_fastgate_fused"  # where a model keeps its FusedForward (built once, shared by every runner on it)
+
+
+def canonical_forward(name: str) -> str:
+    """``name`` checked against :data:`FORWARDS`."""
+    if name not in FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {name!r}")
+    return name
+
+
+def _rope_type(config) -> str | None:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+
+
+def fusable(model) -> bool:
+    """Whether :class:`FusedForward` covers ``model``: a Llama / Qwen2 / Mistral decoder (norm, attention with
+    q/k/v/o projections, gated MLP) whose linear layers are ``nn.Linear`` or :class:`Int8Linear` and whose rotary
+    frequencies are fixed."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(model.config, "model_type", "") not in ("llama", "qwen2", "mistral"):
+        return False
+    if _rope_type(model.config) not in _STATIC_ROPE or not hasattr(inner, "rotary_emb"):
+        return False
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(p) not in (nn.Linear, Int8Linear) for p in projections):
+            return False
+        if len({type(p) for p in projections}) != 1:
+            return False
+    return True
+
+
+def fused_forward(model) -> FusedForward:
+    """``model``'s :class:`FusedForward`, built on first use and kept on the model (its weights are shared)."""
+    fused = getattr(model, _ATTR, None)
+    if fused is None:
+        fused = FusedForward(model)
+        object.__setattr__(model, _ATTR, fused)  # not a submodule: the model's state dict stays HF's
+    return fused
+
+
+def _fuse(parts: list[nn.Module]) -> nn.Module:
+    """One linear layer computing ``parts`` side by side; each part's weight (and bias, scales) becomes a view of the
+    fused one, so the model holds each weight once and HF's modules still compute with the same values."""
+    if type(parts[0]) is Int8Linear:
+        q = torch.cat([p.q for p in parts])  # [sum N, K] int8
+        scale = torch.cat([p.scale for p in parts])  # [sum N]
+        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        fused = Int8Linear(q, scale, bias, parts[0].kernel_rows)
+        fused.bf16_products = parts[0].bf16_products
+        start = 0
+        for p in parts:
+            n = p.out_features
+            p.q, p.scale = fused.q[start:start + n], fused.scale[start:start + n]
+            p.refresh()
+            if bias is not None:
+                p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
+            start += n
+        return fused
+    weight = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for p in parts:
+        n = p.out_features
+        p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
+class _Layer:
+    """One decoder layer's pieces for the fused pass."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn  # the packed attention function reads its layer_idx and num_key_value_groups
+        self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = attn.o_proj
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+        self.act = mlp.act_fn
+        self.scaling = attn.scaling
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm``'s arithmetic (Qwen2's and Mistral's are the same)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class FusedForward:
+    """The packed pass of one model in few host operations (module docstring). Build through
+    :func:`fused_forward`; :meth:`__call__` takes what :func:`fastgate.engine.packed.packed_forward` takes."""
+
+    def __init__(self, model) -> None:
+        if not fusable(model):
+            raise ValueError(f"{type(model).__name__} is not covered by the fused forward")
+        self.model = model
+        inner = model.model
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.n = len(inner.layers)
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
+        self.rotary = inner.rotary_emb
+        self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[T, D]`` at ``positions [T]`` (rows of a table the model's rotary module computed)."""
+        need = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != like.dtype:
+            size = max(need, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            pos = torch.arange(size, device=like.device)[None]  # [1, P]
+            cos, sin = self.rotary(like, pos)  # [1, P, D] each, in like's dtype
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor,
+                 tap_layers=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan``; the float32 logits ``[len(keep), V]`` of
+        pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them)."""
+        from fastgate.engine.packed import _packed_attention
+
+        wanted = set(tap_layers)
+        outputs: dict[int, torch.Tensor] = {}
+        t = ids.shape[0]
+        h = self.embed(ids)  # [T, d]
+        if 0 in wanted:
+            outputs[0] = h[None]
+        cos, sin = self.rope(positions, h)  # [T, D]
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        half = d // 2
+        for i, layer in enumerate(self.layers):
+            x = _rms(h, layer.ln1, layer.eps1)
+            qkv = layer.qkv(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
+            qk = qkv[:, :hq + hk]
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # rotate_half
+            qk = qk * cos + rot * sin  # [T, Hq + Hkv, D]
+            q = qk[:, :hq].transpose(0, 1)[None]  # [1, Hq, T, D]
+            k = qk[:, hq:].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            v = qkv[:, hq + hk:].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            o, _ = _packed_attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
+            h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
+            x = _rms(h, layer.ln2, layer.eps2)
+            gu = layer.gate_up(x)  # [T, 2 I]
+            inter = gu.shape[-1] // 2
+            h = h + layer.down(layer.act(gu[:, :inter]) * gu[:, inter:])
+            if i + 1 in wanted and i + 1 < self.n:
+                outputs[i + 1] = h[None]
+        h = self.norm(h)
+        if self.n in wanted:
+            outputs[self.n] = h[None]
+        logits = self.head(h[keep])  # [K, V]
+        return logits.to(torch.float32), outputs

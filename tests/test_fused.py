@@ -1,0 +1,113 @@
+"""The fused packed pass (fastgate.engine.fused) against HF's module tree: the same tokens, log-probs and taps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastgate.assets.quant import Int8Linear, quantize_model
+from fastgate.config import GenerationConfig, TapSpec
+from fastgate.engine.fused import FusedForward, fusable, fused_forward
+from fastgate.engine.model_runner import ModelRunner
+from fastgate.engine.packed import PackedLoop
+from fastgate.testing import tiny_model
+
+PROMPTS = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills"]
+
+
+def _run(lm, forward: str, specs, budget=None):
+    runner = ModelRunner(lm, prefix_cache=0, step="eager", forward=forward)
+    assert (runner.fused is not None) == (forward == "fused")
+    loop = PackedLoop(runner, mid=2)
+    tickets = loop.admit(specs)
+    while loop.busy:
+        loop.step(budget)
+    out = []
+    for t in tickets:
+        r = t.result
+        out.append([(list(s.token_ids), list(s.token_logprobs)) for s in r.sequences] + [r.running_sum])
+    return out
+
+
+def _specs(n=8):
+    cfg = GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+    return [(p, cfg, TapSpec(layers=(0, 1, 2, 4)), 1, None) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("budget", [None, 3, 7])
+def test_fused_pass_equals_hf_modules_bitwise_in_float32(budget):
+    """Decode rows and prompt chunks of awkward sizes (a budget of 3 or 7 tokens splits prompts across passes beside
+    the rows): tokens, log-probs and the taps' running sums identical to HF's forward with hooks."""
+    lm = tiny_model()
+    a, b = _run(lm, "hf", _specs(), budget), _run(lm, "fused", _specs(), budget)
+    for x, y in zip(a, b):
+        assert x[:-1] == y[:-1]
+        assert torch.equal(x[-1], y[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_pass_with_int8_weights_equals_hf_modules(dtype):
+    lm = tiny_model(dtype=dtype)
+    quantize_model(lm.model, "int8")
+    a, b = _run(lm, "hf", _specs(6)), _run(lm, "fused", _specs(6))
+    for x, y in zip(a, b):
+        assert x[:-1] == y[:-1]
+        assert torch.equal(x[-1], y[-1])
+
+
+def test_fusing_keeps_one_copy_of_each_weight_and_hf_modules_still_compute_the_same():
+    lm = tiny_model(n_layers=2)
+    ids = torch.tensor([[5, 9, 11, 3]])
+    with torch.no_grad():
+        before = lm.model(ids).logits
+    fused = fused_forward(lm.model)
+    assert fused_forward(lm.model) is fused  # built once per model
+    attn = lm.model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.layers[0].qkv.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, before)
+
+
+def test_fused_int8_layers_share_the_quantized_weights():
+    lm = tiny_model(n_layers=2)
+    quantize_model(lm.model, "int8")
+    fused = fused_forward(lm.model)
+    qkv = fused.layers[0].qkv
+    assert isinstance(qkv, Int8Linear)
+    attn = lm.model.model.layers[0].self_attn
+    n = attn.q_proj.out_features
+    assert attn.q_proj.q.data_ptr() == qkv.q.data_ptr()
+    assert torch.equal(attn.k_proj.scale, qkv.scale[n:n + attn.k_proj.out_features])
+    assert torch.equal(attn.q_proj.scale_bf16, attn.q_proj.scale.to(torch.bfloat16))
+
+
+def test_auto_is_fused_where_covered_and_hf_elsewhere():
+    from fastgate.testing import tiny_gemma3
+
+    lm = tiny_model(n_layers=2)
+    assert fusable(lm.model) and ModelRunner(lm, forward="auto").fused is not None
+    assert ModelRunner(lm, forward="hf").fused is None
+    gemma = tiny_gemma3(n_layers=2)
+    assert not fusable(gemma.model)
+    assert ModelRunner(gemma, forward="auto").fused is None
+    with pytest.raises(Exception, match="fused"):
+        ModelRunner(gemma, forward="fused")
+    with pytest.raises(ValueError):
+        FusedForward(gemma.model)
+
+
+def test_a_model_with_another_linear_type_is_not_fusable():
+    lm = tiny_model(n_layers=2)
+    lm.model.model.layers[1].mlp.up_proj = nn.Sequential(lm.model.model.layers[1].mlp.up_proj)
+    assert not fusable(lm.model)
+
+
+def test_rope_table_rows_equal_the_rotary_module():
+    lm = tiny_model(n_layers=2)
+    fused = fused_forward(lm.model)
+    h = torch.zeros((1, 8))
+    pos = torch.tensor([0, 1, 300, 7, 299])  # past the first table's 256 rows: it grows
+    cos, sin = fused.rope(pos, h)
+    c, s = lm.model.model.rotary_emb(h, pos[None])
+    assert torch.equal(cos, c[0]) and torch.equal(sin, s[0])
