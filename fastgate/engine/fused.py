@@ -164,12 +164,11 @@ class FusedForward:
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[positions], self._sin[positions]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan``; the float32 logits ``[len(keep), V]`` of
-        pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them)."""
-        from fastgate.engine.packed import _packed_attention
-
+        """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
+        function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
+        of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them)."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
         t = ids.shape[0]
@@ -189,7 +188,7 @@ class FusedForward:
             q = qk[:, :hq].transpose(0, 1)[None]  # [1, Hq, T, D]
             k = qk[:, hq:].transpose(0, 1)[None]  # [1, Hkv, T, D]
             v = qkv[:, hq + hk:].transpose(0, 1)[None]  # [1, Hkv, T, D]
-            o, _ = _packed_attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
+            o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
             h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
             x = _rms(h, layer.ln2, layer.eps2)
             gu = layer.gate_up(x)  # [T, 2 I]

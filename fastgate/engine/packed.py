@@ -486,7 +486,7 @@ class PackedLoop(DecodeLoop):
             args = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), plan,
                     torch.tensor(keep, dtype=torch.long, device=dev))
             if fused is not None:
-                logits, outputs = fused(*args, tap_layers)  # [K, V]
+                logits, outputs = fused(*args, _packed_attention, tap_layers)  # [K, V]
                 hooks = _Outputs(outputs)
             else:
                 logits = packed_forward(eng.model, *args)  # [K, V]
