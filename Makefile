@@ -52,11 +52,12 @@ install-qwen15: install
 
 # llama-cpp-python built from source for this CPU (GGML_NATIVE: its AVX-512 / AVX512-BF16 / AMX paths), for the
 # llama.cpp design of bench/bench_engine.py on the same GGUF file; not in `make install` or `make test` (it compiles
-# llama.cpp: several minutes on 2 cores). LLAMA_CPP_ARGS adds CMake flags (e.g. -DGGML_BLAS=ON).
+# llama.cpp: several minutes on 2 cores; LLAVA_BUILD=OFF skips the multimodal library, unused here). LLAMA_CPP_ARGS
+# adds CMake flags (e.g. -DGGML_BLAS=ON).
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_CPP_ARGS ?=
 llama-cpp: install
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMA_CPP_ARGS)" \
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF $(LLAMA_CPP_ARGS)" \
 	  $(PIP) install --no-binary llama-cpp-python --no-cache-dir "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
