@@ -7,6 +7,8 @@ as :func:`fastgate.assets.precision.choose_dtype` does at load), at every ``--ba
 - ``packed``: :class:`fastgate.engine.packed.PackedLoop` (the rows' tokens packed into one ``[1, M]`` forward, keys /
 values
   in fixed store rows written in place: the service's layout);
+- ``packed-hf``: the same loop with ``forward="hf"``: HF's module tree with hooks for the taps, where ``packed``
+  runs the fused pass of :mod:`fastgate.engine.fused` (``auto`` picks it for Llama / Qwen2 / Mistral);
 - ``padded``: :class:`fastgate.engine.decode.DecodeLoop` on :class:`fastgate.engine.kv_cache.GrowingLayer` (appends in
 place);
 - ``hf-dynamic``: the same loop on HF's ``DynamicCache`` (``torch.cat`` of the whole cache each step);
@@ -77,7 +79,8 @@ from fastgate.engine.static_step import StepConfig  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
-DESIGNS = ("packed", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile", "llama.cpp")
+DESIGNS = ("packed", "packed-hf", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile",
+           "llama.cpp")
 COMPILED = ("packed-compiled", "hf-static-compile")  # the designs that compile a graph per batch and context
 LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
                   "--no-binary llama-cpp-python llama-cpp-python)")
@@ -133,9 +136,29 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
 
 
 def weight_bytes(model) -> int:
-    """Bytes the weights take as held: the parameters (tied ones once) and the int8 layers' weights and scales."""
+    """Bytes a decode step reads of the weights as held: the parameters (tied ones once) and the int8 layers' weights
+    and scales, less the embedding table where the LM head does not multiply by it (an untied head, or an int8 head
+    of its own: a step reads one row of the table a token)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".q", ".scale")))
+    held = params + sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                        if n.endswith((".q", ".scale")))
+    embed = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    return held - (embed.numel() * embed.element_size() if head is not embed else 0)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 def compiles() -> int:
@@ -387,7 +410,8 @@ def main() -> None:
     flags = native_bf16_flags(cpu_flags())
     auto = choose_dtype("auto", device).name  # flags alone; load() also probes (its reason is in dtype_reason)
     machine = {"bf16_flags": " ".join(flags) or "none", "auto_dtype": auto, "threads": torch.get_num_threads(),
-               "model": args.model, "device": str(device)}
+               "model": args.model, "device": str(device), "cpu": cpu_name(),
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     start = time.perf_counter()
     rows: list[dict] = []
 
@@ -408,6 +432,7 @@ def main() -> None:
             lm = build_model(args.model, args.device, dtype, fmt)
             FIRST_STEP.clear()  # first steps are this model's
             engine = Engine(lm, prefix_cache=0, step="eager")  # every row prefilled whole; eager on CUDA too
+            hf_engine = Engine(lm, prefix_cache=0, step="eager", forward="hf")  # HF's module tree, hooks for taps
             # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and
             # width bucket
             compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
@@ -447,6 +472,9 @@ def main() -> None:
                             if d in ("packed", "padded", "hf-dynamic"):
                                 t, width, kv = loop_step(engine, ids[(b, c)], args.steps, d)
                                 mode = "compiled" if engine.runner.compiled else "eager"
+                            elif d == "packed-hf":
+                                t, width, kv = loop_step(hf_engine, ids[(b, c)], args.steps, d)
+                                mode = "eager"
                             elif d == "packed-compiled":
                                 t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
                                 mode = "compiled" if compiled.runner.compiled else "eager"
@@ -476,7 +504,7 @@ def main() -> None:
                     emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": fmt,
                           "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
                           "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
-            del engine, compiled, lm
+            del engine, hf_engine, compiled, lm
     if "llama.cpp" in designs and not out_of_time():
         run_llama_cpp(args, contexts, batches, machine, emit, out_of_time)
     steps = [r for r in rows if r["kind"] == "step"]
