@@ -34,9 +34,13 @@ How the product runs (torch 2.13's CPU build; timings in ``bench/bench_engine.py
   beside the product.
 
 A 4-bit form (``aten._weight_int4pack_mm_for_cpu``, groups of 32 with scale and zero, semantics
-``w = (q - 8) * scale + zero``) was timed beside it and was not faster than the int8 kernel on that CPU (1 × 2048 →
-8192 bf16: about 260 µs against 200 µs), so it is not offered (issue 45 asks for it only where a kernel multiplies
-it faster).
+``w = (q - 8) * scale + zero``; GGUF's Q4_1 blocks ``w = q * d + m`` map onto it exactly with ``scale = d``,
+``zero = m + 8 d``) is not offered yet. Timed on one weight in the cache it was no faster than the int8 kernel (1 × 2048
+→ 8192 bf16: about 260 µs against 200 µs); timed as a decode step reads them, 30 different 576 → 3072 weights in turn
+(out of the caches), one thread of a Zen 4 EPYC: bf16 dense 240 µs, int8 121 µs, int4 66 µs a product, so it would
+cut the int8 step's products by about 45%. Its packed layout is not separable by rows (the fused q/k/v and gate/up
+products of :mod:`fastgate.engine.fused` need the codes kept in a plain layout and packed after concatenation) and
+it needs ``N % 16 == 0`` and ``K % 32 == 0``.
 """
 
 from __future__ import annotations
