@@ -108,8 +108,21 @@ def test_best_rule_runs_always_and_reports_the_gain(cli, capsys, tmp_path):
     assert entry["rule"] == "best" and entry["rate"] <= 0.8 and "dev_gain_over_random" in entry
 
 
+def test_loss_rule_retrieves_least_within_the_loss(cli, capsys, tmp_path):
+    assert cli("--method", "dtr", "--rule", "loss", "--max-loss", "0.01") == 0
+    out = capsys.readouterr().out
+    assert "rule loss: the fewest retrievals within 1.0 point(s)" in out
+    recs = [json.loads(line) for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
+    assert {r["run"] for r in recs} == {"dtr[tau=1e9]", "always"}
+    entry = calibration_entries("tiny")[0]
+    assert entry["rule"] == "loss" and entry["max_loss"] == 0.01
+    # the tiny model answers nothing right either way: retrieving on no question loses nothing
+    assert not any(r["acc"] for r in recs) and entry["rate"] == 0.0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--method", "never"], "has no gate threshold to calibrate"),
+    (["--method", "dtr", "--rule", "loss", "--max-loss", "-0.1"], "--max-loss must be in"),
     (["--method", "dtr", "--param", "tau=0.5"], "is what calibration chooses"),
     (["--method", "dtr", "--rate", "0"], "--rate must be in"),
     (["--method", "magic"], "unknown method"),

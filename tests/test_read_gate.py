@@ -86,6 +86,64 @@ def test_fit_separates_and_checkpoint_round_trip(tmp_path, tiny):
     assert [s.retrieve for s in steps] == [bool(x >= 0) for x in logits[:4]]
 
 
+def test_gain_model_scores_expected_gain_and_round_trips(tmp_path, tiny):
+    from fastgate.gates.read import GainModel, ReadModel, fit_gain_model
+
+    rng = np.random.default_rng(0)
+    rows = [{f: float(rng.normal()) for f in FEATURE_SETS["all"]} for _ in range(300)]
+    fixed = np.array([int(r["bm25_top"] > 0.3) for r in rows])
+    broken = np.array([int(r["cb_nll"] < -1.0 and not f) for r, f in zip(rows, fixed)])
+    m = fit_gain_model(rows, fixed, broken, FEATURE_SETS["all"])
+    p_fix = 1 / (1 + np.exp(-m.fix.logits(rows)))
+    p_harm = 1 / (1 + np.exp(-m.harm.logits(rows)))
+    np.testing.assert_allclose(m.score(rows), p_fix - p_harm)  # the definition, by hand
+    assert m.score(rows)[fixed == 1].mean() > m.score(rows)[fixed == 0].mean() + 0.3
+    assert m.score(rows)[broken == 1].mean() < 0  # a read that would break the answer is not worth one
+    path = save_read_checkpoint(tmp_path / "gain", {"all": m}, model=tiny, base="dtr", meta={})
+    assert json.loads((path / "config.json").read_text())["score"] == "gain"
+    back = load_read_checkpoint(path, "all", model=tiny, base="dtr")
+    assert isinstance(back, GainModel)
+    np.testing.assert_allclose(back.score(rows), m.score(rows))
+    steps = ReadGate(back, threshold=0.05).decide(rows[:6])
+    assert [s.retrieve for s in steps] == [bool(x >= 0.05) for x in m.score(rows[:6])]
+    # a checkpoint from before the gain model (no "score") is log-odds: the gate's score is its logits
+    old = save_read_checkpoint(tmp_path / "old", {"all": m.fix}, model=tiny, base="dtr", meta={})
+    doc = json.loads((old / "config.json").read_text())
+    del doc["score"]
+    (old / "config.json").write_text(json.dumps(doc))
+    back_old = load_read_checkpoint(old, "all", model=tiny, base="dtr")
+    assert isinstance(back_old, ReadModel)
+    np.testing.assert_allclose(back_old.score(rows), m.fix.logits(rows))
+    with pytest.raises(InputError, match="all gain models or all log-odds"):
+        save_read_checkpoint(tmp_path / "mixed", {"all": m, "dense": m.fix}, model=tiny, base="dtr", meta={})
+    doc["score"] = "odds"
+    (old / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="unknown score 'odds'"):
+        load_read_checkpoint(old, "all", model=tiny, base="dtr")
+    with pytest.raises(CheckpointError, match="different features"):
+        GainModel(m.fix, fit_read_model(rows, fixed, FEATURE_SETS["dense"]))
+
+
+def test_choose_price_is_the_highest_price_within_the_loss_on_every_set():
+    from fastgate.train.read import choose_price, price_table
+
+    # set a: reading fixes questions 0-1 (scored high) and breaks question 2; set b: reading fixes question 4 only
+    scores = np.array([0.9, 0.8, 0.1, 0.0, 0.5, 0.2, 0.05, -0.3])
+    cb = np.array([0, 0, 1, 0, 0, 0, 0, 0], dtype=float)
+    rd = np.array([1, 1, 0, 0, 1, 0, 0, 0], dtype=float)
+    groups = np.array(["a"] * 4 + ["b"] * 4)
+    price = choose_price(scores, cb, rd, groups, max_loss=0.0)
+    assert price == pytest.approx((0.5 + 0.2) / 2)  # set b needs its one fix read: the price falls below 0.5
+    table = {r["data"]: r for r in price_table(scores, cb, rd, groups, price)}
+    assert table["a"]["reads"] == 0.5 and table["a"]["acc"] == 0.75 and table["a"]["loss"] == -0.25  # above always
+    assert table["b"]["reads"] == 0.25 and table["b"]["acc"] == 0.25 and table["b"]["never"] == 0.0
+    assert choose_price(scores, cb, rd, groups, max_loss=0.2) == pytest.approx((0.5 + 0.2) / 2)
+    assert choose_price(scores, cb, rd, groups, max_loss=0.25) > 0.9  # a quarter point each: reading nothing holds
+    # nothing holds: read everything (below the lowest score)
+    assert choose_price(np.array([0.0, 1.0]), np.array([1.0, 0.0]), np.array([0.0, 0.0]), np.array(["c", "c"]),
+                        max_loss=-0.5) < 0.0
+
+
 def _checkpoint(tmp_path, tiny, weight: float) -> str:
     """A checkpoint whose log-odds are ``weight`` × (standardised) BM25 top score."""
     feats = FEATURE_SETS["all"]
@@ -213,6 +271,63 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
     assert f"checkpoint: {tmp_path / 'home' / 'checkpoints' / 'tiny-read-dtr'}" in capsys.readouterr().out
     assert load_read_checkpoint(tmp_path / "home" / "checkpoints" / "tiny-read-dtr", "all", model=tiny, base="dtr")
     assert list(cwd.iterdir()) == []
+
+
+def test_train_read_pools_dev_sets_and_writes_its_price_as_the_checkpoints_calibration(monkeypatch, tmp_path, tiny,
+                                                                                       small_index, capsys):
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.read import GainModel
+    from fastgate.methods.calibration import calibrated_params
+    from fastgate.train import read as train_read
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
+          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
+    files = []
+    for name, pairs in (("one", qa), ("two", qa[::-1])):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps({"id": f"{name}{i}", "question": q, "answers": [a]}) + "\n"
+                                     for i, (q, a) in enumerate(pairs)))
+    real = train_read.collect_rows
+
+    def labelled(records):  # the tiny model answers nothing right: fixes and a break by hand
+        rows, fixed, cb, rd = real(records)
+        fixed = np.arange(len(rows)) % 2
+        cb = np.zeros(len(rows))
+        cb[2] = 1.0  # closed-book right, read wrong: a break
+        return rows, fixed, cb, fixed.astype(float)
+
+    monkeypatch.setattr(train_read, "collect_rows", labelled)
+    out = tmp_path / "ck"
+    argv = ["train", "read", "--model", "tiny", "--data", f"{files[0]},{files[1]}", "--n", "12,10", "--index",
+            str(small_index), "--cache", str(tmp_path / "pass"), "--out", str(out), "--quiet", "--batch-size", "4",
+            "--features", "all"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "price of a read" in text and "learning curve" in text and "out-of-fold" in text
+    stores = sorted(p.parent.name for p in (tmp_path / "pass").glob("*/results.jsonl"))
+    assert len(stores) == 2 and all(name.endswith(".jsonl") for name in stores)  # one store per set, inside --cache
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["score"] == "gain" and doc["n"] == 22 and [s["n"] for s in doc["sets"]] == [12, 10]
+    assert [s["broken"] for s in doc["sets"]] == [1, 1] and doc["fixed"] == 6 + 5
+    training = json.loads((out / "training.json").read_text())
+    price = training["report"]["all"]["price"]
+    assert training["command"].startswith("fastgate train read --model tiny --decide answer --base dtr --data ")
+    assert [r["n"] for r in training["report"]["all"]["out_of_fold"]] == [12, 10]
+    assert training["report"]["all"]["learning_curve"][-1]["train"] == 22 - 3 - 2  # a fifth of each set held out
+    assert isinstance(load_read_checkpoint(out, "all", model=tiny, base="dtr"), GainModel)
+    # the price is this checkpoint's calibration: used for it, and for no other checkpoint
+    assert calibrated_params("tiny", "read", {"checkpoint": str(out)})["threshold"] == pytest.approx(price)
+    with pytest.raises(InputError, match="no calibrated threshold"):
+        calibrated_params("tiny", "read", {"checkpoint": str(tmp_path / "elsewhere")})
+    capsys.readouterr()
+    assert main(argv[:5] + [f"{files[0]},{files[1]},{files[0]}", "--n", "1,2"] + argv[8:]) == 2
+    assert "--n gives 2 counts for 3 dev sets" in capsys.readouterr().err
+    assert main(["train", "read", "--model", "tiny", "--data", f"{files[0]},nq:test"]) == 2
+    assert "refuses" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- decide=prefill

@@ -41,11 +41,14 @@ from fastgate.gates.base import Gate, GateStep
 __all__ = [
     "DECIDE_MODES",
     "FEATURE_SETS",
+    "GainModel",
+    "SCORES",
     "MODEL_FEATURES",
     "PREFILL_SEARCH_FEATURES",
     "ReadGate",
     "ReadModel",
     "StateProjection",
+    "fit_gain_model",
     "fit_read_model",
     "fit_state_projection",
     "load_prefill_checkpoint",
@@ -58,6 +61,11 @@ __all__ = [
 
 # where the gate decides: after the closed-book answer (today's gate), or from the closed-book prompt's prefill
 DECIDE_MODES = ("answer", "prefill")
+
+# what a checkpoint's score is: ``gain``, the expected accuracy a read adds (P(read fixes) − P(read breaks)), judged
+# against a price in accuracy per read; ``log-odds``, the log-odds that a read fixes the answer (checkpoints made
+# before the gain model; their threshold is a log-odds value calibrated to a reading rate)
+SCORES = ("gain", "log-odds")
 
 # Model-side features: the method's own first score and the closed-book answer's token log-probabilities.
 MODEL_FEATURES = ("base_score", "cb_nll", "cb_min_logprob", "cb_tokens", "q_words")
@@ -240,8 +248,43 @@ class ReadModel:
         return (x - np.asarray(self.mean)) / np.asarray(self.std)
 
     def logits(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
-        """``[N]`` log-odds that reading fixes the answer."""
+        """``[N]`` log-odds of the label (reading fixes the answer)."""
         return self.matrix(rows) @ np.asarray(self.weights) + self.bias
+
+    def probabilities(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
+        """``[N]`` probabilities of the label."""
+        return 1.0 / (1.0 + np.exp(-self.logits(rows)))
+
+    def score(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
+        """``[N]`` the gate's score of a ``log-odds`` checkpoint: :meth:`logits`."""
+        return self.logits(rows)
+
+
+@dataclass(frozen=True)
+class GainModel:
+    """What a read is expected to add: ``P(read fixes) − P(read breaks)``, two :class:`ReadModel` on one feature list.
+
+    A question's accuracy changes by +1 when the passages' answer is right and the closed-book one wrong (``fix``),
+    by −1 in the opposite case (``harm``), else by 0; so the difference of the two probabilities is the expected
+    change of accuracy if this question reads. Read iff it is at least the price of a read (the gate's threshold):
+    a rule in accuracy per read, which means the same on a set where half the questions can be answered from the
+    corpus and on one where a twelfth can, where a reading rate cannot.
+    """
+
+    fix: ReadModel
+    harm: ReadModel
+
+    def __post_init__(self) -> None:
+        if self.fix.features != self.harm.features:
+            raise CheckpointError("gain model: its fix and harm models read different features")
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return self.fix.features
+
+    def score(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
+        """``[N]`` expected accuracy gain of reading, in [-1, 1]."""
+        return self.fix.probabilities(rows) - self.harm.probabilities(rows)
 
 
 def fit_read_model(rows: Sequence[Mapping[str, float]], labels: Sequence[int], features: Sequence[str],
@@ -270,17 +313,31 @@ def fit_read_model(rows: Sequence[Mapping[str, float]], labels: Sequence[int], f
     return ReadModel(tuple(features), tuple(mean.tolist()), tuple(std.tolist()), tuple(w.tolist()), float(b))
 
 
-def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel], *, model: Any, base: str | None,
+def fit_gain_model(rows: Sequence[Mapping[str, float]], fixed: Sequence[int], broken: Sequence[int],
+                   features: Sequence[str], l2: float = 1.0) -> GainModel:
+    """Fit :class:`GainModel`: one logistic model of ``fixed`` (read right, closed-book wrong), one of ``broken``
+    (closed-book right, read wrong), on the same rows and features (:func:`fit_read_model` each)."""
+    return GainModel(fit_read_model(rows, fixed, features, l2=l2), fit_read_model(rows, broken, features, l2=l2))
+
+
+def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel | GainModel], *, model: Any,
+                         base: str | None,
                          meta: Mapping[str, Any], decide: str = "answer",
                          projection: StateProjection | None = None) -> Path:
-    """Write ``config.json`` of a read-gate checkpoint: one :class:`ReadModel` per feature set; a ``prefill`` one
-    also holds its :class:`StateProjection` (and no base: it reads no base method's signal)."""
+    """Write ``config.json`` of a read-gate checkpoint: one model per feature set, all :class:`GainModel` (score
+    ``gain``) or all :class:`ReadModel` (``log-odds``); a ``prefill`` one also holds its :class:`StateProjection`
+    (and no base: it reads no base method's signal)."""
     if decide not in DECIDE_MODES or (decide == "prefill") != (projection is not None):
         raise InputError(f"read gate: decide={decide!r} with{'out' if projection is None else ''} a state projection")
+    kinds = {type(m) for m in models.values()}
+    if len(kinds) != 1:
+        raise InputError("read gate: a checkpoint's models are all gain models or all log-odds models")
+    score = "gain" if kinds == {GainModel} else "log-odds"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"kind": "read", "decide": decide, "model": model.name,
            "model_fingerprint": getattr(model, "fingerprint", ""), "base": base if decide == "answer" else None,
+           "score": score,
            **({"projection": asdict(projection)} if projection is not None else {}),
            "models": {name: asdict(m) for name, m in models.items()}, **dict(meta)}
     tmp = out / "config.json.tmp"
@@ -290,8 +347,9 @@ def save_read_checkpoint(out_dir: str | Path, models: Mapping[str, ReadModel], *
 
 
 def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, base: str | None = None,
-                         decide: str = "answer") -> ReadModel:
-    """The :class:`ReadModel` for feature set ``features`` from a checkpoint directory.
+                         decide: str = "answer") -> ReadModel | GainModel:
+    """The model for feature set ``features`` from a checkpoint directory: a :class:`GainModel` (score ``gain``) or
+    a :class:`ReadModel` (``log-odds``, checkpoints made before the gain model).
 
     Raises:
         CheckpointError: missing or corrupt, made for the other ``decide`` mode, trained for another model or another
@@ -301,8 +359,8 @@ def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, 
 
 
 def load_prefill_checkpoint(path: str | Path, features: str, *, model: Any = None
-                            ) -> tuple[ReadModel, StateProjection]:
-    """The ``prefill``-mode gate of a checkpoint directory: its :class:`ReadModel` for ``features`` and its
+                            ) -> tuple[ReadModel | GainModel, StateProjection]:
+    """The ``prefill``-mode gate of a checkpoint directory: its model for ``features`` and its
     :class:`StateProjection` (checked against ``model``'s hidden size and depth).
 
     Raises:
@@ -323,8 +381,12 @@ def load_prefill_checkpoint(path: str | Path, features: str, *, model: Any = Non
     return m, proj
 
 
+def _read_model(m: Mapping[str, Any]) -> ReadModel:
+    return ReadModel(tuple(m["features"]), tuple(m["mean"]), tuple(m["std"]), tuple(m["weights"]), float(m["bias"]))
+
+
 def _load(path: str | Path, features: str, *, model: Any, base: str | None, decide: str
-          ) -> tuple[ReadModel, dict[str, Any]]:
+          ) -> tuple[ReadModel | GainModel, dict[str, Any]]:
     cfg = Path(path) / "config.json"
     try:
         doc = json.loads(cfg.read_text())
@@ -346,23 +408,28 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
     if features not in doc.get("models", {}):
         raise CheckpointError(f"read-gate checkpoint {path} has no {features!r} model (has: "
                               f"{', '.join(doc.get('models', {})) or 'none'})")
+    score = doc.get("score", "log-odds")  # checkpoints from before the gain model score log-odds
+    if score not in SCORES:
+        raise CheckpointError(f"read-gate checkpoint {path}: unknown score {score!r} (known: {', '.join(SCORES)})")
     try:
         m = doc["models"][features]
-        return ReadModel(tuple(m["features"]), tuple(m["mean"]), tuple(m["std"]), tuple(m["weights"]),
-                         float(m["bias"])), doc
+        if score == "gain":
+            return GainModel(_read_model(m["fix"]), _read_model(m["harm"])), doc
+        return _read_model(m), doc
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"read-gate checkpoint {path}: corrupt {features!r} model ({exc})") from None
 
 
 class ReadGate(Gate):
-    """Read iff the log-odds that reading fixes the closed-book answer are ``>= threshold``.
+    """Read iff the model's score is ``>= threshold``: a :class:`GainModel`'s expected accuracy gain against the
+    price of a read, or (older checkpoints) a :class:`ReadModel`'s log-odds that reading fixes the answer.
 
     The signal is a feature dict (:func:`read_features`, or :func:`prefill_features` in the ``prefill`` mode).
     """
 
     name = "read"
 
-    def __init__(self, model: ReadModel, threshold: float) -> None:
+    def __init__(self, model: ReadModel | GainModel, threshold: float) -> None:
         self.model = model
         self.threshold = float(threshold)
 
@@ -371,7 +438,7 @@ class ReadGate(Gate):
         return ("read", id(self.model))
 
     def scores(self, signals: Sequence[Mapping[str, float]]) -> torch.Tensor:
-        return torch.from_numpy(self.model.logits(list(signals)))  # [N] float64
+        return torch.from_numpy(self.model.score(list(signals)))  # [N] float64
 
     def step(self, score: float, signal=None) -> GateStep:
         return GateStep(self.name, float(score), self.threshold, bool(score >= self.threshold))

@@ -118,7 +118,8 @@ _WARNED: set[tuple[str, str, str]] = set()  # (model, method, checkpoint) alread
 
 def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bool) -> None:
     """No entry applies to a gated method whose threshold the user did not set: say so once per process, model,
-    method and checkpoint; the read gate, whose log-odds threshold has no default that means anything, refuses."""
+    method and checkpoint; the read gate, whose threshold belongs to its checkpoint, refuses (a training pass,
+    ``collect``, needs none)."""
     from fastgate.methods.base import method_class
 
     cls = method_class(method)
@@ -130,10 +131,15 @@ def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bo
     what = f"{method} on model {model_name}" + (f" with checkpoint {ckpt}" if ckpt else "")
     conditions = " ".join(f"--param {k}={v}" for k, v in sorted(params.items()) if k != spec.param)
     command = f"`fastgate calibrate --method {method} --model {model_name}" + (f" {conditions}`" if conditions else "`")
-    if method == "read" and str(params.get("collect", defaults.get("collect"))).lower() not in ("true", "1", "yes"):
+    collecting = str(params.get("collect", defaults.get("collect"))).lower() in ("true", "1", "yes")
+    if method == "read" and collecting:  # a training pass reads every question: no threshold to miss
+        return
+    if method == "read":
         raise InputError(f"no calibrated threshold for {what} (base={params.get('base', defaults.get('base'))}, "
-                         f"features={params.get('features', defaults.get('features'))}): the read gate's log-odds "
-                         f"threshold is fitted per checkpoint; run {command}, or pass --param {spec.param}=T")
+                         f"features={params.get('features', defaults.get('features'))}): the read gate's threshold "
+                         "(the price of a read; a log-odds value for checkpoints older than the gain model) belongs "
+                         f"to its checkpoint, and `fastgate train read` writes it; run {command}, or pass "
+                         f"--param {spec.param}=T")
     key = (model_name, method, ckpt)
     if warn and key not in _WARNED:
         _WARNED.add(key)

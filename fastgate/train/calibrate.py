@@ -8,7 +8,10 @@ so an interrupted calibration resumes. The threshold is then chosen from the sco
   either side of the boundary);
 - ``best``: the value with the largest gain over the random gate at the same rate (accuracy replayed from the
   skipped answers and ``always``'s answers on the same questions, which the pass then also runs), among rates up to
-  ``--rate``.
+  ``--rate``;
+- ``loss``: the value at which the fewest questions retrieve while the replayed accuracy stays within ``--max-loss``
+  of the better of ``never`` (the skipped answers) and ``always`` (also run): the read gate's rule (``fastgate train
+  read``), for any gate; ``--rate`` is not used.
 
 It is shown with its dev curve and written to ``$FASTGATE_HOME/calibration/<model>.json``, which ask, eval and serve
 read on top of the shipped values (:mod:`fastgate.methods.calibration`).
@@ -105,6 +108,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"{args.method} has no gate threshold to calibrate (gated methods: {', '.join(gated)})")
     if not 0.0 < args.rate <= 1.0:
         raise InputError(f"--rate must be in (0, 1], got {args.rate}")
+    if not 0.0 <= args.max_loss < 1.0:
+        raise InputError(f"--max-loss must be in [0, 1), got {args.max_loss}")
     from fastgate.eval.datasets import refuse_test_split
     from fastgate.serving.engine_args import remote_config
 
@@ -129,7 +134,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     req = check_request(args.method, forced, args.retriever, model, remote=engine)
     run = RunSpec(req.method, req.retriever, req.params)
     runs = [run]
-    if args.rule == "best":
+    if args.rule in ("best", "loss"):
         runs.append(RunSpec("always", check_request("always", {}, None, model, remote=engine).retriever, ()))
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
@@ -149,18 +154,24 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"{len(usable)} question(s) with a first gate score: too few to calibrate")
     scores = np.array([recs[i]["gate_steps"][0]["score"] for i in usable], dtype=np.float64)
     skip_acc = read_acc = None
-    if args.rule == "best":
+    if args.rule in ("best", "loss"):
         skip_acc = np.array([float(recs[i]["acc"]) for i in usable])
         read_acc = np.array([float(store.records[("always", examples[i].id)]["acc"]) for i in usable])
     curve = dev_curve(scores, spec.retrieve_above, skip_acc, read_acc)
     k_cap = int(math.floor(args.rate * len(usable) + 1e-9))
     if args.rule == "best":
         pick = max(curve[: k_cap + 1], key=lambda r: (round(r["acc"] - r["random"], 12), -r["k"]))
+    elif args.rule == "loss":  # the fewest retrievals within --max-loss of the better of never and always
+        best = max(float(skip_acc.mean()), float(read_acc.mean()))
+        pick = next(r for r in curve if r["acc"] >= best - args.max_loss - 1e-12)
     else:
         pick = curve[int(round(args.rate * len(usable)))]
     value = round(spec.value(pick["cut"]), 6)
     result = CalibrationResult(args.method, spec.param, value, pick["rate"], len(usable), args.rule,
                                None if "acc" not in pick else pick["acc"] - pick["random"])
+    if args.rule == "loss":
+        print(f"rule loss: the fewest retrievals within {100 * args.max_loss:.1f} point(s) of the better of never "
+              f"({skip_acc.mean():.3f}) and always ({read_acc.mean():.3f}) on these dev questions")
     _print_curve(curve, pick, spec, args.method)
     when = dict(sorted(user.items()))
     if args.method == "read":  # the threshold belongs to one trained gate: its base and feature set
@@ -168,6 +179,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         when = {**when, "base": cfg.base, "features": cfg.features}
     entry: dict[str, Any] = {"method": args.method, **({"when": when} if when else {}),
                              "params": {spec.param: value}, "rule": args.rule, "rate": round(pick["rate"], 4),
+                             **({"max_loss": args.max_loss} if args.rule == "loss" else {}),
                              "target_rate": args.rate, "data": data, "n": len(usable), "seed": args.seed,
                              "date": time.strftime("%Y-%m-%d"),
                              "note": f"fastgate calibrate: {run.key} forced to skip on {len(usable)} questions of "
@@ -237,9 +249,12 @@ def add_calibrate_parser(sub) -> None:
                    help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions (default: nq:dev:balanced)")
     p.add_argument("--n", type=int, default=200, help="questions of the seeded order (default: 200)")
-    p.add_argument("--rule", choices=("rate", "best"), default="rate",
+    p.add_argument("--rule", choices=("rate", "best", "loss"), default="rate",
                    help="rate: retrieve on --rate of the questions; best: the largest gain over the random gate at "
-                        "rates up to --rate (also runs `always` on the questions)")
+                        "rates up to --rate; loss: the fewest retrievals within --max-loss of the better of never and "
+                        "always (best and loss also run `always` on the questions)")
+    p.add_argument("--max-loss", type=float, default=0.005,
+                   help="--rule loss: accuracy it may lose to the better of never and always (default: 0.005)")
     p.add_argument("--rate", type=float, default=0.7, help="target (rate) or largest (best) retrieval rate (0.7)")
     p.add_argument("--retriever", default=None, help="the method's retriever (default: its own)")
     p.add_argument("--budget", choices=("auto", "cpu", "full"), default="auto",

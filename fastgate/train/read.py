@@ -1,16 +1,24 @@
-"""``fastgate train read``: the read gate's training pass on dev questions, its fit and its checkpoint.
+"""``fastgate train read``: the read gate's training pass on dev questions, its fit, its price and its checkpoint.
 
 The pass is an evaluation of ``read[collect=true]`` (every question is answered closed-book *and* from its passages,
-with every feature recorded), stored like any `fastgate eval` run, so an interrupted pass resumes where it stopped.
-A question's label is 1 where reading fixed the closed-book answer (the passages' answer is right, the closed-book
-one wrong). One checkpoint holds a model per feature set (``all``, ``dense``); the report gives each one's
-out-of-fold curve on the dev questions against the random gate and the oracle.
+with every feature recorded), stored like any `fastgate eval` run, so an interrupted pass resumes where it stopped;
+several dev sets (``--data nq:dev:balanced,triviaqa:dev``) each get their own pass and are pooled. A question's
+accuracy changes by +1 where reading fixed the closed-book answer, by −1 where it broke it: the gate is a
+:class:`~fastgate.gates.read.GainModel` (one logistic model of each), whose score is the expected gain of a read.
+
+The threshold is a price: read iff the expected gain is at least what a read costs, in accuracy. It is chosen out of
+fold (five folds within each dev set) as the highest price at which no dev set falls more than ``--max-loss`` below
+the better of ``never`` and ``always``, and written as the checkpoint's calibration entry. A rule in accuracy per
+read means the same on a balanced set and on the natural distribution, where a reading rate does not. The report
+(also ``training.json`` beside the checkpoint) gives each set's out-of-fold reading rate and accuracy at the price and
+a learning curve: a fifth of each set held out, models fitted on 400, 800, ... and all of the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,28 +70,46 @@ def usable_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if not r.get("error") and "features" in (r.get("details") or {})]
 
 
-def prefill_rows(engine, records: list[dict[str, Any]], rows: list[dict[str, float]], layer: int, rank: int,
-                 projection=None) -> tuple[list[dict[str, float]], Any]:
-    """The prefill gate's feature rows of a collecting pass's usable records (``rows``: their :func:`collect_rows`
-    features, in the same order): the search features that need no closed-book answer, and each question's
-    pre-answer state at ``layer`` (one prefill of its closed-book prompt) projected on ``projection``, or on the first
-    ``rank`` principal components of these states when none is given. Returns the rows and the projection."""
+def prefill_states(engine, records: list[dict[str, Any]], layer: int) -> np.ndarray:
+    """``[N, d]`` the closed-book prompt's pre-answer state at ``layer`` of each usable record's question (one
+    prefill each), float64."""
     import torch
 
-    from fastgate.gates.read import PREFILL_SEARCH_FEATURES, fit_state_projection
     from fastgate.prompts import closed_book_prompt
 
-    usable = usable_records(records)
-    if len(usable) != len(rows):
-        raise ValueError(f"{len(usable)} usable records for {len(rows)} feature rows")
-    states = engine.prompt_states([closed_book_prompt(r["question"]) for r in usable], layer)  # [N, d]
-    states = states.to(device="cpu", dtype=torch.float64).numpy()
+    states = engine.prompt_states([closed_book_prompt(r["question"]) for r in usable_records(records)], layer)  # [N, d]
+    return states.to(device="cpu", dtype=torch.float64).numpy()
+
+
+def prefill_rows(engine, records: list[dict[str, Any]], rows: list[dict[str, float]], layer: int, rank: int,
+                 projection=None, states: np.ndarray | None = None) -> tuple[list[dict[str, float]], Any]:
+    """The prefill gate's feature rows of a collecting pass's usable records (``rows``: their :func:`collect_rows`
+    features, in the same order): the search features that need no closed-book answer, and each question's
+    pre-answer state at ``layer`` (:func:`prefill_states`, or ``states`` when given) projected on ``projection``, or
+    on the first ``rank`` principal components of these states when none is given. Returns the rows and the
+    projection."""
+    from fastgate.gates.read import PREFILL_SEARCH_FEATURES, fit_state_projection
+
+    if len(usable_records(records)) != len(rows):
+        raise ValueError(f"{len(usable_records(records))} usable records for {len(rows)} feature rows")
+    if states is None:
+        states = prefill_states(engine, records, layer)
     if projection is None:
         projection = fit_state_projection(states, layer, rank)
     z = projection.project(states)  # [N, rank]
     out = [{**{f"state_{i}": float(v) for i, v in enumerate(zi)}, **{k: row[k] for k in PREFILL_SEARCH_FEATURES["all"]}}
            for zi, row in zip(z, rows)]
     return out, projection
+
+
+def _folds(groups: np.ndarray, folds: int) -> np.ndarray:
+    """Each row's fold: its position within its own dev set modulo ``folds`` (deterministic; every set split
+    evenly)."""
+    fold = np.zeros(len(groups), dtype=int)
+    for g in np.unique(groups):
+        idx = np.flatnonzero(groups == g)
+        fold[idx] = np.arange(len(idx)) % folds
+    return fold
 
 
 def cross_validated_logits(rows, labels, features, folds: int = 5, l2: float = 1.0) -> np.ndarray:
@@ -100,83 +126,237 @@ def cross_validated_logits(rows, labels, features, folds: int = 5, l2: float = 1
     return out
 
 
-def _curve_line(name: str, logits: np.ndarray, cb: np.ndarray, rd: np.ndarray, rate: float) -> str:
-    k = int(round(rate * len(logits)))
-    read = np.zeros(len(logits), dtype=bool)
-    read[np.argsort(-logits, kind="stable")[:k]] = True
-    acc = float(np.where(read, rd, cb).mean())
-    rnd = (1 - rate) * cb.mean() + rate * rd.mean()
-    return (f"{name:>6}  read {rate:4.0%}: ACC {acc:.3f}  random {rnd:.3f}  ({100 * (acc - rnd):+.1f} points)  "
-            f"always {rd.mean():.3f}  never {cb.mean():.3f}")
+def cross_validated_gains(rows, fixed, broken, features, groups, folds: int = 5, l2: float = 1.0) -> np.ndarray:
+    """Out-of-fold expected gain of reading (:class:`~fastgate.gates.read.GainModel`) of each row, folds within each
+    dev set (:func:`_folds`)."""
+    from fastgate.gates.read import fit_gain_model
+
+    out = np.zeros(len(rows))
+    fold = _folds(np.asarray(groups), folds)
+    for j in range(folds):
+        train, test = np.flatnonzero(fold != j), np.flatnonzero(fold == j)
+        m = fit_gain_model([rows[i] for i in train], fixed[train], broken[train], features, l2=l2)
+        out[test] = m.score([rows[i] for i in test])
+    return out
+
+
+def price_table(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, price: float
+                ) -> list[dict[str, Any]]:
+    """Per dev set, reading iff ``score >= price``: the share read, ACC, ``never``'s (closed-book) and ``always``'s
+    ACC, and the loss to the better of the two (points of accuracy)."""
+    out = []
+    for g in dict.fromkeys(groups.tolist()):
+        m = groups == g
+        read = scores[m] >= price
+        acc = float(np.where(read, rd[m], cb[m]).mean())
+        best = max(float(cb[m].mean()), float(rd[m].mean()))
+        out.append({"data": g, "n": int(m.sum()), "reads": float(read.mean()), "acc": acc,
+                    "never": float(cb[m].mean()), "always": float(rd[m].mean()), "loss": best - acc})
+    return out
+
+
+def choose_price(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, max_loss: float) -> float:
+    """The highest price (fewest reads) at which every dev set's ACC, reading iff ``score >= price``, is within
+    ``max_loss`` of the better of ``never`` and ``always`` on that set; candidates are the midpoints between the
+    sorted scores. One rule for every set and answerable share: what a read must be expected to add to be worth
+    its cost, chosen where no dev set pays for the reads it skips."""
+    s = np.unique(scores)
+    candidates = np.concatenate([[s[-1] + 1.0], (s[1:] + s[:-1])[::-1] / 2, [s[0] - 1.0]])  # high to low price
+    for c in candidates:
+        if all(row["loss"] <= max_loss + 1e-12 for row in price_table(scores, cb, rd, groups, float(c))):
+            return float(c)
+    return float(candidates[-1])  # nothing holds: read everything
+
+
+def learning_curve(rows, fixed, broken, cb, rd, groups, features, price: float, l2: float, seed: int = 0,
+                   start: int = 400) -> list[dict[str, Any]]:
+    """Held-out quality against the number of training questions: fold 0 of each dev set (a fifth) held out; gain
+    models fitted on 400, 800, 1600, ... and all of the rest (a seeded random order of the pooled sets), each judged
+    on the held-out questions at ``price``: per set the share read and ACC against ``never`` and ``always``."""
+    from fastgate.gates.read import fit_gain_model
+
+    groups = np.asarray(groups)
+    fold = _folds(groups, 5)
+    held, pool = np.flatnonzero(fold == 0), np.flatnonzero(fold != 0)
+    pool = np.random.default_rng(seed).permutation(pool)
+    sizes, n = [], start
+    while n < len(pool):
+        sizes.append(n)
+        n *= 2
+    out = []
+    for size in sizes + [len(pool)]:
+        train = pool[:size]
+        if fixed[train].sum() < 2:
+            continue
+        m = fit_gain_model([rows[i] for i in train], fixed[train], broken[train], features, l2=l2)
+        score = m.score([rows[i] for i in held])
+        out.append({"train": int(size), "held_out": int(len(held)),
+                    "sets": price_table(score, cb[held], rd[held], groups[held], price)})
+    return out
+
+
+def _print_table(table: list[dict[str, Any]], indent: str = "        ") -> None:
+    for row in table:
+        print(f"{indent}{row['data']:<24} n {row['n']:>4}  read {row['reads']:6.1%}  ACC {row['acc']:.3f}  "
+              f"never {row['never']:.3f}  always {row['always']:.3f}  ({-100 * row['loss']:+.1f} points to the "
+              "better)")
+
+
+def _split(value: str, what: str) -> list[str]:
+    from fastgate.errors import InputError
+
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise InputError(f"{what} names nothing")
+    return items
 
 
 def _cmd_read(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
     from fastgate.errors import InputError
     from fastgate.eval.datasets import refuse_test_split
-    from fastgate.gates.read import FEATURE_SETS, fit_read_model, prefill_feature_names, save_read_checkpoint
+    from fastgate.gates.read import FEATURE_SETS, fit_gain_model, prefill_feature_names, save_read_checkpoint
     from fastgate.serving.runtime import Runtime
 
-    refuse_test_split(args.data, "fastgate train read")  # before the model loads
+    datas = _split(args.data, "--data")
+    for data in datas:
+        refuse_test_split(data, "fastgate train read")  # before the model loads
+    ns = [int(v) if v not in ("all", "0") else None for v in _split(str(args.n), "--n")]
+    if len(ns) == 1:
+        ns = ns * len(datas)
+    if len(ns) != len(datas):
+        raise InputError(f"--n gives {len(ns)} counts for {len(datas)} dev sets (one count, or one per set)")
     prefill = args.decide == "prefill"
     if prefill and args.rank < 1:
         raise InputError(f"--rank must be >= 1, got {args.rank}")
-    runtime = Runtime(args.model, device=args.device, index=args.index)
-    store_dir = Path(args.cache) if args.cache else (
-        home() / "features" / f"{args.model}-read-{args.base}-{args.data.replace(':', '-')}")
-    names = [name.strip() for name in args.features.split(",") if name.strip()]
-    if not names:
-        raise InputError("--features names no feature set")
+    if not 0.0 <= args.max_loss < 1.0:
+        raise InputError(f"--max-loss must be in [0, 1), got {args.max_loss}")
+    names = _split(args.features, "--features")
     for name in names:
         if name not in FEATURE_SETS:
             raise InputError(f"--features: unknown set {name!r} (known: {', '.join(FEATURE_SETS)})")
+    runtime = Runtime(args.model, device=args.device, index=args.index)
+
+    def store_dir(data: str) -> Path:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", data).strip("-")  # nq:dev:balanced -> nq-dev-balanced
+        if args.cache:
+            return Path(args.cache) if len(datas) == 1 else Path(args.cache) / name
+        return home() / "features" / f"{args.model}-read-{args.base}-{name}"
+
     # a gate is trained on labels from the passages it will read: BM25's for `all`, dense's for `dense` (its own pass)
     reads = {name: "dense" if name == "dense" else "bm25" for name in names}
     passes: dict[str, tuple] = {}
+    layer = (runtime.lm.n_layers // 2 if args.layer is None else args.layer) if prefill else None
     projection = None  # the prefill gate's state projection: fitted on the first pass's questions, shared
     for retriever in dict.fromkeys(reads.values()):
-        where = store_dir if retriever == "bm25" else store_dir.with_name(store_dir.name + "-dense-reads")
-        print(f"training pass: read[base={args.base},collect=true] reading {retriever} passages on {args.n or 'all'} "
-              f"question(s) of {args.data} -> {where} (resumable)")
-        records = training_pass(runtime, args.base, args.data, args.n, where, seed=args.seed,
-                                batch_size=args.batch_size, index=args.index, progress=not args.quiet,
-                                reads=retriever)
-        rows, labels, cb, rd = collect_rows(records)
-        if len(rows) < 10 or labels.sum() < 2:
-            raise InputError(f"read gate: {len(rows)} usable questions with {int(labels.sum())} fixed by reading "
+        parts = []
+        for data, n in zip(datas, ns):
+            where = store_dir(data)
+            where = where if retriever == "bm25" else where.with_name(where.name + "-dense-reads")
+            print(f"training pass: read[base={args.base},collect=true] reading {retriever} passages on {n or 'all'} "
+                  f"question(s) of {data} -> {where} (resumable)")
+            records = training_pass(runtime, args.base, data, n, where, seed=args.seed, batch_size=args.batch_size,
+                                    index=args.index, progress=not args.quiet, reads=retriever)
+            rows, fixed, cb, rd = collect_rows(records)
+            print(f"{len(rows)} questions of {data}: closed-book ACC {cb.mean():.3f}, with {retriever} passages "
+                  f"{rd.mean():.3f}; reading fixes {int(fixed.sum())}, breaks {int((rd < cb).sum())}")
+            parts.append((data, records, rows, fixed, cb, rd))
+        rows = [r for p in parts for r in p[2]]
+        fixed, cb, rd = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 5))
+        groups = np.array([p[0] for p in parts for _ in p[2]])
+        if len(rows) < 10 or fixed.sum() < 2:
+            raise InputError(f"read gate: {len(rows)} usable questions with {int(fixed.sum())} fixed by reading "
                              f"{retriever} passages: too few to fit (use more --n)")
-        print(f"{len(rows)} questions: closed-book ACC {cb.mean():.3f}, with {retriever} passages {rd.mean():.3f}; "
-              f"reading fixes {int(labels.sum())}, breaks {int(((rd < cb)).sum())}")
         if prefill:  # the same questions, labels and search features; the pre-answer state instead of the answer
-            layer = runtime.lm.n_layers // 2 if args.layer is None else args.layer
-            rows, projection = prefill_rows(runtime.engine, records, rows, layer, args.rank, projection)
-        passes[retriever] = (rows, labels, cb, rd)
-    models, report = {}, {}
+            states = [prefill_states(runtime.engine, p[1], layer) for p in parts]
+            if projection is None:
+                from fastgate.gates.read import fit_state_projection
+
+                projection = fit_state_projection(np.concatenate(states), layer, args.rank)
+            rows = [r for p, st in zip(parts, states)
+                    for r in prefill_rows(runtime.engine, p[1], p[2], layer, args.rank, projection, st)[0]]
+        passes[retriever] = (rows, fixed, (cb > rd).astype(int), cb, rd, groups)
+    models, report, prices = {}, {}, {}
     for name in names:
-        rows, labels, cb, rd = passes[reads[name]]
+        rows, fixed, broken, cb, rd, groups = passes[reads[name]]
         feature_names = prefill_feature_names(name, projection.rank) if prefill else FEATURE_SETS[name]
-        oof = cross_validated_logits(rows, labels, feature_names, l2=args.l2)
-        print(_curve_line(name, oof, cb, rd, args.rate) + f"  (out-of-fold on these dev questions, {reads[name]} "
-              "reads)")
-        models[name] = fit_read_model(rows, labels, feature_names, l2=args.l2)
-        report[name] = {"weights": dict(zip(models[name].features, (round(w, 4) for w in models[name].weights)))}
-        print(f"{'':>6}  weights: " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"].items()))
-    rows, labels, cb, rd = passes[reads[names[0]]]
+        oof = cross_validated_gains(rows, fixed, broken, feature_names, groups, l2=args.l2)
+        price = choose_price(oof, cb, rd, groups, args.max_loss) if args.price is None else args.price
+        prices[name] = price
+        table = price_table(oof, cb, rd, groups, price)
+        how = "given (--price)" if args.price is not None else \
+            f"the highest within {100 * args.max_loss:.1f} point(s) of the better of never and always on every set"
+        print(f"{name:>6}  price of a read {price:.4f} ({how}); out-of-fold on these dev questions, {reads[name]} "
+              "reads:")
+        _print_table(table)
+        curve = learning_curve(rows, fixed, broken, cb, rd, groups, feature_names, price, args.l2, args.seed)
+        for point in curve:
+            print(f"{'':>6}  learning curve: trained on {point['train']}, judged on {point['held_out']} held out:")
+            _print_table(point["sets"], indent="          ")
+        models[name] = fit_gain_model(rows, fixed, broken, feature_names, l2=args.l2)
+        report[name] = {"price": round(price, 6), "out_of_fold": table, "learning_curve": curve,
+                        "weights": {"fix": dict(zip(models[name].features, (round(w, 4) for w in
+                                                                             models[name].fix.weights))),
+                                    "harm": dict(zip(models[name].features, (round(w, 4) for w in
+                                                                              models[name].harm.weights)))}}
+        print(f"{'':>6}  weights (fix): " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"]["fix"]
+                                                         .items()))
+    rows, fixed, broken, cb, rd, groups = passes[reads[names[0]]]
     kind = "read-prefill" if prefill else f"read-{args.base}"
     out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-{kind}"
-    meta = {"data": args.data, "n": len(rows), "seed": args.seed, "fixed": int(labels.sum()), "l2": args.l2,
-            "closed_book_acc": round(float(cb.mean()), 4), "read_acc": round(float(rd.mean()), 4),
-            "labels_from_reads": reads}
+    sets = [{"data": d, "n": int((groups == d).sum()), "fixed": int(fixed[groups == d].sum()),
+             "broken": int(broken[groups == d].sum()), "closed_book_acc": round(float(cb[groups == d].mean()), 4),
+             "read_acc": round(float(rd[groups == d].mean()), 4)} for d in datas]
+    meta = {"data": ",".join(datas), "n": len(rows), "seed": args.seed, "fixed": int(fixed.sum()),
+            "broken": int(broken.sum()), "l2": args.l2, "closed_book_acc": round(float(cb.mean()), 4),
+            "read_acc": round(float(rd.mean()), 4), "sets": sets, "labels_from_reads": reads,
+            "price": {k: round(v, 6) for k, v in prices.items()}, "max_loss": args.max_loss}
     if prefill:
         meta = {**meta, "layer": projection.layer, "rank": projection.rank,
                 "pass": f"read[base={args.base},collect=true]"}
     save_read_checkpoint(out, models, model=runtime.lm, base=None if prefill else args.base, meta=meta,
                          decide=args.decide, projection=projection)
+    _write_json(out / "training.json", {"command": _command(args, runtime.model_name), **meta,
+                                        "report": report})
+    if not args.no_calibrate:
+        _write_calibration(runtime.model_name, out, args, names, prices, meta)
     mode = "--param decide=prefill" if prefill else f"--param base={args.base}"
-    print(f"checkpoint: {out}\nnext: `fastgate calibrate --model {runtime.model_name} --method read "
-          f"{mode} --param checkpoint={out}` for its threshold")
-    print(json.dumps({"checkpoint": str(out), **meta}))
+    print(f"checkpoint: {out} (its price of a read written as its calibration; "
+          f"`fastgate ask --method read {mode} --param checkpoint={out}` uses it)")
+    print(json.dumps({"checkpoint": str(out), **{k: meta[k] for k in ("data", "n", "fixed", "price")}}))
     return 0
+
+
+def _command(args, model_name: str) -> str:
+    """The command that makes this checkpoint again (the training passes resume from their records)."""
+    extra = (f" --layer {args.layer}" if args.layer is not None else "") + (
+        f" --price {args.price}" if args.price is not None else "")
+    return (f"fastgate train read --model {model_name} --decide {args.decide} --base {args.base} --data {args.data} "
+            f"--n {args.n} --features {args.features} --max-loss {args.max_loss} --l2 {args.l2} --seed {args.seed}"
+            + (f" --rank {args.rank}" if args.decide == "prefill" else "") + extra)
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _write_calibration(model_name: str, out: Path, args, names, prices, meta) -> None:
+    """The checkpoint's price as the calibration entry of that checkpoint (keyed by its resolved path)."""
+    import time
+
+    from fastgate.methods.calibration import checkpoint_key, write_calibration
+
+    for name in names:
+        when = {"checkpoint": checkpoint_key(str(out)), "decide": args.decide, "features": name,
+                **({} if args.decide == "prefill" else {"base": args.base})}
+        write_calibration(model_name, {
+            "method": "read", "when": when, "params": {"threshold": round(prices[name], 6)}, "rule": "price",
+            "max_loss": args.max_loss, "data": meta["data"], "n": meta["n"], "seed": args.seed,
+            "date": time.strftime("%Y-%m-%d"),
+            "note": "fastgate train read: the price of a read (expected accuracy gain) chosen out-of-fold on the "
+                    "training questions"})
 
 
 def add_read_parser(kinds) -> None:
@@ -193,11 +373,20 @@ def add_read_parser(kinds) -> None:
                    help="--decide prefill: the layer of the pre-answer state (default: the middle, CBDR's)")
     p.add_argument("--rank", type=int, default=16,
                    help="--decide prefill: principal components of the pre-answer state the gate reads (default: 16)")
-    p.add_argument("--data", default="nq:dev:balanced", help="dev questions only (default: nq:dev:balanced)")
-    p.add_argument("--n", type=int, default=400, help="questions of the seeded order (default: 400)")
+    p.add_argument("--data", default="nq:dev:balanced",
+                   help="dev sets, comma-separated, pooled (dev splits only; default: nq:dev:balanced)")
+    p.add_argument("--n", default="400",
+                   help="questions of each set's seeded order: one count for all, or one per set; all for every "
+                        "question (default: 400)")
     p.add_argument("--features", default="all,dense", help="feature sets to fit, comma-separated (default: both)")
     p.add_argument("--l2", type=float, default=1.0, help="L2 penalty of the logistic model (default: 1)")
-    p.add_argument("--rate", type=float, default=0.7, help="reading rate of the printed dev curve point")
+    p.add_argument("--max-loss", type=float, default=0.005,
+                   help="the price of a read is the highest at which every dev set stays within this much accuracy "
+                        "of the better of never and always, out of fold (default: 0.005, half a point)")
+    p.add_argument("--price", type=float, default=None,
+                   help="the price of a read (expected accuracy gain), instead of choosing it by --max-loss")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not write the price as this checkpoint's calibration entry")
     p.add_argument("--out", default=None,
                    help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-read-<base>)")
     p.add_argument("--cache", default=None, help="records of the training pass (default: under $FASTGATE_HOME)")
