@@ -46,10 +46,11 @@ def test_fused_pass_equals_hf_modules_bitwise_in_float32(budget):
         assert torch.equal(x[-1], y[-1])
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_pass_with_int8_weights_equals_hf_modules(dtype):
+def test_fused_pass_with_quantized_weights_equals_hf_modules(dtype, weights):
     lm = tiny_model(dtype=dtype)
-    quantize_model(lm.model, "int8")
+    quantize_model(lm.model, weights)
     a, b = _run(lm, "hf", _specs(6)), _run(lm, "fused", _specs(6))
     for x, y in zip(a, b):
         assert x[:-1] == y[:-1]

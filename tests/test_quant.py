@@ -178,10 +178,10 @@ def test_an_unknown_weight_format_is_refused_with_the_choices():
     from fastgate.serving.runtime import Runtime
 
     assert canonical_weights("INT8") == "int8" and canonical_weights("float") == "float"
-    with pytest.raises(UnknownNameError, match=r"unknown weight format 'int3'; choose one of: float, int8"):
+    with pytest.raises(UnknownNameError, match=r"unknown weight format 'int3'; choose one of: float, int8, int4"):
         canonical_weights("int3")
     with pytest.raises(UnknownNameError, match="weight format"):
-        load("/nonexistent/model", weights="int4")  # refused before the model is looked for
+        load("/nonexistent/model", weights="int2")  # refused before the model is looked for
     with pytest.raises(UnknownNameError, match="weight format"):
         Runtime("tiny", weights="q4")
     assert isinstance(UnknownNameError("weight format", "x", ["float"]), InputError)

@@ -35,7 +35,7 @@ import torch
 from fastgate.assets import pins
 from fastgate.assets.paths import models_dir, remove_stale
 from fastgate.assets.precision import choose_dtype, probe_bf16
-from fastgate.assets.quant import canonical_weights, quantize_model
+from fastgate.assets.quant import Int4Codes, canonical_weights, int4_dequantize, q4_1_codes, q4_k_codes, quantize_model
 from fastgate.errors import ModelError, UnknownNameError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "GGUFPart",
     "LoadedModel",
     "ModelSpec",
+    "gguf_int4_codes",
     "load",
     "locate_gguf",
     "prepare",
@@ -241,7 +242,7 @@ class LoadedModel:
     fingerprint: str  # stable id of the weights: hash of the source file, or of the config for random models
     # why the weights have their dtype (fastgate.assets.precision.choose_dtype); "" when built directly
     dtype_reason: str = ""
-    # how the decoder blocks' linear weights are held: "float" (in the dtype) or "int8" (fastgate.assets.quant)
+    # how the decoder blocks' linear weights are held: "float" (in the dtype), "int8" or "int4" (fastgate.assets.quant)
     weights: str = "float"
 
     @property
@@ -414,15 +415,77 @@ def _eos_ids(tokenizer, spec: ModelSpec) -> list[int]:
     return ids
 
 
+_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+
+
+def _llama_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's reverse of llama.cpp's q/k row permutation (``LlamaTensorProcessor._reverse_permute_weights``): rows
+    ``[heads, D / 2, 2]`` become ``[heads, 2, D / 2]``; whole rows move, so a row's blocks stay its own."""
+    n = t.shape[0]
+    return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def gguf_int4_codes(path: Path | str, model) -> dict[str, Int4Codes]:
+    """The 4-bit linear weights of the GGUF at ``path`` as :class:`~fastgate.assets.quant.Int4Linear` codes, by the
+    module name of ``model`` (the HF model converted from it: ``model.layers.0.self_attn.q_proj``, ``lm_head``):
+    Q4_1 and Q4_K tensors (:func:`~fastgate.assets.quant.q4_1_codes`, :func:`~fastgate.assets.quant.q4_k_codes`),
+    rows in HF's order (a llama model's q/k rows as HF's GGUF loader permutes them). Other types are left out (their
+    layers stay int8). Each tensor's first rows, de-quantized, are checked against the model's weights (the
+    conversion's de-quantization of the same blocks).
+
+    Raises:
+        ModelError: a tensor's codes do not reproduce the model's weight.
+    """
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    config = model.config
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    decoders = {gguf.GGMLQuantizationType.Q4_1: q4_1_codes, gguf.GGMLQuantizationType.Q4_K: q4_k_codes}
+    out: dict[str, Int4Codes] = {}
+    for tensor in reader.tensors:
+        decode = decoders.get(tensor.tensor_type)
+        parts = tensor.name.split(".")
+        if decode is None or parts[-1] != "weight":
+            continue
+        if parts[0] == "blk" and parts[2] in _GGUF_LINEARS:
+            name = f"model.layers.{parts[1]}.{_GGUF_LINEARS[parts[2]]}"
+        elif tensor.name == "output.weight":
+            name = "lm_head"
+        else:
+            continue
+        k = int(tensor.shape[0])  # ggml order: [K, N]
+        raw = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1).copy())
+        q, scale, zero = decode(raw, k)
+        if getattr(config, "model_type", "") == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            rows = heads if parts[-2] == "attn_q" else kv_heads
+            q, scale, zero = (_llama_rows(t, rows) for t in (q, scale, zero))
+        weight = model.get_submodule(name).weight.detach()
+        check = int4_dequantize(q[:64], scale[:64], zero[:64])  # [<=64, K]
+        ref = weight[:64].to("cpu", torch.float32)
+        tol = ref.abs().max().item() * (1e-5 if weight.dtype is torch.float32 else 2 ** -7) + 1e-7
+        if check.shape != ref.shape or (check - ref).abs().max().item() > tol:
+            raise ModelError(f"{path}: the {tensor.tensor_type.name} blocks of {tensor.name} do not reproduce "
+                             f"{name}'s weight")
+        out[name] = (q.contiguous(), scale.contiguous(), zero.contiguous())
+    return out
+
+
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
          probe: bool = True, weights: str = "float") -> LoadedModel:
     """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
 
     ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
     once, by :func:`fastgate.assets.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP
-    shape confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype) or
-    ``int8`` (the decoder blocks' linear weights quantized per output channel, :mod:`fastgate.assets.quant`;
-    activations, embeddings, LM head and logits stay in the dtype).
+    shape confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype),
+    ``int8`` (the decoder blocks' linear weights and the LM head quantized per output channel,
+    :mod:`fastgate.assets.quant`; activations, embeddings and logits stay in the dtype) or ``int4`` (groups of 32: an
+    embedded model's own GGUF blocks where they are 4-bit, :func:`gguf_int4_codes`, int8 elsewhere; a local
+    directory's weights quantized to int4 here).
 
     Raises:
         UnknownNameError: neither an embedded name nor an existing directory, or an unknown ``weights``.
@@ -459,6 +522,9 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
-    quantize_model(model, weights)
+    codes = None
+    if weights == "int4" and name_or_path in MODELS:
+        codes = gguf_int4_codes(locate_gguf(MODELS[name_or_path]), model)
+    quantize_model(model, weights, codes=codes)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
                        dtype_reason=choice.reason, weights=weights)

@@ -33,17 +33,36 @@ How the product runs (torch 2.13's CPU build; timings in ``bench/bench_engine.py
   up to rounding). That reads the int8 bytes and writes a float copy per call; over many rows the copy is small
   beside the product.
 
-A 4-bit form (``aten._weight_int4pack_mm_for_cpu``, groups of 32 with scale and zero, semantics
-``w = (q - 8) * scale + zero``; GGUF's Q4_1 blocks ``w = q * d + m`` map onto it exactly with ``scale = d``,
-``zero = m + 8 d``) is not offered yet. Timed on one weight in the cache it was no faster than the int8 kernel (1 × 2048
-→ 8192 bf16: about 260 µs against 200 µs); timed as a decode step reads them, 30 different 576 → 3072 weights in turn
-(out of the caches), one thread of a Zen 4 EPYC: bf16 dense 240 µs, int8 121 µs, int4 66 µs a product, so it would
-cut the int8 step's products by about 45%. Its packed layout is not separable by rows (the fused q/k/v and gate/up
-products of :mod:`fastgate.engine.fused` need the codes kept in a plain layout and packed after concatenation) and
-it needs ``N % 16 == 0`` and ``K % 32 == 0``.
+``int4`` holds the decoder blocks' linear weights in groups of 32 along ``K`` with a float32 scale and zero each
+(:class:`Int4Linear`, :func:`int4_reference`):
+
+    w[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32],   q in 0..15
+
+the semantics of torch's CPU kernel ``aten._weight_int4pack_mm_for_cpu``. For an embedded GGUF model the codes are the
+GGUF's own (:func:`q4_1_codes`, :func:`q4_k_codes`; read by :func:`fastgate.assets.models.gguf_int4_codes`): a Q4_1
+block of 32 (``w = q * d + m``) is one group with ``scale = d``, ``zero = m + 8 d``; a Q4_K sub-block of 32
+(``w = d * sc * q - dmin * mn``) one with ``scale = d * sc``, ``zero = 8 scale - dmin * mn``, both exact up to the
+float32 rounding of the zero. A tensor the GGUF holds otherwise (Q5_0, Q6_K, Q8_0: SmolLM2's tied embedding and
+head, most of Qwen2.5-0.5B's Q4_K_M file) is not 4-bit: its layer is an :class:`Int8Linear` (from the de-quantized
+weight), and so are q/k/v or gate/up together when one of them is (the fused pass joins them into one product). A model
+without a GGUF (a local HF directory, the tests' tiny model) is quantized here, group by group (:func:`quantize_int4`:
+``scale = (max - min) / 15``), the head included. A layer whose ``K`` is not a multiple of 32 stays int8.
+
+The codes are kept plain, two to a byte along ``K`` (``q [N, K / 2]``: rows can be split and joined, as
+:mod:`fastgate.engine.fused` does), and packed once for the kernel (``packed``, ``scale_zeros [K / 32, N, 2]`` in
+bf16; ``N`` padded to a multiple of 16, which the kernel needs). The packed layout runs in blocks of 64 rows: the
+fused q/k/v and gate/up layers' parts, each a multiple of 64 rows in SmolLM2 and Qwen2.5, keep views of the fused
+packed weight rather than a second copy (checked once a process, :func:`packed_rows_split`). The kernel's float32
+path is a scalar loop (576 → 3072, one row: 2.6 ms against 51 µs in bf16), so float32 rows go through it rounded to
+bf16 as with int8 (``bf16_products``); its scales and zeros are bf16 too (a relative 2^-9 each). Timed at one thread
+of a Zen 4 EPYC on one 576 → 3072 weight (bf16 rows): 1 row 51 µs, 4 rows 87, 16 rows 334, 64 rows 1.35 ms; the dense
+product with its weight de-quantized first costs about 1.7 ms + 8 µs a row, hence the kernel up to
+:data:`INT4_KERNEL_ROWS` rows (a decode step, batch 16 included) and the de-quantized dense product beyond (prefill).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -53,25 +72,40 @@ from fastgate.errors import UnknownNameError
 
 __all__ = [
     "FLOAT32_VIA_BF16",
+    "GROUP",
+    "INT4_KERNEL_ROWS",
     "KERNEL_ROWS",
     "WEIGHTS",
+    "Int4Linear",
     "Int8Linear",
     "canonical_weights",
+    "int4_dequantize",
+    "int4_reference",
     "int8_reference",
+    "pack_nibbles",
+    "packed_rows_split",
+    "q4_1_codes",
+    "q4_k_codes",
+    "quantize_int4",
     "quantize_int8",
     "quantize_model",
     "quantized_layers",
+    "unpack_nibbles",
 ]
 
-WEIGHTS = ("float", "int8")  # what --weights accepts
+WEIGHTS = ("float", "int8", "int4")  # what --weights accepts
 KERNEL_ROWS = 16  # rows up to which the weight-only kernel beats a dense bf16 product (module docstring)
 # float32 rows go through the bf16 kernel where torch runs its AVX-512 code (the kernel's vectorized path)
 FLOAT32_VIA_BF16 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 _KERNEL_K_MULTIPLE = 16  # the bf16 kernel's K must be a multiple of this (it crashed otherwise)
+GROUP = 32  # values per int4 group (one scale and zero): a Q4_1 block, a Q4_K sub-block
+INT4_KERNEL_ROWS = 64  # rows up to which the int4 kernel beats de-quantizing for a dense product (module docstring)
+_INT4_N_MULTIPLE = 16  # the int4 packing needs N a multiple of this (padded with zero rows)
+_PACK_ROW_BLOCK = 64  # the packed int4 layout's row blocks (packed_rows_split checks it)
 
 
 def canonical_weights(weights: str) -> str:
-    """``weights``' canonical name (``float``, ``int8``); an unknown name raises
+    """``weights``' canonical name (``float``, ``int8``, ``int4``); an unknown name raises
     :class:`~fastgate.errors.UnknownNameError` naming the choices."""
     name = {"fp": "float", "none": "float"}.get(str(weights).lower(), str(weights).lower())
     if name not in WEIGHTS:
@@ -160,35 +194,259 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[N, K]`` in 0..15 (``K`` even) two to a byte along ``K``: ``[N, K / 2]`` uint8, ``k`` even in the low
+    nibble. Rows stay rows (they split and join as the codes do)."""
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` uint8 of :func:`pack_nibbles`' ``q [N, K / 2]``."""
+    out = torch.empty((*q.shape, 2), dtype=torch.uint8, device=q.device)  # [N, K / 2, 2]
+    torch.bitwise_and(q, 15, out=out[..., 0])
+    torch.bitwise_right_shift(q, 4, out=out[..., 1])
+    return out.view(q.shape[0], -1)
+
+
+def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(codes - 8) * scale + zero`` group by group: ``[N, K]`` in ``dtype`` (computed in float32) from the nibbles
+    ``q [N, K / 2]`` and ``scale``, ``zero [N, K / 32]``."""
+    n, groups = scale.shape
+    w = unpack_nibbles(q).view(n, groups, GROUP).to(torch.float32)  # [N, G, 32]
+    w.sub_(8.0).mul_(scale.to(torch.float32)[..., None]).add_(zero.to(torch.float32)[..., None])
+    return w.view(n, groups * GROUP).to(dtype)
+
+
+def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: ``x [..., K] @ w.T (+ bias)`` with ``w[n, k] = (code - 8) * scale[n, k // 32] +
+    zero[n, k // 32]``, in float32, from plain torch operations (no nibble helpers)."""
+    n, groups = scale.shape
+    codes = torch.stack((q & 15, q >> 4), dim=-1).reshape(n, groups * GROUP).to(torch.float32)  # [N, K]
+    s = scale.to(torch.float32).repeat_interleave(GROUP, dim=1)  # [N, K]
+    z = zero.to(torch.float32).repeat_interleave(GROUP, dim=1)  # [N, K]
+    return F.linear(x.to(torch.float32), (codes - 8) * s + z, None if bias is None else bias.to(torch.float32))
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 of ``weight [N, K]`` (``K`` a multiple of 32) in groups of 32 along ``K``: ``(q [N, K / 2]
+    nibbles, scale [N, K / 32], zero [N, K / 32])`` float32, ``scale = (max - min) / 15`` (1 for a constant group),
+    ``zero = min + 8 scale``, so that ``|w - w'| <= scale / 2`` elementwise (up to float32 rounding)."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs K a multiple of {GROUP}, got {k}")
+    g = w.reshape(n, k // GROUP, GROUP)  # [N, G, 32]
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [N, G]
+    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(n, k)
+    return pack_nibbles(codes), scale.contiguous(), (lo + 8.0 * scale).contiguous()
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian float16 from the last dimension's 2 bytes, as float32."""
+    return raw.contiguous().view(torch.float16)[..., 0].to(torch.float32)
+
+
+def q4_1_codes(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_1 tensor's bytes ``[N, K / 32 * 20]`` (per block: ``d``, ``m`` float16, 16 bytes of codes: value
+    ``j`` in byte ``j``'s low nibble, value ``j + 16`` in its high one; ``w = q * d + m``) as :class:`Int4Linear`'s
+    ``(q, scale, zero)``: ``scale = d``, ``zero = m + 8 d``."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, k // GROUP, 20)
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [N, G]
+    qs = blocks[..., 4:20]  # [N, G, 16]
+    codes = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(n, k)  # [N, K]
+    return pack_nibbles(codes), d, m + 8.0 * d
+
+
+def q4_k_codes(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_K tensor's bytes ``[N, K / 256 * 144]`` (per super-block of 256: ``d``, ``dmin`` float16, 12 bytes of
+    eight 6-bit scales and mins, 128 bytes of codes; sub-block ``j`` of 32: ``w = d * sc_j * q - dmin * mn_j``) as
+    :class:`Int4Linear`'s ``(q, scale, zero)``: ``scale = d * sc``, ``zero = 8 scale - dmin * mn``."""
+    n = raw.shape[0]
+    sb = raw.reshape(n, k // 256, 144)
+    d, dmin = _f16(sb[..., 0:2]), _f16(sb[..., 2:4])  # [N, S]
+    sc_raw = sb[..., 4:16].to(torch.int32)  # [N, S, 12]
+    low = sc_raw[..., 0:4] & 63, sc_raw[..., 4:8] & 63  # sub-blocks 0..3: scale, min
+    high = ((sc_raw[..., 8:12] & 15) | ((sc_raw[..., 0:4] >> 6) << 4),
+            (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4))  # sub-blocks 4..7
+    sc = torch.cat((low[0], high[0]), dim=-1).to(torch.float32)  # [N, S, 8]
+    mn = torch.cat((low[1], high[1]), dim=-1).to(torch.float32)
+    qs = sb[..., 16:144].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+    codes = torch.stack((qs & 15, qs >> 4), dim=3).reshape(n, k)  # [N, K]
+    scale = d[..., None] * sc  # [N, S, 8]
+    zero = 8.0 * scale - dmin[..., None] * mn
+    return pack_nibbles(codes), scale.reshape(n, -1).contiguous(), zero.reshape(n, -1).contiguous()
+
+
+def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's packed weight and bf16 ``scale_zeros [K / 32, N', 2]`` (``N'``: ``N`` padded to a multiple of 16
+    with zero rows)."""
+    n = q.shape[0]
+    pad = -n % _INT4_N_MULTIPLE
+    codes = unpack_nibbles(q).to(torch.int32)  # [N, K]
+    sz = torch.stack((scale, zero), dim=-1).to(torch.float32)  # [N, G, 2]
+    if pad:
+        codes = torch.cat((codes, torch.full((pad, codes.shape[1]), 8, dtype=torch.int32, device=q.device)))
+        sz = torch.cat((sz, sz.new_zeros((pad, *sz.shape[1:]))))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), 1).to(q.device)
+    return packed, sz.transpose(0, 1).to(torch.bfloat16).contiguous()
+
+
+@functools.cache
+def packed_rows_split() -> bool:
+    """Whether this torch's packed int4 layout splits by blocks of :data:`_PACK_ROW_BLOCK` rows (rows ``[0, 64)`` of
+    the packed join of two weights are the first one's packed weight): then a fused layer's parts keep views."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 16, (_PACK_ROW_BLOCK, 64), generator=gen, dtype=torch.int32)
+    b = torch.randint(0, 16, (2 * _PACK_ROW_BLOCK, 64), generator=gen, dtype=torch.int32)
+    try:
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        joined = pack(torch.cat((a, b)), 1)
+        return torch.equal(joined[:_PACK_ROW_BLOCK], pack(a, 1)) and torch.equal(joined[_PACK_ROW_BLOCK:], pack(b, 1))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class Int4Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` holding int4 codes in groups of 32 (module docstring): the plain nibbles
+    ``q [N, K / 2]`` and float32 ``scale``, ``zero [N, K / 32]`` (buffers), and what the kernel reads, packed once
+    (``packed``, ``scale_zeros``: buffers left out of the state dict). The output has ``x``'s dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_rows: int = INT4_KERNEL_ROWS, source: str = "quantized") -> None:
+        super().__init__()
+        n, groups = scale.shape if scale.dim() == 2 else (-1, -1)
+        if (q.dim() != 2 or q.dtype != torch.uint8 or q.shape != (n, groups * GROUP // 2)
+                or zero.shape != scale.shape):
+            raise ValueError(f"Int4Linear needs q [N, K/2] uint8, scale and zero [N, K/{GROUP}]; got "
+                             f"{tuple(q.shape)} {q.dtype}, {tuple(scale.shape)} and {tuple(zero.shape)}")
+        self.out_features, self.in_features = int(n), int(groups * GROUP)
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).contiguous())
+        self.register_buffer("zero", zero.to(torch.float32).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.kernel_rows = kernel_rows
+        self.source = source  # "gguf" (the file's own blocks) or "quantized" (quantize_int4 of a float weight)
+        self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
+        self.refresh()
+
+    def refresh(self, packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Pack ``q``, ``scale``, ``zero`` for the kernel (call after replacing them), or take ``packed``
+        (``(packed, scale_zeros)``, e.g. views of a fused layer's)."""
+        if packed is None:
+            packed = _pack_int4(self.q, self.scale, self.zero)
+        for name, value in zip(("packed", "scale_zeros"), packed):
+            if name in self._buffers:
+                setattr(self, name, value)
+            else:
+                self.register_buffer(name, value, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel_rows: int = INT4_KERNEL_ROWS) -> Int4Linear:
+        q, scale, zero = quantize_int4(linear.weight)
+        dev = linear.weight.device
+        return cls(q.to(dev), scale.to(dev), zero.to(dev), linear.bias, kernel_rows)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"source={self.source}")
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (2-D rows) goes through ``aten._weight_int4pack_mm_for_cpu`` (float32 rows rounded to bf16
+        for it where ``bf16_products``)."""
+        kinds = (torch.bfloat16, torch.float32) if self.bf16_products else (torch.bfloat16,)
+        return x.device.type == "cpu" and x.dtype in kinds and x.shape[0] <= self.kernel_rows
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype``."""
+        return int4_dequantize(self.q, self.scale, self.zero, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.uses_kernel(x2):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, GROUP,
+                                                           self.scale_zeros)  # [M, N'] bf16
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
+            y = y.to(x2.dtype)
+        else:
+            y = F.linear(x2, self.dequantized(x2.dtype))  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
 def quantized_layers(model: nn.Module) -> int:
-    """How many :class:`Int8Linear` layers ``model`` holds."""
-    return sum(isinstance(m, Int8Linear) for m in model.modules())
+    """How many :class:`Int8Linear` and :class:`Int4Linear` layers ``model`` holds."""
+    return sum(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
 
 
-def quantize_model(model: nn.Module, weights: str, kernel_rows: int = KERNEL_ROWS, head: bool = True) -> int:
+Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q [N, K / 2], scale, zero [N, K / 32])
+_JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # held alike: fused.py joins them
+
+
+def quantize_model(model: nn.Module, weights: str, kernel_rows: int | None = None, head: bool = True,
+                   codes: dict[str, Int4Codes] | None = None) -> int:
     """Swap the linear layers of ``model.model.layers`` (the decoder blocks) and, with ``head``, ``model.lm_head``
-    (an :class:`Int8Linear` of its own: a tied embedding table stays float) for the ``weights`` format, in place;
+    (a quantized layer of its own: a tied embedding table stays float) for the ``weights`` format, in place;
     returns how many were swapped (0 for ``float``).
+
+    ``int4``: with ``codes`` (a GGUF's own 4-bit blocks by module name, ``model.layers.0.self_attn.q_proj``,
+    ``lm_head``; :func:`fastgate.assets.models.gguf_int4_codes`) the layers it names become :class:`Int4Linear` of
+    those codes and every other one an :class:`Int8Linear`; without, every layer whose ``K`` is a multiple of 32 is
+    quantized by :func:`quantize_int4`. q/k/v, and gate/up, are held alike (int8 all if one is).
 
     Raises:
         UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
     """
-    if canonical_weights(weights) == "float":
+    fmt = canonical_weights(weights)
+    if fmt == "float":
         return 0
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers to quantize")
+
+    def available(name: str, linear: nn.Linear) -> bool:
+        return fmt == "int4" and linear.in_features % GROUP == 0 and (codes is None or name in codes)
+
+    def build(name: str, linear: nn.Linear, int4: bool) -> nn.Module:
+        if not int4:
+            return Int8Linear.from_linear(linear, KERNEL_ROWS if kernel_rows is None else kernel_rows)
+        dev = linear.weight.device
+        q, scale, zero = quantize_int4(linear.weight) if codes is None else codes[name]
+        if q.shape != (linear.out_features, linear.in_features // 2):
+            raise ValueError(f"{name}: int4 codes {tuple(q.shape)} for a {linear.out_features} x "
+                             f"{linear.in_features} weight")
+        return Int4Linear(q.to(dev), scale.to(dev), zero.to(dev), linear.bias,
+                          INT4_KERNEL_ROWS if kernel_rows is None else kernel_rows,
+                          source="quantized" if codes is None else "gguf")
+
     swapped = 0
-    for block in layers:
-        for name, child in list(block.named_modules()):
-            if type(child) is not nn.Linear:
-                continue
+    for i, block in enumerate(layers):
+        linears = {name: child for name, child in block.named_modules() if type(child) is nn.Linear}
+        int4 = {name: available(f"model.layers.{i}.{name}", child) for name, child in linears.items()}
+        parents = {name.rpartition(".")[0] for name in linears}
+        for parent_name in parents:
+            for group in _JOINED:  # a group is int4 only if each of its members is
+                members = [f"{parent_name}.{attr}" if parent_name else attr for attr in group]
+                members = [m for m in members if m in linears]
+                if not all(int4[m] for m in members):
+                    for m in members:
+                        int4[m] = False
+        for name, child in linears.items():
             parent_name, _, attr = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
-            setattr(parent, attr, Int8Linear.from_linear(child, kernel_rows))
+            setattr(parent, attr, build(f"model.layers.{i}.{name}", child, int4[name]))
             swapped += 1
     lm_head = getattr(model, "lm_head", None)
-    if head and type(lm_head) is nn.Linear:
-        model.lm_head = Int8Linear.from_linear(lm_head, kernel_rows)  # the tied embedding keeps its float table
+    if head and type(lm_head) is nn.Linear:  # the tied embedding keeps its float table
+        model.lm_head = build("lm_head", lm_head, available("lm_head", lm_head))
         swapped += 1
     return swapped

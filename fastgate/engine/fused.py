@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgate.assets.quant import Int8Linear
+from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 
 __all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
 
@@ -50,8 +50,9 @@ def _rope_type(config) -> str | None:
 
 def fusable(model) -> bool:
     """Whether :class:`FusedForward` covers ``model``: a Llama / Qwen2 / Mistral decoder (norm, attention with
-    q/k/v/o projections, gated MLP) whose linear layers are ``nn.Linear`` or :class:`Int8Linear` and whose rotary
-    frequencies are fixed."""
+    q/k/v/o projections, gated MLP) whose linear layers are ``nn.Linear``, :class:`Int8Linear` or :class:`Int4Linear`
+    (q/k/v of one kind, gate/up of one kind: each is joined into one product) and whose rotary frequencies are
+    fixed."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(model.config, "model_type", "") not in ("llama", "qwen2", "mistral"):
@@ -62,9 +63,9 @@ def fusable(model) -> bool:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(p) not in (nn.Linear, Int8Linear) for p in projections):
+        if any(type(p) not in (nn.Linear, Int8Linear, Int4Linear) for p in projections):
             return False
-        if len({type(p) for p in projections}) != 1:
+        if len({type(p) for p in projections[:3]}) != 1 or len({type(p) for p in projections[4:6]}) != 1:
             return False
     return True
 
@@ -80,7 +81,27 @@ def fused_forward(model) -> FusedForward:
 
 def _fuse(parts: list[nn.Module]) -> nn.Module:
     """One linear layer computing ``parts`` side by side; each part's weight (and bias, scales) becomes a view of the
-    fused one, so the model holds each weight once and HF's modules still compute with the same values."""
+    fused one, so the model holds each weight once and HF's modules still compute with the same values. Int4 parts
+    join their plain codes, then the join is packed for the kernel once; the parts keep views of that packed weight
+    where the layout splits at their row boundaries (multiples of 64 rows, :func:`packed_rows_split`), else pack their
+    own."""
+    if type(parts[0]) is Int4Linear:
+        q = torch.cat([p.q for p in parts])  # [sum N, K / 2] uint8
+        scale, zero = torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])  # [sum N, K / 32]
+        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        fused = Int4Linear(q, scale, zero, bias, parts[0].kernel_rows, parts[0].source)
+        fused.bf16_products = parts[0].bf16_products
+        views = packed_rows_split() and all(p.out_features % 64 == 0 for p in parts) and q.device.type == "cpu"
+        start = 0
+        for p in parts:
+            n = p.out_features
+            p.q, p.scale, p.zero = q[start:start + n], scale[start:start + n], zero[start:start + n]
+            p.refresh((fused.packed[start:start + n], fused.scale_zeros[:, start:start + n].contiguous())
+                      if views else None)
+            if bias is not None:
+                p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
+            start += n
+        return fused
     if type(parts[0]) is Int8Linear:
         q = torch.cat([p.q for p in parts])  # [sum N, K] int8
         scale = torch.cat([p.scale for p in parts])  # [sum N]

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastgate.assets.quant import Int8Linear
+from fastgate.assets.quant import Int4Linear, Int8Linear
 from fastgate.engine.attention import attention_dtype, attention_implementation, register_attention
 from fastgate.errors import InputError
 
@@ -187,8 +187,8 @@ def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: li
     count.add_(weight)
     eos.copy_(torch.where(capture[:, None] > 0, stacked[:, mid], eos))
     head = model.get_output_embeddings()
-    # a float head's plain product (a sliced head's per-shape check is no graph); an int8 head its own module
-    logits = (head(h[:, 0]) if isinstance(head, Int8Linear)
+    # a float head's plain product (a sliced head's per-shape check is no graph); a quantized head its own module
+    logits = (head(h[:, 0]) if isinstance(head, (Int8Linear, Int4Linear))
               else F.linear(h[:, 0], head.weight, head.bias)).to(torch.float32)  # [B, V]
     return choose(logits, ints[2] > 0, floats[2], ints[3], floats[3], ints[4], ints[5])
 

@@ -98,11 +98,13 @@ class RuntimeConfig:
                                 "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
                                 "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
                         choices=STEP_MODES)
-    # the decoder blocks' linear weights as loaded: float keeps the dtype's; int8 pays with bf16 activations
-    weights: str = setting("float", "how the decoder blocks' linear weights are held: float (in --dtype) or int8 "
-                                    "(weight-only, one scale per output channel; activations, LM head and logits stay "
-                                    "in --dtype; faster with bfloat16 activations at small batches, "
-                                    "fastgate/assets/quant.py) (default: %(default)s)", choices=WEIGHTS)
+    # the decoder blocks' linear weights as loaded: float keeps the dtype's; int8 and int4 pay with bf16 activations
+    weights: str = setting("float", "how the decoder blocks' linear weights and the LM head are held: float (in "
+                                    "--dtype), int8 (weight-only, one scale per output channel) or int4 (groups of 32: "
+                                    "an embedded model's own 4-bit GGUF blocks, int8 where the GGUF holds a layer "
+                                    "otherwise); activations and logits stay in --dtype; faster with bfloat16 "
+                                    "activations at small batches, fastgate/assets/quant.py (default: %(default)s)",
+                           choices=WEIGHTS)
     # None: the default corpus
     index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
                                       "first use)")
@@ -202,8 +204,8 @@ class Runtime:
 
     @property
     def weights_name(self) -> str | None:
-        """How the linear weights are held (``float``, ``int8``; None on a remote engine), known without loading: the
-        engine passed in says its own (its model's ``weights``)."""
+        """How the linear weights are held (``float``, ``int8``, ``int4``; None on a remote engine), known without
+        loading: the engine passed in says its own (its model's ``weights``)."""
         if self.remote is not None or (self._engine is not None and self._engine.remote):
             return None
         if self._engine is not None:
@@ -261,7 +263,7 @@ class Runtime:
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
                   dtype: str | None = None, engine: str | None = None, weights: str | None = None) -> dict[str, Any]:
     """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
-    weights' ``dtype`` and format (``weights``: ``float``, ``int8``) and the ``engine``, ``local`` or
+    weights' ``dtype`` and format (``weights``: ``float``, ``int8``, ``int4``) and the ``engine``, ``local`` or
     ``openai:<base-url>:<model>``, when given)."""
     record = result.to_dict()
     record.update({"model": model, "retriever": retriever})
