@@ -30,9 +30,11 @@ its
   many threads as torch; a 1 × N prefill row beside the engine's. Skipped with an install hint (``make llama-cpp``)
   when ``llama_cpp`` is not importable, and for the random-weight shapes (no GGUF).
 
-``--weights float,int8`` runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8`` holds the
-decoder blocks' linear weights as int8 with one scale per output channel); ``weights_MB`` counts the bytes the
-weights take as held (int8 and its scales included), which the bound reads.
+``--weights float,int8,int4`` runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8`` holds
+the decoder blocks' linear weights and the LM head as int8 with one scale per output channel; ``int4`` in groups of 32
+with a scale and zero, an embedded model's own 4-bit GGUF blocks where it has them and int8 elsewhere);
+``weights_MB`` counts the bytes a step reads of the weights as held (int8 and its scales, int4's packed codes and its
+bf16 scales and zeros), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
 is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (row chunks
@@ -44,7 +46,7 @@ and ``vs_short`` = this step / the shortest context's for the same design, dtype
 bf16 flags (``bf16_flags``) and what ``auto`` picks on this machine (``auto_dtype``). Rounds alternate designs and
 contexts so drift hits all alike.
 
-Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--weights float,int8] [--batches 1,16,64]
+Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--weights float,int8,int4] [--batches 1,16,64]
 [--contexts 30,600] [--steps 12] [--rounds 3] [--prefill 16x700] [--designs ...] [--compile-batches 1,16,64]
 [--compile-contexts 600] [--max-minutes 7] [--device cuda] [--model llama3-8b-shape].
 Appends to bench/results/engine.csv (``$FASTGATE_BENCH_RESULTS`` when set), each row as soon as it is measured: its
@@ -69,7 +71,7 @@ from _common import append_rows, print_table  # noqa: E402
 import fastgate.engine.model_runner as runner_module  # noqa: E402
 from fastgate.assets.models import MODELS, LoadedModel, load, locate_gguf, resolve_device  # noqa: E402
 from fastgate.assets.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
-from fastgate.assets.quant import WEIGHTS, canonical_weights, quantize_model  # noqa: E402
+from fastgate.assets.quant import WEIGHTS, Int4Linear, Int8Linear, canonical_weights, quantize_model  # noqa: E402
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
 from fastgate.engine.decode import DecodeLoop  # noqa: E402
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
@@ -136,12 +138,16 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights as held: the parameters (tied ones once) and the int8 layers' weights
-    and scales, less the embedding table where the LM head does not multiply by it (an untied head, or an int8 head
-    of its own: a step reads one row of the table a token)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    held = params + sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                        if n.endswith((".q", ".scale")))
+    """Bytes a decode step reads of the weights as held: the parameters (tied ones once), the int8 layers' weights
+    and scales, the int4 layers' packed codes and bf16 scales and zeros (what the kernel reads), less the embedding
+    table where the LM head does not multiply by it (an untied head, or a quantized head of its own: a step reads one
+    row of the table a token)."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            held += sum(t.numel() * t.element_size() for t in (module.q, module.scale))
+        elif isinstance(module, Int4Linear):
+            held += sum(t.numel() * t.element_size() for t in (module.packed, module.scale_zeros))
     embed = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     return held - (embed.numel() * embed.element_size() if head is not embed else 0)
@@ -380,7 +386,7 @@ def main() -> None:
                         help=f"embedded model, HF directory, or random weights in the shapes of {', '.join(SHAPES)}")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="weights' dtypes, comma-separated (or auto)")
-    parser.add_argument("--weights", default="float,int8", help=f"weight formats, comma-separated, of {WEIGHTS}")
+    parser.add_argument("--weights", default="float,int8,int4", help=f"weight formats, comma-separated, of {WEIGHTS}")
     parser.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")

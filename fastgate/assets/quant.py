@@ -344,6 +344,8 @@ class Int4Linear(nn.Module):
                 setattr(self, name, value)
             else:
                 self.register_buffer(name, value, persistent=False)
+        # the kernel's output is the layer's own: no padded rows to drop, no bias to add
+        self._exact = self.scale_zeros.shape[1] == self.out_features and self.bias is None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = INT4_KERNEL_ROWS) -> Int4Linear:
@@ -366,6 +368,10 @@ class Int4Linear(nn.Module):
         return int4_dequantize(self.q, self.scale, self.zero, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.dtype is torch.bfloat16 and x.shape[0] <= self.kernel_rows and self._exact
+                and x.device.type == "cpu" and x.is_contiguous()):
+            # the common case of a bf16 decode step, in one operation (what the general path below does for it)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)  # [M, N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if not x2.is_contiguous():
