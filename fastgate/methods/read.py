@@ -52,7 +52,7 @@ class ReadConfig(MethodConfig):
     decide: str = "answer"  # answer: after the closed-book answer (base's signal); prefill: from its prompt's prefill
     base: str = "dtr"  # the gated method whose first signal the read gate sees (DTR: the best of the papers' here)
     features: str = "all"  # "all" (BM25 + dense + model) or "dense" (dense + model: blind to the BM25-defined split)
-    threshold: float = 0.0  # read iff the log-odds that reading fixes the answer >= threshold (calibrated per model)
+    threshold: float = 0.0  # read iff the gate's score >= threshold: the price of a read in accuracy (calibrated)
     checkpoint: str = ""  # read-gate checkpoint directory (`fastgate train read`); default: shipped for the model
     collect: bool = False  # training pass: read every question and record its features; needs no checkpoint
 
@@ -99,12 +99,15 @@ class Read(Method):
         """The checkpoint to load (none for a training pass)."""
         if config.collect:
             return None
-        from fastgate.gates.checkpoints import resolve_checkpoint
+        from fastgate.gates.checkpoints import default_checkpoint, resolve_checkpoint
 
         if config.decide == "prefill":
             return resolve_checkpoint(config.checkpoint, model_name, "read-prefill", cls.name,  # type: ignore[arg-type]
                                       "fastgate train read --decide prefill")
-        return resolve_checkpoint(config.checkpoint, model_name, f"read-{config.base}", cls.name,  # type: ignore[arg-type]
+        kind = f"read-{config.base}"
+        if config.features == "dense" and not config.checkpoint and default_checkpoint(model_name, f"{kind}-dense"):
+            kind += "-dense"  # the dense-only gate ships apart: trained on its own pass, which reads dense passages
+        return resolve_checkpoint(config.checkpoint, model_name, kind, cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")
 
     def __init__(self, engine, retriever, config: ReadConfig | None = None,

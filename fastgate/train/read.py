@@ -302,7 +302,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
         print(f"{'':>6}  weights (fix): " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"]["fix"]
                                                          .items()))
     rows, fixed, broken, cb, rd, groups = passes[reads[names[0]]]
-    kind = "read-prefill" if prefill else f"read-{args.base}"
+    kind = "read-prefill" if prefill else f"read-{args.base}" + ("-dense" if names == ["dense"] else "")
     out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-{kind}"
     sets = [{"data": d, "n": int((groups == d).sum()), "fixed": int(fixed[groups == d].sum()),
              "broken": int(broken[groups == d].sum()), "closed_book_acc": round(float(cb[groups == d].mean()), 4),
@@ -321,8 +321,9 @@ def _cmd_read(args: argparse.Namespace) -> int:
     if not args.no_calibrate:
         _write_calibration(runtime.model_name, out, args, names, prices, meta)
     mode = "--param decide=prefill" if prefill else f"--param base={args.base}"
-    print(f"checkpoint: {out} (its price of a read written as its calibration; "
-          f"`fastgate ask --method read {mode} --param checkpoint={out}` uses it)")
+    print(f"checkpoint: {out} " + ("(no calibration written: --no-calibrate)" if args.no_calibrate else
+                                   "(its price of a read written as its calibration; "
+                                   f"`fastgate ask --method read {mode} --param checkpoint={out}` uses it)"))
     print(json.dumps({"checkpoint": str(out), **{k: meta[k] for k in ("data", "n", "fixed", "price")}}))
     return 0
 
