@@ -8,7 +8,9 @@ parameters::
 
     python bench/eval_runs.py --model smollm2-135m --data nq:test:balanced --n 50 --out runs/x \\
         --run never --run always --run 'read:checkpoint=CK1,threshold=0.1' \\
-        --run 'read:decide=prefill,checkpoint=CK2,threshold=-0.3'
+        --run 'read:decide=prefill,checkpoint=CK2,threshold=-0.3' --run 'always:retriever=dense'
+
+``retriever=`` in a run's parameters is its retriever (what ``fastgate eval --retriever`` gives every run).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for text in args.run:  # the CPU budget as `fastgate eval` gives it (no GPU here)
         name, params = _run(text)
-        req = check_request(name, {**CPU_EVAL_BUDGET.get(name, {}), **params}, None, args.model)
+        retriever = params.pop("retriever", None)  # e.g. always:retriever=dense (the dense-only gate's baseline)
+        req = check_request(name, {**CPU_EVAL_BUDGET.get(name, {}), **params}, retriever, args.model)
         runs.append(RunSpec(req.method, req.retriever, req.params))
     spec = parse_benchmark(args.data)
     data = str(spec)
