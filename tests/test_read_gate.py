@@ -592,3 +592,21 @@ def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(m
         load_read_checkpoint(default, "all", model=tiny, base="dtr")
     with pytest.raises(CheckpointError, match="made for decide=answer"):
         load_prefill_checkpoint(tmp_path / "answer", "all", model=tiny)
+
+
+def test_a_training_pass_resumes_across_a_new_threshold_and_a_gated_run_does_not(tmp_path):
+    from fastgate.eval.runner import ResultsStore, RunSpec, _check_params
+    from fastgate.methods import make_config
+    from fastgate.methods.read import Read
+
+    store = ResultsStore(tmp_path / "results.jsonl")
+    collect = make_config("read", {"collect": True, "threshold": 0.5})
+    gated = make_config("read", {"threshold": 0.5})
+    assert Read.inert_parameters(collect) == {"threshold", "checkpoint"} and not Read.inert_parameters(gated)
+    for key, cfg in (("read[collect=True]", collect), ("read", gated)):
+        store.append([{"run": key, "id": "q1", "params": {"threshold": -3.0, "collect": cfg.collect}}])
+    now = {"threshold": 0.5}
+    _check_params(store, RunSpec("read", "bm25", (("collect", True),)), {**now, "collect": True},
+                  Read.inert_parameters(collect))  # the pass reads every question: its threshold is never used
+    with pytest.raises(InputError, match="threshold=-3.0, but this run would use threshold=0.5"):
+        _check_params(store, RunSpec("read", "bm25", ()), {**now, "collect": False}, Read.inert_parameters(gated))

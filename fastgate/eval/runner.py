@@ -251,14 +251,15 @@ def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[st
         return [_record(run, ex, base, 0.0, 1)]
 
 
-def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any]) -> None:
+def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any], inert: frozenset[str] = frozenset()
+                  ) -> None:
     """Refuse to resume or summarise ``run`` over records made with other parameter values (a recalibration, a
-    changed default)."""
+    changed default), except ``inert`` ones (the method's :meth:`~fastgate.methods.base.Method.inert_parameters`)."""
     for (key, qid), rec in store.records.items():
         if key != run.key or "params" not in rec:
             continue
         # records written before they kept the whole config hold only the calibrated values: compare what both name
-        changed = sorted(k for k in set(params) & set(rec["params"]) if params[k] != rec["params"][k])
+        changed = sorted(k for k in set(params) & set(rec["params"]) - inert if params[k] != rec["params"][k])
         if changed:
             was = ", ".join(f"{k}={rec['params'].get(k)}" for k in changed)
             now = ", ".join(f"{k}={params.get(k)}" for k in changed)
@@ -320,6 +321,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     """
     from fastgate.assets.models import resolve_device
     from fastgate.methods import make_config
+    from fastgate.methods.base import method_class
     from fastgate.serving.runtime import AnswerRequest
 
     if batch_size < 1:
@@ -338,7 +340,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         config = make_config(run.method, runtime.effective_params(request))  # typed: "0.84" (CLI) and 0.84 are equal
         values = {f.name: getattr(config, f.name) for f in fields(config)}
         params = json.loads(json.dumps(values, sort_keys=True, default=str))
-        _check_params(store, run, params)
+        _check_params(store, run, params, method_class(run.method).inert_parameters(config))
         _check_engine(store, run, engine)
         if dtype is not None:
             _check_dtype(store, run, dtype, legacy)

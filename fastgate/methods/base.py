@@ -201,6 +201,11 @@ class Method:
         """Parameter names and defaults of this method's config."""
         return {f.name: f.default for f in fields(cls.config_class)}
 
+    @classmethod
+    def inert_parameters(cls, config: MethodConfig) -> frozenset[str]:
+        """The parameters that cannot change this config's answers (an evaluation may resume across their values)."""
+        return frozenset()
+
     # ------------------------------------------------------------------ helpers
     def validate(self, questions: list[str]) -> list[str]:
         """Strip questions and reject empty ones or ones that cannot fit the model context."""

@@ -110,6 +110,11 @@ class Read(Method):
         return resolve_checkpoint(config.checkpoint, model_name, kind, cls.name,  # type: ignore[arg-type]
                                   f"fastgate train read --base {config.base}")
 
+    @classmethod
+    def inert_parameters(cls, config: ReadConfig) -> frozenset[str]:  # type: ignore[override]
+        """A training pass (``collect``) reads every question: its gate's threshold and checkpoint are never used."""
+        return frozenset({"threshold", "checkpoint"}) if config.collect else frozenset()
+
     def __init__(self, engine, retriever, config: ReadConfig | None = None,
                  retrievers: dict[str, Any] | None = None) -> None:
         super().__init__(engine, retriever, config)
