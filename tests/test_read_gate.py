@@ -222,18 +222,32 @@ def test_read_wraps_other_gated_methods(tiny_engine, retrievers, base):
         assert r.lm_calls >= 3  # the base's CoT sentence, the closed-book answer, the answer from the passages
 
 
-def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, small_index, capsys):
+# ---------------------------------------------------------------------------------------------------- train read
+TRAIN_QA = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
+            ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
+            ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
+
+
+def _train_setup(monkeypatch, tmp_path, tiny) -> list[tuple[str, str]]:
+    """`fastgate train read` on the tiny model under a fresh $FASTGATE_HOME; returns the training questions."""
     import fastgate.assets.models
-    from fastgate.entrypoints.cli import main
 
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
-    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
-          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
-          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
-    data = tmp_path / "qa.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answers": [a]}) + "\n"
-                            for i, (q, a) in enumerate(qa)))
+    return list(TRAIN_QA)
+
+
+def _qa_file(path, pairs, prefix: str = "q"):
+    path.write_text("".join(json.dumps({"id": f"{prefix}{i}", "question": q, "answers": [a]}) + "\n"
+                            for i, (q, a) in enumerate(pairs)))
+    return path
+
+
+def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, small_index, capsys):
+    from fastgate.entrypoints.cli import main
+
+    qa = _train_setup(monkeypatch, tmp_path, tiny)
+    data = _qa_file(tmp_path / "qa.jsonl", qa)
     argv = ["train", "read", "--model", "tiny", "--data", str(data), "--n", "12", "--index", str(small_index),
             "--cache", str(tmp_path / "pass"), "--out", str(tmp_path / "ck"), "--quiet", "--batch-size", "4"]
     from fastgate.train import read as train_read
@@ -275,22 +289,13 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
 
 def test_train_read_pools_dev_sets_and_writes_its_price_as_the_checkpoints_calibration(monkeypatch, tmp_path, tiny,
                                                                                        small_index, capsys):
-    import fastgate.assets.models
     from fastgate.entrypoints.cli import main
     from fastgate.gates.read import GainModel
     from fastgate.methods.calibration import calibrated_params
     from fastgate.train import read as train_read
 
-    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
-    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
-          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
-          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
-    files = []
-    for name, pairs in (("one", qa), ("two", qa[::-1])):
-        files.append(tmp_path / f"{name}.jsonl")
-        files[-1].write_text("".join(json.dumps({"id": f"{name}{i}", "question": q, "answers": [a]}) + "\n"
-                                     for i, (q, a) in enumerate(pairs)))
+    qa = _train_setup(monkeypatch, tmp_path, tiny)
+    files = [_qa_file(tmp_path / "one.jsonl", qa, "one"), _qa_file(tmp_path / "two.jsonl", qa[::-1], "two")]
     real = train_read.collect_rows
 
     def labelled(records):  # the tiny model answers nothing right: fixes and a break by hand
@@ -546,19 +551,12 @@ def test_prefill_refuses_bad_configs(tmp_path, tiny, tiny_engine, retrievers):
 
 def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(monkeypatch, tmp_path, tiny,
                                                                               small_index, capsys):
-    import fastgate.assets.models
     from fastgate.entrypoints.cli import main
     from fastgate.gates.read import load_prefill_checkpoint, prefill_feature_names
     from fastgate.train import read as train_read
 
-    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
-    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare"),
-          ("What is the capital of Kyrgyzstan?", "Bishkek"), ("What is the largest planet?", "Jupiter"),
-          ("When was the Eiffel Tower completed?", "1889"), ("What is the capital of Germany?", "Berlin")] * 2
-    data = tmp_path / "qa.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answers": [a]}) + "\n"
-                            for i, (q, a) in enumerate(qa)))
+    qa = _train_setup(monkeypatch, tmp_path, tiny)
+    data = _qa_file(tmp_path / "qa.jsonl", qa)
     real = train_read.collect_rows
 
     def labelled(records):  # the tiny model answers nothing right: two classes by hand
