@@ -241,17 +241,19 @@ def test_ask_json_and_healthz_name_the_weights(tmp_path, capsys):
     assert health["weights"] == "int8" and health["dtype"] == "float32"
 
 
-def test_the_traced_static_step_runs_int8_weights_as_the_eager_pass():
-    """The compiled decode step (fastgate.engine.static_step, traced whole through AOTAutograd) takes the int8 layers
-    (bf16 activations: the weight-only kernel is in the graph): the same greedy tokens as the eager packed pass."""
+@pytest.mark.parametrize(("weights", "hidden"), [("int8", None), ("int4", 128)])  # int4: K a multiple of 32
+def test_the_traced_static_step_runs_quantized_weights_as_the_eager_pass(weights, hidden):
+    """The compiled decode step (fastgate.engine.static_step, traced whole through AOTAutograd) takes the quantized
+    layers (bf16 activations: the weight-only kernel is in the graph; int4's parts call it on views of the fused
+    packed weight): the same greedy tokens as the eager packed pass."""
     from fastgate.config import GenerationConfig, TapSpec
     from fastgate.engine.model_runner import ModelRunner
     from fastgate.engine.packed import PackedLoop
     from fastgate.engine.static_step import StepConfig
     from fastgate.testing import tiny_model
 
-    lm = tiny_model(n_layers=2, dtype=torch.bfloat16)
-    quantize_model(lm.model, "int8")
+    lm = tiny_model(n_layers=2, dtype=torch.bfloat16, **({"hidden": hidden} if hidden else {}))
+    quantize_model(lm.model, weights)
     cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
     specs = [("Q: What is the capital of France?\nA:", cfg, TapSpec(layers=(1,)), 1, None),
              ("Who wrote Hamlet?", cfg, TapSpec(), 1, None)]

@@ -262,31 +262,3 @@ def test_eval_records_name_int4_and_refuse_a_resume_under_int8(small_index, tmp_
     with pytest.raises(InputError, match="int4 weights, but this run would use int8"):
         evaluate(Runtime("tiny", index=str(small_index), engine=int8), [run], examples, ResultsStore(store.path),
                  progress=False)
-
-
-def test_the_traced_static_step_runs_int4_weights_as_the_eager_pass():
-    """The compiled decode step (HF's modules traced whole through AOTAutograd: the parts' kernel calls on views of
-    the fused packed weights) gives the eager packed pass's greedy tokens."""
-    from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.engine.model_runner import ModelRunner
-    from fastgate.engine.packed import PackedLoop
-    from fastgate.engine.static_step import StepConfig
-    from fastgate.testing import tiny_model
-
-    lm = tiny_model(n_layers=2, hidden=128, dtype=torch.bfloat16)
-    quantize_model(lm.model, "int4")
-    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
-    specs = [("Q: What is the capital of France?\nA:", cfg, TapSpec(layers=(1,)), 1, None),
-             ("Who wrote Hamlet?", cfg, TapSpec(), 1, None)]
-
-    def run(step):
-        loop = PackedLoop(ModelRunner(lm, step=step), mid=1)
-        tickets = loop.add(specs)
-        while loop.busy:
-            loop.step()
-        return [list(t.result.sequences[0].token_ids) for t in tickets], loop
-
-    eager, _ = run("eager")
-    got, loop = run(StepConfig("compiled", backend="aot_eager"))
-    assert got == eager and all(len(t) == 8 for t in got)
-    assert loop.static_steps > 0 and loop.static.compiled
