@@ -127,13 +127,12 @@ def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bo
     if spec is None or spec.param in params:
         return
     defaults = cls.parameters()
+    if method == "read" and str(params.get("collect", defaults.get("collect"))).lower() in ("true", "1", "yes"):
+        return  # a training pass reads every question: no threshold to miss
     ckpt = checkpoint_key(params.get("checkpoint", defaults.get("checkpoint")))
     what = f"{method} on model {model_name}" + (f" with checkpoint {ckpt}" if ckpt else "")
     conditions = " ".join(f"--param {k}={v}" for k, v in sorted(params.items()) if k != spec.param)
     command = f"`fastgate calibrate --method {method} --model {model_name}" + (f" {conditions}`" if conditions else "`")
-    collecting = str(params.get("collect", defaults.get("collect"))).lower() in ("true", "1", "yes")
-    if method == "read" and collecting:  # a training pass reads every question: no threshold to miss
-        return
     if method == "read":
         raise InputError(f"no calibrated threshold for {what} (base={params.get('base', defaults.get('base'))}, "
                          f"features={params.get('features', defaults.get('features'))}): the read gate's threshold "

@@ -161,9 +161,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     k_cap = int(math.floor(args.rate * len(usable) + 1e-9))
     if args.rule == "best":
         pick = max(curve[: k_cap + 1], key=lambda r: (round(r["acc"] - r["random"], 12), -r["k"]))
-    elif args.rule == "loss":  # the fewest retrievals within --max-loss of the better of never and always
-        best = max(float(skip_acc.mean()), float(read_acc.mean()))
-        pick = next(r for r in curve if r["acc"] >= best - args.max_loss - 1e-12)
+    elif args.rule == "loss":  # the read gate's price rule on one dev set: fewest retrievals within --max-loss
+        from fastgate.train.read import choose_price
+
+        oriented = scores if spec.retrieve_above else -scores  # higher retrieves first
+        cut = choose_price(oriented, skip_acc, read_acc, np.zeros(len(scores)), args.max_loss)
+        pick = curve[int((oriented >= cut).sum())]
     else:
         pick = curve[int(round(args.rate * len(usable)))]
     value = round(spec.value(pick["cut"]), 6)

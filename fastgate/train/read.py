@@ -26,7 +26,17 @@ import numpy as np
 
 from fastgate.assets.pins import DEFAULT_MODEL
 
-__all__ = ["add_read_parser", "collect_rows", "cross_validated_logits", "prefill_rows", "training_pass"]
+__all__ = [
+    "add_read_parser",
+    "choose_price",
+    "collect_rows",
+    "cross_validated_gains",
+    "learning_curve",
+    "prefill_rows",
+    "prefill_states",
+    "price_table",
+    "training_pass",
+]
 
 
 def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path, *, seed: int = 0,
@@ -110,20 +120,6 @@ def _folds(groups: np.ndarray, folds: int) -> np.ndarray:
         idx = np.flatnonzero(groups == g)
         fold[idx] = np.arange(len(idx)) % folds
     return fold
-
-
-def cross_validated_logits(rows, labels, features, folds: int = 5, l2: float = 1.0) -> np.ndarray:
-    """Out-of-fold log-odds of each row (folds by position modulo ``folds``: deterministic)."""
-    from fastgate.gates.read import fit_read_model
-
-    out = np.zeros(len(rows))
-    fold = np.arange(len(rows)) % folds
-    for j in range(folds):
-        train = [i for i in range(len(rows)) if fold[i] != j]
-        test = [i for i in range(len(rows)) if fold[i] == j]
-        m = fit_read_model([rows[i] for i in train], [labels[i] for i in train], features, l2=l2)
-        out[test] = m.logits([rows[i] for i in test])
-    return out
 
 
 def cross_validated_gains(rows, fixed, broken, features, groups, folds: int = 5, l2: float = 1.0) -> np.ndarray:
