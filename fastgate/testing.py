@@ -14,7 +14,19 @@ import torch
 
 from fastgate.assets.models import LoadedModel
 
-__all__ = ["free_port", "serve_in_thread", "tiny_gemma3", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
+__all__ = ["free_port", "random_linear", "serve_in_thread", "tiny_gemma3", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
+
+def random_linear(k: int, n: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    """A float32 ``nn.Linear(k, n)`` with seeded small random weights (std 0.05) and bias: the quantized layers'
+    tests quantize it and compare against it."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn((n, k), generator=gen) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn((n,), generator=gen))
+    return lin
+
 
 TINY_CORPUS = [
     "Q: What is the capital of France?\nA: Paris",

@@ -19,6 +19,7 @@ from fastgate.assets.quant import (
     quantized_layers,
 )
 from fastgate.errors import InputError, UnknownNameError
+from fastgate.testing import random_linear
 
 # (rows, K, N): single elements, primes, 769 outputs, K a multiple of 16 (the bf16 kernel's) and not
 SHAPES = [(1, 1, 1), (1, 13, 7), (3, 64, 769), (5, 769, 17), (2, 97, 31), (1, 64, 128), (16, 32, 5), (17, 48, 11),
@@ -26,12 +27,7 @@ SHAPES = [(1, 1, 1), (1, 13, 7), (3, 64, 769), (5, 769, 17), (2, 97, 31), (1, 64
 
 
 def _layer(k: int, n: int, bias: bool = False, seed: int = 0) -> tuple[nn.Linear, Int8Linear]:
-    gen = torch.Generator().manual_seed(seed)
-    lin = nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn((n, k), generator=gen) * 0.05)
-        if bias:
-            lin.bias.copy_(torch.randn((n,), generator=gen))
+    lin = random_linear(k, n, bias, seed)
     return lin, Int8Linear.from_linear(lin)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from fastgate.assets.quant import (
     GROUP,
@@ -25,6 +24,7 @@ from fastgate.assets.quant import (
     quantized_layers,
     unpack_nibbles,
 )
+from fastgate.testing import random_linear
 
 # (rows, K, N): one row, primes (N 7, 17, 31, 769; K 13 and 3 groups), N not a multiple of 16 (the packing pads it),
 # rows beyond the kernel's (the de-quantized dense product)
@@ -33,12 +33,7 @@ SHAPES = [(1, 32, 1), (1, 416, 7), (3, 64, 769), (5, 96, 17), (2, 32, 31), (1, 5
 
 
 def _layer(k: int, n: int, bias: bool = False, seed: int = 0) -> Int4Linear:
-    gen = torch.Generator().manual_seed(seed)
-    lin = nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn((n, k), generator=gen) * 0.05)
-        if bias:
-            lin.bias.copy_(torch.randn((n,), generator=gen))
+    lin = random_linear(k, n, bias, seed)
     return Int4Linear.from_linear(lin)
 
 
