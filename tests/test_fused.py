@@ -35,15 +35,36 @@ def _specs(n=8):
     return [(p, cfg, TapSpec(layers=(0, 1, 2, 4)), 1, None) for p in PROMPTS]
 
 
+def _joins_bitwise(lm, rows=range(1, 12)) -> bool:
+    """Whether this machine's BLAS computes a concatenated product's columns bitwise like the parts' products (each
+    column is its own dot product; true of the EPYCs here, not of a 16-thread Xeon's MKL at some row counts)."""
+    attn = lm.model.model.layers[0].self_attn
+    parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    joined = torch.cat(parts)  # [q + k + v, H]
+    for n in rows:
+        x = torch.randn(n, joined.shape[1], generator=torch.Generator().manual_seed(n))  # [n, H]
+        if not torch.equal(x @ joined.T, torch.cat([x @ w.T for w in parts], dim=1)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("budget", [None, 3, 7])
 def test_fused_pass_equals_hf_modules_bitwise_in_float32(budget):
     """Decode rows and prompt chunks of awkward sizes (a budget of 3 or 7 tokens splits prompts across passes beside
-    the rows): tokens, log-probs and the taps' running sums identical to HF's forward with hooks."""
+    the rows): tokens, log-probs and the taps' running sums identical to HF's forward with hooks where the BLAS joins
+    products bitwise; elsewhere the same tokens and values within float32 rounding."""
     lm = tiny_model()
+    bitwise = _joins_bitwise(lm)
     a, b = _run(lm, "hf", _specs(), budget), _run(lm, "fused", _specs(), budget)
     for x, y in zip(a, b):
-        assert x[:-1] == y[:-1]
-        assert torch.equal(x[-1], y[-1])
+        if bitwise:
+            assert x[:-1] == y[:-1]
+            assert torch.equal(x[-1], y[-1])
+        else:
+            assert [t for t, _ in x[:-1]] == [t for t, _ in y[:-1]]
+            torch.testing.assert_close(torch.tensor([v for _, v in x[:-1]]), torch.tensor([v for _, v in y[:-1]]),
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(x[-1], y[-1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

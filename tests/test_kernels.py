@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -116,6 +118,8 @@ def test_engine_and_gates_run_on_the_kernels(tiny, monkeypatch):
     prompts = ["Q: a?\nA:", "Q: a longer question?\nA:"]
     taps = TapSpec(layers=(1, 3))
     cfg = GenerationConfig(max_new_tokens=5)
+    if DEVICE == "cuda":  # Triton runs CUDA tensors only, outside the interpreter
+        tiny = dataclasses.replace(tiny, model=copy.deepcopy(tiny.model).to(DEVICE))
     fused = Engine(tiny, backend="triton")
     assert fused.backend == "triton" and fused.ops.backend == "triton"
     a = fused.generate(prompts, cfg, taps)

@@ -16,10 +16,12 @@ host's share was ~9 ms of a 20.6 ms step with int8 weights. :class:`FusedForward
 
 The arithmetic is HF's, operation for operation: the RMS norm as ``LlamaRMSNorm`` computes it (float32 statistics, the
 product in the model's dtype), the residual sums in the same order, ``act(gate) * up``, the rotary formula
-``x * cos + rotate_half(x) * sin``; a concatenated product equals its parts bitwise on this CPU's BLAS (each output
-column is its own dot product; checked in tests), so float32 tokens equal the module tree's
-(``tests/test_fused.py``; the golden answers). Models it does not cover (another layer structure, a rotary type whose
-frequencies change with the length) keep HF's forward: :func:`fusable` says which.
+``x * cos + rotate_half(x) * sin``; a concatenated product equals its parts bitwise on the EPYCs' BLAS (each output
+column is its own dot product; checked in tests), so float32 tokens equal the module tree's there
+(``tests/test_fused.py``; the golden answers). A 16-thread Xeon's MKL (a lent GPU machine's host) joins them within
+float32 rounding only, at some row counts: the same tokens, log-probs that differ in the last bits. Models it does not
+cover (another layer structure, a rotary type whose frequencies change with the length) keep HF's forward:
+:func:`fusable` says which.
 """
 
 from __future__ import annotations
