@@ -328,6 +328,15 @@ def hf_eager_step(engine: Engine, rows: list[list[int]], steps: int) -> tuple[fl
     return statistics.median(times), width, kv
 
 
+def step_mode(engine: Engine) -> str:
+    """How the engine's decode steps ran: ``compiled``, ``eager``, or ``eager-fallback`` where a bucket's compile
+    failed and the static step went on eagerly (its warning says why): a row must not call that compiled."""
+    runner = engine.runner
+    if not runner.compiled:
+        return "eager"
+    return "compiled" if all(s.compiled for s in runner._static.values()) else "eager-fallback"
+
+
 def hf_static_compile_step(engine: Engine, rows: list[list[int]], steps: int) -> tuple[float, int, int]:
     """HF's forward over a ``StaticCache``, the decode step compiled (``fullgraph``; CUDA graphs on GPU); the
     compile happens in the first steps, which are not timed."""
@@ -483,7 +492,7 @@ def main() -> None:
                                 mode = "eager"
                             elif d == "packed-compiled":
                                 t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
-                                mode = "compiled" if compiled.runner.compiled else "eager"
+                                mode = step_mode(compiled)
                             elif d == "hf-eager":
                                 with plain_head(engine):
                                     t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
