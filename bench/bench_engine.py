@@ -37,8 +37,10 @@ with a scale and zero, an embedded model's own 4-bit GGUF blocks where it has th
 bf16 scales and zeros), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
-is timed too: ``engine`` is :meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (row chunks
-of the runner's ``prefill_chunk`` on CPU) and ``hf-eager`` one HF forward of the whole batch.
+is timed too: ``packed`` is the serving path (:meth:`PackedLoop.add <fastgate.engine.packed.PackedLoop.add>`: packed
+passes of the runner's ``prefill_chunk`` tokens through the fused pass, each prompt's first token included), ``engine``
+:meth:`ModelRunner.prefill <fastgate.engine.model_runner.ModelRunner.prefill>` (the padded loop's: row chunks of
+``prefill_chunk`` on CPU, HF's forward) and ``hf-eager`` one HF forward of the whole batch.
 
 Each step row gives ``bound_ms`` = (weight bytes + KV bytes at that step) / the read bandwidth measured in the same
 run (a ``sum`` over a buffer far larger than the caches), ``of_bound`` = bound / step (1.0: at the bandwidth limit)
@@ -380,6 +382,10 @@ def prefill_time(engine: Engine, rows: list[list[int]], design: str) -> float:
         t = time.perf_counter()
         if design == "engine":
             engine.runner.prefill(rows, engine.runner.new_cache())
+        elif design == "packed":  # the serving path: packed passes of the runner's prefill chunk, each row's token
+            loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
+            cfg = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+            loop.add([(engine.tokenizer.decode(r), cfg, TapSpec(), 1, None) for r in rows])
         else:
             ids = torch.tensor(rows, device=engine.device)  # [B, C]
             with plain_head(engine):
@@ -513,7 +519,7 @@ def main() -> None:
             if args.prefill and not out_of_time():
                 n, length = (int(x) for x in args.prefill.lower().split("x"))
                 batch_ids = prompt_ids(engine, n, length)
-                for d in ("engine", "hf-eager"):
+                for d in ("packed", "engine", "hf-eager"):
                     t = min(prefill_time(engine, batch_ids, d) for _ in range(max(1, min(args.rounds, 2))))
                     print(f"{name}/{fmt} prefill {d} {n}x{length}: {t:.2f} s", file=sys.stderr)
                     emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": fmt,
