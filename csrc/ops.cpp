@@ -273,10 +273,12 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
 
 // Runs worker(first, step) on up to one thread per core, the caller's thread included: thread t takes the rows
 // t, t + step, ... of B independent rows. Threads start only when `work` (a rough count of multiply-adds) pays for
-// them, one per `grain`. Returns whether every worker returned true. Call with the GIL released.
+// them, one per `grain`, and at most `max_threads` (0: one per core). Returns whether every worker returned true.
+// Call with the GIL released.
 template <class Worker>
-bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker) {
-  const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
+  int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  if (max_threads > 0) hw = std::min(hw, max_threads);
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>({hw, B, work / grain}));
   std::vector<char> ok(n_threads, 1);
   auto run = [&](int64_t t) { ok[t] = worker(t, n_threads) ? 1 : 0; };
@@ -654,10 +656,154 @@ py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, bool cov) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------- decode attention
+// The packed pass's decode rows attend over a bf16 key / value store on a CPU. torch has no kernel that reads bf16
+// and accumulates in float32 fast on a CPU without AMX (its bf16 SDPA runs ~6x slower than float32 there), so the
+// engine used to cast each layer's K / V to float32 first: three passes over the cache (read bf16, write and read
+// float32) where one is enough. This reads each key and value once, widening bf16 to float32 in registers (a bf16
+// is the top half of a float32), for the G query heads that share a key / value head together.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8_bf16(const uint16_t* src) {
+  u16x8 h;
+  __builtin_memcpy(&h, src, sizeof h);
+  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float hsum8(f32x8 a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0 (scores less their maximum), 8 at a time: 2^(x log2 e) split into 2^floor (the exponent bits)
+// times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it flushes to ~0 as expf underflows. A
+// scalar expf per score cost more than reading the keys.
+inline f32x8 exp8_nonpositive(f32x8 x) {
+  const f32x8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+  x = x < lo ? lo : x;
+  const f32x8 t = x * 1.44269504088896341f;
+  i32x8 ti = __builtin_convertvector(t, i32x8);  // toward zero
+  f32x8 tf = __builtin_convertvector(ti, f32x8);
+  ti += (tf > t);  // -1 where truncation rounded up: floor for negative t
+  tf = __builtin_convertvector(ti, f32x8);
+  const f32x8 f = t - tf;  // [0, 1)
+  f32x8 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const i32x8 bits = (ti + 127) << 23;
+  f32x8 scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One row's key / value head: q [G, D] float32 (already scaled), k / v [n, D] bf16 rows `stride` apart; scores
+// [G, n] scratch; out [G, D] float32. D <= kMaxD.
+constexpr int64_t kMaxD = 256;
+
+FASTGATE_CLONES
+void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G,
+                 int64_t D, float* scores, float* out) {
+  const int64_t dv = D / 8 * 8;
+  for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
+    const uint16_t* kw = k + w * stride;
+    f32x8 kv[kMaxD / 8];
+    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load8_bf16(kw + j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < dv; j += 8) acc += load8(qg + j) * kv[j / 8];
+      float s = hsum8(acc);
+      for (int64_t j = dv; j < D; ++j) s += qg[j] * bf16_to_f32(kw[j]);
+      scores[g * n + w] = s;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax per query head, in float32 (exp of non-positive numbers)
+    float* sg = scores + g * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t w = 0; w < n; ++w) mx = std::max(mx, sg[w]);
+    const int64_t nv = n / 8 * 8;
+    f32x8 vsum = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t w = 0; w < nv; w += 8) {
+      f32x8 e = exp8_nonpositive(load8(sg + w) - mx);
+      __builtin_memcpy(sg + w, &e, sizeof e);
+      vsum += e;
+    }
+    float sum = hsum8(vsum);
+    for (int64_t w = nv; w < n; ++w) {
+      sg[w] = std::exp(sg[w] - mx);
+      sum += sg[w];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t w = 0; w < n; ++w) sg[w] *= inv;
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
+  for (int64_t w = 0; w < n; ++w) {  // out: each value row read once for the G heads
+    const uint16_t* vw = v + w * stride;
+    f32x8 vv[kMaxD / 8];
+    for (int64_t j = 0; j < dv; j += 8) vv[j / 8] = load8_bf16(vw + j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + w];
+      float* og = out + g * D;
+      for (int64_t j = 0; j < dv; j += 8) {
+        f32x8 o = load8(og + j) + p * vv[j / 8];
+        __builtin_memcpy(og + j, &o, sizeof o);
+      }
+      for (int64_t j = dv; j < D; ++j) og[j] += p * bf16_to_f32(vw[j]);
+    }
+  }
+}
+
+// q: [m, H, D] float32 contiguous; keys / values: bf16 with element strides (row, head, column) and unit stride over
+// D; lens: [m] int64, the columns each row attends (1 .. C); out: [m, H, D] float32 contiguous. Pointers come from
+// torch tensors the caller checked (fastgate/ops/attention.py): this module does not link against torch. threads:
+// at most that many (the caller passes torch's own count), 0: one per core.
+void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t lens_ptr, uintptr_t out_ptr,
+                           int64_t m, int64_t H, int64_t Hkv, int64_t D, int64_t s_row, int64_t s_head,
+                           int64_t s_col, double scale, int64_t threads) {
+  if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
+    throw std::invalid_argument("decode_attention_bf16: bad shape (H a multiple of Hkv, 0 < D <= 256)");
+  const float* q = reinterpret_cast<const float*>(q_ptr);
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(k_ptr);
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(v_ptr);
+  const int64_t* lens = reinterpret_cast<const int64_t*>(lens_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  const int64_t G = H / Hkv;
+  int64_t widest = 1;
+  for (int64_t r = 0; r < m; ++r) widest = std::max(widest, lens[r]);
+  const float sc = static_cast<float>(scale);
+  py::gil_scoped_release release;
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 18, [&](int64_t first, int64_t step) {
+    std::vector<float> qs(G * D), scores(G * widest);  // per thread
+    for (int64_t item = first; item < m * Hkv; item += step) {
+      const int64_t r = item / Hkv, h = item % Hkv;
+      const float* qr = q + (r * H + h * G) * D;  // the G query heads of key / value head h
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = qr[i] * sc;
+      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, lens[r], G, D,
+                  scores.data(), out + (r * H + h * G) * D);
+    }
+    return true;
+  }, threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore";
+  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore, decode attention";
   m.def("align_words", &align_words, py::arg("pieces"),
         "Group generated token pieces (all str or all bytes) into words; returns (words, word_ids).");
   m.def("word_logprobs", &word_logprobs, py::arg("token_logprobs"), py::arg("word_ids"), py::arg("n_words") = -1,
@@ -668,6 +814,10 @@ PYBIND11_MODULE(_C, m) {
         "align_words + word_logprobs for many sequences; returns [(words, word_ids, word_logprobs)].");
   m.def("ais_topk_batch", &ais_topk_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("k"),
         py::arg("mode") = "angle", "AIS scores and top-k indices per row, best first: (scores [B, k], idx [B, k]).");
+  m.def("decode_attention_bf16", &decode_attention_bf16, py::arg("q"), py::arg("keys"), py::arg("values"),
+        py::arg("lens"), py::arg("out"), py::arg("m"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("row_stride"), py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
+        "Decode rows' attention over a bf16 key / value store, float32 inside (pointers to checked torch tensors).");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

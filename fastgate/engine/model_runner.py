@@ -196,6 +196,10 @@ class ModelRunner:
         # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32
         # (fastgate.engine.attention.attention_dtype); prompt chunks keep the cache's dtype (equal there)
         self.attention_dtype = attention_dtype(model.device, self.dtype)
+        # and over a bf16 store, through the C++ op where the extension is built: one read of the cache, not a cast
+        # copy and SDPA (fastgate.ops.attention); None: the cast and torch's SDPA
+        self.decode_attention = (self.ops.decode_attention if self.ops.backends["decode_attention"] == "ext"
+                                 and self.dtype is torch.bfloat16 and self.attention_dtype is not None else None)
         # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
         self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
         self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim

@@ -22,6 +22,7 @@ laid out. Models whose layers keep a sliding window (Gemma-3) keep the padded la
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +122,7 @@ class PackedPlan:
     segs: list[PrefillSeg] = field(default_factory=list)
     rows: torch.Tensor | None = None  # [m] arange, for the in-place write
     attn_dtype: torch.dtype | None = None  # the decode rows' attention computes in this dtype (None: the cache's)
+    attend: Callable | None = None  # the decode rows' attention op over a bf16 store (ModelRunner.decode_attention)
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -135,13 +137,16 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         keys, values = plan.store.keys[layer], plan.store.values[layer]  # [R, Hkv, C, D]
         keys[plan.rows, :, plan.pos] = key[0, :, :m].transpose(0, 1)  # [m, Hkv, D] at each row's own column
         values[plan.rows, :, plan.pos] = value[0, :, :m].transpose(0, 1)
-        q = query[0, :, :m].transpose(0, 1).unsqueeze(2)  # [m, H, 1, D]
-        k, v = keys[:m, :, :plan.width], values[:m, :, :plan.width]  # [m, Hkv, W, D]
-        if plan.attn_dtype is not None:  # bf16 caches on a CPU: the product in float32 (ModelRunner.attention_dtype)
-            q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling,
-                                           enable_gqa=gqa)  # [m, H, 1, D]
-        out[:m] = o[:, :, 0]
+        if plan.attend is not None:  # one pass over the bf16 store, float32 inside (fastgate.ops.attention)
+            out[:m] = plan.attend(query[0, :, :m].transpose(0, 1), keys, values, plan.pos, scaling)  # [m, H, D]
+        else:
+            q = query[0, :, :m].transpose(0, 1).unsqueeze(2)  # [m, H, 1, D]
+            k, v = keys[:m, :, :plan.width], values[:m, :, :plan.width]  # [m, Hkv, W, D]
+            if plan.attn_dtype is not None:  # bf16 caches on a CPU: in float32 (ModelRunner.attention_dtype)
+                q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling,
+                                               enable_gqa=gqa)  # [m, H, 1, D]
+            out[:m] = o[:, :, 0]
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
         end = seg.start + seg.n
@@ -469,7 +474,8 @@ class PackedLoop(DecodeLoop):
             if job.done + n == len(job.ids):
                 ending.append((job, len(keep)))
                 keep.append(off + n - 1)
-        plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype)
+        plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype,
+                          attend=eng.decode_attention)
         if m:
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)

@@ -1,5 +1,5 @@
 """Torch references of ops 1, 2 and 5 (docs/ARCHITECTURE.md, Ops): the prober MLP, SeaKR's eigenscore and DTR's answer
-NLL.
+NLL; and the engine's decode attention over a bf16 store.
 
 They define the semantics the fused Triton kernels (``kernels/``) are tested against, and they are what runs on CPU.
 Every op returns float32.
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from fastgate.errors import ShapeError
 
-__all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_eigenscore_args", "eigenscore",
+__all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_decode_attention_args",
+           "check_eigenscore_args", "decode_attention", "eigenscore",
            "probe_logits"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
@@ -201,3 +202,37 @@ def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     total = -(token_logprobs.to(torch.float32) * m).sum(-1)  # [B]
     count = m.sum(-1)  # [B]
     return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))
+
+
+def check_decode_attention_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+    """Shape checks shared by every implementation of :func:`decode_attention`."""
+    if q.ndim != 3 or keys.ndim != 4 or values.shape != keys.shape:
+        raise ShapeError(f"decode_attention: q [m, H, D] and keys / values [R, Hkv, C, D] of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    m, heads, dim = q.shape
+    if keys.shape[3] != dim or heads % keys.shape[1] or m > keys.shape[0]:
+        raise ShapeError(f"decode_attention: q {tuple(q.shape)} does not fit keys {tuple(keys.shape)} (head dim, "
+                         "heads a multiple of the key / value heads, rows)")
+    if pos.shape != (m,):
+        raise ShapeError(f"decode_attention: pos must be [m] = [{m}], got {tuple(pos.shape)}")
+    if m and (int(pos.min()) < 0 or int(pos.max()) >= keys.shape[2]):
+        raise ShapeError(f"decode_attention: positions must lie in 0..{keys.shape[2] - 1}")
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Decode rows' attention: row ``r``'s heads ``q [m, H, D]`` over columns ``0 .. pos[r]`` of its own row of the
+    store ``keys / values [R, Hkv, C, D]`` (rows ``0 .. m - 1``; query head ``h`` reads key / value head
+    ``h // (H / Hkv)``), in float32 whatever the store's dtype; ``scale`` defaults to ``D ** -0.5``.
+
+    Returns:
+        ``[m, H, D]`` float32.
+    """
+    check_decode_attention_args(q, keys, values, pos)
+    m = q.shape[0]
+    width = int(pos.max()) + 1 if m else 1
+    k, v = keys[:m, :, :width].to(torch.float32), values[:m, :, :width].to(torch.float32)  # [m, Hkv, W, D]
+    mask = (torch.arange(width, device=q.device)[None, :] <= pos[:, None])[:, None, None, :]  # [m, 1, 1, W]
+    o = F.scaled_dot_product_attention(q.to(torch.float32).unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != keys.shape[1])  # [m, H, 1, D]
+    return o[:, :, 0]

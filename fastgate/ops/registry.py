@@ -13,7 +13,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
 
 - ``auto``: on CUDA the Triton kernels for accumulate, prober and eigenscore when ``triton`` imports; on CPU the C++
   eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
-  the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise.
+  the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
+  does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise).
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -60,7 +61,7 @@ GateBackend = Literal["triton", "ext", "torch"]
 GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *CPU_OPS)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", "decode_attention", *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -121,6 +122,7 @@ class Ops:
     ais_scores: Callable[..., torch.Tensor]  # (q [d], p [d], docs [n,d], mode="angle") -> [n]
     ais_scores_batch: Callable[..., torch.Tensor]  # (Q [B,d], P [B,d], D [B,n,d], mode="angle") -> [B,n]
     ais_topk_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (Q, P, D, k, mode) -> (scores, idx) [B,k']
+    decode_attention: Callable[..., torch.Tensor]  # (q [m,H,D], keys/values [R,Hkv,C,D], pos [m], scale) -> [m,H,D]
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -241,9 +243,16 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "probe_logits": reference.probe_logits,
         "eigenscore": reference.eigenscore,
         "answer_nll": reference.answer_nll,
+        "decode_attention": reference.decode_attention,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll")} | {name: cpu for name in CPU_OPS}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", "decode_attention")}
+    names |= {name: cpu for name in CPU_OPS}
+    if cpu == "ext" and device.type == "cpu":  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
+        from fastgate.ops.attention import ext_decode_attention
+
+        chosen["decode_attention"] = ext_decode_attention(impl._impl)
+        names["decode_attention"] = "ext"
     if gate == "triton":
         chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
         names.update({name: "triton" for name in GATE_OPS})

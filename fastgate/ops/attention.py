@@ -1,0 +1,51 @@
+"""The decode rows' attention over a bf16 key / value store on a CPU (op ``decode_attention``, docs/ARCHITECTURE.md).
+
+The reference (:func:`fastgate.ops.reference.decode_attention`) is what the packed pass always did: cast the rows'
+keys and values to float32 and call torch's SDPA. That makes three passes over the cache a layer (read bf16, write
+and read float32); the C++ kernel (``fastgate._C.decode_attention_bf16``) reads each key and value once, widening in
+registers, and accumulates in float32 too. torch has no CPU kernel that does this (its bf16 SDPA ran ~6x slower than
+float32 on a Zen 4 EPYC without AMX), which is why it is written here.
+
+The extension does not link against torch: it gets the tensors' data pointers and strides, after the checks below,
+and every input it cannot take (float32 caches, a head dim over 256, another device) goes to the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from fastgate.ops import reference
+
+__all__ = ["ext_decode_attention"]
+
+_MAX_HEAD_DIM = 256  # the kernel keeps one key / value row in registers: kMaxD in csrc/ops.cpp
+
+
+def ext_decode_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
+    """The C++ decode attention with the reference's signature; inputs it cannot run go to the reference."""
+
+    def runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> bool:
+        return (keys.device.type == "cpu" and keys.dtype is torch.bfloat16 and values.dtype is torch.bfloat16
+                and keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.shape[-1] <= _MAX_HEAD_DIM
+                and q.device.type == "cpu" and pos.device.type == "cpu")
+
+    def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+        reference.check_decode_attention_args(q, keys, values, pos)
+        if not runs(q, keys, values, pos):
+            return reference.decode_attention(q, keys, values, pos, scale)
+        m, heads, dim = q.shape
+        qf = q.to(torch.float32).contiguous()  # [m, H, D]
+        lens = (pos.to(torch.int64) + 1).contiguous()  # [m] columns each row attends
+        out = torch.empty((m, heads, dim), dtype=torch.float32)  # [m, H, D]
+        if m:
+            s_row, s_head, s_col, _ = keys.stride()
+            ext.decode_attention_bf16(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), lens.data_ptr(),
+                                      out.data_ptr(), m, heads, keys.shape[1], dim, s_row, s_head, s_col,
+                                      dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+        return out
+
+    return decode_attention

@@ -1,0 +1,103 @@
+"""The decode rows' attention over a bf16 store (fastgate.ops.attention) against its torch reference: awkward shapes
+(1, primes, 769 columns, head dims off the vector width), a store wider than its rows (a view), GQA, bad shapes; and
+the bf16 packed pass through it against the cast-and-SDPA pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.errors import ShapeError
+from fastgate.ops import reference
+from fastgate.ops.registry import build_ops, ext_available
+
+pytestmark = pytest.mark.skipif(not ext_available(), reason="the C++ extension is not built")
+
+SHAPES = [  # m rows, H heads, Hkv key / value heads, C columns, D head dim, R store rows
+    (1, 1, 1, 1, 1, 1),
+    (3, 6, 2, 17, 13, 5),
+    (16, 9, 3, 640, 64, 16),
+    (7, 14, 2, 769, 128, 9),
+    (2, 4, 4, 31, 8, 2),
+    (5, 10, 5, 97, 256, 7),
+]
+
+
+def _ext():
+    ops = build_ops("ext", "cpu")
+    assert ops.backends["decode_attention"] == "ext"
+    return ops.decode_attention
+
+
+@pytest.mark.parametrize("m,H,Hkv,C,D,R", SHAPES)
+def test_ext_equals_the_reference_in_float32_rounding(m, H, Hkv, C, D, R):
+    g = torch.Generator().manual_seed(m * 1000 + C)
+    keys = (3 * torch.randn(R, Hkv, C, D, generator=g)).to(torch.bfloat16)  # [R, Hkv, C, D]: peaked softmaxes too
+    values = torch.randn(R, Hkv, C, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(m, H, D, generator=g)  # [m, H, D]
+    pos = torch.randint(0, C, (m,), generator=g)  # [m]
+    pos[0] = C - 1  # a row that attends the whole store
+    for scale in (None, 0.3):
+        got, want = _ext()(q, keys, values, pos, scale), reference.decode_attention(q, keys, values, pos, scale)
+        assert got.dtype == torch.float32 and got.shape == (m, H, D)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_a_store_view_bf16_queries_and_a_non_contiguous_query():
+    g = torch.Generator().manual_seed(7)
+    big_k = torch.randn(9, 3, 700, 64, generator=g).to(torch.bfloat16)
+    big_v = torch.randn(9, 3, 700, 64, generator=g).to(torch.bfloat16)
+    keys, values = big_k[:, :, :650], big_v[:, :, :650]  # [9, 3, 650, 64], rows 700 columns apart
+    q = torch.randn(9, 6, 64, generator=g).transpose(0, 1).contiguous().transpose(0, 1)  # [6, 9, 64] -> not contiguous
+    q = q[:8].to(torch.bfloat16)  # [8, 9, 64]... 8 rows of a 9-row store
+    pos = torch.tensor([0, 1, 5, 649, 300, 2, 77, 128])
+    torch.testing.assert_close(_ext()(q, keys, values, pos), reference.decode_attention(q, keys, values, pos),
+                               rtol=1e-5, atol=2e-5)
+
+
+def test_inputs_the_kernel_does_not_take_go_to_the_reference():
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 1, 5, 4, generator=g), torch.randn(2, 1, 5, 4, generator=g)  # float32 store
+    q, pos = torch.randn(2, 2, 4, generator=g), torch.tensor([4, 2])
+    assert torch.equal(_ext()(q, keys, values, pos), reference.decode_attention(q, keys, values, pos))
+    assert _ext()(q[:0], keys.bfloat16(), values.bfloat16(), pos[:0]).shape == (0, 2, 4)
+
+
+@pytest.mark.parametrize("fn", [reference.decode_attention, None])
+def test_bad_shapes_are_shape_errors(fn):
+    fn = fn or _ext()
+    k = torch.zeros(2, 2, 5, 4, dtype=torch.bfloat16)
+    with pytest.raises(ShapeError, match="multiple"):
+        fn(torch.zeros(2, 3, 4), k, k, torch.tensor([0, 1]))  # 3 heads over 2 key / value heads
+    with pytest.raises(ShapeError, match="pos"):
+        fn(torch.zeros(2, 2, 4), k, k, torch.tensor([0]))
+    with pytest.raises(ShapeError, match="positions"):
+        fn(torch.zeros(2, 2, 4), k, k, torch.tensor([0, 5]))  # column 5 of a 5-column store
+    with pytest.raises(ShapeError, match="rows"):
+        fn(torch.zeros(3, 2, 4), k, k, torch.tensor([0, 1, 2]))  # 3 rows of a 2-row store
+
+
+def test_bf16_packed_pass_through_the_op_gives_the_reference_tokens():
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.bfloat16)
+    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills"]
+    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    out = {}
+    for backend in ("ext", "torch"):
+        runner = ModelRunner(lm, backend=backend, prefix_cache=0, step="eager")
+        assert (runner.decode_attention is not None) == (backend == "ext")
+        loop = PackedLoop(runner, mid=2)
+        tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 2)), 1, None) for p in prompts])
+        while loop.busy:
+            loop.step(5)  # prompt chunks beside decode rows
+        out[backend] = [t.result for t in tickets]
+    for a, b in zip(out["ext"], out["torch"]):
+        assert list(a.sequences[0].token_ids) == list(b.sequences[0].token_ids)
+        # the attention agrees to float32 rounding; the bf16 activations after it round either way of a tie, and
+        # that grows through the layers to a few hundredths of a log-prob
+        torch.testing.assert_close(torch.tensor(list(a.sequences[0].token_logprobs)),
+                                   torch.tensor(list(b.sequences[0].token_logprobs)), rtol=0, atol=0.05)
