@@ -769,31 +769,37 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
 }
 
 // q: [m, H, D] float32 contiguous; keys / values: bf16 with element strides (row, head, column) and unit stride over
-// D; lens: [m] int64, the columns each row attends (1 .. C); out: [m, H, D] float32 contiguous. Pointers come from
+// D, `cols` columns; pos: [m] int64, the last column each row attends (0 .. cols - 1, checked here: the caller skips
+// a host-side min / max a layer); out: [m, H, D] float32 contiguous. Pointers come from
 // torch tensors the caller checked (fastgate/ops/attention.py): this module does not link against torch. threads:
 // at most that many (the caller passes torch's own count), 0: one per core.
-void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t lens_ptr, uintptr_t out_ptr,
-                           int64_t m, int64_t H, int64_t Hkv, int64_t D, int64_t s_row, int64_t s_head,
+void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr,
+                           int64_t m, int64_t H, int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head,
                            int64_t s_col, double scale, int64_t threads) {
   if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
     throw std::invalid_argument("decode_attention_bf16: bad shape (H a multiple of Hkv, 0 < D <= 256)");
   const float* q = reinterpret_cast<const float*>(q_ptr);
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_ptr);
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_ptr);
-  const int64_t* lens = reinterpret_cast<const int64_t*>(lens_ptr);
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
   float* out = reinterpret_cast<float*>(out_ptr);
   const int64_t G = H / Hkv;
   int64_t widest = 1;
-  for (int64_t r = 0; r < m; ++r) widest = std::max(widest, lens[r]);
+  for (int64_t r = 0; r < m; ++r) {
+    if (pos[r] < 0 || pos[r] >= cols)
+      throw std::invalid_argument("decode_attention: positions must lie in 0.." + std::to_string(cols - 1));
+    widest = std::max(widest, pos[r] + 1);
+  }
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 18, [&](int64_t first, int64_t step) {
+  // a thread pays for itself from ~1M multiply-adds (~100 us): a batch-1 step stays on the caller's thread
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest);  // per thread
     for (int64_t item = first; item < m * Hkv; item += step) {
       const int64_t r = item / Hkv, h = item % Hkv;
       const float* qr = q + (r * H + h * G) * D;  // the G query heads of key / value head h
       for (int64_t i = 0; i < G * D; ++i) qs[i] = qr[i] * sc;
-      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, lens[r], G, D,
+      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
                   scores.data(), out + (r * H + h * G) * D);
     }
     return true;
@@ -815,8 +821,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ais_topk_batch", &ais_topk_batch, py::arg("Q"), py::arg("P"), py::arg("D"), py::arg("k"),
         py::arg("mode") = "angle", "AIS scores and top-k indices per row, best first: (scores [B, k], idx [B, k]).");
   m.def("decode_attention_bf16", &decode_attention_bf16, py::arg("q"), py::arg("keys"), py::arg("values"),
-        py::arg("lens"), py::arg("out"), py::arg("m"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
-        py::arg("row_stride"), py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
+        py::arg("pos"), py::arg("out"), py::arg("m"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("cols"), py::arg("row_stride"), py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
         "Decode rows' attention over a bf16 key / value store, float32 inside (pointers to checked torch tensors).");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "

@@ -101,3 +101,21 @@ def test_bf16_packed_pass_through_the_op_gives_the_reference_tokens():
         # that grows through the layers to a few hundredths of a log-prob
         torch.testing.assert_close(torch.tensor(list(a.sequences[0].token_logprobs)),
                                    torch.tensor(list(b.sequences[0].token_logprobs)), rtol=0, atol=0.05)
+
+
+def test_threads_split_rows_alike():
+    """The kernel splits (row, head) items over at most torch's thread count: 1 and 2 threads give the same bits."""
+    g = torch.Generator().manual_seed(11)
+    keys = torch.randn(16, 3, 640, 64, generator=g).to(torch.bfloat16)
+    values = torch.randn(16, 3, 640, 64, generator=g).to(torch.bfloat16)
+    q, pos = torch.randn(16, 9, 64, generator=g), torch.randint(500, 640, (16,), generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _ext()(q, keys, values, pos)
+        torch.set_num_threads(2)
+        two = _ext()(q, keys, values, pos)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+

@@ -17,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from fastgate.errors import ShapeError
 from fastgate.ops import reference
 
 __all__ = ["ext_decode_attention"]
@@ -34,18 +35,22 @@ def ext_decode_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
 
     def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                          scale: float | None = None) -> torch.Tensor:
-        reference.check_decode_attention_args(q, keys, values, pos)
         if not runs(q, keys, values, pos):
             return reference.decode_attention(q, keys, values, pos, scale)
+        reference.check_decode_attention_args(q, keys, values, pos, positions=False)  # the kernel checks positions
         m, heads, dim = q.shape
         qf = q.to(torch.float32).contiguous()  # [m, H, D]
-        lens = (pos.to(torch.int64) + 1).contiguous()  # [m] columns each row attends
+        pos = pos.to(torch.int64).contiguous()  # [m] (no copy when it is one already)
         out = torch.empty((m, heads, dim), dtype=torch.float32)  # [m, H, D]
         if m:
             s_row, s_head, s_col, _ = keys.stride()
-            ext.decode_attention_bf16(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), lens.data_ptr(),
-                                      out.data_ptr(), m, heads, keys.shape[1], dim, s_row, s_head, s_col,
-                                      dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+            try:
+                ext.decode_attention_bf16(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), pos.data_ptr(),
+                                          out.data_ptr(), m, heads, keys.shape[1], dim, keys.shape[2], s_row, s_head,
+                                          s_col, dim ** -0.5 if scale is None else float(scale),
+                                          torch.get_num_threads())
+            except ValueError as exc:
+                raise ShapeError(str(exc)) from None
         return out
 
     return decode_attention

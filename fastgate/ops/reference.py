@@ -204,8 +204,10 @@ def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))
 
 
-def check_decode_attention_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
-    """Shape checks shared by every implementation of :func:`decode_attention`."""
+def check_decode_attention_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                                positions: bool = True) -> None:
+    """Shape checks shared by every implementation of :func:`decode_attention`; ``positions=False`` leaves the
+    range of ``pos`` to the caller (the C++ kernel checks it without a host-side min / max a layer)."""
     if q.ndim != 3 or keys.ndim != 4 or values.shape != keys.shape:
         raise ShapeError(f"decode_attention: q [m, H, D] and keys / values [R, Hkv, C, D] of one shape, got "
                          f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
@@ -215,7 +217,7 @@ def check_decode_attention_args(q: torch.Tensor, keys: torch.Tensor, values: tor
                          "heads a multiple of the key / value heads, rows)")
     if pos.shape != (m,):
         raise ShapeError(f"decode_attention: pos must be [m] = [{m}], got {tuple(pos.shape)}")
-    if m and (int(pos.min()) < 0 or int(pos.max()) >= keys.shape[2]):
+    if positions and m and (int(pos.min()) < 0 or int(pos.max()) >= keys.shape[2]):
         raise ShapeError(f"decode_attention: positions must lie in 0..{keys.shape[2] - 1}")
 
 
