@@ -21,11 +21,15 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+# FASTGATE_SKIP_EXT=1 leaves the extension out of the build altogether: returning early from build_extension left
+# setuptools expecting its output (an editable install failed with "can't copy ... _C...so")
+SKIP_EXT = os.environ.get("FASTGATE_SKIP_EXT") == "1"
+if SKIP_EXT:
+    print("FASTGATE_SKIP_EXT=1: not building fastgate._C (pure-Python ops will be used)")
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        if os.environ.get("FASTGATE_SKIP_EXT") == "1":
-            print("FASTGATE_SKIP_EXT=1: not building fastgate._C (pure-Python ops will be used)")
-            return
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
@@ -64,6 +68,6 @@ setup(
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},
     # the shipped learned-gate weights (fastgate/checkpoints/<model>-<kind>/), small safetensors + JSON
     package_data={"fastgate": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "calibrations/*.json"]},
-    ext_modules=[CMakeExtension("fastgate._C")],
+    ext_modules=[] if SKIP_EXT else [CMakeExtension("fastgate._C")],
     cmdclass={"build_ext": CMakeBuild},
 )
