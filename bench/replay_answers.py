@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = {(r["run"], r["id"]): r["answer"] for r in records}
         answers = sum(mine.get((w["run"], w["id"])) == w["answer"] for w in want)
         print(f"{answers}/{len(want)} answers identical")
-    print(f"{len(records) - len(diffs)}/{len(want)} records agree ({elapsed:.0f} s)" if diffs else
+    print(f"{len(same)}/{len(want)} records agree ({elapsed:.0f} s)" if diffs else
           f"all {len(want)} records agree with {FIXTURE.name} ({elapsed:.0f} s)")
     return 1 if diffs else 0
 
