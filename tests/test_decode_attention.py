@@ -11,7 +11,7 @@ from fastgate.errors import ShapeError
 from fastgate.ops import reference
 from fastgate.ops.registry import build_ops, ext_available
 
-pytestmark = pytest.mark.skipif(not ext_available(), reason="the C++ extension is not built")
+needs_ext = pytest.mark.skipif(not ext_available(), reason="the C++ extension is not built")
 
 SHAPES = [  # m rows, H heads, Hkv key / value heads, C columns, D head dim, R store rows
     (1, 1, 1, 1, 1, 1),
@@ -29,6 +29,7 @@ def _ext():
     return ops.decode_attention
 
 
+@needs_ext
 @pytest.mark.parametrize("m,H,Hkv,C,D,R", SHAPES)
 def test_ext_equals_the_reference_in_float32_rounding(m, H, Hkv, C, D, R):
     g = torch.Generator().manual_seed(m * 1000 + C)
@@ -43,6 +44,7 @@ def test_ext_equals_the_reference_in_float32_rounding(m, H, Hkv, C, D, R):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
 
+@needs_ext
 def test_a_store_view_bf16_queries_and_a_non_contiguous_query():
     g = torch.Generator().manual_seed(7)
     big_k = torch.randn(9, 3, 700, 64, generator=g).to(torch.bfloat16)
@@ -55,6 +57,7 @@ def test_a_store_view_bf16_queries_and_a_non_contiguous_query():
                                rtol=1e-5, atol=2e-5)
 
 
+@needs_ext
 def test_inputs_the_kernel_does_not_take_go_to_the_reference():
     g = torch.Generator().manual_seed(3)
     keys, values = torch.randn(2, 1, 5, 4, generator=g), torch.randn(2, 1, 5, 4, generator=g)  # float32 store
@@ -63,7 +66,7 @@ def test_inputs_the_kernel_does_not_take_go_to_the_reference():
     assert _ext()(q[:0], keys.bfloat16(), values.bfloat16(), pos[:0]).shape == (0, 2, 4)
 
 
-@pytest.mark.parametrize("fn", [reference.decode_attention, None])
+@pytest.mark.parametrize("fn", [reference.decode_attention, pytest.param(None, marks=needs_ext)])
 def test_bad_shapes_are_shape_errors(fn):
     fn = fn or _ext()
     k = torch.zeros(2, 2, 5, 4, dtype=torch.bfloat16)
@@ -77,6 +80,7 @@ def test_bad_shapes_are_shape_errors(fn):
         fn(torch.zeros(3, 2, 4), k, k, torch.tensor([0, 1, 2]))  # 3 rows of a 2-row store
 
 
+@needs_ext
 def test_bf16_packed_pass_through_the_op_gives_the_reference_tokens():
     from fastgate.config import GenerationConfig, TapSpec
     from fastgate.engine.model_runner import ModelRunner
@@ -103,6 +107,7 @@ def test_bf16_packed_pass_through_the_op_gives_the_reference_tokens():
                                    torch.tensor(list(b.sequences[0].token_logprobs)), rtol=0, atol=0.05)
 
 
+@needs_ext
 def test_threads_split_rows_alike():
     """The kernel splits (row, head) items over at most torch's thread count: 1 and 2 threads give the same bits."""
     g = torch.Generator().manual_seed(11)
