@@ -251,7 +251,7 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     if cpu == "ext" and device.type == "cpu":  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
         from fastgate.ops.attention import ext_decode_attention
 
-        chosen["decode_attention"] = ext_decode_attention(impl._impl)
+        chosen["decode_attention"] = ext_decode_attention(import_ext())  # built: _cpu_ops("ext") imported it
         names["decode_attention"] = "ext"
     if gate == "triton":
         chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
