@@ -14,7 +14,26 @@ import torch
 
 from fastgate.assets.models import LoadedModel
 
-__all__ = ["free_port", "random_linear", "serve_in_thread", "tiny_gemma3", "tiny_model", "tiny_runtime", "TINY_CORPUS"]
+__all__ = ["assert_greedy_equals_hf_generate", "free_port", "random_linear", "serve_in_thread", "tiny_gemma3",
+           "tiny_model", "tiny_runtime", "TINY_CORPUS"]
+
+def assert_greedy_equals_hf_generate(engine, max_new_tokens: int = 8) -> None:
+    """The engine's greedy tokens for two prompts equal HF's own ``generate`` over the same modules (the quantized
+    layers' tests run it on an int8 and an int4 tiny model); its log-probs are floats and its taps float32."""
+    from fastgate.config import GenerationConfig, TapSpec
+
+    lm = engine.lm
+    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?"]
+    batch = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False),
+                            TapSpec(layers=(1, 4)))
+    for prompt, seq in zip(prompts, batch.sequences):
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=lm.tokenizer.pad_token_id)
+        assert list(seq.token_ids) == out[0, enc.input_ids.shape[1]:].tolist()
+        assert all(isinstance(lp, float) for lp in seq.token_logprobs)
+    assert batch.running_sum.dtype is torch.float32
+
 
 def random_linear(k: int, n: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
     """A float32 ``nn.Linear(k, n)`` with seeded small random weights (std 0.05) and bias: the quantized layers'

@@ -19,7 +19,7 @@ from fastgate.assets.quant import (
     quantized_layers,
 )
 from fastgate.errors import InputError, UnknownNameError
-from fastgate.testing import random_linear
+from fastgate.testing import assert_greedy_equals_hf_generate, random_linear
 
 # (rows, K, N): single elements, primes, 769 outputs, K a multiple of 16 (the bf16 kernel's) and not
 SHAPES = [(1, 1, 1), (1, 13, 7), (3, 64, 769), (5, 769, 17), (2, 97, 31), (1, 64, 128), (16, 32, 5), (17, 48, 11),
@@ -146,18 +146,7 @@ def int8_engine():
 
 
 def test_greedy_generation_with_int8_weights_equals_hf_generate(int8_engine):
-    from fastgate.config import GenerationConfig, TapSpec
-
-    lm = int8_engine.lm
-    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?"]
-    batch = int8_engine.generate(prompts, GenerationConfig(max_new_tokens=8, stop_at_eos=False),
-                                 TapSpec(layers=(1, 4)))
-    for prompt, seq in zip(prompts, batch.sequences):
-        enc = lm.tokenizer(prompt, return_tensors="pt")
-        out = lm.model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
-        assert list(seq.token_ids) == out[0, enc.input_ids.shape[1]:].tolist()
-        assert all(isinstance(lp, float) for lp in seq.token_logprobs)
-    assert batch.running_sum.dtype is torch.float32
+    assert_greedy_equals_hf_generate(int8_engine)
 
 
 def test_int8_weights_with_bf16_activations_generate():

@@ -24,7 +24,7 @@ from fastgate.assets.quant import (
     quantized_layers,
     unpack_nibbles,
 )
-from fastgate.testing import random_linear
+from fastgate.testing import assert_greedy_equals_hf_generate, random_linear
 
 # (rows, K, N): one row, primes (N 7, 17, 31, 769; K 13 and 3 groups), N not a multiple of 16 (the packing pads it),
 # rows beyond the kernel's (the de-quantized dense product)
@@ -224,18 +224,7 @@ def _int4_engine(dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_generation_with_int4_weights_equals_hf_generate(dtype):
     """The engine (the fused packed pass) against HF's own generate over the same int4 modules."""
-    from fastgate.config import GenerationConfig, TapSpec
-
-    engine = _int4_engine(dtype)
-    lm = engine.lm
-    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?"]
-    batch = engine.generate(prompts, GenerationConfig(max_new_tokens=8, stop_at_eos=False), TapSpec(layers=(1, 4)))
-    for prompt, seq in zip(prompts, batch.sequences):
-        enc = lm.tokenizer(prompt, return_tensors="pt")
-        out = lm.model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
-        assert list(seq.token_ids) == out[0, enc.input_ids.shape[1]:].tolist()
-        assert all(isinstance(lp, float) for lp in seq.token_logprobs)
-    assert batch.running_sum.dtype is torch.float32
+    assert_greedy_equals_hf_generate(_int4_engine(dtype))
 
 
 def test_eval_records_name_int4_and_refuse_a_resume_under_int8(small_index, tmp_path):
