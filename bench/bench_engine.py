@@ -336,7 +336,8 @@ def step_mode(engine: Engine) -> str:
     runner = engine.runner
     if not runner.compiled:
         return "eager"
-    return "compiled" if all(s.compiled for s in runner._static.values()) else "eager-fallback"
+    return ("compiled" if all(s.compiled and not s.eager_buckets for s in runner._static.values())
+            else "eager-fallback")
 
 
 def hf_static_compile_step(engine: Engine, rows: list[list[int]], steps: int) -> tuple[float, int, int]:

@@ -35,16 +35,19 @@ def _specs(n=8):
     return [(p, cfg, TapSpec(layers=(0, 1, 2, 4)), 1, None) for p in PROMPTS]
 
 
-def _joins_bitwise(lm, rows=range(1, 12)) -> bool:
+def _joins_bitwise(lm, rows=range(1, 33)) -> bool:
     """Whether this machine's BLAS computes a concatenated product's columns bitwise like the parts' products (each
-    column is its own dot product; true of the EPYCs here, not of a 16-thread Xeon's MKL at some row counts)."""
-    attn = lm.model.model.layers[0].self_attn
-    parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-    joined = torch.cat(parts)  # [q + k + v, H]
-    for n in rows:
-        x = torch.randn(n, joined.shape[1], generator=torch.Generator().manual_seed(n))  # [n, H]
-        if not torch.equal(x @ joined.T, torch.cat([x @ w.T for w in parts], dim=1)):
-            return False
+    column is its own dot product; true of the EPYCs here, not of a 16-thread Xeon's MKL at some row counts), for the
+    two joins the fused pass makes (q / k / v and gate / up) at every row count a pass of these tests multiplies."""
+    layer = lm.model.model.layers[0]
+    joins = ([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight],
+             [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+    for parts in joins:
+        joined = torch.cat(parts)  # [sum N, H]
+        for n in rows:
+            x = torch.randn(n, joined.shape[1], generator=torch.Generator().manual_seed(n))  # [n, H]
+            if not torch.equal(x @ joined.T, torch.cat([x @ w.T for w in parts], dim=1)):
+                return False
     return True
 
 

@@ -114,7 +114,7 @@ def test_greedy_rows_equal_the_eager_packed_pass(tiny, compiled_runner):
     assert sorted(got) == sorted(eager) == [0, 1, 2, 3]
     for i in eager:
         _same(got[i], eager[i])
-    assert loop.static_steps >= 10 and loop.static.compiled  # traced, not fallen back to the eager step
+    assert loop.static_steps >= 10 and loop.static.compiled and not loop.static.eager_buckets  # all traced
     assert not loop.rows and not loop.busy
 
 
@@ -169,6 +169,29 @@ def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     for i in eager:
         _same(got[i], eager[i])
     assert loop.static_steps > 0 and loop.static.compiled
+
+
+def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_others_stay_compiled(tiny):
+    """The first graph the backend is given fails (as inductor's CUDA codegen did at 16 rows): that bucket runs the
+    eager step, with one warning naming it; the next bucket compiles; the tokens are the eager pass's throughout."""
+    calls = []
+
+    def flaky(gm, example_inputs):
+        calls.append(len(example_inputs))
+        if len(calls) == 1:
+            raise RuntimeError("codegen failed")
+        return gm.forward
+
+    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2], joins=[GREEDY[2:3]])
+    runner = ModelRunner(tiny, step=StepConfig("compiled", backend=flaky))
+    with pytest.warns(RuntimeWarning, match="that bucket's steps run eagerly") as caught:
+        got, loop = _run(runner, GREEDY[:2], joins=[GREEDY[2:3]])
+    for i in eager:
+        _same(got[i], eager[i])
+    static = loop.static
+    assert len(static.eager_buckets) == 1 and static.eager_buckets < static.buckets  # one bucket fell back
+    assert static.compiled and len(calls) >= 2  # the others compiled after it
+    assert sum("run eagerly" in str(w.message) for w in caught) == 1
 
 
 _HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}

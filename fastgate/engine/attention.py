@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["attention_dtype", "attention_implementation", "register_attention"]
+__all__ = ["attention_dtype", "attention_implementation", "register_attention", "sdpa_backends", "sdpa_choice"]
 
 _registered: dict[str, Callable] = {}
 
@@ -26,6 +26,33 @@ def attention_dtype(device, dtype):
     if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return None
+
+
+def sdpa_backends(device) -> list | None:
+    """The SDPA backends fastgate's decode passes allow on ``device``, chosen once by the runner: on CUDA every one
+    but cuDNN's, whose per-shape execution plan is built on the host at each new key length, which is every decode
+    step (1.26 ms of host time per layer call on an H200, 30 calls a step: a 53 ms batch-1 step of which the GPU ran
+    2 ms; bench/profile_step.py); None (torch's own choice) elsewhere. The flash and memory-efficient kernels build
+    nothing per shape."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def sdpa_choice(backends: list | None) -> Iterator[None]:
+    """Inside the block torch's SDPA picks among ``backends`` (:func:`sdpa_backends`; None: unrestricted)."""
+    if backends is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends):
+        yield
 
 
 def register_attention(name: str, fn: Callable) -> None:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 from fastgate.assets.models import LoadedModel
-from fastgate.engine.attention import attention_dtype
+from fastgate.engine.attention import attention_dtype, sdpa_backends, sdpa_choice
 from fastgate.engine.fused import canonical_forward, fusable, fused_forward
 from fastgate.engine.kv_cache import KVCacheManager, KVGeometry, new_cache, plain_layers
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head
@@ -200,6 +200,8 @@ class ModelRunner:
         # copy and SDPA (fastgate.ops.attention); None: the cast and torch's SDPA
         self.decode_attention = (self.ops.decode_attention if self.ops.backends["decode_attention"] == "ext"
                                  and self.dtype is torch.bfloat16 and self.attention_dtype is not None else None)
+        # and which SDPA kernels the passes may use on this device (cuDNN's plans are rebuilt every decode step)
+        self.sdpa_backends = sdpa_backends(model.device)
         # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
         self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
         self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim
@@ -421,14 +423,15 @@ class ModelRunner:
         """One padded-layout pass of ``ids [N, n_new]`` after what ``cache`` holds (``mask [N, T]`` covers both);
         the last position's ``logits [N, V]``, float32."""
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -n_new:]  # [N, n_new]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            **{self.cache_kw: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with sdpa_choice(self.sdpa_backends):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                **{self.cache_kw: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return out.logits[:, -1, :].to(torch.float32)  # [N, V]
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fastgate.engine.attention import attention_implementation
+from fastgate.engine.attention import attention_implementation, sdpa_choice
 from fastgate.engine.decode import DecodeLoop, _Spec, mergeable
 from fastgate.engine.generation import RowState
 from fastgate.engine.kv_cache import within_cells
@@ -491,11 +491,12 @@ class PackedLoop(DecodeLoop):
         try:
             args = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), plan,
                     torch.tensor(keep, dtype=torch.long, device=dev))
-            if fused is not None:
-                logits, outputs = fused(*args, _packed_attention, tap_layers)  # [K, V]
-                hooks = _Outputs(outputs)
-            else:
-                logits = packed_forward(eng.model, *args)  # [K, V]
+            with sdpa_choice(eng.sdpa_backends):  # the runner's SDPA kernels (no per-shape plan builds on CUDA)
+                if fused is not None:
+                    logits, outputs = fused(*args, _packed_attention, tap_layers)  # [K, V]
+                    hooks = _Outputs(outputs)
+                else:
+                    logits = packed_forward(eng.model, *args)  # [K, V]
             t_taps = time.perf_counter()
             if m:
                 self._read_taps(lambda layer: hooks.outputs[layer][0, :m], list(counts_now), list(capture_eos))

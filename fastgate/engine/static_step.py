@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,8 @@ class StaticStep:
             # compiles for a minute or two once instead of per bucket; a CUDA graph needs the static shapes anyway
             fn = torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend=backend)
         self._fn = fn
+        self._fns: dict[tuple[int, int], Callable] = {}  # (B, W) -> the function a bucket runs where not self._fn
+        self.eager_buckets: set[tuple[int, int]] = set()  # buckets whose compile failed: they run eagerly
         register_attention(_ATTENTION, _attention)  # before the step is traced
 
     @property
@@ -271,32 +274,51 @@ class StaticStep:
         r = self.runner
         args = (r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
         if not new or self._fn is _decode:
-            return self._run(args)
-        try:  # a bucket's first call compiles it; a compiler that fails leaves the eager step (the same results)
-            return self._run(args)
+            return self._run(bucket, args)
+        try:  # a bucket's first call compiles it; a compiler that fails leaves that bucket eager (the same results)
+            return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
-            warnings.warn(f"fastgate: compiling the decode step failed ({type(exc).__name__}: {exc}); decode steps "
-                          "run eagerly", RuntimeWarning, stacklevel=2)
-            self._fn, self.compiled, self.cuda_graphs = _decode, False, False
-            self._graphs.clear()
-            return self._run(args)
+            failure = exc
+        retry = self._without_split_reductions()
+        if retry is not None:  # inductor's CUDA codegen failed at 16 and 64 rows in its split reductions (an H200)
+            self._fns[bucket] = retry
+            self._graphs.pop(bucket, None)
+            try:
+                return self._run(bucket, args)
+            except Exception as exc:  # noqa: BLE001 - as above
+                failure = exc
+        warnings.warn(f"fastgate: compiling the decode step for {b} rows x {bucket[1]} columns failed "
+                      f"({type(failure).__name__}: {failure}); that bucket's steps run eagerly, the other buckets "
+                      "stay compiled", RuntimeWarning, stacklevel=2)
+        self._fns[bucket] = _decode
+        self.eager_buckets.add(bucket)
+        self._graphs.pop(bucket, None)
+        return self._run(bucket, args)
 
-    def _run(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def _without_split_reductions(self) -> Callable | None:
+        """The step compiled by inductor with split reductions off (None for another backend): the retry of a bucket
+        whose compile failed, before it falls back to the eager step."""
+        if self.backend != "inductor":
+            return None
+        return torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend="inductor",
+                             options={"split_reductions": False})
+
+    def _run(self, bucket: tuple[int, int], args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # the layers read the attention implementation from the shared config when they run (and the compiled graph
         # guards on it): it names the step's own function for the step only, as the packed pass does for its own
         with attention_implementation(self.runner.model.config, _ATTENTION, _attention):
-            return self._call(args)
+            return self._call(bucket, args)
 
-    def _call(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.cuda_graphs:
-            return self._fn(*args)
+    def _call(self, bucket: tuple[int, int], args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        fn = self._fns.get(bucket, self._fn)
+        if not self.cuda_graphs or bucket in self.eager_buckets:
+            return fn(*args)
         keys, values, ints, floats, running, count, eos = args[3:]
-        bucket = (ints.shape[1], keys[0].shape[2])
         graph = self._graphs.get(bucket)
         if graph is None or graph.buffers != _addresses(keys, values, running, count, eos):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = self._graphs[bucket] = _Graph(self._fn, args, self._pool)  # the store moved: captured again
+            graph = self._graphs[bucket] = _Graph(fn, args, self._pool)  # the store moved: captured again
         return graph(ints, floats)
 
 

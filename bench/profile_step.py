@@ -1,0 +1,76 @@
+"""Where one eager decode step of the packed loop spends its time: a ``torch.profiler`` table of a few steps.
+
+A diagnosis, not a benchmark: on a lent GPU the eager step took 50-90 ms for 30 layers though one kernel launch costs
+~7 us, so something other than launches bounds it (host synchronisations, copies, Python). This prints the operators
+by their own host time and by device time, and counts the synchronising calls (``aten::item``, device-to-host copies,
+``cudaStreamSynchronize``), for ``--model`` (an embedded model or a random-weight shape of bench_engine.py).
+
+Run: python bench/profile_step.py [--device cuda] [--model smollm2-135m-shape] [--batch 1] [--context 30]
+[--steps 3] [--dtype bfloat16] [--rows 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from bench_engine import build_model, prompt_ids  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
+from fastgate.engine.local import Engine  # noqa: E402
+from fastgate.engine.packed import PackedLoop  # noqa: E402
+
+SYNCING = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+           "cudaMemcpyAsync", "aten::nonzero", "aten::to", "aten::copy_", "aten::tolist")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-shape")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=25, help="rows of each table")
+    args = parser.parse_args()
+    lm = build_model(args.model, args.device, args.dtype)
+    engine = Engine(lm, prefix_cache=0, step="eager")
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    prompts = [engine.tokenizer.decode(r) for r in prompt_ids(engine, args.batch, args.context)]
+    cfg = GenerationConfig(max_new_tokens=args.steps + 12, stop_at_eos=False)
+    loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
+    with torch.inference_mode():
+        loop.add([(p, cfg, TapSpec(), 1, None) for p in prompts])
+        for _ in range(3):  # warm-up
+            loop.step()
+        sync()
+        t = time.perf_counter()
+        loop.step()
+        sync()
+        print(f"one step, not profiled: {(time.perf_counter() - t) * 1e3:.2f} ms (batch {args.batch}, context "
+              f"{args.context}, {engine.dtype_name}, {engine.device})", flush=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                loop.step()
+            sync()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
+    if cuda:
+        print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
+    print("per step: calls that may synchronise or copy")
+    for e in events:
+        if e.key in SYNCING or "Memcpy" in e.key or "Synchronize" in e.key:
+            ms = e.self_cpu_time_total / args.steps / 1e3
+            print(f"  {e.key:40s} {e.count / args.steps:8.1f} calls  {ms:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
