@@ -39,6 +39,7 @@ from fastgate.errors import CheckpointError, InputError
 from fastgate.gates.base import Gate, GateStep
 
 __all__ = [
+    "BM25_PASSAGE_FEATURES",
     "DECIDE_MODES",
     "FEATURE_SETS",
     "GainModel",
@@ -53,6 +54,7 @@ __all__ = [
     "fit_state_projection",
     "load_prefill_checkpoint",
     "load_read_checkpoint",
+    "passage_features",
     "prefill_feature_names",
     "prefill_features",
     "read_features",
@@ -72,10 +74,15 @@ MODEL_FEATURES = ("base_score", "cb_nll", "cb_min_logprob", "cb_tokens", "q_word
 _SEARCH = ("top", "drop", "cover", "answer_in")
 BM25_FEATURES = tuple(f"bm25_{f}" for f in _SEARCH)
 DENSE_FEATURES = tuple(f"dense_{f}" for f in _SEARCH)
+# What the passages' words say about whether they hold an answer (:func:`_passage_features`): a title that names the
+# question's subject, the question's words across the passages and in one sentence, a year or number where the
+# question asks for one, names the question does not hold. Read from the passages a read would put in the prompt.
+_PASSAGE = ("title_in_q", "cover_all", "sent_cover", "type_match", "new_names")
+BM25_PASSAGE_FEATURES = tuple(f"bm25_{f}" for f in _PASSAGE) + ("q_typed",)
 # "all": both searches; "dense": the dense search only (the benchmark's answerable / unanswerable split is defined
 # from the BM25 top 3, so a gate that sees BM25 scores is partly told the split; the dense-only gate is not)
 FEATURE_SETS: dict[str, tuple[str, ...]] = {
-    "all": MODEL_FEATURES + BM25_FEATURES + DENSE_FEATURES + ("agree",),
+    "all": MODEL_FEATURES + BM25_FEATURES + DENSE_FEATURES + ("agree",) + BM25_PASSAGE_FEATURES,
     "dense": MODEL_FEATURES + DENSE_FEATURES,
 }
 
@@ -120,6 +127,44 @@ def _search_features(question: str, answer: str, hits: Sequence[Any], prefix: st
             f"{prefix}_answer_in": answer_in}
 
 
+_YEAR = re.compile(r"\b1\d{3}\b|\b20\d{2}\b")
+_NUMBER = re.compile(r"\b\d+(?:[.,]\d+)?\b")
+_NAME = re.compile(r"\b[A-Z][a-z]+\b")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+PASSAGE_WORDS = 120  # words of each passage the features read: the read method's default passage_words
+
+
+def passage_features(question: str, hits: Sequence[Any], prefix: str) -> dict[str, float]:
+    """What the passages' own words say about holding an answer, from the first :data:`PASSAGE_WORDS` words of each
+    hit's title and text (what a read's prompt shows): the best share of a title's words found in the question
+    (the corpus has the subject's page); the share of the question's words in any passage, and in its best
+    sentence; whether that sentence holds a year (a "when" / "year" question) or a number ("how many / much"); how
+    many capitalised words that sentence adds to the question (candidate names). ``q_typed``: the question asks for
+    a year or a number. Values for no hits: 0."""
+    q = _content(question)
+    words = _words(question)
+    texts = [" ".join(f"{h.title}. {h.text}".split()[:PASSAGE_WORDS]) for h in hits]
+    titles = [_content(h.title) for h in hits]
+    in_q = max((len(t & q) / len(t) for t in titles if t), default=0.0)
+    seen = set().union(*(_content(t) for t in texts)) if texts else set()
+    best, sentence = 0.0, ""
+    for text in texts:
+        for sent in _SENTENCE.split(text):
+            share = len(q & _content(sent)) / len(q) if q else 0.0
+            if share > best:
+                best, sentence = share, sent
+    wants_year = (words[:1] == ["when"]) or "year" in words
+    wants_number = "how" in words and ("many" in words or "much" in words)
+    typed = (wants_year and bool(_YEAR.search(sentence))) or (wants_number and bool(_NUMBER.search(sentence)))
+    names = [w for w in _NAME.findall(sentence) if w.lower() not in q]
+    return {f"{prefix}_title_in_q": in_q,
+            f"{prefix}_cover_all": len(q & seen) / len(q) if q else 0.0,
+            f"{prefix}_sent_cover": best,
+            f"{prefix}_type_match": float(typed),
+            f"{prefix}_new_names": math.log1p(len(names)),
+            "q_typed": float(wants_year or wants_number)}
+
+
 def read_features(question: str, closed_book: Any, base_score: float, bm25_hits: Sequence[Any] | None,
                   dense_hits: Sequence[Any] | None) -> dict[str, float]:
     """Every feature the read gate may use, for one question.
@@ -137,6 +182,7 @@ def read_features(question: str, closed_book: Any, base_score: float, bm25_hits:
            "cb_tokens": math.log1p(closed_book.answer_tokens), "q_words": math.log1p(len(question.split()))}
     out.update(_search_features(question, answer, bm25_hits or [], "bm25"))
     out.update(_search_features(question, answer, dense_hits or [], "dense"))
+    out.update(passage_features(question, bm25_hits or [], "bm25"))
     if bm25_hits and dense_hits:
         out["agree"] = len({h.id for h in bm25_hits} & {h.id for h in dense_hits}) / max(len(bm25_hits),
                                                                                          len(dense_hits))

@@ -75,6 +75,27 @@ def collect_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, float]],
     return rows, np.asarray(fixed), np.asarray(cb), np.asarray(rd)
 
 
+def backfill_passage_features(records: list[dict[str, Any]], retriever) -> int:
+    """Add the BM25 passage features (:func:`fastgate.gates.read.passage_features`) to the usable records of a
+    collecting pass made before they existed, in memory: each record's BM25 hits are searched again (the index and
+    search are deterministic) and must be the passages it read, in order, else an error. Returns how many records
+    gained them."""
+    from fastgate.errors import InputError
+    from fastgate.gates.read import passage_features
+
+    need = [r for r in usable_records(records) if "bm25_title_in_q" not in r["details"]["features"]]
+    if not need:
+        return 0
+    k = max(len(r.get("passages") or ()) for r in need) or 3
+    for r, hits in zip(need, retriever.search_batch([r["question"] for r in need], k)):
+        ids = [p["id"] for p in r.get("passages") or ()]
+        if [h.id for h in hits[:len(ids)]] != ids:
+            raise InputError(f"record {r.get('id')}: its BM25 passages {ids} are not what this index returns "
+                             f"({[h.id for h in hits[:len(ids)]]}): records of another index or corpus")
+        r["details"]["features"].update(passage_features(r["question"], hits[:len(ids)], "bm25"))
+    return len(need)
+
+
 def usable_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records a gate is fitted on: those with features and without an error."""
     return [r for r in records if not r.get("error") and "features" in (r.get("details") or {})]
@@ -253,6 +274,11 @@ def _cmd_read(args: argparse.Namespace) -> int:
                   f"question(s) of {data} -> {where} (resumable)")
             records = training_pass(runtime, args.base, data, n, where, seed=args.seed, batch_size=args.batch_size,
                                     index=args.index, progress=not args.quiet, reads=retriever)
+            if retriever == "bm25":
+                added = backfill_passage_features(records, runtime.retriever("bm25"))
+                if added:
+                    print(f"{added} record(s) made before the passage features: those computed from their BM25 "
+                          "passages, searched again")
             rows, fixed, cb, rd = collect_rows(records)
             print(f"{len(rows)} questions of {data}: closed-book ACC {cb.mean():.3f}, with {retriever} passages "
                   f"{rd.mean():.3f}; reading fixes {int(fixed.sum())}, breaks {int((rd < cb).sum())}")
