@@ -114,7 +114,7 @@ def test_gain_model_scores_expected_gain_and_round_trips(tmp_path, tiny):
     back_old = load_read_checkpoint(old, "all", model=tiny, base="dtr")
     assert isinstance(back_old, ReadModel)
     np.testing.assert_allclose(back_old.score(rows), m.fix.logits(rows))
-    with pytest.raises(InputError, match="all gain models or all log-odds"):
+    with pytest.raises(InputError, match="all of one kind"):
         save_read_checkpoint(tmp_path / "mixed", {"all": m, "dense": m.fix}, model=tiny, base="dtr", meta={})
     doc["score"] = "odds"
     (old / "config.json").write_text(json.dumps(doc))
@@ -608,3 +608,108 @@ def test_a_training_pass_resumes_across_a_new_threshold_and_a_gated_run_does_not
                   Read.inert_parameters(collect))  # the pass reads every question: its threshold is never used
     with pytest.raises(InputError, match="threshold=-3.0, but this run would use threshold=0.5"):
         _check_params(store, RunSpec("read", "bm25", ()), {**now, "collect": False}, Read.inert_parameters(gated))
+
+
+def test_passage_features_by_hand():
+    from fastgate.gates.read import BM25_PASSAGE_FEATURES, passage_features
+
+    hits = [_hit("a", "Eiffel Tower", "The Eiffel Tower was finished in 1889. Gustave Eiffel built it in Paris.", 9.0),
+            _hit("b", "Paris", "Paris has many towers.", 4.0)]
+    f = passage_features("When was the Eiffel Tower finished?", hits, "bm25")
+    assert set(f) == set(BM25_PASSAGE_FEATURES)
+    assert f["bm25_title_in_q"] == 1.0  # "eiffel tower": both title words in the question
+    assert f["bm25_cover_all"] == 1.0  # eiffel, tower, finished all in the passages
+    assert f["bm25_sent_cover"] == 1.0  # ... and all in "The Eiffel Tower was finished in 1889."
+    assert f["q_typed"] == 1.0 and f["bm25_type_match"] == 1.0  # a "when" question, a year in that sentence
+    assert f["bm25_new_names"] == pytest.approx(math.log1p(1))  # "The": capitalised, not in the question
+    assert f["bm25_top_names"] == pytest.approx(math.log1p(3))  # the top passage adds The, Gustave, Paris
+    b = passage_features("When was the Eiffel Tower built?", hits, "bm25")  # 2 of 3 words in each sentence
+    assert b["bm25_sent_cover"] == pytest.approx(2 / 3) and b["bm25_type_match"] == 0.0  # the first: the title's
+    g = passage_features("How many moons has Mars?", hits, "bm25")
+    assert g["q_typed"] == 1.0 and g["bm25_type_match"] == 0.0 and g["bm25_title_in_q"] == 0.0
+    none = passage_features("Who wrote Hamlet?", [], "bm25")
+    assert all(v == 0.0 for v in none.values())
+    # read_features carries them for the BM25 hits
+    r = read_features("When was the Eiffel Tower finished?", _gen("1889", [-0.1]), 0.1, hits, None)
+    assert {k: r[k] for k in f} == f
+
+
+def _shift_data(n: int = 600, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    rows = [{f: float(rng.normal()) for f in FEATURE_SETS["all"]} for _ in range(n)]
+    answerable = np.array([int(r["bm25_top"] + 0.3 * rng.normal() > 0) for r in rows])
+    fixed = np.array([int(a and r["cb_nll"] > -0.3) for r, a in zip(rows, answerable)])
+    broken = np.array([int(not f and r["dense_top"] > 1.6) for r, f in zip(rows, fixed)])
+    return rows, fixed, broken, answerable
+
+
+def test_shift_gain_model_follows_the_answerable_share_of_the_questions_it_scores(tmp_path, tiny):
+    from fastgate.gates.read import ShiftGainModel, fit_shift_gain_model, shift_posterior
+
+    rows, fixed, broken, answerable = _shift_data()
+    m = fit_shift_gain_model(rows, fixed, broken, answerable, FEATURE_SETS["all"], rate=0.05)
+    assert m.prior == pytest.approx(answerable.mean())
+    p, on, off = m.parts(rows)
+    np.testing.assert_allclose(m.score(rows), p * on + (1 - p) * off)  # at the training share: the mix as fitted
+    np.testing.assert_allclose(shift_posterior(p, m.prior, m.prior), p)
+    assert (shift_posterior(p, m.prior, 0.1) < p).all()  # a lower share lowers every posterior
+    # a stream of questions the corpus cannot answer: the gate's share estimate falls and fewer of them read
+    stream = [r for r, a in zip(rows, answerable) if not a][:150] + [r for r, a in zip(rows, answerable) if a][:10]
+    gate = ReadGate(m, threshold=0.1)
+    fixed_share = m.score(stream) >= 0.1
+    steps = gate.decide(stream)
+    assert gate.share < 0.6 * m.prior  # 150 of 160 unanswerable: the estimate falls toward their share
+    assert sum(s.retrieve for s in steps) < fixed_share.sum()
+    # scored in order: a second gate fed the same stream in two batches decides the same
+    other = ReadGate(m, threshold=0.1)
+    assert [s.retrieve for s in other.decide(stream[:70]) + other.decide(stream[70:])] == [s.retrieve for s in steps]
+    # the checkpoint keeps every part; the loaded gate starts again from the training share
+    path = save_read_checkpoint(tmp_path / "shift", {"all": m}, model=tiny, base="dtr", meta={})
+    assert json.loads((path / "config.json").read_text())["score"] == "shift-gain"
+    back = load_read_checkpoint(path, "all", model=tiny, base="dtr")
+    assert isinstance(back, ShiftGainModel) and back.rate == 0.05
+    np.testing.assert_allclose(back.score(rows), m.score(rows))
+    assert ReadGate(back, 0.1).share == pytest.approx(m.prior)
+    doc = json.loads((path / "config.json").read_text())
+    doc["models"]["all"]["prior"] = 1.5
+    (path / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="prior"):
+        load_read_checkpoint(path, "all", model=tiny, base="dtr")
+    with pytest.raises(InputError, match="both kinds"):
+        fit_shift_gain_model(rows, fixed, broken, np.ones(len(rows), dtype=int), FEATURE_SETS["all"])
+
+
+def test_cross_validated_shift_gains_adapt_within_each_set():
+    from fastgate.train.read import cross_validated_gains, cross_validated_shift_gains
+
+    rows, fixed, broken, answerable = _shift_data(800, seed=1)
+    # two "sets": the first half as it is, the second only its unanswerable questions (a natural-like share)
+    keep = np.r_[np.arange(400), 400 + np.flatnonzero(answerable[400:] == 0)]
+    rows = [rows[i] for i in keep]
+    fixed, broken, answerable = fixed[keep], broken[keep], answerable[keep]
+    groups = np.array(["mixed"] * 400 + ["natural"] * (len(keep) - 400))
+    plain = cross_validated_gains(rows, fixed, broken, FEATURE_SETS["all"], groups)
+    shift = cross_validated_shift_gains(rows, fixed, broken, answerable, FEATURE_SETS["all"], groups, rate=0.05)
+    assert np.isfinite(shift).all() and shift.shape == plain.shape
+    nat = groups == "natural"
+    assert shift[nat].mean() < plain[nat].mean()  # the natural-like set's gains fall as its share is learned
+    assert abs(shift[~nat].mean() - plain[~nat].mean()) < 0.05  # the mixed set stays near its training share
+
+
+def test_search_again_checks_the_records_passages_and_labels_answerable(retrievers):
+    from fastgate.train.read import answerable_labels, backfill_passage_features, search_again
+
+    bm25 = retrievers["bm25"]
+    hits = bm25.search(QUESTIONS[0], 2)
+    gold = hits[0].text.split()[0]
+    rec = {"id": "q1", "question": QUESTIONS[0], "answers": [gold, "no such answer"],
+           "passages": [{"id": h.id} for h in hits], "details": {"features": {"cb_nll": 1.0}}}
+    other = {**rec, "id": "q2", "answers": ["zzzz qqqq"], "details": {"features": {"cb_nll": 1.0}}}
+    found = search_again([rec, other], bm25)
+    assert [[h.id for h in hs] for hs in found] == [[h.id for h in hits]] * 2
+    assert answerable_labels([rec, other], found).tolist() == [1, 0]
+    assert backfill_passage_features([rec, other], found) == 2 and "bm25_top_names" in rec["details"]["features"]
+    assert backfill_passage_features([rec, other], found) == 0  # already there
+    wrong = {**rec, "passages": [{"id": "not-a-passage"}]}
+    with pytest.raises(InputError, match="another index"):
+        search_again([wrong], bm25)

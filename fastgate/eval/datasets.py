@@ -28,6 +28,7 @@ __all__ = [
     "BENCHMARKS",
     "READ_DEPTH",
     "READ_WORDS",
+    "shows_answer",
     "Ranks",
     "SUBSETS",
     "BenchmarkSpec",
@@ -385,6 +386,14 @@ def _contains_answer(text: str, golds: tuple[str, ...]) -> bool:
 
     padded = f" {normalize_answer(text)} "
     return any(g and f" {g} " in padded for g in (normalize_answer(x) for x in golds))
+
+
+def shows_answer(hit, words: int, golds) -> bool:
+    """Whether ``hit``'s title and first ``words`` words (what a prompt shows) hold one of ``golds`` as a whole word
+    sequence after SQuAD normalisation: the benchmarks' "answerable" test for one passage."""
+    from fastgate.prompts import passage_text
+
+    return _contains_answer(passage_text(hit, words), tuple(golds))
 
 
 class Ranks(NamedTuple):

@@ -30,10 +30,14 @@ __all__ = [
     "add_read_parser",
     "choose_price",
     "collect_rows",
+    "answerable_labels",
+    "backfill_passage_features",
     "cross_validated_gains",
+    "cross_validated_shift_gains",
     "learning_curve",
     "prefill_rows",
     "prefill_states",
+    "search_again",
     "price_table",
     "training_pass",
 ]
@@ -75,25 +79,47 @@ def collect_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, float]],
     return rows, np.asarray(fixed), np.asarray(cb), np.asarray(rd)
 
 
-def backfill_passage_features(records: list[dict[str, Any]], retriever) -> int:
-    """Add the BM25 passage features (:func:`fastgate.gates.read.passage_features`) to the usable records of a
-    collecting pass made before they existed, in memory: each record's BM25 hits are searched again (the index and
-    search are deterministic) and must be the passages it read, in order, else an error. Returns how many records
-    gained them."""
+def search_again(records: list[dict[str, Any]], retriever) -> list[list[Any]]:
+    """Each usable record's hits from ``retriever`` searched again for its question (the index and search are
+    deterministic), as many as the passages it read; they must be those passages, in order, else an error (records
+    of another index or corpus)."""
     from fastgate.errors import InputError
-    from fastgate.gates.read import passage_features
 
-    need = [r for r in usable_records(records) if "bm25_title_in_q" not in r["details"]["features"]]
-    if not need:
-        return 0
-    k = max(len(r.get("passages") or ()) for r in need) or 3
-    for r, hits in zip(need, retriever.search_batch([r["question"] for r in need], k)):
+    usable = usable_records(records)
+    if not usable:
+        return []
+    k = max(len(r.get("passages") or ()) for r in usable) or 3
+    out = []
+    for r, hits in zip(usable, retriever.search_batch([r["question"] for r in usable], k)):
         ids = [p["id"] for p in r.get("passages") or ()]
         if [h.id for h in hits[:len(ids)]] != ids:
-            raise InputError(f"record {r.get('id')}: its BM25 passages {ids} are not what this index returns "
+            raise InputError(f"record {r.get('id')}: its passages {ids} are not what this index returns "
                              f"({[h.id for h in hits[:len(ids)]]}): records of another index or corpus")
-        r["details"]["features"].update(passage_features(r["question"], hits[:len(ids)], "bm25"))
-    return len(need)
+        out.append(hits[:len(ids)])
+    return out
+
+
+def backfill_passage_features(records: list[dict[str, Any]], hits: list[list[Any]]) -> int:
+    """Add the BM25 passage features (:func:`fastgate.gates.read.passage_features`) to the usable records of a
+    collecting pass made before they existed, in memory, from their BM25 passages ``hits`` (:func:`search_again`,
+    one list per usable record). Returns how many records gained them."""
+    from fastgate.gates.read import BM25_PASSAGE_FEATURES, passage_features
+
+    n = 0
+    for r, h in zip(usable_records(records), hits):
+        if not set(BM25_PASSAGE_FEATURES) <= set(r["details"]["features"]):
+            r["details"]["features"].update(passage_features(r["question"], h, "bm25"))
+            n += 1
+    return n
+
+
+def answerable_labels(records: list[dict[str, Any]], hits: list[list[Any]]) -> np.ndarray:
+    """``[N]`` 1 where the passages a usable record read show a gold answer (as the benchmarks' answerable split
+    counts it: the title and the first words a prompt shows, after SQuAD normalisation), else 0."""
+    from fastgate.eval.datasets import READ_WORDS, shows_answer
+
+    return np.array([int(any(shows_answer(h, READ_WORDS, r["answers"]) for h in hs))
+                     for r, hs in zip(usable_records(records), hits)], dtype=int)
 
 
 def usable_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,6 +183,34 @@ def cross_validated_gains(rows, fixed, broken, features, groups, folds: int = 5,
     return out
 
 
+def cross_validated_shift_gains(rows, fixed, broken, answerable, features, groups, folds: int = 5, l2: float = 1.0,
+                                rate: float = 0.02) -> np.ndarray:
+    """Out-of-fold expected gains of a :class:`~fastgate.gates.read.ShiftGainModel` (folds as
+    :func:`cross_validated_gains`), each dev set then scored in its own order from its fold models' training share,
+    the share estimate moving ``rate`` per question as :class:`~fastgate.gates.read.ReadGate` moves it on a stream
+    of questions: what the gate would have read on each set alone."""
+    from fastgate.gates.read import fit_shift_gain_model, shift_posterior
+
+    groups = np.asarray(groups)
+    p, on, off, prior = (np.zeros(len(rows)) for _ in range(4))
+    fold = _folds(groups, folds)
+    for j in range(folds):
+        train, test = np.flatnonzero(fold != j), np.flatnonzero(fold == j)
+        m = fit_shift_gain_model([rows[i] for i in train], fixed[train], broken[train], answerable[train], features,
+                                 l2=l2, rate=rate)
+        p[test], on[test], off[test] = m.parts([rows[i] for i in test])
+        prior[test] = m.prior
+    out = np.zeros(len(rows))
+    for g in dict.fromkeys(groups.tolist()):
+        idx = np.flatnonzero(groups == g)
+        share = float(prior[idx[0]])
+        for i in idx:
+            q = float(shift_posterior(p[i:i + 1], prior[i], share)[0])
+            out[i] = q * on[i] + (1.0 - q) * off[i]
+            share = min(max((1.0 - rate) * share + rate * q, 1e-4), 1.0 - 1e-4)
+    return out
+
+
 def price_table(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, price: float
                 ) -> list[dict[str, Any]]:
     """Per dev set, reading iff ``score >= price``: the share read, ACC, ``never``'s (closed-book) and ``always``'s
@@ -186,11 +240,13 @@ def choose_price(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.
 
 
 def learning_curve(rows, fixed, broken, cb, rd, groups, features, price: float, l2: float, seed: int = 0,
-                   start: int = 400) -> list[dict[str, Any]]:
+                   start: int = 400, answerable=None, rate: float = 0.0) -> list[dict[str, Any]]:
     """Held-out quality against the number of training questions: fold 0 of each dev set (a fifth) held out; gain
     models fitted on 400, 800, 1600, ... and all of the rest (a seeded random order of the pooled sets), each judged
-    on the held-out questions at ``price``: per set the share read and ACC against ``never`` and ``always``."""
-    from fastgate.gates.read import fit_gain_model
+    on the held-out questions at ``price``: per set the share read and ACC against ``never`` and ``always``. With
+    ``answerable`` and a ``rate`` above 0, shift-gain models, each held-out set scored in order from the training
+    share (:func:`cross_validated_shift_gains`)."""
+    from fastgate.gates.read import fit_gain_model, fit_shift_gain_model
 
     groups = np.asarray(groups)
     fold = _folds(groups, 5)
@@ -205,8 +261,16 @@ def learning_curve(rows, fixed, broken, cb, rd, groups, features, price: float, 
         train = pool[:size]
         if fixed[train].sum() < 2:
             continue
-        m = fit_gain_model([rows[i] for i in train], fixed[train], broken[train], features, l2=l2)
-        score = m.score([rows[i] for i in held])
+        if answerable is not None and rate > 0:
+            m = fit_shift_gain_model([rows[i] for i in train], fixed[train], broken[train], answerable[train],
+                                     features, l2=l2, rate=rate)
+            score = np.zeros(len(held))
+            for g in dict.fromkeys(groups[held].tolist()):
+                at = np.flatnonzero(groups[held] == g)
+                score[at] = m.adapt([rows[held[i]] for i in at], m.prior)[0]
+        else:
+            m = fit_gain_model([rows[i] for i in train], fixed[train], broken[train], features, l2=l2)
+            score = m.score([rows[i] for i in held])
         out.append({"train": int(size), "held_out": int(len(held)),
                     "sets": price_table(score, cb[held], rd[held], groups[held], price)})
     return out
@@ -232,7 +296,13 @@ def _cmd_read(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
     from fastgate.errors import InputError
     from fastgate.eval.datasets import refuse_test_split
-    from fastgate.gates.read import FEATURE_SETS, fit_gain_model, prefill_feature_names, save_read_checkpoint
+    from fastgate.gates.read import (
+        FEATURE_SETS,
+        fit_gain_model,
+        fit_shift_gain_model,
+        prefill_feature_names,
+        save_read_checkpoint,
+    )
     from fastgate.serving.runtime import Runtime
 
     datas = _split(args.data, "--data")
@@ -274,17 +344,19 @@ def _cmd_read(args: argparse.Namespace) -> int:
                   f"question(s) of {data} -> {where} (resumable)")
             records = training_pass(runtime, args.base, data, n, where, seed=args.seed, batch_size=args.batch_size,
                                     index=args.index, progress=not args.quiet, reads=retriever)
+            hits = search_again(records, runtime.retriever(retriever))  # the passages each record read
             if retriever == "bm25":
-                added = backfill_passage_features(records, runtime.retriever("bm25"))
+                added = backfill_passage_features(records, hits)
                 if added:
                     print(f"{added} record(s) made before the passage features: those computed from their BM25 "
                           "passages, searched again")
+            answerable = answerable_labels(records, hits)
             rows, fixed, cb, rd = collect_rows(records)
             print(f"{len(rows)} questions of {data}: closed-book ACC {cb.mean():.3f}, with {retriever} passages "
                   f"{rd.mean():.3f}; reading fixes {int(fixed.sum())}, breaks {int((rd < cb).sum())}")
-            parts.append((data, records, rows, fixed, cb, rd))
+            parts.append((data, records, rows, fixed, cb, rd, answerable))
         rows = [r for p in parts for r in p[2]]
-        fixed, cb, rd = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 5))
+        fixed, cb, rd, answerable = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 5, 6))
         groups = np.array([p[0] for p in parts for _ in p[2]])
         if len(rows) < 10 or fixed.sum() < 2:
             raise InputError(f"read gate: {len(rows)} usable questions with {int(fixed.sum())} fixed by reading "
@@ -297,12 +369,22 @@ def _cmd_read(args: argparse.Namespace) -> int:
                 projection = fit_state_projection(np.concatenate(states), layer, args.rank)
             rows = [r for p, st in zip(parts, states)
                     for r in prefill_rows(runtime.engine, p[1], p[2], layer, args.rank, projection, st)[0]]
-        passes[retriever] = (rows, fixed, (cb > rd).astype(int), cb, rd, groups)
+        passes[retriever] = (rows, fixed, (cb > rd).astype(int), cb, rd, groups, answerable)
     models, report, prices = {}, {}, {}
     for name in names:
-        rows, fixed, broken, cb, rd, groups = passes[reads[name]]
+        rows, fixed, broken, cb, rd, groups, answerable = passes[reads[name]]
         feature_names = prefill_feature_names(name, projection.rank) if prefill else FEATURE_SETS[name]
-        oof = cross_validated_gains(rows, fixed, broken, feature_names, groups, l2=args.l2)
+        rate = 0.0 if prefill else args.adapt  # the prefill gate keeps the plain gain model
+        kinds = min(int(answerable.sum()), len(answerable) - int(answerable.sum()))
+        if rate > 0 and kinds < 5:  # the answerable model needs both kinds, in every fold
+            print(f"{name:>6}  {int(answerable.sum())} of {len(answerable)} questions answerable from the passages "
+                  "read: too few of one kind for a shift-gain model; a plain gain model at the training share")
+            rate = 0.0
+        if rate > 0:
+            oof = cross_validated_shift_gains(rows, fixed, broken, answerable, feature_names, groups, l2=args.l2,
+                                              rate=rate)
+        else:
+            oof = cross_validated_gains(rows, fixed, broken, feature_names, groups, l2=args.l2)
         price = choose_price(oof, cb, rd, groups, args.max_loss) if args.price is None else args.price
         prices[name] = price
         table = price_table(oof, cb, rd, groups, price)
@@ -311,19 +393,29 @@ def _cmd_read(args: argparse.Namespace) -> int:
         print(f"{name:>6}  price of a read {price:.4f} ({how}); out-of-fold on these dev questions, {reads[name]} "
               "reads:")
         _print_table(table)
-        curve = learning_curve(rows, fixed, broken, cb, rd, groups, feature_names, price, args.l2, args.seed)
+        curve = learning_curve(rows, fixed, broken, cb, rd, groups, feature_names, price, args.l2, args.seed,
+                               answerable=answerable, rate=rate)
         for point in curve:
             print(f"{'':>6}  learning curve: trained on {point['train']}, judged on {point['held_out']} held out:")
             _print_table(point["sets"], indent="          ")
-        models[name] = fit_gain_model(rows, fixed, broken, feature_names, l2=args.l2)
-        report[name] = {"price": round(price, 6), "out_of_fold": table, "learning_curve": curve,
-                        "weights": {"fix": dict(zip(models[name].features, (round(w, 4) for w in
-                                                                             models[name].fix.weights))),
-                                    "harm": dict(zip(models[name].features, (round(w, 4) for w in
-                                                                              models[name].harm.weights)))}}
-        print(f"{'':>6}  weights (fix): " + ", ".join(f"{f} {w:+.2f}" for f, w in report[name]["weights"]["fix"]
-                                                         .items()))
-    rows, fixed, broken, cb, rd, groups = passes[reads[names[0]]]
+        if rate > 0:
+            models[name] = fit_shift_gain_model(rows, fixed, broken, answerable, feature_names, l2=args.l2, rate=rate)
+            parts_of = {"answerable": models[name].answerable, "fix": models[name].on.fix,
+                        "harm": models[name].on.harm, "fix_off": models[name].off.fix,
+                        "harm_off": models[name].off.harm}
+        else:
+            models[name] = fit_gain_model(rows, fixed, broken, feature_names, l2=args.l2)
+            parts_of = {"fix": models[name].fix, "harm": models[name].harm}
+        weights = {k: dict(zip(m.features, (round(w, 4) for w in m.weights))) for k, m in parts_of.items()}
+        report[name] = {"price": round(price, 6), "out_of_fold": table, "learning_curve": curve, "weights": weights}
+        if rate > 0:
+            report[name].update({"answerable_share": round(float(answerable.mean()), 4), "adapt": rate})
+            print(f"{'':>6}  answerable share of these questions {answerable.mean():.3f}; the gate's estimate moves "
+                  f"{rate} per question")
+        for k in ("answerable", "fix"):
+            if k in weights:
+                print(f"{'':>6}  weights ({k}): " + ", ".join(f"{f} {w:+.2f}" for f, w in weights[k].items()))
+    rows, fixed, broken, cb, rd, groups, answerable = passes[reads[names[0]]]
     kind = "read-prefill" if prefill else f"read-{args.base}" + ("-dense" if names == ["dense"] else "")
     out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-{kind}"
     sets = [{"data": d, "n": int((groups == d).sum()), "fixed": int(fixed[groups == d].sum()),
@@ -332,7 +424,8 @@ def _cmd_read(args: argparse.Namespace) -> int:
     meta = {"data": ",".join(datas), "n": len(rows), "seed": args.seed, "fixed": int(fixed.sum()),
             "broken": int(broken.sum()), "l2": args.l2, "closed_book_acc": round(float(cb.mean()), 4),
             "read_acc": round(float(rd.mean()), 4), "sets": sets, "labels_from_reads": reads,
-            "price": {k: round(v, 6) for k, v in prices.items()}, "max_loss": args.max_loss}
+            "price": {k: round(v, 6) for k, v in prices.items()}, "max_loss": args.max_loss,
+            "answerable": int(answerable.sum())}
     if prefill:
         meta = {**meta, "layer": projection.layer, "rank": projection.rank,
                 "pass": f"read[base={args.base},collect=true]"}
@@ -356,7 +449,7 @@ def _command(args, model_name: str) -> str:
         f" --price {args.price}" if args.price is not None else "")
     return (f"fastgate train read --model {model_name} --decide {args.decide} --base {args.base} --data {args.data} "
             f"--n {args.n} --features {args.features} --max-loss {args.max_loss} --l2 {args.l2} --seed {args.seed}"
-            + (f" --rank {args.rank}" if args.decide == "prefill" else "") + extra)
+            + (f" --rank {args.rank}" if args.decide == "prefill" else f" --adapt {args.adapt}") + extra)
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -406,6 +499,9 @@ def add_read_parser(kinds) -> None:
     p.add_argument("--max-loss", type=float, default=0.005,
                    help="the price of a read is the highest at which every dev set stays within this much accuracy "
                         "of the better of never and always, out of fold (default: 0.005, half a point)")
+    p.add_argument("--adapt", type=float, default=0.02,
+                   help="the answer-mode gate's share of answerable questions moves this much per scored question "
+                        "(a shift-gain model; default 0.02); 0: a plain gain model at the training share")
     p.add_argument("--price", type=float, default=None,
                    help="the price of a read (expected accuracy gain), instead of choosing it by --max-loss")
     p.add_argument("--no-calibrate", action="store_true",
