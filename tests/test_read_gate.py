@@ -713,3 +713,26 @@ def test_search_again_checks_the_records_passages_and_labels_answerable(retrieve
     wrong = {**rec, "passages": [{"id": "not-a-passage"}]}
     with pytest.raises(InputError, match="another index"):
         search_again([wrong], bm25)
+
+
+def test_read_method_over_a_shift_gain_checkpoint_records_the_gates_share(tmp_path, tiny, tiny_engine, retrievers):
+    """A shift-gain checkpoint through the method: the gate's share estimate moves with the questions it scores and
+    each record keeps it; the decisions follow the score against the price."""
+    from fastgate.gates.read import GainModel, ReadModel, ShiftGainModel
+
+    feats = FEATURE_SETS["all"]
+
+    def flat(bias: float, w_top: float = 0.0) -> ReadModel:
+        return ReadModel(feats, tuple(0.0 for _ in feats), tuple(1.0 for _ in feats),
+                         tuple(w_top if f == "bm25_top" else 0.0 for f in feats), bias)
+
+    m = ShiftGainModel(flat(-3.0, 0.1), GainModel(flat(2.0), flat(-5.0)), GainModel(flat(-6.0), flat(-6.0)),
+                       prior=0.4, rate=0.1)
+    ck = save_read_checkpoint(tmp_path / "shift", {"all": m}, model=tiny, base="dtr", meta={})
+    method = build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": str(ck), "threshold": 0.3},
+                          retrievers=retrievers)
+    res = method.answer_batch(QUESTIONS)
+    shares = [r.details["answerable_share"] for r in res]
+    assert all(0.0 < s < 0.4 for s in shares)  # P(answerable) ~ 5% on every question: the estimate falls
+    assert method.gate.share == pytest.approx(min(shares), abs=1e-4)  # the last batch of scores
+    assert [r.retrieved for r in res] == [s.score >= 0.3 for r in res for s in r.gate_steps]

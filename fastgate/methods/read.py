@@ -196,6 +196,8 @@ class Read(Method):
                    "closed_book_answer": closed.text.strip(), "features": feats}
         if self.gate is not None:
             step = yield Decide(self.gate, feats)
+            if self.gate.share is not None:  # a shift-gain gate: its answerable-share estimate after this decision's
+                details["answerable_share"] = round(self.gate.share, 4)  # batch of scores
             if not step.retrieve:
                 return Answer(closed.text.strip(), details=details)
         reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
