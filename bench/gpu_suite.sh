@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_suite.sh tests     # (a) the GPU tests: kernels and their parity on CUDA, both loops, the static
 #                                     #     step, dtypes, int8 weights
-#   bash bench/gpu_suite.sh smollm2   # (b) bench_engine.py on random weights in SmolLM2-135M's shapes: packed eager
+#   bash bench/gpu_suite.sh smollm2   # (b) profile_step.py (an eager step's host time), then bench_engine.py on
+#                                     #     random weights in SmolLM2-135M's shapes: packed eager
 #                                     #     (a true eager step), packed-compiled (the static step, CUDA graphs),
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
@@ -75,6 +76,14 @@ case "$PART" in
     status=${PIPESTATUS[0]}
     ;;
   smollm2)
+    # where an eager step's host time goes (torch.profiler, ~20 s each): the eager step is the compiled one's fallback
+    # and the prefill's path; 2026-11-26 it found cuDNN's per-shape attention plans (docs/RESULTS.md)
+    for shape in "1 30" "16 600"; do
+      set -- $shape
+      timeout 60 "$PY" bench/profile_step.py --device "$DEVICE" --batch "$1" --context "$2" --rows 15 \
+        >> "$OUT/profile.log" 2>&1 || echo "profile_step batch $1 context $2: exit $?" >> "$OUT/profile.log"
+    done
+    grep "one step" "$OUT/profile.log"
     # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600: 4 graphs
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model smollm2-135m-shape --dtypes "$DTYPES" \
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
