@@ -422,8 +422,6 @@ def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = A
     prompts' cut, :func:`fastgate.prompts.passage_text`). Deterministic for a given index; the ranks are cached in
     ``cache`` (a JSON file, written atomically) so later runs cost nothing.
     """
-    from fastgate.prompts import passage_text
-
     ranks: dict[str, Ranks] = {}
     cache_path = Path(cache) if cache is not None else None
     if cache_path is not None and cache_path.is_file():
@@ -445,7 +443,7 @@ def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = A
             for i, hit in enumerate(retriever.search(ex.question, k=depth), start=1):
                 if found is None and _contains_answer(f"{hit.title} {hit.text}", ex.answers):
                     found = i
-                if found is not None and _contains_answer(passage_text(hit, READ_WORDS), ex.answers):
+                if found is not None and shows_answer(hit, READ_WORDS, ex.answers):
                     shown = i
                     break
             ranks[ex.id] = Ranks(found, shown)

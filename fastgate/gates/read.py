@@ -50,6 +50,7 @@ __all__ = [
     "ReadGate",
     "ReadModel",
     "ShiftGainModel",
+    "adapt_gains",
     "StateProjection",
     "fit_gain_model",
     "fit_read_model",
@@ -141,11 +142,13 @@ PASSAGE_WORDS = 120  # words of each passage the features read: the read method'
 
 def passage_features(question: str, hits: Sequence[Any], prefix: str) -> dict[str, float]:
     """What the passages' own words say about holding an answer, from the first :data:`PASSAGE_WORDS` words of each
-    hit's title and text (what a read's prompt shows): the best share of a title's words found in the question
-    (the corpus has the subject's page); the share of the question's words in any passage, and in its best
-    sentence; whether that sentence holds a year (a "when" / "year" question) or a number ("how many / much"); how
-    many capitalised words that sentence adds to the question (candidate names), and how many distinct ones the top
-    passage adds (log1p of the counts). ``q_typed``: the question asks for a year or a number. Values for no hits: 0."""
+    hit's title and text together, the title a sentence of its own (about what a read's prompt shows; not
+    :func:`fastgate.prompts.passage_text`'s cut, which the shipped checkpoints were not trained on): the best share
+    of a title's words found in the question (the corpus has the subject's page); the share of the question's words
+    in any passage, and in its best sentence; whether that sentence holds a year (a "when" / "year" question) or a
+    number ("how many / much"); how many capitalised words that sentence adds to the question (candidate names), and
+    how many distinct ones the top passage adds (log1p of the counts). ``q_typed``: the question asks for a year or
+    a number. Values for no hits: 0."""
     q = _content(question)
     words = _words(question)
     texts = [" ".join(f"{h.title}. {h.text}".split()[:PASSAGE_WORDS]) for h in hits]
@@ -393,13 +396,23 @@ class ShiftGainModel:
     def adapt(self, rows: Sequence[Mapping[str, float]], share: float) -> tuple[np.ndarray, float]:
         """Score ``rows`` in order, the share estimate moving ``rate`` of the way to each row's posterior after it
         is scored (the online form of the prior's EM): the ``[N]`` gains and the share after the last row."""
-        p, on, off = self.parts(rows)
-        out = np.empty(len(p))
-        for i in range(len(p)):
-            q = float(shift_posterior(p[i:i + 1], self.prior, share)[0])
-            out[i] = q * on[i] + (1.0 - q) * off[i]
-            share = min(max((1.0 - self.rate) * share + self.rate * q, 1e-4), 1.0 - 1e-4)
-        return out, share
+        return adapt_gains(*self.parts(rows), self.prior, share, self.rate)
+
+
+def adapt_gains(p: np.ndarray, on: np.ndarray, off: np.ndarray, prior: float | np.ndarray, share: float,
+                rate: float) -> tuple[np.ndarray, float]:
+    """The gains of rows scored in order under a moving answerable share: each row's posterior re-weighted from
+    ``prior`` (the training share: one, or one per row ``[N]``) to ``share``, its gain ``q · on + (1 − q) · off``,
+    then the share moved ``rate`` of the way to ``q`` (kept within [1e-4, 1 − 1e-4]). ``p``, ``on``, ``off`` ``[N]``
+    as :meth:`ShiftGainModel.parts` gives them. Returns the ``[N]`` gains and the share after the last row: the one
+    update rule of :class:`ReadGate` and of the training's out-of-fold estimate."""
+    prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), np.shape(p))  # [N]
+    out = np.empty(len(p))
+    for i in range(len(p)):
+        q = float(shift_posterior(p[i:i + 1], prior[i], share)[0])
+        out[i] = q * on[i] + (1.0 - q) * off[i]
+        share = min(max((1.0 - rate) * share + rate * q, 1e-4), 1.0 - 1e-4)
+    return out, share
 
 
 def fit_read_model(rows: Sequence[Mapping[str, float]], labels: Sequence[int], features: Sequence[str],

@@ -189,7 +189,7 @@ def cross_validated_shift_gains(rows, fixed, broken, answerable, features, group
     :func:`cross_validated_gains`), each dev set then scored in its own order from its fold models' training share,
     the share estimate moving ``rate`` per question as :class:`~fastgate.gates.read.ReadGate` moves it on a stream
     of questions: what the gate would have read on each set alone."""
-    from fastgate.gates.read import fit_shift_gain_model, shift_posterior
+    from fastgate.gates.read import adapt_gains, fit_shift_gain_model
 
     groups = np.asarray(groups)
     p, on, off, prior = (np.zeros(len(rows)) for _ in range(4))
@@ -203,11 +203,7 @@ def cross_validated_shift_gains(rows, fixed, broken, answerable, features, group
     out = np.zeros(len(rows))
     for g in dict.fromkeys(groups.tolist()):
         idx = np.flatnonzero(groups == g)
-        share = float(prior[idx[0]])
-        for i in idx:
-            q = float(shift_posterior(p[i:i + 1], prior[i], share)[0])
-            out[i] = q * on[i] + (1.0 - q) * off[i]
-            share = min(max((1.0 - rate) * share + rate * q, 1e-4), 1.0 - 1e-4)
+        out[idx] = adapt_gains(p[idx], on[idx], off[idx], prior[idx], float(prior[idx[0]]), rate)[0]
     return out
 
 
