@@ -187,6 +187,45 @@ def test_resume_refuses_records_made_with_another_default(runtime, tmp_path):
     assert seen == [3]
 
 
+def test_window_answers_as_batches_do_and_counts_each_second_once(runtime, tmp_path, monkeypatch):
+    """The sliding window (the default) gives the batches' answers; each record's wall share sums to the run's time;
+    no more than ``batch_size`` questions are in flight."""
+    from fastgate.scheduler import Scheduler
+
+    runs = [RunSpec("never", None), RunSpec("dtr", "bm25", (("tau", "0.5"),))]
+    batches = ResultsStore(tmp_path / "b.jsonl")
+    evaluate(runtime, runs, EXAMPLES, batches, batch_size=2, progress=False, schedule="batches")
+    in_flight, submit = [], Scheduler.submit
+
+    def counting_submit(self, *args, **kwargs):
+        in_flight.append(self.live + 1)
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "submit", counting_submit)
+    window, seen = ResultsStore(tmp_path / "w.jsonl"), []
+    summaries = evaluate(runtime, runs, EXAMPLES, window, batch_size=2, progress=False,
+                         on_batch=lambda run, n: seen.append((run.method, n)))
+    assert seen == [("never", 2), ("never", 4), ("never", 5), ("dtr", 2), ("dtr", 4), ("dtr", 5)]
+    assert len(in_flight) == 10 and max(in_flight) == 2
+    for key, rec in window.records.items():
+        assert rec["answer"] == batches.records[key]["answer"] and rec["gate_steps"] == batches.records[key][
+            "gate_steps"]
+        assert rec["schedule"] == "window" and batches.records[key]["schedule"] == "batches"
+        assert 0 < rec["wall_s"] and 0 < rec["latency_s"]
+    for s in summaries:
+        walls = [window.records[(s.run, ex.id)]["wall_s"] for ex in EXAMPLES]
+        assert s.s_per_q == pytest.approx(sum(walls) / len(walls))
+    with pytest.raises(InputError, match="schedule must be one of"):
+        evaluate(runtime, runs, EXAMPLES, window, batch_size=2, progress=False, schedule="stream")
+
+
+def test_summarize_counts_a_windowed_records_wall_share():
+    recs = [_record(qid="a", wall_s=0.5, latency=3.0), _record(qid="b", wall_s=1.5, latency=1.0)]
+    s = summarize(RunSpec("dtr", "dense"), recs)
+    assert s.s_per_q == pytest.approx(1.0) and s.questions_per_s == pytest.approx(1.0)
+    assert s.latency_p50_s == pytest.approx(2.0)  # the questions' own times in flight
+
+
 def test_rejected_question_is_recorded_not_fatal(runtime, tmp_path):
     store = ResultsStore(tmp_path / "results.jsonl")
     huge = QAExample("big", "word " * 5000, ("x",))

@@ -190,10 +190,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     invocation = new_invocation()
     try:
         summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
-                             invocation=invocation)
+                             invocation=invocation, schedule=args.schedule)
         # machines drift: always once more after the others, so that both timings show (fastgate.eval.report)
         again = run_always_again(runtime, runs, examples, out, answered, batch_size=args.batch_size,
-                                 progress=not args.quiet, invocation=invocation)
+                                 progress=not args.quiet, invocation=invocation, schedule=args.schedule)
     except KeyboardInterrupt:
         print(f"fastgate: interrupted; finished batches are in {out}: rerun the same command to resume",
               file=sys.stderr)
@@ -202,7 +202,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
               f"({runtime.dtype_name or runtime.engine_name}), "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
-              f"batch {args.batch_size}; "
+              f"{'window' if args.schedule == 'window' else 'batch'} {args.batch_size}; "
               f"{machine_line()}; {stamp}")
     # the summary covers every run recorded in DIR for these questions (earlier invocations included)
     sweep = (args.method, _parse_sweep(args.sweep)[0], args.sweep) if args.sweep else None
@@ -373,7 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one run per value of a method parameter; plots accuracy vs retrieval rate")
     ev.add_argument("--out", default=None, help="output directory (default: eval-<model>-<data>)")
     ev.add_argument("--batch-size", type=int, default=32,
-                    help="questions per batch: larger batches decode more tokens per second (default: %(default)s)")
+                    help="questions in flight (or per batch, --schedule batches): more decode more tokens per second "
+                         "(default: %(default)s)")
+    ev.add_argument("--schedule", choices=("window", "batches"), default="window",  # eval.runner.SCHEDULES
+                    help="window: --batch-size questions in flight, a new one joining as one ends (what a busy "
+                         "server's engine sees); batches: one batch after another, each waiting for its slowest "
+                         "question (default: %(default)s)")
     ev.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, repeatable")
     ev.add_argument("--retriever", default=None, help=f"{_names()['retrievers']} (default: each method's)")
     _add_settings(ev, ("index", "paper_defaults"))

@@ -99,7 +99,8 @@ def machine_line() -> str:
 
 
 def run_always_again(runtime, runs: Sequence[RunSpec], examples, out: Path, answered: Mapping[str, int], *,
-                     batch_size: int, progress: bool, invocation: str | None) -> RunSummary | None:
+                     batch_size: int, progress: bool, invocation: str | None, schedule: str = "window"
+                     ) -> RunSummary | None:
     """Answer ``always`` again at the end of an invocation that ran it beside other runs (see the module docstring).
 
     It runs when this invocation answered questions of ``always`` (``answered[key]`` > 0) and at least one other run
@@ -113,7 +114,8 @@ def run_always_again(runtime, runs: Sequence[RunSpec], examples, out: Path, answ
     if answered.get(always.key, 0) > 0 or 0 < held < len(examples):
         print(f"timing: answering {always.key} again after the other runs ({len(examples)} question(s)), so that "
               f"drift during the invocation shows -> {store.path}", file=sys.stderr)
-        evaluate(runtime, [always], examples, store, batch_size=batch_size, progress=progress, invocation=invocation)
+        evaluate(runtime, [always], examples, store, batch_size=batch_size, progress=progress, invocation=invocation,
+                 schedule=schedule)
     if not all(store.done(always.key, e.id) for e in examples):
         return None
     return summarize(always, [store.records[(always.key, e.id)] for e in examples])

@@ -30,11 +30,16 @@ from fastgate.errors import InputError, disk_error
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy, exact_match, token_f1
 
+# how an evaluation feeds a run's questions to the engine: ``window``, a fixed number in flight (a new one joins as one
+# ends; the default: what a busy server's engine sees), or ``batches`` one after another (each waits for its slowest)
+SCHEDULES = ("window", "batches")
+
 __all__ = [
     "EvalSettings",
     "ResultsStore",
     "RunSpec",
     "RunSummary",
+    "SCHEDULES",
     "evaluate",
     "plot_accuracy_vs_retrieval",
     "replace_file",
@@ -87,7 +92,7 @@ class RunSummary:
     retrievals_per_q: float
     lm_calls_per_q: float
     tokens_per_q: float
-    latency_p50_s: float  # per question: the wall time of the batch it was answered in
+    latency_p50_s: float  # per question: its own time in flight (window), or its batch's wall time (batches)
     latency_p95_s: float
     questions_per_s: float
     gate_share: float  # gate time / answering time
@@ -241,6 +246,58 @@ def _answer_batch(method, run: RunSpec, batch: list[QAExample], model: str) -> l
             for ex, r in zip(batch, results)]
 
 
+def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int, model: str,
+                   emit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Answer ``todo`` with ``window`` questions in flight on one scheduler: a question joins as soon as one ends
+    (as a server's closed-loop clients keep it busy), so no question waits for the slowest of a batch, and a gated
+    method's questions that read and those that do not keep the engine's batch full together.
+
+    Records are handed to ``emit`` a chunk of ``window`` at a time (the unit an interrupted run resumes from), in the
+    order their questions ended. A record's ``latency_s`` is its own question's time from joining to its answer;
+    ``wall_s`` its share of the run's wall time (its chunk's time from the previous chunk's end, over the chunk's
+    records), so that a run's seconds per question sum each second once. A question the method rejects is answered
+    again alone and recorded with its error if it fails alone too (:func:`_answer_one`), as a batch's are."""
+    from fastgate.scheduler import Scheduler
+    from fastgate.serving.runtime import result_record
+
+    sched = Scheduler(method.engine)
+    queue = list(reversed(todo))  # popped from the end: input order
+    live: dict[Any, tuple[QAExample, float]] = {}  # task -> (question, when it joined)
+    chunk: list[dict[str, Any]] = []
+    since = time.perf_counter()
+
+    def flush() -> None:
+        nonlocal chunk, since
+        now = time.perf_counter()
+        for rec in chunk:
+            rec["wall_s"], rec["batch_size"] = (now - since) / len(chunk), len(chunk)
+        emit(chunk)
+        chunk, since = [], now
+
+    while queue or live:
+        while queue and len(live) < window:
+            ex = queue.pop()
+            try:
+                (question,) = method.validate([ex.question])
+            except InputError:
+                chunk.extend(_answer_one(method, run, ex, model))  # recorded with its error
+                continue
+            live[sched.submit(method, question)] = (ex, time.perf_counter())
+        if live:
+            sched.step()
+        for task in [t for t in live if t.done]:
+            ex, t0 = live.pop(task)
+            if task.error is None:
+                chunk.append(_record(run, ex, result_record(task.result, model, run.retriever),
+                                     time.perf_counter() - t0, 1))
+            elif isinstance(task.error, InputError):  # e.g. a prompt too long: alone, as a batch's rejected ones
+                chunk.extend(_answer_one(method, run, ex, model))
+            else:
+                raise task.error
+        if len(chunk) >= window or (chunk and not queue and not live):
+            flush()
+
+
 def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[str, Any]]:
     try:
         return _answer_batch(method, run, [ex], model)
@@ -301,20 +358,23 @@ def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None,
-             invocation: str | None = None) -> list[RunSummary]:
+             invocation: str | None = None, schedule: str = "window") -> list[RunSummary]:
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
 
     Args:
         runtime: a :class:`~fastgate.serving.runtime.Runtime` (model loaded once for all runs).
         runs: the configurations to evaluate, in order.
         examples: the questions.
-        store: where records go, one batch at a time.
-        batch_size: questions per ``answer_batch`` call.
+        store: where records go, one batch (or chunk of ``batch_size`` answered questions) at a time.
+        batch_size: questions in flight (``window``), or per ``answer_batch`` call (``batches``).
         progress: show a progress bar per run.
         on_batch: called after each stored batch with the run and the number of questions stored so far (tests
             use it to interrupt a run).
         invocation: an id of this invocation (``fastgate eval`` makes one per call), stored in every new record as
             ``invocation``: the report says whether a run's seconds per question were measured in one sitting.
+        schedule: ``window`` (default): ``batch_size`` questions in flight, a new one joining as one ends
+            (:func:`_answer_window`); ``batches``: batches one after another, each waiting for its slowest question
+            (the schedule before 2026-11-26). Each record names it.
 
     Returns:
         One :class:`RunSummary` per run over ``examples``.
@@ -326,6 +386,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
 
     if batch_size < 1:
         raise InputError(f"batch size must be >= 1, got {batch_size}")
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     # every record names the weights' dtype, and a resume under another is refused. Records from before they named it
     # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
     dtype = runtime.dtype_name  # None on a remote engine: the server's weights are not known here
@@ -352,17 +414,25 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:
-                for start in range(0, len(todo), batch_size):
-                    batch = todo[start:start + batch_size]
-                    tags = {"params": params, "engine": engine, **({"dtype": dtype} if dtype is not None else {}),
-                            **({"weights": weights} if weights is not None else {}),
-                            **({"invocation": invocation} if invocation is not None else {})}
-                    store.append([{**rec, **tags} for rec in _answer_batch(method, run, batch, runtime.model_name)])
-                    stored += len(batch)
+                tags = {"params": params, "engine": engine, "schedule": schedule,
+                        **({"dtype": dtype} if dtype is not None else {}),
+                        **({"weights": weights} if weights is not None else {}),
+                        **({"invocation": invocation} if invocation is not None else {})}
+
+                def emit(records: list[dict[str, Any]], tags=tags, bar=bar, run=run) -> None:  # bound: this run's
+                    nonlocal stored
+                    store.append([{**rec, **tags} for rec in records])
+                    stored += len(records)
                     if bar is not None:
-                        bar.update(len(batch))
+                        bar.update(len(records))
                     if on_batch is not None:
                         on_batch(run, stored)
+
+                if schedule == "window":
+                    _answer_window(method, run, todo, batch_size, runtime.model_name, emit)
+                else:
+                    for start in range(0, len(todo), batch_size):
+                        emit(_answer_batch(method, run, todo[start:start + batch_size], runtime.model_name))
             finally:
                 if bar is not None:
                     bar.close()
@@ -403,7 +473,8 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
         return math.sqrt(sum((float(r.get(key) or 0) - m) ** 2 for r in records) / (n - 1) / n)
 
     ok = [r for r in records if "error" not in r]
-    wall = sum(r["latency_s"] / r["batch_size"] for r in ok)
+    # a record's share of the run's wall time: its own (windowed runs), else its batch's time over the batch
+    wall = sum(r["wall_s"] if "wall_s" in r else r["latency_s"] / r["batch_size"] for r in ok)
     answer_s = sum(r["timings"].get("total_s", 0.0) / r["batch_size"] for r in ok)
     gate_s = sum(r["timings"].get("gate_s", 0.0) / r["batch_size"] for r in ok)
     latencies = [r["latency_s"] for r in ok]
