@@ -3,8 +3,8 @@
 Written to ``DIR/summary.md`` (what the command prints), ``DIR/summary.csv`` (one row per run), ``DIR/summary.json``
 (every figure below, machine-readable) and ``DIR/*.png``.
 
-**Cost.** A run's seconds per question are the wall time of the batches its questions were answered in, divided by
-the questions (:func:`fastgate.eval.runner.summarize`), beside the split of its work: prompt and generated tokens, LM
+**Cost.** A run's seconds per question are its wall time over its questions (:func:`fastgate.eval.runner.summarize`:
+each record's share, ``wall_s``, with questions in a sliding window; a batch's time once, with batches), beside the split of its work: prompt and generated tokens, LM
 calls, searches (``retrieval_calls``) and reads (the share of questions whose answer used passages). Every record
 names the invocation that answered it, and the table says in how many invocations a run was timed: timings from
 different sittings are not comparable (machines drift).
@@ -228,8 +228,8 @@ def cost_section(table: Sequence[RunSummary], again: RunSummary | None) -> str:
                      f"| {s.tokens_per_q:.1f} | {s.lm_calls_per_q:.2f} | {s.retrievals_per_q:.2f} "
                      f"| {s.retrieval_rate:.1%} |")
     text = ("## What each run cost\n\n"
-            "Seconds per question: the wall time of the batches a run's questions were answered in, over the "
-            "questions; \"timed in\": the invocations whose records these are (timings from several sittings are "
+            "Seconds per question: a run's wall time over its questions (questions in a sliding window, or batches "
+            "one after another: the records' `schedule`); \"timed in\": the invocations whose records these are (timings from several sittings are "
             "not comparable: machines drift). Searches count retrieval calls (the read gate searches every "
             "question); reads: the questions whose answer used passages.")
     if again is not None:
