@@ -5,8 +5,11 @@ A diagnosis, not a benchmark: on a lent GPU the eager step took 50-90 ms for 30 
 by their own host time and by device time, and counts the synchronising calls (``aten::item``, device-to-host copies,
 ``cudaStreamSynchronize``), for ``--model`` (an embedded model or a random-weight shape of bench_engine.py).
 
+``--prefill 16x700`` profiles a prefill instead: the serving path's packed passes (``PackedLoop.add``) and, beside
+them, HF's one forward of the same batch (what bench_engine.py's prefill rows time), each operator's total.
+
 Run: python bench/profile_step.py [--device cuda] [--model smollm2-135m-shape] [--batch 1] [--context 30]
-[--steps 3] [--dtype bfloat16] [--rows 25]
+[--steps 3] [--dtype bfloat16] [--rows 25] [--prefill ROWSxTOKENS]
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=30)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25, help="rows of each table")
+    parser.add_argument("--prefill", default="", help="ROWSxTOKENS: profile a prefill (packed, then HF) instead")
     args = parser.parse_args()
     lm = build_model(args.model, args.device, args.dtype)
     engine = Engine(lm, prefix_cache=0, step="eager")
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if args.prefill:
+        return profile_prefill(engine, args, sync, cuda)
     prompts = [engine.tokenizer.decode(r) for r in prompt_ids(engine, args.batch, args.context)]
     cfg = GenerationConfig(max_new_tokens=args.steps + 12, stop_at_eos=False)
     loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
@@ -70,6 +76,23 @@ def main() -> None:
         if e.key in SYNCING or "Memcpy" in e.key or "Synchronize" in e.key:
             ms = e.self_cpu_time_total / args.steps / 1e3
             print(f"  {e.key:40s} {e.count / args.steps:8.1f} calls  {ms:8.2f} ms")
+
+
+def profile_prefill(engine, args, sync, cuda: bool) -> None:
+    """Profile the packed prefill of ``--prefill`` rows beside HF's one forward of the same batch."""
+    from bench_engine import prefill_time
+
+    n, length = (int(x) for x in args.prefill.lower().split("x"))
+    rows = prompt_ids(engine, n, length)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for design in ("packed", "hf-eager"):
+        prefill_time(engine, rows, design)  # warm-up
+        t = min(prefill_time(engine, rows, design) for _ in range(2))
+        print(f"{design} prefill {n}x{length}: {t:.3f} s, {n * length / t:.0f} tok/s ({engine.dtype_name})", flush=True)
+        with profile(activities=activities) as prof:
+            prefill_time(engine, rows, design)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                                        max_name_column_width=60), flush=True)
 
 
 if __name__ == "__main__":

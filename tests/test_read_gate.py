@@ -576,7 +576,7 @@ def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(m
     assert f"checkpoint: {default}" in out and "--param decide=prefill" in out and "out-of-fold" in out
     m, proj = load_prefill_checkpoint(default, "all", model=tiny)
     assert proj.rank == 4 and proj.layer == tiny.n_layers // 2 and proj.dim == tiny.hidden_size
-    assert m.features == prefill_feature_names("all", 4)
+    assert m.features == prefill_feature_names("all", 4) and "bm25_new_names" in m.features  # passage features too
     doc = json.loads((default / "config.json").read_text())
     assert doc["decide"] == "prefill" and doc["base"] is None and doc["n"] == 12 and doc["layer"] == proj.layer
     # the projection is of these questions' pre-answer states: they project to mean zero

@@ -4,10 +4,10 @@ Written to ``DIR/summary.md`` (what the command prints), ``DIR/summary.csv`` (on
 (every figure below, machine-readable) and ``DIR/*.png``.
 
 **Cost.** A run's seconds per question are its wall time over its questions (:func:`fastgate.eval.runner.summarize`:
-each record's share, ``wall_s``, with questions in a sliding window; a batch's time once, with batches), beside the split of its work: prompt and generated tokens, LM
-calls, searches (``retrieval_calls``) and reads (the share of questions whose answer used passages). Every record
-names the invocation that answered it, and the table says in how many invocations a run was timed: timings from
-different sittings are not comparable (machines drift).
+each record's share, ``wall_s``, with questions in a sliding window; a batch's time once, with batches), beside the
+split of its work: prompt and generated tokens, LM calls, searches (``retrieval_calls``) and reads (the share of
+questions whose answer used passages). Every record names the invocation that answered it, and the table says in
+how many invocations a run was timed: timings from different sittings are not comparable (machines drift).
 
 **Drift.** When one invocation answers ``always`` beside other runs, it answers ``always`` *again* after every other
 run (:func:`run_always_again`, records in ``DIR/always-again.jsonl``, never mixed into ``results.jsonl``): the report
@@ -229,8 +229,9 @@ def cost_section(table: Sequence[RunSummary], again: RunSummary | None) -> str:
                      f"| {s.retrieval_rate:.1%} |")
     text = ("## What each run cost\n\n"
             "Seconds per question: a run's wall time over its questions (questions in a sliding window, or batches "
-            "one after another: the records' `schedule`); \"timed in\": the invocations whose records these are (timings from several sittings are "
-            "not comparable: machines drift). Searches count retrieval calls (the read gate searches every "
+            "one after another: the records' `schedule`); \"timed in\": the invocations whose records these are "
+            "(timings from several sittings are not comparable: machines drift). Searches count retrieval calls "
+            "(the read gate searches every "
             "question); reads: the questions whose answer used passages.")
     if again is not None:
         text += (" `always` was answered again after the other runs of the invocation; the time-matched coin pays "

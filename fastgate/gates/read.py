@@ -94,7 +94,8 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
 
 # The prefill gate's search features: those that need no closed-book answer, per feature set (``q_words`` too).
 PREFILL_SEARCH_FEATURES: dict[str, tuple[str, ...]] = {
-    "all": ("q_words", "bm25_top", "bm25_drop", "bm25_cover", "dense_top", "dense_drop", "dense_cover", "agree"),
+    "all": ("q_words", "bm25_top", "bm25_drop", "bm25_cover", "dense_top", "dense_drop", "dense_cover", "agree")
+    + BM25_PASSAGE_FEATURES,
     "dense": ("q_words", "dense_top", "dense_drop", "dense_cover"),
 }
 

@@ -176,6 +176,8 @@ class Read(Method):
         feats = prefill_features(question, state[0], self.projection, hits.get("bm25"), hits.get("dense"))
         details = {"decide": "prefill", "features": feats}
         step = yield Decide(self.gate, feats)
+        if self.gate.share is not None:  # a shift-gain gate's answerable-share estimate
+            details["answerable_share"] = round(self.gate.share, 4)
         if not step.retrieve:  # the closed-book answer, its few-shot block's KV cached: the question's tokens only
             closed = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(closed.text.strip(), details={**details, "closed_book_answer": closed.text.strip()})

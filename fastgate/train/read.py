@@ -370,7 +370,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     for name in names:
         rows, fixed, broken, cb, rd, groups, answerable = passes[reads[name]]
         feature_names = prefill_feature_names(name, projection.rank) if prefill else FEATURE_SETS[name]
-        rate = 0.0 if prefill else args.adapt  # the prefill gate keeps the plain gain model
+        rate = args.adapt
         kinds = min(int(answerable.sum()), len(answerable) - int(answerable.sum()))
         if rate > 0 and kinds < 5:  # the answerable model needs both kinds, in every fold
             print(f"{name:>6}  {int(answerable.sum())} of {len(answerable)} questions answerable from the passages "
@@ -445,7 +445,7 @@ def _command(args, model_name: str) -> str:
         f" --price {args.price}" if args.price is not None else "")
     return (f"fastgate train read --model {model_name} --decide {args.decide} --base {args.base} --data {args.data} "
             f"--n {args.n} --features {args.features} --max-loss {args.max_loss} --l2 {args.l2} --seed {args.seed}"
-            + (f" --rank {args.rank}" if args.decide == "prefill" else f" --adapt {args.adapt}") + extra)
+            + (f" --rank {args.rank}" if args.decide == "prefill" else "") + f" --adapt {args.adapt}" + extra)
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
