@@ -107,16 +107,20 @@ def _fmt(v: Any) -> str:
 def start_server(tree: Path, port: int, args: list[str], what: str = "the fastgate server") -> subprocess.Popen:
     """``fastgate serve --port PORT ... ARGS`` of checkout ``tree`` in a subprocess (loopback, quiet logs, a deep
     queue and long timeouts for load tests), once its ``/healthz`` answers (at most 5 minutes: the model loads)."""
-    import httpx
-
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "fastgate", "serve", "--port", str(port), "--max-queue", "1024", "--timeout", "600",
            "--log-level", "warning", *args]  # the caller's flags last: they override these
-    proc = subprocess.Popen(cmd, env=env, cwd=tree)
-    deadline = time.time() + 300
+    return wait_healthy(subprocess.Popen(cmd, env=env, cwd=tree), f"http://127.0.0.1:{port}/healthz", 300, what)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, what: str) -> subprocess.Popen:
+    """``proc`` once ``url`` answers 200; killed, and the bench ended, if it exits first or ``seconds`` pass."""
+    import httpx
+
+    deadline = time.time() + seconds
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass

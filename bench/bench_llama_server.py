@@ -31,11 +31,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, machine, print_table  # noqa: E402
+from _common import append_rows, machine, print_table, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILT = ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"  # where `make llama-server` puts it
@@ -59,22 +58,10 @@ def find_server(given: str | None) -> Path:
 def start_llama_server(server: Path, gguf: Path, port: int, alias: str, parallel: int, threads: int,
                        context: int) -> subprocess.Popen:
     """``llama-server`` on loopback, once ``/health`` answers 200 (at most 2 minutes)."""
-    import httpx
-
     cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", alias,
            "--parallel", str(parallel), "--threads", str(threads), "--ctx-size", str(context * parallel)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise SystemExit(f"llama-server did not start: {' '.join(cmd)}")
-        time.sleep(0.5)
+    return wait_healthy(proc, f"http://127.0.0.1:{port}/health", 120, f"llama-server ({' '.join(cmd)})")
 
 
 def run_eval(out: Path, args: argparse.Namespace, methods: str, extra: list[str]) -> dict:
