@@ -77,18 +77,18 @@ def test_calibrate_dtr_writes_an_entry_that_ask_and_eval_use(cli, capsys, tmp_pa
 def test_interrupted_calibration_resumes(cli, capsys, monkeypatch, tmp_path):
     import fastgate.eval.runner as runner
 
-    real, calls = runner._answer_batch, []
+    real, calls = runner.ResultsStore.append, []
 
-    def flaky(*args, **kwargs):
+    def flaky(self, records):  # the second group of answered questions is never stored: interrupted before
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(self, records)
 
-    monkeypatch.setattr(runner, "_answer_batch", flaky)
+    monkeypatch.setattr(runner.ResultsStore, "append", flaky)
     assert cli("--method", "dtr", "--dry-run") != 0  # main reports "fastgate: interrupted"
     assert "interrupted" in capsys.readouterr().err
-    monkeypatch.setattr(runner, "_answer_batch", real)
+    monkeypatch.setattr(runner.ResultsStore, "append", real)
     assert len((tmp_path / "runs" / "results.jsonl").read_text().splitlines()) == 2  # the first batch was kept
     capsys.readouterr()
     assert cli("--method", "dtr", "--dry-run") == 0
