@@ -65,19 +65,20 @@ llama-cpp: install
 # llama.cpp's own OpenAI-compatible server, from the llama.cpp source vendored in the same llama-cpp-python sdist (the
 # same llama.cpp as the bench's llama.cpp design), for bench/bench_llama_server.py: fastgate's eval pipeline over it
 # (--engine openai) beside the local engine. Built under .cache/llama.cpp (ignored); not in `make install` or `make
-# test` (compiles llama.cpp: ~15 minutes on 2 cores).
-LLAMA_SERVER := .cache/llama.cpp/build/bin/llama-server
+# test` (compiles llama.cpp: ~5 minutes on 2 cores). The directory names the version: another version builds anew.
+LLAMA_DIR := .cache/llama.cpp-$(LLAMA_CPP_VERSION)
+LLAMA_SERVER := $(LLAMA_DIR)/build/bin/llama-server
 llama-server: $(LLAMA_SERVER)
 
 $(LLAMA_SERVER): | install
 	rm -rf .cache/llama-cpp-sdist && mkdir -p .cache/llama-cpp-sdist
 	$(PIP) download --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)" -d .cache/llama-cpp-sdist
 	tar xzf .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C .cache/llama-cpp-sdist
-	rm -rf .cache/llama.cpp && mv .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp .cache/llama.cpp
+	rm -rf $(LLAMA_DIR) && mv .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp $(LLAMA_DIR)
 	rm -rf .cache/llama-cpp-sdist
-	$(BIN)/cmake -S .cache/llama.cpp -B .cache/llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+	$(BIN)/cmake -S $(LLAMA_DIR) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMA_CPP_ARGS)
-	$(BIN)/cmake --build .cache/llama.cpp/build --target llama-server -j
+	$(BIN)/cmake --build $(LLAMA_DIR)/build --target llama-server -j $$(nproc)
 	$@ --version
 
 demo: install

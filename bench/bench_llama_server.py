@@ -11,9 +11,10 @@ questions and methods (default ``never,always,dtr`` on 24 balanced NQ test quest
   named as the model (``--alias``), so DTR's calibrated threshold is the same in both invocations.
 
 Each engine's rows are appended to ``bench/results/pipeline.csv`` as soon as its invocation ends (a run cut short
-keeps the first): accuracy, questions per second, seconds per question, and the local engine's speed over
-llama-server's per method. ``llama-server`` is not installed by ``make install``: ``make llama-server`` builds it
-from the llama.cpp source vendored in the pinned llama-cpp-python sdist (minutes on 2 cores), or pass ``--server``.
+keeps the first): accuracy, questions per second, seconds per question, and on llama-server's rows the local engine's
+speed over it per run (``local_vs_llama_server``). ``llama-server`` is not installed by ``make install``: ``make
+llama-server`` builds it from the llama.cpp source vendored in the pinned llama-cpp-python sdist (minutes on 2
+cores), or pass ``--server``.
 
 Run from the repository root:
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, machine, print_table, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILT = ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"  # where `make llama-server` puts it
+BUILT = "build/bin/llama-server"  # `make llama-server` builds it under .cache/llama.cpp-<version>/
 
 
 def free_port() -> int:
@@ -48,7 +49,9 @@ def free_port() -> int:
 
 def find_server(given: str | None) -> Path:
     """``--server``, ``$LLAMA_SERVER``, ``llama-server`` on the PATH, or ``make llama-server``'s build."""
-    for candidate in (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"), str(BUILT)):
+    built = sorted((ROOT / ".cache").glob(f"llama.cpp-*/{BUILT}"), key=lambda p: p.stat().st_mtime)
+    for candidate in (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"),
+                      *(str(p) for p in reversed(built))):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     raise SystemExit("llama-server not found: `make llama-server` builds it (llama.cpp vendored in the pinned "
@@ -102,13 +105,16 @@ def main() -> None:
         new = [{"engine": engine, "method": r["method"], "run": r["run"], "acc": r["acc"],
                 "questions_per_s": r["questions_per_s"], "s_per_q": r["s_per_q"], "errors": r["errors"], **info}
                for r in summary["runs"]]
+        local = {r["run"]: r for r in rows if r["engine"] == "local"}
+        for r in new:  # on llama-server's rows: the local run's speed over it, the local rows being measured first
+            if engine != "local" and r["run"] in local:
+                r["local_vs_llama_server"] = local[r["run"]]["questions_per_s"] / r["questions_per_s"]
         rows.extend(new)
         if not args.no_save:
             append_rows("pipeline", new)  # now: a run cut short keeps what it measured
 
     with tempfile.TemporaryDirectory(prefix="fastgate-pipeline-") as tmp:
-        local = run_eval(Path(tmp) / "local", args, args.methods, [])
-        emit("local", local)
+        emit("local", run_eval(Path(tmp) / "local", args, args.methods, []))
         port = free_port()
         proc = start_llama_server(server, gguf, port, args.model, args.parallel, args.threads, args.context)
         try:
@@ -119,11 +125,6 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=30)
         emit("llama-server", remote)
-    by = {(r["engine"], r["method"]): r for r in rows}
-    for r in rows:
-        other = by.get(("llama-server" if r["engine"] == "local" else "local", r["method"]))
-        if r["engine"] == "local" and other:
-            r["local_vs_llama_server"] = r["questions_per_s"] / other["questions_per_s"]
     print_table(rows, ["engine", "method", "acc", "questions_per_s", "s_per_q", "errors", "local_vs_llama_server"])
     print(f"{info['cpu']}; llama-server {args.parallel} slots, {args.threads} threads, {gguf.name}")
 

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="questions in flight (or per batch)")
+    p.add_argument("--schedule", choices=("window", "batches"), default="window", help="as fastgate eval's")
     p.add_argument("--device", default="auto")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -69,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"evaluating {', '.join(r.key for r in runs)} on {len(examples)} question(s) of {data} -> {out}",
           file=sys.stderr)
     summaries = evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
-                         invocation=invocation)
+                         invocation=invocation, schedule=args.schedule)
     again = run_always_again(runtime, runs, examples, out, answered, batch_size=args.batch_size,
-                             progress=not args.quiet, invocation=invocation)
+                             progress=not args.quiet, invocation=invocation, schedule=args.schedule)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
               f"({runtime.dtype_name or runtime.engine_name}), calibrated thresholds, per-run parameters "
-              f"(bench/eval_runs.py), batch {args.batch_size}; {machine_line()}; {stamp}")
+              f"(bench/eval_runs.py), {'window' if args.schedule == 'window' else 'batch'} {args.batch_size}; "
+              f"{machine_line()}; {stamp}")
     written = write_report(out, store, examples, runs, summaries, header=header, again=again)
     print("wrote " + ", ".join(str(w) for w in written), file=sys.stderr)
     return 0

@@ -219,6 +219,39 @@ def test_window_answers_as_batches_do_and_counts_each_second_once(runtime, tmp_p
         evaluate(runtime, runs, EXAMPLES, window, batch_size=2, progress=False, schedule="stream")
 
 
+def test_window_keeps_what_ended_and_refuses_another_schedule(runtime, tmp_path, monkeypatch):
+    import fastgate.eval.runner as runner
+
+    huge = QAExample("big", "word " * 5000, ("x",))
+    store = ResultsStore(tmp_path / "r.jsonl")
+    [s] = evaluate(runtime, [RunSpec("never", None)], [EXAMPLES[0], huge, EXAMPLES[1]], store, batch_size=3,
+                   progress=False)
+    recs = [store.records[("never", q)] for q in ("q1", "big", "q2")]
+    assert recs[1]["wall_s"] == 0.0 and "error" in recs[1]  # a rejected question takes no share of the time
+    assert s.errors == 1 and s.s_per_q == pytest.approx((recs[0]["wall_s"] + recs[2]["wall_s"]) / 2)
+    # an interrupt keeps the records that ended before it
+    real, made = runner._record, []
+
+    def interrupted(*args, **kwargs):
+        made.append(1)
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_record", interrupted)
+    store2 = ResultsStore(tmp_path / "r2.jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(runtime, [RunSpec("never", None)], EXAMPLES, store2, batch_size=4, progress=False)
+    assert len(ResultsStore(store2.path).records) == 1
+    monkeypatch.setattr(runner, "_record", real)
+    # the rest of the run under another schedule is refused; under its own it resumes
+    with pytest.raises(InputError, match="--schedule window"):
+        evaluate(runtime, [RunSpec("never", None)], EXAMPLES, ResultsStore(store2.path), batch_size=4,
+                 progress=False, schedule="batches")
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES, ResultsStore(store2.path), batch_size=4, progress=False)
+    assert len(ResultsStore(store2.path).records) == len(EXAMPLES)
+
+
 def test_summarize_counts_a_windowed_records_wall_share():
     recs = [_record(qid="a", wall_s=0.5, latency=3.0), _record(qid="b", wall_s=1.5, latency=1.0)]
     s = summarize(RunSpec("dtr", "dense"), recs)

@@ -552,7 +552,7 @@ def test_prefill_refuses_bad_configs(tmp_path, tiny, tiny_engine, retrievers):
 def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(monkeypatch, tmp_path, tiny,
                                                                               small_index, capsys):
     from fastgate.entrypoints.cli import main
-    from fastgate.gates.read import load_prefill_checkpoint, prefill_feature_names
+    from fastgate.gates.read import ShiftGainModel, load_prefill_checkpoint, prefill_feature_names
     from fastgate.train import read as train_read
 
     qa = _train_setup(monkeypatch, tmp_path, tiny)
@@ -564,6 +564,8 @@ def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(m
         return rows, np.arange(len(rows)) % 2, cb, rd
 
     monkeypatch.setattr(train_read, "collect_rows", labelled)
+    # both kinds of question, so that the shift-gain model (the default --adapt) is fitted, in both modes
+    monkeypatch.setattr(train_read, "answerable_labels", lambda records, hits: np.arange(len(hits)) // 2 % 2)
     common = ["train", "read", "--model", "tiny", "--data", str(data), "--n", "12", "--index", str(small_index),
               "--cache", str(tmp_path / "pass"), "--quiet", "--batch-size", "4", "--features", "all"]
     assert main(common + ["--out", str(tmp_path / "answer")]) == 0  # today's gate: the pass runs once
@@ -579,6 +581,7 @@ def test_train_read_prefill_reuses_the_pass_and_writes_a_checkpoint_that_loads(m
     assert m.features == prefill_feature_names("all", 4) and "bm25_new_names" in m.features  # passage features too
     doc = json.loads((default / "config.json").read_text())
     assert doc["decide"] == "prefill" and doc["base"] is None and doc["n"] == 12 and doc["layer"] == proj.layer
+    assert doc["score"] == "shift-gain" and isinstance(m, ShiftGainModel)
     # the projection is of these questions' pre-answer states: they project to mean zero
     from fastgate.engine.local import Engine
     from fastgate.prompts import closed_book_prompt

@@ -252,11 +252,13 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
     (as a server's closed-loop clients keep it busy), so no question waits for the slowest of a batch, and a gated
     method's questions that read and those that do not keep the engine's batch full together.
 
-    Records are handed to ``emit`` a chunk of ``window`` at a time (the unit an interrupted run resumes from), in the
-    order their questions ended. A record's ``latency_s`` is its own question's time from joining to its answer;
-    ``wall_s`` its share of the run's wall time (its chunk's time from the previous chunk's end, over the chunk's
-    records), so that a run's seconds per question sum each second once. A question the method rejects is answered
-    again alone and recorded with its error if it fails alone too (:func:`_answer_one`), as a batch's are."""
+    Records are handed to ``emit`` once at least ``window`` have ended (the unit an interrupted run resumes from), in
+    the order their questions ended. A record's ``latency_s`` is its own question's time from joining to its answer;
+    ``wall_s`` its share of the run's wall time: its group's time from the previous group's end over the group's
+    answered records (a record with an error gets 0: :func:`summarize` counts answered questions), so that a run's
+    seconds per question sum each second once. A question the method rejects is answered again alone and recorded
+    with its error if it fails alone too (:func:`_answer_one`), as a batch's are. On an error or an interrupt, the
+    records already ended are stored before it propagates."""
     from fastgate.scheduler import Scheduler
     from fastgate.serving.runtime import result_record
 
@@ -265,37 +267,47 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
     live: dict[Any, tuple[QAExample, float]] = {}  # task -> (question, when it joined)
     chunk: list[dict[str, Any]] = []
     since = time.perf_counter()
+    storing = False  # an error inside emit itself: its records are not stored twice
 
     def flush() -> None:
-        nonlocal chunk, since
+        nonlocal chunk, since, storing
         now = time.perf_counter()
+        answered = sum("error" not in rec for rec in chunk)
         for rec in chunk:
-            rec["wall_s"], rec["batch_size"] = (now - since) / len(chunk), len(chunk)
+            rec["wall_s"] = 0.0 if "error" in rec else (now - since) / answered
+            rec["batch_size"] = len(chunk)
+        storing = True
         emit(chunk)
+        storing = False
         chunk, since = [], now
 
-    while queue or live:
-        while queue and len(live) < window:
-            ex = queue.pop()
-            try:
-                (question,) = method.validate([ex.question])
-            except InputError:
-                chunk.extend(_answer_one(method, run, ex, model))  # recorded with its error
-                continue
-            live[sched.submit(method, question)] = (ex, time.perf_counter())
-        if live:
-            sched.step()
-        for task in [t for t in live if t.done]:
-            ex, t0 = live.pop(task)
-            if task.error is None:
-                chunk.append(_record(run, ex, result_record(task.result, model, run.retriever),
-                                     time.perf_counter() - t0, 1))
-            elif isinstance(task.error, InputError):  # e.g. a prompt too long: alone, as a batch's rejected ones
-                chunk.extend(_answer_one(method, run, ex, model))
-            else:
-                raise task.error
-        if len(chunk) >= window or (chunk and not queue and not live):
+    try:
+        while queue or live:
+            while queue and len(live) < window:
+                ex = queue.pop()
+                try:
+                    (question,) = method.validate([ex.question])
+                except InputError:
+                    chunk.extend(_answer_one(method, run, ex, model))  # recorded with its error
+                    continue
+                live[sched.submit(method, question)] = (ex, time.perf_counter())
+            if live:
+                sched.step()
+            for task in [t for t in live if t.done]:
+                ex, t0 = live.pop(task)
+                if task.error is None:
+                    chunk.append(_record(run, ex, result_record(task.result, model, run.retriever),
+                                         time.perf_counter() - t0, 1))
+                elif isinstance(task.error, InputError):  # e.g. a prompt too long: alone, as a batch's rejected ones
+                    chunk.extend(_answer_one(method, run, ex, model))
+                else:
+                    raise task.error
+            if len(chunk) >= window or (chunk and not queue and not live):
+                flush()
+    except BaseException:
+        if chunk and not storing:  # what ended before the error or the interrupt is kept
             flush()
+        raise
 
 
 def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[str, Any]]:
@@ -345,6 +357,16 @@ def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:
                              f"a new --out directory, or pass --weights {rec.get('weights', 'float')}")
 
 
+def _check_schedule(store: ResultsStore, run: RunSpec, schedule: str) -> None:
+    """Refuse to resume ``run`` under another schedule than its records' (their seconds per question and latencies
+    are measured differently). Records written before they named it were answered in batches."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get("schedule", "batches") != schedule:
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were answered with "
+                             f"--schedule {rec.get('schedule', 'batches')}, but this run would use {schedule}: pass "
+                             f"--schedule {rec.get('schedule', 'batches')}, or evaluate into a new --out directory")
+
+
 def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
     """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
     server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
@@ -358,7 +380,7 @@ def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None,
-             invocation: str | None = None, schedule: str = "window") -> list[RunSummary]:
+             invocation: str | None = None, schedule: str = "window", timed: bool = True) -> list[RunSummary]:
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
 
     Args:
@@ -375,6 +397,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         schedule: ``window`` (default): ``batch_size`` questions in flight, a new one joining as one ends
             (:func:`_answer_window`); ``batches``: batches one after another, each waiting for its slowest question
             (the schedule before 2026-11-26). Each record names it.
+        timed: the run's timings are reported, so a resume under another schedule than its records' is refused;
+            False for passes whose records are read for their answers only (training, calibration).
 
     Returns:
         One :class:`RunSummary` per run over ``examples``.
@@ -404,6 +428,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         params = json.loads(json.dumps(values, sort_keys=True, default=str))
         _check_params(store, run, params, method_class(run.method).inert_parameters(config))
         _check_engine(store, run, engine)
+        if timed and any(not store.done(run.key, ex.id) for ex in examples):  # a finished run is only summarised
+            _check_schedule(store, run, schedule)
         if dtype is not None:
             _check_dtype(store, run, dtype, legacy)
         if weights is not None:

@@ -147,7 +147,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
           f"{run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} (resumable)")
     runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote)
     t0 = time.perf_counter()
-    evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet)
+    evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
+             timed=False)  # its records are read for their answers and scores
     recs = [store.records[(run.key, e.id)] for e in examples]
     usable = [i for i, r in enumerate(recs) if r.get("gate_steps") and not r.get("error")]
     if len(usable) < 2:

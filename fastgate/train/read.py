@@ -59,7 +59,8 @@ def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path,
     run = RunSpec(req.method, req.retriever, req.params)
     check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
     store = ResultsStore(store_dir / "results.jsonl")
-    evaluate(runtime, [run], examples, store, batch_size=batch_size, progress=progress)
+    evaluate(runtime, [run], examples, store, batch_size=batch_size, progress=progress,
+             timed=False)  # a training pass's records are read for their labels and features
     return [store.records[(run.key, e.id)] for e in examples if (run.key, e.id) in store.records]
 
 
@@ -154,8 +155,9 @@ def prefill_rows(engine, records: list[dict[str, Any]], rows: list[dict[str, flo
     if projection is None:
         projection = fit_state_projection(states, layer, rank)
     z = projection.project(states)  # [N, rank]
-    out = [{**{f"state_{i}": float(v) for i, v in enumerate(zi)}, **{k: row[k] for k in PREFILL_SEARCH_FEATURES["all"]}}
-           for zi, row in zip(z, rows)]
+    # the passage features are backfilled into BM25-read passes only: a dense pass's rows hold what its set reads
+    out = [{**{f"state_{i}": float(v) for i, v in enumerate(zi)},
+            **{k: row[k] for k in PREFILL_SEARCH_FEATURES["all"] if k in row}} for zi, row in zip(z, rows)]
     return out, projection
 
 
@@ -496,8 +498,8 @@ def add_read_parser(kinds) -> None:
                    help="the price of a read is the highest at which every dev set stays within this much accuracy "
                         "of the better of never and always, out of fold (default: 0.005, half a point)")
     p.add_argument("--adapt", type=float, default=0.02,
-                   help="the answer-mode gate's share of answerable questions moves this much per scored question "
-                        "(a shift-gain model; default 0.02); 0: a plain gain model at the training share")
+                   help="the gate's estimate of the answerable share moves this much per scored question (both modes; "
+                        "a shift-gain model; default 0.02); 0: a plain gain model at the training share")
     p.add_argument("--price", type=float, default=None,
                    help="the price of a read (expected accuracy gain), instead of choosing it by --max-loss")
     p.add_argument("--no-calibrate", action="store_true",
