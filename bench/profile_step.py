@@ -48,7 +48,7 @@ def main() -> None:
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.prefill:
-        return profile_prefill(engine, args, sync, cuda)
+        return profile_prefill(engine, args, cuda)
     prompts = [engine.tokenizer.decode(r) for r in prompt_ids(engine, args.batch, args.context)]
     cfg = GenerationConfig(max_new_tokens=args.steps + 12, stop_at_eos=False)
     loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
@@ -78,8 +78,9 @@ def main() -> None:
             print(f"  {e.key:40s} {e.count / args.steps:8.1f} calls  {ms:8.2f} ms")
 
 
-def profile_prefill(engine, args, sync, cuda: bool) -> None:
-    """Profile the packed prefill of ``--prefill`` rows beside HF's one forward of the same batch."""
+def profile_prefill(engine, args, cuda: bool) -> None:
+    """Profile the packed prefill of ``--prefill`` rows beside HF's one forward of the same batch (``prefill_time``
+    synchronises the device itself)."""
     from bench_engine import prefill_time
 
     n, length = (int(x) for x in args.prefill.lower().split("x"))

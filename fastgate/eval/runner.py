@@ -267,19 +267,17 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
     live: dict[Any, tuple[QAExample, float]] = {}  # task -> (question, when it joined)
     chunk: list[dict[str, Any]] = []
     since = time.perf_counter()
-    storing = False  # an error inside emit itself: its records are not stored twice
 
     def flush() -> None:
-        nonlocal chunk, since, storing
+        nonlocal chunk, since
         now = time.perf_counter()
-        answered = sum("error" not in rec for rec in chunk)
-        for rec in chunk:
+        group, chunk = chunk, []  # taken first: an error inside emit does not store the group twice
+        answered = sum("error" not in rec for rec in group)
+        for rec in group:
             rec["wall_s"] = 0.0 if "error" in rec else (now - since) / answered
-            rec["batch_size"] = len(chunk)
-        storing = True
-        emit(chunk)
-        storing = False
-        chunk, since = [], now
+            rec["batch_size"] = len(group)
+        emit(group)
+        since = now
 
     try:
         while queue or live:
@@ -305,7 +303,7 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
             if len(chunk) >= window or (chunk and not queue and not live):
                 flush()
     except BaseException:
-        if chunk and not storing:  # what ended before the error or the interrupt is kept
+        if chunk:  # what ended before the error or the interrupt is kept
             flush()
         raise
 
@@ -337,44 +335,52 @@ def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any], ine
                              f"into a new --out directory, or name the values with --param (a run of its own)")
 
 
+def _other_value(store: ResultsStore, run: RunSpec, field: str, value: str, legacy: str) -> tuple[str, str] | None:
+    """The first record of ``run`` made with another ``field`` than ``value`` (records without the field count as
+    ``legacy``): its question id and its value; None when every record agrees."""
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get(field, legacy) != value:
+            return qid, rec.get(field, legacy)
+    return None
+
+
 def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> None:
     """Refuse to resume or summarise ``run`` over records made with the weights in another dtype (bf16 answers differ
     from float32 ones). Records written before they named their dtype count as ``legacy``."""
-    for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get("dtype", legacy) != dtype:
-            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with the "
-                             f"weights in {rec.get('dtype', legacy)}, but this run would use {dtype}: evaluate into a "
-                             f"new --out directory, or pass --dtype {rec.get('dtype', legacy)}")
+    if other := _other_value(store, run, "dtype", dtype, legacy):
+        qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with the "
+                         f"weights in {was}, but this run would use {dtype}: evaluate into a new --out directory, or "
+                         f"pass --dtype {was}")
 
 
 def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:
     """Refuse to resume or summarise ``run`` over records made with the linear weights held otherwise (``int8``
     answers differ from ``float`` ones). Records written before they named it were made with ``float`` weights."""
-    for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get("weights", "float") != weights:
-            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with "
-                             f"{rec.get('weights', 'float')} weights, but this run would use {weights}: evaluate into "
-                             f"a new --out directory, or pass --weights {rec.get('weights', 'float')}")
+    if other := _other_value(store, run, "weights", weights, "float"):
+        qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with {was} "
+                         f"weights, but this run would use {weights}: evaluate into a new --out directory, or pass "
+                         f"--weights {was}")
 
 
 def _check_schedule(store: ResultsStore, run: RunSpec, schedule: str) -> None:
     """Refuse to resume ``run`` under another schedule than its records' (their seconds per question and latencies
     are measured differently). Records written before they named it were answered in batches."""
-    for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get("schedule", "batches") != schedule:
-            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were answered with "
-                             f"--schedule {rec.get('schedule', 'batches')}, but this run would use {schedule}: pass "
-                             f"--schedule {rec.get('schedule', 'batches')}, or evaluate into a new --out directory")
+    if other := _other_value(store, run, "schedule", schedule, "batches"):
+        qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were answered with "
+                         f"--schedule {was}, but this run would use {schedule}: pass --schedule {was}, or evaluate "
+                         "into a new --out directory")
 
 
 def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
     """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
     server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
-    for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get("engine", "local") != engine:
-            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made on the "
-                             f"engine {rec.get('engine', 'local')}, but this run would use {engine}: evaluate into a "
-                             "new --out directory")
+    if other := _other_value(store, run, "engine", engine, "local"):
+        qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made on the "
+                         f"engine {was}, but this run would use {engine}: evaluate into a new --out directory")
 
 
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
