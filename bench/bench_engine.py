@@ -73,7 +73,14 @@ from _common import append_rows, print_table  # noqa: E402
 import fastgate.engine.model_runner as runner_module  # noqa: E402
 from fastgate.assets.models import MODELS, LoadedModel, load, locate_gguf, resolve_device  # noqa: E402
 from fastgate.assets.precision import choose_dtype, cpu_flags, native_bf16_flags  # noqa: E402
-from fastgate.assets.quant import WEIGHTS, Int4Linear, Int8Linear, canonical_weights, quantize_model  # noqa: E402
+from fastgate.assets.quant import (  # noqa: E402
+    WEIGHTS,
+    Int4Linear,
+    Int8Linear,
+    canonical_weights,
+    choose_weights,
+    quantize_model,
+)
 from fastgate.config import GenerationConfig, TapSpec  # noqa: E402
 from fastgate.engine.decode import DecodeLoop  # noqa: E402
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
@@ -135,8 +142,10 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
     torch.manual_seed(0)
     with dev:
         model = LlamaForCausalLM._from_config(config, dtype=choice.dtype).eval()
-    quantize_model(model, weights)
-    return LoadedModel(name, model, tokenizer, None, name, choice.reason, weights=canonical_weights(weights))
+    held = choose_weights(weights, dev, choice.dtype, gguf_blocks=False)  # random weights: no GGUF blocks
+    quantize_model(model, held.weights)
+    return LoadedModel(name, model, tokenizer, None, name, choice.reason, weights=held.weights,
+                       weights_reason=held.reason)
 
 
 def weight_bytes(model) -> int:

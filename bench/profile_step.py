@@ -37,13 +37,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-shape")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="float", help="float, int8 or int4 (as --weights of fastgate)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=30)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25, help="rows of each table")
     parser.add_argument("--prefill", default="", help="ROWSxTOKENS: profile a prefill (packed, then HF) instead")
     args = parser.parse_args()
-    lm = build_model(args.model, args.device, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = build_model(args.model, args.device, args.dtype, args.weights)
     engine = Engine(lm, prefix_cache=0, step="eager")
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

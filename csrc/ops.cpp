@@ -277,7 +277,9 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
 // Call with the GIL released.
 template <class Worker>
 bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
-  int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  // read once: hardware_concurrency() parses /sys on every call (~5 us, more than a batch-1 op's own work)
+  static const int64_t cores = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  int64_t hw = cores;
   if (max_threads > 0) hw = std::min(hw, max_threads);
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>({hw, B, work / grain}));
   std::vector<char> ok(n_threads, 1);
@@ -806,10 +808,133 @@ void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, ui
   }, threads);
 }
 
+// ---------------------------------------------------------------------------------------------- norm and rotary
+// The fused pass's RMS norm and rotary embedding of bf16 rows, each in one call: as torch operations they were nine
+// and seven a layer (a batch-1 decode step of SmolLM2 dispatched ~700 of them for ~1 ms). The arithmetic is HF's,
+// rounding for rounding: every torch operation on bf16 computes in float32 and rounds to bf16 (to nearest even),
+// so the rounding points are kept where the torch expressions have them. Only the norm's float32 sum of squares may
+// add in another order than torch's reduction (its last bits, rarely a bf16 step of the output).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// x: [rows, d] bf16, rows `x_stride` elements apart, unit stride along d; weight: [d] bf16; out: [rows, d] bf16
+// contiguous. out = weight * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (LlamaRMSNorm).
+void rms_norm_bf16(uintptr_t x_ptr, uintptr_t w_ptr, uintptr_t out_ptr, int64_t rows, int64_t d, int64_t x_stride,
+                   double eps, int64_t threads) {
+  if (rows < 0 || d <= 0 || x_stride < d) throw std::invalid_argument("rms_norm_bf16: bad shape");
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const float e = static_cast<float>(eps);
+  py::gil_scoped_release release;
+  split_rows(rows, rows * d * 4, 1 << 20, [&](int64_t first, int64_t step) {
+    for (int64_t r = first; r < rows; r += step) {
+      const uint16_t* xr = x + r * x_stride;
+      uint16_t* o = out + r * d;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < d; ++j) {
+        const float v = bf16_to_f32(xr[j]);
+        sum += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + e);
+      for (int64_t j = 0; j < d; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(bf16_to_f32(xr[j]) * inv));
+    }
+    return true;
+  }, threads);
+}
+
+// x: [T, H, D] bf16 with element strides (token, head), unit along D; cos / sin: [T, D] bf16 rows `c_stride` apart;
+// out: [T, H, D] bf16 contiguous. out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) =
+// cat(-x[D/2:], x[:D/2]) (HF's apply_rotary_pos_emb).
+void rope_bf16(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t out_ptr, int64_t T, int64_t H,
+               int64_t D, int64_t s_tok, int64_t s_head, int64_t c_stride, int64_t threads) {
+  if (T < 0 || H <= 0 || D <= 0 || D % 2) throw std::invalid_argument("rope_bf16: bad shape (D even)");
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos_ptr);
+  const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t half = D / 2;
+  py::gil_scoped_release release;
+  split_rows(T, T * H * D * 4, 1 << 20, [&](int64_t first, int64_t step) {
+    for (int64_t t = first; t < T; t += step) {
+      const uint16_t* c = cs + t * c_stride;
+      const uint16_t* s = sn + t * c_stride;
+      for (int64_t h = 0; h < H; ++h) {
+        const uint16_t* xr = x + t * s_tok + h * s_head;
+        uint16_t* o = out + (t * H + h) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rot = i < half ? -bf16_to_f32(xr[i + half]) : bf16_to_f32(xr[i - half]);
+          const float a = round_bf16(bf16_to_f32(xr[i]) * bf16_to_f32(c[i]));
+          const float b = round_bf16(rot * bf16_to_f32(s[i]));
+          o[i] = f32_to_bf16(a + b);
+        }
+      }
+    }
+    return true;
+  }, threads);
+}
+
+// The same for a pass of decode rows only, with the store writes and the casts around it (op decode_attention_step):
+// row r's new key and value (k_new / v_new [m, Hkv, D] bf16, strided views of the layer's product) are written at
+// column pos[r] of its store row, then its bf16 query heads (q [m, H, D], strided) attend columns 0 .. pos[r]; out:
+// [m, H, D] bf16 contiguous, the float32 result rounded to nearest even. As torch operations around
+// decode_attention_bf16 these were ten dispatches a layer (two indexed writes, casts, copies): the arithmetic is the
+// same, so the tokens are too.
+void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
+                                int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
+                                uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H,
+                                int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
+                                double scale, int64_t threads) {
+  if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
+    throw std::invalid_argument("decode_attention_step_bf16: bad shape (H a multiple of Hkv, 0 < D <= 256)");
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
+  const uint16_t* kn = reinterpret_cast<const uint16_t*>(kn_ptr);
+  const uint16_t* vn = reinterpret_cast<const uint16_t*>(vn_ptr);
+  uint16_t* k = reinterpret_cast<uint16_t*>(k_ptr);
+  uint16_t* v = reinterpret_cast<uint16_t*>(v_ptr);
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t G = H / Hkv;
+  int64_t widest = 1;
+  for (int64_t r = 0; r < m; ++r) {
+    if (pos[r] < 0 || pos[r] >= cols)
+      throw std::invalid_argument("decode_attention: positions must lie in 0.." + std::to_string(cols - 1));
+    widest = std::max(widest, pos[r] + 1);
+  }
+  const float sc = static_cast<float>(scale);
+  py::gil_scoped_release release;
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
+    std::vector<float> qs(G * D), scores(G * widest), o(G * D);  // per thread
+    for (int64_t item = first; item < m * Hkv; item += step) {
+      const int64_t r = item / Hkv, h = item % Hkv;
+      uint16_t* kc = k + r * s_row + h * s_head + pos[r] * s_col;  // this row's new column
+      uint16_t* vc = v + r * s_row + h * s_head + pos[r] * s_col;
+      __builtin_memcpy(kc, kn + r * kn_row + h * kn_head, D * sizeof(uint16_t));
+      __builtin_memcpy(vc, vn + r * vn_row + h * vn_head, D * sizeof(uint16_t));
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qr = q + r * q_row + (h * G + g) * q_head;
+        for (int64_t i = 0; i < D; ++i) qs[g * D + i] = bf16_to_f32(qr[i]) * sc;
+      }
+      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
+                  scores.data(), o.data());
+      uint16_t* orow = out + (r * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) orow[i] = f32_to_bf16(o[i]);
+    }
+    return true;
+  }, threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore, decode attention";
+  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore, decode attention, RMS norm and rotary embedding of bf16 rows";
   m.def("align_words", &align_words, py::arg("pieces"),
         "Group generated token pieces (all str or all bytes) into words; returns (words, word_ids).");
   m.def("word_logprobs", &word_logprobs, py::arg("token_logprobs"), py::arg("word_ids"), py::arg("n_words") = -1,
@@ -824,6 +949,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("pos"), py::arg("out"), py::arg("m"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("cols"), py::arg("row_stride"), py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
         "Decode rows' attention over a bf16 key / value store, float32 inside (pointers to checked torch tensors).");
+  m.def("decode_attention_step_bf16", &decode_attention_step_bf16, py::arg("q"), py::arg("q_row"), py::arg("q_head"),
+        py::arg("k_new"), py::arg("k_new_row"), py::arg("k_new_head"), py::arg("v_new"), py::arg("v_new_row"),
+        py::arg("v_new_head"), py::arg("keys"), py::arg("values"), py::arg("pos"), py::arg("out"), py::arg("m"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("cols"), py::arg("row_stride"),
+        py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
+        "A decode-only pass's store writes and attention over a bf16 store, bf16 in and out (checked pointers).");
+  m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
+        py::arg("d"), py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
+        "LlamaRMSNorm of bf16 rows, float32 statistics, HF's roundings (pointers to checked torch tensors).");
+  m.def("rope_bf16", &rope_bf16, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("tokens"),
+        py::arg("heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("cos_stride"),
+        py::arg("threads") = 0, "HF's rotary embedding of bf16 rows, HF's roundings (pointers to checked torch tensors).");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

@@ -124,3 +124,60 @@ def test_threads_split_rows_alike():
         torch.set_num_threads(before)
     assert torch.equal(one, two)
 
+
+
+@needs_ext
+@pytest.mark.parametrize("m,H,Hkv,C,D,R", SHAPES)
+def test_the_step_op_writes_the_store_and_attends_as_the_reference(m, H, Hkv, C, D, R):
+    """decode_attention_step: each row's new key and value written at its column, then its bf16 heads attend; the
+    store after it equals the reference's bitwise and the output is within one bf16 step of the reference's."""
+    from fastgate.ops import reference as ref_ops
+
+    step = build_ops("ext", "cpu").decode_attention_step
+    g = torch.Generator().manual_seed(m * 977 + D)
+    keys = (3 * torch.randn(R, Hkv, C + 2, D, generator=g)).to(torch.bfloat16)[:, :, 1:C + 1]  # a view of a store
+    values = torch.randn(R, Hkv, C + 2, D, generator=g).to(torch.bfloat16)[:, :, 1:C + 1]
+    qkv = torch.randn(m, H + 2 * Hkv, D, generator=g).to(torch.bfloat16)  # q, k, v heads of one product
+    q, k_new, v_new = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    pos = torch.randint(0, C, (m,), generator=g)
+    pos[0] = C - 1
+    k2, v2 = keys.clone(), values.clone()
+    got = step(q, k_new, v_new, keys, values, pos, 0.3)
+    want = ref_ops.decode_attention_step(q, k_new, v_new, k2, v2, pos, 0.3)
+    assert torch.equal(keys, k2) and torch.equal(values, v2)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, H, D)
+    exact = ref_ops.decode_attention(q, keys, values, pos, 0.3)  # float32
+    assert (got.float() - exact).abs().max() <= exact.abs().max() * 2 ** -7 + 1e-5
+    # one rounding to bf16 apart at most (float32 softmaxes summed in another order)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+@needs_ext
+def test_a_bf16_decode_pass_takes_the_step_op_with_the_general_path_s_results():
+    """The fused pass's decode-only path (bare products, one store-write-and-attention call a layer) runs for a bf16
+    model with the C++ ops, and gives the general path's tokens, log-probs and taps bitwise (the same arithmetic)."""
+    import dataclasses
+
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.bfloat16)
+    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills"]
+    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    out, calls = {}, []
+    for fast in (True, False):
+        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+        inner = runner.ops.decode_attention_step
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
+            (lambda *a, inner=inner: calls.append(1) or inner(*a)) if fast else None))
+        loop = PackedLoop(runner, mid=2)
+        tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 2)), 1, None) for p in prompts])
+        while loop.busy:
+            loop.step(7)
+        out[fast] = [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
+                      t.result.running_sum) for t in tickets]
+    assert calls  # the decode-only passes went through it
+    for a, b in zip(out[True], out[False]):
+        assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

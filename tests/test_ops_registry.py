@@ -39,7 +39,8 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert o.backend == "ext" and o.device == torch.device("cpu")
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
-        "decode_attention": "ext", "align_words": "ext", "word_logprobs": "ext", "align_word_logprobs_batch": "ext",
+        "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
+        "align_words": "ext", "word_logprobs": "ext", "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }
     with pytest.raises(TypeError):
@@ -55,6 +56,8 @@ def test_reference_backends_run_every_reference(backend):
     assert o.eigenscore is reference.eigenscore and o.accumulate is reference.accumulate_taps
     assert o.probe_logits is reference.probe_logits and o.answer_nll is reference.answer_nll
     assert o.decode_attention is reference.decode_attention and o.backends["decode_attention"] == "torch"
+    assert o.decode_attention_step is reference.decode_attention_step and o.rms_norm is reference.rms_norm
+    assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope")} == {"torch"}
     assert {o.backends[n] for n in registry.CPU_OPS} == {"python"}
 
 

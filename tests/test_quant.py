@@ -163,7 +163,8 @@ def test_an_unknown_weight_format_is_refused_with_the_choices():
     from fastgate.serving.runtime import Runtime
 
     assert canonical_weights("INT8") == "int8" and canonical_weights("float") == "float"
-    with pytest.raises(UnknownNameError, match=r"unknown weight format 'int3'; choose one of: float, int8, int4"):
+    with pytest.raises(UnknownNameError,
+                       match=r"unknown weight format 'int3'; choose one of: auto, float, int8, int4, int4-dense"):
         canonical_weights("int3")
     with pytest.raises(UnknownNameError, match="weight format"):
         load("/nonexistent/model", weights="int2")  # refused before the model is looked for

@@ -246,3 +246,73 @@ def test_eval_records_name_int4_and_refuse_a_resume_under_int8(small_index, tmp_
     with pytest.raises(InputError, match="int4 weights, but this run would use int8"):
         evaluate(Runtime("tiny", index=str(small_index), engine=int8), [run], examples, ResultsStore(store.path),
                  progress=False)
+
+
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_int4_dense_equals_int4_at_its_kernel_rows_and_keeps_one_copy(hidden):
+    """``int4-dense``: the int4 kernel up to DENSE_KERNEL_ROWS rows and the kept de-quantized copy beyond, so its
+    products equal ``int4``'s with the same bound bitwise (the copy is what ``int4`` de-quantizes every call); the
+    fused q/k/v and gate/up layers keep the copy, their parts views of it (one copy a weight)."""
+    from fastgate.assets.quant import DENSE_KERNEL_ROWS
+    from fastgate.engine.fused import fused_forward
+    from fastgate.testing import tiny_model
+
+    dense, plain = tiny_model(n_layers=1, hidden=hidden, dtype=torch.bfloat16), tiny_model(
+        n_layers=1, hidden=hidden, dtype=torch.bfloat16)
+    quantize_model(dense.model, "int4-dense")
+    quantize_model(plain.model, "int4", kernel_rows=DENSE_KERNEL_ROWS)
+    layers = [m for m in dense.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and all(m.dense is not None and m.dense.dtype == torch.bfloat16 for m in layers)
+    assert all(m.kernel_rows == DENSE_KERNEL_ROWS for m in layers)
+    assert not any(key.endswith(".dense") for key in dense.model.state_dict())  # not saved: derived from the codes
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, DENSE_KERNEL_ROWS, DENSE_KERNEL_ROWS + 1, 7, 33):
+        x = torch.randn((rows, hidden), generator=gen).to(torch.bfloat16)
+        for name, m in dense.model.named_modules():
+            if isinstance(m, (Int4Linear, Int8Linear)) and m.in_features == hidden:
+                assert torch.equal(m(x), plain.model.get_submodule(name)(x)), (name, rows)
+    layer = fused_forward(dense.model).layers[0]
+    attn, mlp = dense.model.model.layers[0].self_attn, dense.model.model.layers[0].mlp
+    for fused, parts in ((layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (layer.gate_up, (mlp.gate_proj,
+                                                                                                  mlp.up_proj))):
+        assert all(p.dense.untyped_storage().data_ptr() == fused.dense.untyped_storage().data_ptr() for p in parts)
+        x = torch.randn((9, hidden), generator=gen).to(torch.bfloat16)  # beyond the kernel: the copy
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+
+
+def test_greedy_generation_with_int4_dense_weights_equals_hf_generate():
+    from fastgate.engine.local import Engine
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.bfloat16)
+    quantize_model(lm.model, "int4-dense")
+    lm.weights = "int4-dense"
+    assert_greedy_equals_hf_generate(Engine(lm))
+
+
+def test_auto_weights_are_int4_dense_only_where_they_pay():
+    from fastgate.assets.quant import WeightsChoice, choose_weights
+
+    cpu = torch.device("cpu")
+    pick = choose_weights("auto", cpu, torch.bfloat16, gguf_blocks=True, capability="AVX512")
+    assert pick.weights == "int4-dense" and "4-bit decode" in pick.reason
+    assert choose_weights("int4", cpu, torch.float32, gguf_blocks=False) == WeightsChoice("int4", "asked")
+    others = [choose_weights("auto", cpu, torch.float32, gguf_blocks=True, capability="AVX512"),
+              choose_weights("auto", cpu, torch.bfloat16, gguf_blocks=False, capability="AVX512"),
+              choose_weights("auto", cpu, torch.bfloat16, gguf_blocks=True, capability="AVX2"),
+              choose_weights("auto", torch.device("cuda"), torch.bfloat16, gguf_blocks=True, capability="AVX512")]
+    assert [c.weights for c in others] == ["float"] * 4
+    assert ["float32" in others[0].reason, "GGUF" in others[1].reason, "AVX2" in others[2].reason,
+            "cuda" in others[3].reason] == [True] * 4
+    with pytest.raises(ValueError, match="resolve it first"):
+        quantize_model(torch.nn.Module(), "auto")
+
+
+def test_a_runtime_names_its_auto_weights_before_loading():
+    """A resumed evaluation checks its records' weights without loading the model: ``auto`` resolves as at load
+    (a local or test model: float; float32 weights: float)."""
+    from fastgate.serving.runtime import Runtime
+
+    assert Runtime("tiny", dtype="float32").weights_name == "float"
+    assert Runtime("smollm2-135m", dtype="float32").weights_name == "float"
+    assert Runtime("smollm2-135m", dtype="float32", weights="int8").weights_name == "int8"

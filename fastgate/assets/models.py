@@ -35,7 +35,15 @@ import torch
 from fastgate.assets import pins
 from fastgate.assets.paths import models_dir, remove_stale
 from fastgate.assets.precision import choose_dtype, probe_bf16
-from fastgate.assets.quant import Int4Codes, canonical_weights, int4_dequantize, q4_1_codes, q4_k_codes, quantize_model
+from fastgate.assets.quant import (
+    Int4Codes,
+    canonical_weights,
+    choose_weights,
+    int4_dequantize,
+    q4_1_codes,
+    q4_k_codes,
+    quantize_model,
+)
 from fastgate.errors import ModelError, UnknownNameError
 
 __all__ = [
@@ -242,8 +250,10 @@ class LoadedModel:
     fingerprint: str  # stable id of the weights: hash of the source file, or of the config for random models
     # why the weights have their dtype (fastgate.assets.precision.choose_dtype); "" when built directly
     dtype_reason: str = ""
-    # how the decoder blocks' linear weights are held: "float" (in the dtype), "int8" or "int4" (fastgate.assets.quant)
+    # how the decoder blocks' linear weights are held: "float" (in the dtype), "int8", "int4" or "int4-dense"
+    # (fastgate.assets.quant), and why (choose_weights: "asked" or what decided auto)
     weights: str = "float"
+    weights_reason: str = ""
 
     @property
     def device(self) -> torch.device:
@@ -476,16 +486,18 @@ def gguf_int4_codes(path: Path | str, model) -> dict[str, Int4Codes]:
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-         probe: bool = True, weights: str = "float") -> LoadedModel:
+         probe: bool = True, weights: str = "auto") -> LoadedModel:
     """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
 
     ``dtype``: ``auto`` (bf16 on CUDA and on a CPU that multiplies bf16 natively, float32 elsewhere: chosen here,
     once, by :func:`fastgate.assets.precision.choose_dtype`; with ``probe`` a timed 64-row product at the model's MLP
     shape confirms the CPU's flags), ``float32`` or ``bfloat16``. ``weights``: ``float`` (every weight in that dtype),
     ``int8`` (the decoder blocks' linear weights and the LM head quantized per output channel,
-    :mod:`fastgate.assets.quant`; activations, embeddings and logits stay in the dtype) or ``int4`` (groups of 32: an
+    :mod:`fastgate.assets.quant`; activations, embeddings and logits stay in the dtype), ``int4`` (groups of 32: an
     embedded model's own GGUF blocks where they are 4-bit, :func:`gguf_int4_codes`, int8 elsewhere; a local
-    directory's weights quantized to int4 here).
+    directory's weights quantized to int4 here), ``int4-dense`` (``int4`` with a de-quantized copy for products of
+    many rows) or ``auto`` (``int4-dense`` for an embedded model in bf16 on an AVX-512 CPU, else ``float``:
+    :func:`fastgate.assets.quant.choose_weights`, once, here).
 
     Raises:
         UnknownNameError: neither an embedded name nor an existing directory, or an unknown ``weights``.
@@ -522,9 +534,10 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
+    held = choose_weights(weights, dev, choice.dtype, gguf_blocks=name_or_path in MODELS)
     codes = None
-    if weights == "int4" and name_or_path in MODELS:
+    if held.weights in ("int4", "int4-dense") and name_or_path in MODELS:
         codes = gguf_int4_codes(locate_gguf(MODELS[name_or_path]), model)
-    quantize_model(model, weights, codes=codes)
+    quantize_model(model, held.weights, codes=codes)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
-                       dtype_reason=choice.reason, weights=weights)
+                       dtype_reason=choice.reason, weights=held.weights, weights_reason=held.reason)

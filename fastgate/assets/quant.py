@@ -68,6 +68,7 @@ product (21 µs a row for 576 → 3072).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,14 +77,18 @@ from torch import nn
 from fastgate.errors import UnknownNameError
 
 __all__ = [
+    "DENSE_KERNEL_ROWS",
     "FLOAT32_VIA_BF16",
+    "FORMATS",
     "GROUP",
     "INT4_KERNEL_ROWS",
     "KERNEL_ROWS",
     "WEIGHTS",
     "Int4Linear",
     "Int8Linear",
+    "WeightsChoice",
     "canonical_weights",
+    "choose_weights",
     "int4_dequantize",
     "int4_reference",
     "int8_reference",
@@ -98,24 +103,65 @@ __all__ = [
     "unpack_nibbles",
 ]
 
-WEIGHTS = ("float", "int8", "int4")  # what --weights accepts
+FORMATS = ("float", "int8", "int4", "int4-dense")  # how a loaded model's linear weights are held
+WEIGHTS = ("auto", *FORMATS)  # what --weights accepts: auto is resolved once, at load (choose_weights)
 KERNEL_ROWS = 16  # rows up to which the weight-only kernel beats a dense bf16 product (module docstring)
 # float32 rows go through the bf16 kernel where torch runs its AVX-512 code (the kernel's vectorized path)
 FLOAT32_VIA_BF16 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 _KERNEL_K_MULTIPLE = 16  # the bf16 kernel's K must be a multiple of this (it crashed otherwise)
 GROUP = 32  # values per int4 group (one scale and zero): a Q4_1 block, a Q4_K sub-block
 INT4_KERNEL_ROWS = 64  # rows up to which the int4 kernel beats de-quantizing for a dense product (module docstring)
+DENSE_KERNEL_ROWS = 4  # with a kept de-quantized copy (int4-dense): rows up to which the kernels beat it
 _INT4_N_MULTIPLE = 16  # the int4 packing needs N a multiple of this (padded with zero rows)
 _PACK_ROW_BLOCK = 64  # the packed int4 layout's row blocks (packed_rows_split checks it)
 
 
 def canonical_weights(weights: str) -> str:
-    """``weights``' canonical name (``float``, ``int8``, ``int4``); an unknown name raises
+    """``weights``' canonical name (``auto``, ``float``, ``int8``, ``int4``, ``int4-dense``); an unknown name raises
     :class:`~fastgate.errors.UnknownNameError` naming the choices."""
     name = {"fp": "float", "none": "float"}.get(str(weights).lower(), str(weights).lower())
     if name not in WEIGHTS:
         raise UnknownNameError("weight format", weights, WEIGHTS)
     return name
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """How a model's linear weights are held and why (``ask --json``, ``/healthz`` and the bench rows name both)."""
+
+    weights: str  # one of FORMATS
+    reason: str  # "asked", or what decided auto
+
+
+def choose_weights(weights: str, device: torch.device | str, dtype: torch.dtype, *, gguf_blocks: bool,
+                   capability: str | None = None) -> WeightsChoice:
+    """The format for ``weights`` (``auto`` or one of :data:`FORMATS`) of a model in ``dtype`` on ``device``.
+
+    ``auto`` is ``int4-dense`` where it is never slower than ``float`` and decodes faster: a CPU whose torch runs the
+    weight-only kernels' AVX-512 code (``capability``: None for this one), bf16 weights, and a model with a GGUF's
+    own 4-bit blocks (``gguf_blocks``: an embedded model; a local directory is not re-quantized unasked). Its decode
+    steps of at most :data:`DENSE_KERNEL_ROWS` rows read 4-bit or int8 weights (2-3x faster than the dense bf16
+    product at one row on a Zen 4 EPYC) and every larger product (batched steps, prefill) uses the de-quantized copy
+    at the dense product's speed; the price is memory (the codes beside the bf16 copy). ``float`` elsewhere.
+
+    Raises:
+        UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
+    """
+    name = canonical_weights(weights)
+    if name != "auto":
+        return WeightsChoice(name, "asked")
+    cap = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    if torch.device(device).type != "cpu":
+        return WeightsChoice("float", f"{torch.device(device).type}: the 4-bit kernel is torch's CPU one")
+    if dtype is not torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        return WeightsChoice("float", f"{name} weights: the weight-only kernels take bf16 rows")
+    if not gguf_blocks:
+        return WeightsChoice("float", "no GGUF 4-bit blocks (a local model is quantized only when asked)")
+    if not cap.startswith("AVX512"):
+        return WeightsChoice("float", f"cpu capability {cap}: the weight-only kernels' vectorized code needs AVX-512")
+    return WeightsChoice("int4-dense", f"cpu {cap}, bf16, the GGUF's 4-bit blocks: 4-bit decode steps of <= "
+                                       f"{DENSE_KERNEL_ROWS} rows, de-quantized copy beyond")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +197,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.kernel_rows = kernel_rows
         self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
+        _set_dense(self, None)  # a kept de-quantized copy (keep_dense): none unless the format asks
         self.refresh()
 
     def refresh(self) -> None:
@@ -163,6 +210,14 @@ class Int8Linear(nn.Module):
             self.register_buffer("scale_bf16", scale_bf16, persistent=False)
         self._k_ok = self.in_features % _KERNEL_K_MULTIPLE == 0
         self._kinds = (torch.bfloat16, torch.float32) if self.bf16_products else (torch.bfloat16,)
+        if getattr(self, "dense", None) is not None:  # new codes: a kept copy follows them
+            self.keep_dense(self.dense.dtype)
+
+    def keep_dense(self, dtype: torch.dtype | None, dense: torch.Tensor | None = None) -> None:
+        """Keep the int8 weight cast to ``dtype`` (``[N, K]``; ``dense`` if given, e.g. a view of a fused layer's),
+        so products beyond the kernel's rows skip the cast every call (the ``-dense`` formats); the results are the
+        same as without. ``None`` drops it."""
+        _set_dense(self, None if dtype is None else (self.q.to(dtype) if dense is None else dense))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = KERNEL_ROWS) -> Int8Linear:
@@ -193,10 +248,19 @@ class Int8Linear(nn.Module):
             xb = x2.to(torch.bfloat16)  # a no-op for bf16 rows
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale_bf16).to(x2.dtype)  # [M, N]
         else:
-            y = F.linear(x2, self.q.to(x2.dtype)) * self.scale.to(x2.dtype)  # [M, N]
+            dense = self.dense if self.dense is not None and self.dense.dtype == x2.dtype else self.q.to(x2.dtype)
+            y = F.linear(x2, dense) * self.scale.to(x2.dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+def _set_dense(layer: nn.Module, dense: torch.Tensor | None) -> None:
+    """``layer.dense``: a buffer (moves with the module), left out of the state dict, or None."""
+    if "dense" in layer._buffers:
+        layer._buffers["dense"] = dense
+    else:
+        layer.register_buffer("dense", dense, persistent=False)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -337,6 +401,7 @@ class Int4Linear(nn.Module):
         self.kernel_rows = kernel_rows
         self.source = source  # "gguf" (the file's own blocks) or "quantized" (quantize_int4 of a float weight)
         self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
+        _set_dense(self, None)  # a kept de-quantized copy (keep_dense): none unless the format asks
         self.refresh()
 
     def refresh(self, packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -351,6 +416,14 @@ class Int4Linear(nn.Module):
                 self.register_buffer(name, value, persistent=False)
         # the kernel's output is the layer's own: no padded rows to drop, no bias to add
         self._exact = self.scale_zeros.shape[1] == self.out_features and self.bias is None
+        if getattr(self, "dense", None) is not None:  # new codes: a kept copy follows them
+            self.keep_dense(self.dense.dtype)
+
+    def keep_dense(self, dtype: torch.dtype | None, dense: torch.Tensor | None = None) -> None:
+        """Keep the de-quantized weight in ``dtype`` (``[N, K]``, :meth:`dequantized`; ``dense`` if given, e.g. a
+        view of a fused layer's), so products beyond the kernel's rows (a prefill) skip de-quantizing every call
+        (``int4-dense``); the results are the same as without. ``None`` drops it."""
+        _set_dense(self, None if dtype is None else (self.dequantized(dtype) if dense is None else dense))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = INT4_KERNEL_ROWS) -> Int4Linear:
@@ -388,7 +461,8 @@ class Int4Linear(nn.Module):
                 y = y[:, :self.out_features]
             y = y.to(x2.dtype)
         else:
-            y = F.linear(x2, self.dequantized(x2.dtype))  # [M, N]
+            dense = self.dense if self.dense is not None and self.dense.dtype == x2.dtype else None
+            y = F.linear(x2, self.dequantized(x2.dtype) if dense is None else dense)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -409,6 +483,9 @@ def quantize_model(model: nn.Module, weights: str, kernel_rows: int | None = Non
     (a quantized layer of its own: a tied embedding table stays float) for the ``weights`` format, in place;
     returns how many were swapped (0 for ``float``).
 
+    ``int4-dense``: as ``int4``, each quantized layer keeping its de-quantized weight in the model's dtype beside
+    the codes (``keep_dense``), the kernels used up to :data:`DENSE_KERNEL_ROWS` rows and the copy beyond.
+
     ``int4``: with ``codes`` (a GGUF's own 4-bit blocks by module name, ``model.layers.0.self_attn.q_proj``,
     ``lm_head``; :func:`fastgate.assets.models.gguf_int4_codes`) the layers it names become :class:`Int4Linear` of
     those codes and every other one an :class:`Int8Linear`; without, every layer whose ``K`` is a multiple of 32 is
@@ -418,16 +495,27 @@ def quantize_model(model: nn.Module, weights: str, kernel_rows: int | None = Non
         UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
     """
     fmt = canonical_weights(weights)
+    if fmt == "auto":
+        raise ValueError("quantize_model needs a format, not auto: resolve it first (choose_weights)")
     if fmt == "float":
         return 0
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers to quantize")
+    dense = fmt == "int4-dense"  # keep a de-quantized copy beside the codes, for products of many rows
+    if kernel_rows is None and dense:
+        kernel_rows = DENSE_KERNEL_ROWS
 
     def available(name: str, linear: nn.Linear) -> bool:
-        return fmt == "int4" and linear.in_features % GROUP == 0 and (codes is None or name in codes)
+        return fmt != "int8" and linear.in_features % GROUP == 0 and (codes is None or name in codes)
 
     def build(name: str, linear: nn.Linear, int4: bool) -> nn.Module:
+        layer = _build(name, linear, int4)
+        if dense:
+            layer.keep_dense(linear.weight.dtype)
+        return layer
+
+    def _build(name: str, linear: nn.Linear, int4: bool) -> nn.Module:
         if not int4:
             return Int8Linear.from_linear(linear, KERNEL_ROWS if kernel_rows is None else kernel_rows)
         dev = linear.weight.device

@@ -9,6 +9,8 @@ host's share was ~9 ms of a 20.6 ms step with int8 weights. :class:`FusedForward
   own weights becoming views of them: no second copy), with biases where the model has them (Qwen2);
 * RoPE from a table of ``cos`` / ``sin`` per position computed once by the model's own rotary module (rows gathered
   by position: HF recomputes them every pass), applied to ``q`` and ``k`` in one go;
+* the norm and the rotary embedding as the runner's ops ``rms_norm`` and ``rope`` (:mod:`fastgate.ops.layer`: one
+  C++ call each for bf16 rows on a CPU where the extension is built, the torch references otherwise);
 * the packed attention function itself (:func:`fastgate.engine.packed._packed_attention`), so the slot store, the
   prefill buffers and the float32 attention of bf16 caches are the very same;
 * the taps written directly (no forward hooks): layer 0 the embeddings, layer ``i`` decoder layer ``i - 1``'s output,
@@ -27,9 +29,11 @@ cover (another layer structure, a rotary type whose frequencies change with the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
+from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear, packed_rows_split
+from fastgate.ops import reference
 
 __all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
 
@@ -93,13 +97,19 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
         bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         fused = Int4Linear(q, scale, zero, bias, parts[0].kernel_rows, parts[0].source)
         fused.bf16_products = parts[0].bf16_products
+        dense = parts[0].dense  # int4-dense: the fused layer keeps the copy, its parts views of it
+        if dense is not None:
+            fused.keep_dense(dense.dtype)
         views = packed_rows_split() and all(p.out_features % 64 == 0 for p in parts) and q.device.type == "cpu"
         start = 0
         for p in parts:
             n = p.out_features
             p.q, p.scale, p.zero = q[start:start + n], scale[start:start + n], zero[start:start + n]
+            p.keep_dense(None)  # replaced by a view below, not re-made by refresh
             p.refresh((fused.packed[start:start + n], fused.scale_zeros[:, start:start + n].contiguous())
                       if views else None)
+            if dense is not None:
+                p.keep_dense(dense.dtype, fused.dense[start:start + n])
             if bias is not None:
                 p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
             start += n
@@ -110,11 +120,17 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
         bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         fused = Int8Linear(q, scale, bias, parts[0].kernel_rows)
         fused.bf16_products = parts[0].bf16_products
+        dense = parts[0].dense  # int4-dense: the fused layer keeps the copy, its parts views of it
+        if dense is not None:
+            fused.keep_dense(dense.dtype)
         start = 0
         for p in parts:
             n = p.out_features
             p.q, p.scale = fused.q[start:start + n], fused.scale[start:start + n]
+            p.keep_dense(None)
             p.refresh()
+            if dense is not None:
+                p.keep_dense(dense.dtype, fused.dense[start:start + n])
             if bias is not None:
                 p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
             start += n
@@ -149,13 +165,29 @@ class _Layer:
         self.down = mlp.down_proj
         self.act = mlp.act_fn
         self.scaling = attn.scaling
+        self.index = attn.layer_idx  # its key / value store layer
+        # the four products as bare kernel calls for the rows of a bf16 decode step on a CPU (None: not available)
+        products = [_row_product(m) for m in (self.qkv, self.o, self.gate_up, self.down)]
+        self.row_products = None if any(p is None for p, _ in products) else [p for p, _ in products]
+        self.product_rows = min(rows for _, rows in products)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``LlamaRMSNorm``'s arithmetic (Qwen2's and Mistral's are the same)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+def _row_product(linear: nn.Module) -> tuple[object | None, int]:
+    """``linear``'s product of bf16 CPU rows as one bare operator call, and up to how many rows it applies: the
+    weight-only kernels' call that :class:`Int4Linear` and :class:`Int8Linear` make for such rows (no padded rows to
+    drop, no bias), or ``F.linear`` of a bf16 ``nn.Linear``. Skips ``nn.Module.__call__`` and the layers' checks: a
+    batch-1 step makes 120 of these calls."""
+    if type(linear) is Int4Linear and linear._exact and linear.packed.device.type == "cpu":
+        op, packed, group, sz = torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP, \
+            linear.scale_zeros
+        return (lambda x: op(x, packed, group, sz)), linear.kernel_rows  # [M, N]
+    if (type(linear) is Int8Linear and linear._k_ok and linear.bias is None and linear.q.device.type == "cpu"):
+        op, q, scale = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16
+        return (lambda x: op(x, q, scale)), linear.kernel_rows  # [M, N]
+    if type(linear) is nn.Linear and linear.weight.dtype is torch.bfloat16:
+        weight, bias = linear.weight, linear.bias
+        return (lambda x: F.linear(x, weight, bias)), 1 << 30
+    return None, 0
 
 
 class FusedForward:
@@ -175,6 +207,8 @@ class FusedForward:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
         self.rotary = inner.rotary_emb
+        # the most rows _decode_layers takes: within every layer's kernels (0: some layer has no bare product)
+        self._row_limit = min(layer.product_rows if layer.row_products else 0 for layer in self.layers)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,10 +222,15 @@ class FusedForward:
         return self._cos[positions], self._sin[positions]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
-                 tap_layers=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope,
+                 attention_step=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
         function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
-        of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them)."""
+        of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them).
+        ``rms_norm``, ``rope``, ``attention_step``: the runner's ops of those names (the references by default;
+        ``attention_step`` None: every pass through ``attention``). A pass of decode rows only over a bf16 store
+        whose attention runs in C++ (``plan.attend``), of rows few enough for the layers' kernels, goes through
+        :meth:`_decode_layers`: the same arithmetic in fewer host operations."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
         t = ids.shape[0]
@@ -200,27 +239,56 @@ class FusedForward:
             outputs[0] = h[None]
         cos, sin = self.rope(positions, h)  # [T, D]
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
-        hq, hk, d = self.heads, self.kv_heads, self.head_dim
-        half = d // 2
-        for i, layer in enumerate(self.layers):
-            x = _rms(h, layer.ln1, layer.eps1)
-            qkv = layer.qkv(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
-            qk = qkv[:, :hq + hk]
-            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # rotate_half
-            qk = qk * cos + rot * sin  # [T, Hq + Hkv, D]
-            q = qk[:, :hq].transpose(0, 1)[None]  # [1, Hq, T, D]
-            k = qk[:, hq:].transpose(0, 1)[None]  # [1, Hkv, T, D]
-            v = qkv[:, hq + hk:].transpose(0, 1)[None]  # [1, Hkv, T, D]
-            o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
-            h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
-            x = _rms(h, layer.ln2, layer.eps2)
-            gu = layer.gate_up(x)  # [T, 2 I]
-            inter = gu.shape[-1] // 2
-            h = h + layer.down(layer.act(gu[:, :inter]) * gu[:, inter:])
-            if i + 1 in wanted and i + 1 < self.n:
-                outputs[i + 1] = h[None]
+        if (attention_step is not None and plan.attend is not None and not plan.segs and plan.m == t
+                and h.dtype is torch.bfloat16 and h.device.type == "cpu" and t <= self._row_limit):
+            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs)
+        else:
+            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs)
         h = self.norm(h)
         if self.n in wanted:
             outputs[self.n] = h[None]
         logits = self.head(h[keep])  # [K, V]
         return logits.to(torch.float32), outputs
+
+    def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs) -> torch.Tensor:
+        """The decoder layers over ``h [T, d]`` (any pass: decode rows and prompt chunks)."""
+        t = h.shape[0]
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln1, layer.eps1)
+            qkv = layer.qkv(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
+            qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
+            q = qk[:, :hq].transpose(0, 1)[None]  # [1, Hq, T, D]
+            k = qk[:, hq:].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            v = qkv[:, hq + hk:].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
+            h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
+            x = rms_norm(h, layer.ln2, layer.eps2)
+            gu = layer.gate_up(x)  # [T, 2 I]
+            inter = gu.shape[-1] // 2
+            h = h + layer.down(layer.act(gu[:, :inter]) * gu[:, inter:])
+            if i + 1 in wanted and i + 1 < self.n:
+                outputs[i + 1] = h[None]
+        return h
+
+    def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs) -> torch.Tensor:
+        """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
+        ``plan.pos[r]``), bf16 on a CPU, ``T`` within every layer's kernel rows: the products as bare kernel calls
+        (:func:`_row_product`) and each layer's store writes and attention as one call of ``attention_step``. The
+        operations and their order are :meth:`_layers`'; only the host's share shrinks."""
+        t = h.shape[0]
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        store, pos = plan.store, plan.pos
+        for i, layer in enumerate(self.layers):
+            qkv_p, o_p, gate_up_p, down_p = layer.row_products
+            qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1)).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
+            qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
+            o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],
+                               store.values[layer.index], pos, layer.scaling)  # [T, Hq, D]
+            h = h + o_p(o.view(t, hq * d))
+            gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
+            inter = gu.shape[-1] // 2
+            h = h + down_p(layer.act(gu[:, :inter]) * gu[:, inter:])
+            if i + 1 in wanted and i + 1 < self.n:
+                outputs[i + 1] = h[None]
+        return h

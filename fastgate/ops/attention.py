@@ -20,7 +20,7 @@ import torch
 from fastgate.errors import ShapeError
 from fastgate.ops import reference
 
-__all__ = ["ext_decode_attention"]
+__all__ = ["ext_decode_attention", "ext_decode_attention_step"]
 
 _MAX_HEAD_DIM = 256  # the kernel keeps one key / value row in registers: kMaxD in csrc/ops.cpp
 
@@ -54,3 +54,37 @@ def ext_decode_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
         return out
 
     return decode_attention
+
+
+def ext_decode_attention_step(ext: ModuleType) -> Callable[..., torch.Tensor]:
+    """The C++ store writes and attention of a decode-only pass (bf16 in and out, ``decode_attention_step_bf16``) with
+    the reference's signature; inputs it cannot run go to the reference."""
+
+    def runs(q, k_new, v_new, keys, values, pos) -> bool:
+        return (keys.dtype is torch.bfloat16 and values.dtype is torch.bfloat16 and q.dtype is torch.bfloat16
+                and k_new.dtype is torch.bfloat16 and v_new.dtype is torch.bfloat16 and keys.device.type == "cpu"
+                and q.device.type == "cpu" and pos.device.type == "cpu" and pos.dtype is torch.int64
+                and keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.shape[-1] <= _MAX_HEAD_DIM
+                and q.stride(-1) == 1 and k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and pos.is_contiguous()
+                and q.dim() == 3 and k_new.shape == v_new.shape == (q.shape[0], keys.shape[1], q.shape[2]))
+
+    def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
+                              values: torch.Tensor, pos: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        if not runs(q, k_new, v_new, keys, values, pos):
+            return reference.decode_attention_step(q, k_new, v_new, keys, values, pos, scale)
+        reference.check_decode_attention_args(q, keys, values, pos, positions=False)  # the kernel checks positions
+        m, heads, dim = q.shape
+        out = torch.empty((m, heads, dim), dtype=torch.bfloat16)  # [m, H, D]
+        if m:
+            s_row, s_head, s_col, _ = keys.stride()
+            try:
+                ext.decode_attention_step_bf16(
+                    q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
+                    v_new.data_ptr(), v_new.stride(0), v_new.stride(1), keys.data_ptr(), values.data_ptr(),
+                    pos.data_ptr(), out.data_ptr(), m, heads, keys.shape[1], dim, keys.shape[2], s_row, s_head, s_col,
+                    dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+            except ValueError as exc:
+                raise ShapeError(str(exc)) from None
+        return out
+
+    return decode_attention_step

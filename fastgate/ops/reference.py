@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from fastgate.errors import ShapeError
 
 __all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_decode_attention_args",
-           "check_eigenscore_args", "decode_attention", "eigenscore",
-           "probe_logits"]
+           "check_eigenscore_args", "decode_attention", "decode_attention_step", "eigenscore", "probe_logits",
+           "rms_norm", "rope"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -238,3 +238,30 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     o = F.scaled_dot_product_attention(q.to(torch.float32).unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != keys.shape[1])  # [m, H, 1, D]
     return o[:, :, 0]
+
+
+def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, pos: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """A pass of decode rows only: row ``r``'s new key and value ``k_new / v_new [m, Hkv, D]`` written at column
+    ``pos[r]`` of its store row ``keys / values [R, Hkv, C, D]`` (in place), then :func:`decode_attention` of its
+    heads ``q [m, H, D]``; the result ``[m, H, D]`` in ``q``'s dtype."""
+    rows = torch.arange(q.shape[0], device=q.device)  # [m]
+    keys[rows, :, pos] = k_new.to(keys.dtype)
+    values[rows, :, pos] = v_new.to(values.dtype)
+    return decode_attention(q, keys, values, pos, scale).to(q.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm``'s arithmetic (Qwen2's and Mistral's are the same) over the last dimension of ``x [..., d]``:
+    float32 statistics, ``weight [d] * (x * rsqrt(mean(x^2) + eps))`` rounded to ``x``'s dtype before the product."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding ``x * cos + rotate_half(x) * sin`` of ``x [T, H, D]`` with ``cos``, ``sin [T, 1, D]``
+    (``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``): a new ``[T, H, D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
+    return x * cos + rot * sin

@@ -14,7 +14,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
 - ``auto``: on CUDA the Triton kernels for accumulate, prober and eigenscore when ``triton`` imports; on CPU the C++
   eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
   the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
-  does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise).
+  does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
+  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise).
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -61,7 +62,8 @@ GateBackend = Literal["triton", "ext", "torch"]
 GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", "decode_attention", *CPU_OPS)
+_LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -123,6 +125,10 @@ class Ops:
     ais_scores_batch: Callable[..., torch.Tensor]  # (Q [B,d], P [B,d], D [B,n,d], mode="angle") -> [B,n]
     ais_topk_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (Q, P, D, k, mode) -> (scores, idx) [B,k']
     decode_attention: Callable[..., torch.Tensor]  # (q [m,H,D], keys/values [R,Hkv,C,D], pos [m], scale) -> [m,H,D]
+    # (q [m,H,D], k_new/v_new [m,Hkv,D], keys/values [R,Hkv,C,D], pos [m], scale) -> [m,H,D]: store writes + attention
+    decode_attention_step: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]  # (x [T,d], weight [d], eps) -> [T,d]: the fused pass's norm
+    rope: Callable[..., torch.Tensor]  # (x [T,H,D], cos [T,1,D], sin [T,1,D]) -> [T,H,D]: its rotary embedding
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -244,15 +250,21 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "eigenscore": reference.eigenscore,
         "answer_nll": reference.answer_nll,
         "decode_attention": reference.decode_attention,
+        "decode_attention_step": reference.decode_attention_step,
+        "rms_norm": reference.rms_norm,
+        "rope": reference.rope,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", "decode_attention")}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS)}
     names |= {name: cpu for name in CPU_OPS}
     if cpu == "ext" and device.type == "cpu":  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
-        from fastgate.ops.attention import ext_decode_attention
+        from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
+        from fastgate.ops.layer import ext_rms_norm, ext_rope
 
-        chosen["decode_attention"] = ext_decode_attention(import_ext())  # built: _cpu_ops("ext") imported it
-        names["decode_attention"] = "ext"
+        ext = import_ext()  # built: _cpu_ops("ext") imported it
+        chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext), "rope": ext_rope(ext),
+                   "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
+        names |= {name: "ext" for name in _LAYER_OPS}
     if gate == "triton":
         chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
         names.update({name: "triton" for name in GATE_OPS})

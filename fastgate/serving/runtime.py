@@ -98,12 +98,14 @@ class RuntimeConfig:
                                 "on GPU; the first use of each size compiles, cached under $FASTGATE_HOME/compile), or "
                                 "eager; auto: compiled on CUDA, eager on CPU (default: %(default)s)",
                         choices=STEP_MODES)
-    # the decoder blocks' linear weights as loaded: float keeps the dtype's; int8 and int4 pay with bf16 activations
-    weights: str = setting("float", "how the decoder blocks' linear weights and the LM head are held: float (in "
-                                    "--dtype), int8 (weight-only, one scale per output channel) or int4 (groups of 32: "
-                                    "an embedded model's own 4-bit GGUF blocks, int8 where the GGUF holds a layer "
-                                    "otherwise); activations and logits stay in --dtype; faster with bfloat16 "
-                                    "activations at small batches, fastgate/assets/quant.py (default: %(default)s)",
+    # auto: 4-bit decode steps where the CPU runs the weight-only kernels and the model ships 4-bit blocks, else float
+    weights: str = setting("auto", "how the decoder blocks' linear weights and the LM head are held: float (in "
+                                   "--dtype), int8 (weight-only, one scale per output channel), int4 (groups of 32: "
+                                   "an embedded model's own 4-bit GGUF blocks, int8 where the GGUF holds a layer "
+                                   "otherwise), int4-dense (int4 for decode steps of <= 4 rows, a de-quantized copy "
+                                   "for larger products: prefill at float's speed, more memory) or auto (int4-dense "
+                                   "for an embedded model in bfloat16 on an AVX-512 CPU, else float); activations "
+                                   "and logits stay in --dtype; fastgate/assets/quant.py (default: %(default)s)",
                            choices=WEIGHTS)
     # None: the default corpus
     index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
@@ -204,12 +206,22 @@ class Runtime:
 
     @property
     def weights_name(self) -> str | None:
-        """How the linear weights are held (``float``, ``int8``, ``int4``; None on a remote engine), known without
-        loading: the engine passed in says its own (its model's ``weights``)."""
+        """How the linear weights are held (``float``, ``int8``, ``int4``, ``int4-dense``; None on a remote engine),
+        known without loading unless ``auto`` depends on a dtype only the probe at load can tell: the engine passed
+        in says its own (its model's ``weights``)."""
         if self.remote is not None or (self._engine is not None and self._engine.remote):
             return None
-        if self._engine is not None:
-            return getattr(self._engine.lm, "weights", "float")
+        if self._engine is None and self.weights == "auto":
+            from fastgate.assets.models import MODELS, resolve_device
+            from fastgate.assets.precision import DTYPES, expected_dtype
+            from fastgate.assets.quant import choose_weights
+
+            device = resolve_device(self.device)
+            dtype = expected_dtype(self.dtype, device)
+            if dtype is not None:
+                return choose_weights("auto", device, DTYPES[dtype], gguf_blocks=self.model in MODELS).weights
+        if self._engine is not None or self.weights == "auto":
+            return getattr(self.engine.lm, "weights", "float")
         return self.weights
 
     @property
