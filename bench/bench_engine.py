@@ -148,14 +148,17 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
                        weights_reason=held.reason)
 
 
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights as held: the parameters (tied ones once), the int8 layers' weights
-    and scales, the int4 layers' packed codes and bf16 scales and zeros (what the kernel reads), less the embedding
-    table where the LM head does not multiply by it (an untied head, or a quantized head of its own: a step reads one
-    row of the table a token)."""
+def weight_bytes(model, rows: int = 1) -> int:
+    """Bytes a decode step of ``rows`` rows reads of the weights as held: the parameters (tied ones once), the int8
+    layers' weights and scales, the int4 layers' packed codes and bf16 scales and zeros (what the kernel reads) or,
+    beyond their kernel rows, their kept de-quantized copy (``int4-dense``), less the embedding table where the LM head
+    does not multiply by it (an untied head, or a quantized head of its own: a step reads one row of the table a
+    token)."""
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, (Int8Linear, Int4Linear)) and module.dense is not None and rows > module.kernel_rows:
+            held += module.dense.numel() * module.dense.element_size()
+        elif isinstance(module, Int8Linear):
             held += sum(t.numel() * t.element_size() for t in (module.q, module.scale))
         elif isinstance(module, Int4Linear):
             held += sum(t.numel() * t.element_size() for t in (module.packed, module.scale_zeros))
@@ -471,6 +474,7 @@ def main() -> None:
             # width bucket
             compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
             name = engine.dtype_name
+            held_as = lm.weights  # auto resolved (fastgate.assets.quant.choose_weights)
             weights = weight_bytes(lm.model)
             reason = lm.dtype_reason
             ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
@@ -478,18 +482,18 @@ def main() -> None:
             meta: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # mode, cache width, KV bytes
             bandwidth = [read_bandwidth(device)]
 
-            def step_row(key: tuple[str, int, int]) -> None:
+            def step_row(key: tuple[str, int, int], held=lm.model) -> None:  # held: read weight_bytes(held, b)
                 d, b, c = key
                 mode, width, kv = meta.pop(key)
                 bw = statistics.median(bandwidth)
                 step = statistics.median(times[key])
                 short = times.get((d, b, contexts[0]))
-                bound = (weights + kv) / bw
-                emit({"kind": "step", "design": d, "mode": mode, "dtype": name, "weights": fmt,
+                bound = (weight_bytes(held, b) + kv) / bw
+                emit({"kind": "step", "design": d, "mode": mode, "dtype": name, "weights": held_as,
                       "dtype_reason": reason, "batch": b, "context": c, "cache_width": width,
                       "step_ms": step * 1e3, "bound_ms": bound * 1e3, "of_bound": bound / step,
                       "vs_short": step / statistics.median(short) if short else 1.0,
-                      "first_step_s": FIRST_STEP.get(key, float("nan")), "weights_MB": weights / 1e6,
+                      "first_step_s": FIRST_STEP.get(key, float("nan")), "weights_MB": weight_bytes(held, b) / 1e6,
                       "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "compiles": compiles(), "rounds": len(times[key]),
                       **machine})
 
@@ -545,7 +549,7 @@ def main() -> None:
                     t = statistics.median(samples[d])
                     print(f"{name}/{fmt} prefill {d} {n}x{length}: {t:.2f} s (median of {len(samples[d])})",
                           file=sys.stderr)
-                    emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": fmt,
+                    emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": held_as,
                           "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
                           "prefill_rounds": len(samples[d]), "vs_hf": statistics.median(samples["hf-eager"]) / t,
                           "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})

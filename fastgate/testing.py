@@ -75,9 +75,10 @@ def _tokenizer(vocab_size: int):
 
 
 def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: int = 384,
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, attention_bias: bool = False) -> LoadedModel:
     """Build a tiny random Llama (CPU) and its BPE tokenizer; deterministic for a given seed. The weights are drawn
-    in float32 and then cast to ``dtype`` (tests keep float32 and its exact comparisons; bf16 only runs)."""
+    in float32 and then cast to ``dtype`` (tests keep float32 and its exact comparisons; bf16 only runs);
+    ``attention_bias``: q/k/v/o projections with biases (as Qwen2's q/k/v have)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _tokenizer(vocab_size)
@@ -94,13 +95,15 @@ def tiny_model(n_layers: int = 4, hidden: int = 64, seed: int = 1, vocab_size: i
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         initializer_range=0.1,
+        attention_bias=attention_bias,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # larger logits than the default init, so greedy choices are well separated
         model.lm_head.weight.mul_(4.0)
     model.to(dtype)
-    fingerprint = hashlib.sha256(f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}".encode()).hexdigest()[:16]
+    key = f"tiny-{n_layers}-{hidden}-{seed}-{vocab_size}" + ("-bias" if attention_bias else "")
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, path=None, fingerprint=fingerprint)
 
 

@@ -1,13 +1,14 @@
 """The fused pass's norm and rotary embedding in C++ (fastgate.ops.layer) against their torch references: awkward
 shapes (1, primes, 769), strided rows (views of a wider buffer, as the fused pass hands them), extreme magnitudes;
-float32 rows go to the reference; and the bf16 engine's tokens through them equal the references'."""
+float32 rows and more than MAX_ROWS rows go to the reference; and the bf16 engine's tokens through them equal the
+references'."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastgate.ops import reference
+from fastgate.ops import layer, reference
 from fastgate.ops.registry import build_ops, ext_available
 
 needs_ext = pytest.mark.skipif(not ext_available(), reason="the C++ extension is not built")
@@ -27,7 +28,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @needs_ext
 @pytest.mark.parametrize("rows,d", [(1, 1), (1, 576), (7, 13), (769, 64), (3, 896), (2, 769)])
 @pytest.mark.parametrize("strided", [False, True])
-def test_rms_norm_keeps_the_reference_s_roundings(rows, d, strided):
+def test_rms_norm_keeps_the_reference_s_roundings(rows, d, strided, monkeypatch):
+    monkeypatch.setattr(layer, "MAX_ROWS", 1 << 30)  # the C++ loop at every row count
     g = torch.Generator().manual_seed(rows * 31 + d)
     base = (torch.randn(rows, d + 5 if strided else d, generator=g) * 4).to(torch.bfloat16)
     x = base[:, 2:2 + d] if strided else base  # [rows, d], rows d + 5 apart when strided
@@ -49,8 +51,9 @@ def test_rms_norm_of_tiny_and_huge_rows_and_a_zero_row():
 
 @needs_ext
 @pytest.mark.parametrize("t,h,d", [(1, 1, 2), (1, 12, 64), (7, 5, 6), (769, 3, 128), (2, 13, 130)])
-def test_rope_is_the_reference_bitwise_on_a_strided_view(t, h, d):
+def test_rope_is_the_reference_bitwise_on_a_strided_view(t, h, d, monkeypatch):
     """As the fused pass calls it: q and k heads, a view of the q/k/v product's rows (v's heads after them)."""
+    monkeypatch.setattr(layer, "MAX_ROWS", 1 << 30)  # the C++ loop at every row count
     g = torch.Generator().manual_seed(t * 7 + h * d)
     qkv = (torch.randn(t, h + 3, d, generator=g) * 8).to(torch.bfloat16)  # [T, H + 3, D]
     x = qkv[:, :h]  # [T, H, D], tokens (H + 3) D apart
@@ -72,6 +75,9 @@ def test_float32_rows_and_odd_head_dims_go_to_the_references():
     assert torch.equal(ops.rope(xr, c, c), reference.rope(xr, c, c))
     xo, co = torch.randn(3, 2, 7).to(torch.bfloat16), torch.randn(3, 1, 7).to(torch.bfloat16)
     assert torch.equal(ops.rope(xo, co, co), reference.rope(xo, co, co))
+    # more rows than the C++ loops pay for (a prefill chunk): torch's operations, the reference's bits exactly
+    big, wb = (torch.randn(layer.MAX_ROWS + 1, 576) * 3).to(torch.bfloat16), torch.randn(576).to(torch.bfloat16)
+    assert torch.equal(ops.rms_norm(big, wb, 1e-5), reference.rms_norm(big, wb, 1e-5))
 
 
 def test_the_torch_backend_binds_the_references():

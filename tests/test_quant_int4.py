@@ -316,3 +316,45 @@ def test_a_runtime_names_its_auto_weights_before_loading():
     assert Runtime("tiny", dtype="float32").weights_name == "float"
     assert Runtime("smollm2-135m", dtype="float32").weights_name == "float"
     assert Runtime("smollm2-135m", dtype="float32", weights="int8").weights_name == "int8"
+
+
+@pytest.mark.parametrize("weights", ["int4-dense", "int8"])
+def test_bf16_decode_passes_of_any_rows_take_the_bare_products_with_the_layers_results(weights):
+    """The fused pass's decode-only path with quantized layers (a Qwen-like model: q/k/v biases): batches below and
+    above the kernels' rows give the general path's tokens, log-probs and taps bitwise."""
+    import dataclasses
+
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.ops.registry import ext_available
+    from fastgate.testing import tiny_model
+
+    if not ext_available():
+        pytest.skip("the C++ extension is not built")
+    lm = tiny_model(dtype=torch.bfloat16, attention_bias=True)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in lm.model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:  # HF starts them at zero
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+    quantize_model(lm.model, weights)
+    prompts = [f"Question {i}: who wrote Hamlet" + " and" * i for i in range(7)]  # 7 rows: beyond int4-dense's 4
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    out, calls = {}, []
+    for fast in (True, False):
+        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+        inner = runner.ops.decode_attention_step
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
+            (lambda *a, inner=inner: calls.append(a[0].shape[0]) or inner(*a)) if fast else None))
+        for n in (2, 7):
+            loop = PackedLoop(runner, mid=1)
+            tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 1)), 1, None) for p in prompts[:n]])
+            while loop.busy:
+                loop.step()
+            out[fast, n] = [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
+                             t.result.running_sum) for t in tickets]
+    assert 7 in calls and min(calls) <= 2  # both sides of the kernels' rows went through the bare path
+    for n in (2, 7):
+        for a, b in zip(out[True, n], out[False, n]):
+            assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

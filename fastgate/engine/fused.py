@@ -166,28 +166,53 @@ class _Layer:
         self.act = mlp.act_fn
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
-        # the four products as bare kernel calls for the rows of a bf16 decode step on a CPU (None: not available)
-        products = [_row_product(m) for m in (self.qkv, self.o, self.gate_up, self.down)]
-        self.row_products = None if any(p is None for p, _ in products) else [p for p, _ in products]
-        self.product_rows = min(rows for _, rows in products)
+        # the four products as bare calls for the rows of a bf16 decode step on a CPU: up to product_rows rows
+        # (None: not available), and beyond (None: only up to product_rows)
+        products = [_row_products(m) for m in (self.qkv, self.o, self.gate_up, self.down)]
+        small = [p for p, _, _ in products]
+        large = [p for _, _, p in products]
+        self.product_rows = min(rows for _, rows, _ in products)
+        self.small_products = None if None in small else small
+        self.large_products = None if None in large or self.small_products is None else large
 
 
-def _row_product(linear: nn.Module) -> tuple[object | None, int]:
-    """``linear``'s product of bf16 CPU rows as one bare operator call, and up to how many rows it applies: the
-    weight-only kernels' call that :class:`Int4Linear` and :class:`Int8Linear` make for such rows (no padded rows to
-    drop, no bias), or ``F.linear`` of a bf16 ``nn.Linear``. Skips ``nn.Module.__call__`` and the layers' checks: a
-    batch-1 step makes 120 of these calls."""
-    if type(linear) is Int4Linear and linear._exact and linear.packed.device.type == "cpu":
-        op, packed, group, sz = torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP, \
-            linear.scale_zeros
-        return (lambda x: op(x, packed, group, sz)), linear.kernel_rows  # [M, N]
-    if (type(linear) is Int8Linear and linear._k_ok and linear.bias is None and linear.q.device.type == "cpu"):
-        op, q, scale = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16
-        return (lambda x: op(x, q, scale)), linear.kernel_rows  # [M, N]
+def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]:
+    """``linear``'s product of bf16 CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at most
+    ``rows`` rows and ``large`` beyond (None: not available). They are the calls :class:`Int4Linear` and
+    :class:`Int8Linear` make for such rows (the weight-only kernel, then the kept de-quantized copy of ``int4-dense``),
+    or ``F.linear`` of a bf16 ``nn.Linear``, with the bias added as the layers add it. They skip
+    ``nn.Module.__call__`` and the layers' checks: a decode step makes four a layer (120 for SmolLM2)."""
+    bias = linear.bias
+    if type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features:
+        op, packed, group, sz, dense = (torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP,
+                                        linear.scale_zeros, linear.dense)
+        if packed.device.type != "cpu":
+            return None, 0, None
+        if bias is None:
+            small = lambda x: op(x, packed, group, sz)  # noqa: E731  [M, N]
+        else:
+            small = lambda x: op(x, packed, group, sz) + bias  # noqa: E731
+        if dense is None or dense.dtype is not torch.bfloat16:
+            large = None
+        elif bias is None:
+            large = lambda x: F.linear(x, dense)  # noqa: E731
+        else:
+            large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
+        return small, linear.kernel_rows, large
+    if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu":
+        op, q, scale, dense = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16, linear.dense
+        if bias is None:
+            small = lambda x: op(x, q, scale)  # noqa: E731  [M, N]
+            large = lambda x: F.linear(x, dense) * scale  # noqa: E731
+        else:
+            small = lambda x: op(x, q, scale) + bias  # noqa: E731
+            large = lambda x: F.linear(x, dense) * scale + bias  # noqa: E731
+        return small, linear.kernel_rows, None if dense is None or dense.dtype is not torch.bfloat16 else large
     if type(linear) is nn.Linear and linear.weight.dtype is torch.bfloat16:
-        weight, bias = linear.weight, linear.bias
-        return (lambda x: F.linear(x, weight, bias)), 1 << 30
-    return None, 0
+        weight = linear.weight
+        product = lambda x: F.linear(x, weight, bias)  # noqa: E731
+        return product, 1 << 30, product
+    return None, 0, None
 
 
 class FusedForward:
@@ -207,8 +232,10 @@ class FusedForward:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
         self.rotary = inner.rotary_emb
-        # the most rows _decode_layers takes: within every layer's kernels (0: some layer has no bare product)
-        self._row_limit = min(layer.product_rows if layer.row_products else 0 for layer in self.layers)
+        # the most rows _decode_layers takes: any where every layer has bare products for many rows, else within
+        # every layer's kernels (0: some layer has no bare product)
+        self._row_limit = (1 << 30 if all(layer.large_products for layer in self.layers)
+                           else min(layer.product_rows if layer.small_products else 0 for layer in self.layers))
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,14 +300,14 @@ class FusedForward:
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
-        ``plan.pos[r]``), bf16 on a CPU, ``T`` within every layer's kernel rows: the products as bare kernel calls
-        (:func:`_row_product`) and each layer's store writes and attention as one call of ``attention_step``. The
-        operations and their order are :meth:`_layers`'; only the host's share shrinks."""
+        ``plan.pos[r]``), bf16 on a CPU: the products as bare calls (:func:`_row_products`: the kernels up to their
+        rows, the kept de-quantized or float weights beyond) and each layer's store writes and attention as one call
+        of ``attention_step``. The operations and their order are :meth:`_layers`'; only the host's share shrinks."""
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         store, pos = plan.store, plan.pos
         for i, layer in enumerate(self.layers):
-            qkv_p, o_p, gate_up_p, down_p = layer.row_products
+            qkv_p, o_p, gate_up_p, down_p = layer.small_products if t <= layer.product_rows else layer.large_products
             qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1)).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
             o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],
