@@ -30,11 +30,13 @@ its
   many threads as torch; a 1 × N prefill row beside the engine's. Skipped with an install hint (``make llama-cpp``)
   when ``llama_cpp`` is not importable, and for the random-weight shapes (no GGUF).
 
-``--weights float,int8,int4`` runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8`` holds
-the decoder blocks' linear weights and the LM head as int8 with one scale per output channel; ``int4`` in groups of 32
-with a scale and zero, an embedded model's own 4-bit GGUF blocks where it has them and int8 elsewhere);
-``weights_MB`` counts the bytes a step reads of the weights as held (int8 and its scales, int4's packed codes and its
-bf16 scales and zeros), which the bound reads.
+``--weights float,auto`` (the default) runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8``
+holds the decoder blocks' linear weights and the LM head as int8 with one scale per output channel; ``int4`` in groups
+of 32 with a scale and zero, an embedded model's own 4-bit GGUF blocks where it has them and int8 elsewhere;
+``int4-dense`` adds a de-quantized copy for products beyond 4 rows; ``auto`` is what a user gets for the dtype on this
+machine, skipped where it resolves to a form measured already); rows name the form as loaded. ``weights_MB`` counts
+the bytes a step of its rows reads of the weights as held (int8 and its scales, int4's packed codes and its bf16
+scales and zeros, int4-dense's copy beyond its kernel rows), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
 is timed too: ``packed`` is the serving path (:meth:`PackedLoop.add <fastgate.engine.packed.PackedLoop.add>`: packed
@@ -48,7 +50,7 @@ and ``vs_short`` = this step / the shortest context's for the same design, dtype
 bf16 flags (``bf16_flags``) and what ``auto`` picks on this machine (``auto_dtype``). Rounds alternate designs and
 contexts so drift hits all alike.
 
-Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--weights float,int8,int4] [--batches 1,16,64]
+Run: python bench/bench_engine.py [--dtypes float32,bfloat16] [--weights float,auto] [--batches 1,16,64]
 [--contexts 30,600] [--steps 12] [--rounds 3] [--prefill 16x700] [--designs ...] [--compile-batches 1,16,64]
 [--compile-contexts 600] [--max-minutes 7] [--device cuda] [--model llama3-8b-shape].
 Appends to bench/results/engine.csv (``$FASTGATE_BENCH_RESULTS`` when set), each row as soon as it is measured: its
@@ -414,7 +416,8 @@ def main() -> None:
                         help=f"embedded model, HF directory, or random weights in the shapes of {', '.join(SHAPES)}")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="weights' dtypes, comma-separated (or auto)")
-    parser.add_argument("--weights", default="float,int8,int4", help=f"weight formats, comma-separated, of {WEIGHTS}")
+    parser.add_argument("--weights", default="float,auto", help=f"weight formats, comma-separated, of {WEIGHTS} (auto: "
+                        "what fastgate picks for the dtype and machine; a form measured already is skipped)")
     parser.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
@@ -462,11 +465,18 @@ def main() -> None:
             append_rows("engine", [row])
 
     torch_designs = [d for d in designs if d != "llama.cpp"]
+    measured: set[tuple[str, str]] = set()  # (dtype, weights) as loaded: auto may resolve to a form listed too
     for dtype in args.dtypes.split(",") if torch_designs else ():  # --designs llama.cpp alone loads no model
         for fmt in formats:
             if out_of_time():
                 break
             lm = build_model(args.model, args.device, dtype, fmt)
+            held_key = (str(next(lm.model.parameters()).dtype), lm.weights)
+            if held_key in measured:
+                print(f"{dtype}/{fmt}: {held_key[1]} weights, measured already", file=sys.stderr)
+                del lm
+                continue
+            measured.add(held_key)
             FIRST_STEP.clear()  # first steps are this model's
             engine = Engine(lm, prefix_cache=0, step="eager")  # every row prefilled whole; eager on CUDA too
             hf_engine = Engine(lm, prefix_cache=0, step="eager", forward="hf")  # HF's module tree, hooks for taps
@@ -475,7 +485,6 @@ def main() -> None:
             compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
             name = engine.dtype_name
             held_as = lm.weights  # auto resolved (fastgate.assets.quant.choose_weights)
-            weights = weight_bytes(lm.model)
             reason = lm.dtype_reason
             ids = {(b, c): prompt_ids(engine, b, c) for b in batches for c in contexts}
             times: dict[tuple[str, int, int], list[float]] = {}
@@ -552,7 +561,8 @@ def main() -> None:
                     emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": held_as,
                           "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
                           "prefill_rounds": len(samples[d]), "vs_hf": statistics.median(samples["hf-eager"]) / t,
-                          "tokens_per_s": n * length / t, "weights_MB": weights / 1e6, **machine})
+                          "tokens_per_s": n * length / t,
+                          "weights_MB": weight_bytes(lm.model, n * length) / 1e6, **machine})
             del engine, hf_engine, compiled, lm
     if "llama.cpp" in designs and not out_of_time():
         run_llama_cpp(args, contexts, batches, machine, emit, out_of_time)

@@ -50,7 +50,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     rows = []
     for name in args.models.split(","):
-        lm = load(name)
+        lm = load(name, weights="float")  # the head as an nn.Linear (its weight is what this bench times)
         weight = lm.model.lm_head.weight.detach()  # [V, K]
         vocab, hidden = weight.shape
         gen = torch.Generator().manual_seed(0)

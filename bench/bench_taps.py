@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the weights' dtype")
     args = parser.parse_args()
-    lm = load(args.model, dtype=args.dtype)
+    lm = load(args.model, dtype=args.dtype, weights="float")
     engine = Engine(lm)
     prompts = [closed_book_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(args.batch)]
     cfg = GenerationConfig(max_new_tokens=args.tokens, stop_at_eos=False)  # every row decodes every step

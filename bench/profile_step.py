@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-shape")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--weights", default="float", help="float, int8 or int4 (as --weights of fastgate)")
+    parser.add_argument("--weights", default="float",
+                        help="float, int8, int4, int4-dense or auto (as --weights of fastgate)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=30)

@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", default="eager", choices=["eager", "compiled"],
                     help="decode steps (fastgate.engine.static_step); compiled: greedy answers equal, "
                          "SeaKR's samples are drawn by another generator")
-    ap.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
-                    help="the linear weights (fastgate.assets.quant; the fixture is float: int8 answers are counted)")
+    ap.add_argument("--weights", default="float", choices=["float", "int8", "int4", "int4-dense", "auto"],
+                    help="the linear weights (fastgate.assets.quant; the fixture is float: quantized answers are "
+                         "counted)")
     args = ap.parse_args(argv)
     if args.serving:
         _serving_scheduler()

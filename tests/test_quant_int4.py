@@ -316,6 +316,7 @@ def test_a_runtime_names_its_auto_weights_before_loading():
     assert Runtime("tiny", dtype="float32").weights_name == "float"
     assert Runtime("smollm2-135m", dtype="float32").weights_name == "float"
     assert Runtime("smollm2-135m", dtype="float32", weights="int8").weights_name == "int8"
+    assert Runtime("smollm2-135m", dtype="float16").weights_name == "float"  # a dtype DTYPES does not name
 
 
 @pytest.mark.parametrize("weights", ["int4-dense", "int8"])

@@ -48,6 +48,14 @@ weight), and so are q/k/v or gate/up together when one of them is (the fused pas
 without a GGUF (a local HF directory, the tests' tiny model) is quantized here, group by group (:func:`quantize_int4`:
 ``scale = (max - min) / 15``), the head included. A layer whose ``K`` is not a multiple of 32 stays int8.
 
+``int4-dense`` is ``int4`` with each quantized layer's de-quantized weight kept beside its codes (``keep_dense``, a
+buffer in the model's dtype left out of the state dict; a fused layer keeps it and its parts hold views): the kernels
+run up to :data:`DENSE_KERNEL_ROWS` rows, where they beat a dense bf16 product (one thread of a Zen 4 EPYC, 576 →
+1536: 1 row 26 µs against 64, 4 rows 43 against 79, 8 rows 128 against 96), and every larger product multiplies the
+kept copy: prefill and batched steps at the dense product's speed, the results those of de-quantizing every call.
+The price is memory (the codes beside the copy). ``auto`` (:func:`choose_weights`, the default of ``load`` and the
+CLI) picks it for an embedded model in bf16 on a CPU whose torch runs the kernels' AVX-512 code, ``float`` elsewhere.
+
 The codes are kept plain, two to a byte along ``K`` (``q [N, K / 2]``: rows can be split and joined, as
 :mod:`fastgate.engine.fused` does), and packed once for the kernel (``packed``, ``scale_zeros [K / 32, N, 2]`` in
 bf16; ``N`` padded to a multiple of 16, which the kernel needs). The packed layout runs in blocks of 64 rows: the

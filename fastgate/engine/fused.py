@@ -166,14 +166,13 @@ class _Layer:
         self.act = mlp.act_fn
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
-        # the four products as bare calls for the rows of a bf16 decode step on a CPU: up to product_rows rows
-        # (None: not available), and beyond (None: only up to product_rows)
+        # the four products as bare calls for the rows of a bf16 decode step on a CPU, each (small, rows, large):
+        # up to rows, and beyond (None: none); products None where one has no bare call
         products = [_row_products(m) for m in (self.qkv, self.o, self.gate_up, self.down)]
-        small = [p for p, _, _ in products]
-        large = [p for _, _, p in products]
-        self.product_rows = min(rows for _, rows, _ in products)
-        self.small_products = None if None in small else small
-        self.large_products = None if None in large or self.small_products is None else large
+        self.products = None if any(p is None for p, _, _ in products) else products
+        # rows every product takes as a bare call: any where each has its many-rows call, else its kernels' least
+        self.product_rows = 0 if self.products is None else (
+            1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
 
 
 def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]:
@@ -182,7 +181,9 @@ def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]
     :class:`Int8Linear` make for such rows (the weight-only kernel, then the kept de-quantized copy of ``int4-dense``),
     or ``F.linear`` of a bf16 ``nn.Linear``, with the bias added as the layers add it. They skip
     ``nn.Module.__call__`` and the layers' checks: a decode step makes four a layer (120 for SmolLM2)."""
-    bias = linear.bias
+    bias = None if linear.bias is None else linear.bias.detach()
+    if type(linear) in (Int4Linear, Int8Linear) and bias is not None:
+        bias = bias.to(torch.bfloat16)  # the layers add bias.to(y.dtype), y bf16
     if type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features:
         op, packed, group, sz, dense = (torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP,
                                         linear.scale_zeros, linear.dense)
@@ -234,8 +235,7 @@ class FusedForward:
         self.rotary = inner.rotary_emb
         # the most rows _decode_layers takes: any where every layer has bare products for many rows, else within
         # every layer's kernels (0: some layer has no bare product)
-        self._row_limit = (1 << 30 if all(layer.large_products for layer in self.layers)
-                           else min(layer.product_rows if layer.small_products else 0 for layer in self.layers))
+        self._row_limit = min(layer.product_rows for layer in self.layers)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +307,8 @@ class FusedForward:
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         store, pos = plan.store, plan.pos
         for i, layer in enumerate(self.layers):
-            qkv_p, o_p, gate_up_p, down_p = layer.small_products if t <= layer.product_rows else layer.large_products
+            # each product as its layer would run these rows: the kernel up to its rows, the kept copy beyond
+            qkv_p, o_p, gate_up_p, down_p = (small if t <= rows else large for small, rows, large in layer.products)
             qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1)).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
             o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],

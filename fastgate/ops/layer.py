@@ -36,7 +36,8 @@ def ext_rms_norm(ext: ModuleType) -> Callable[..., torch.Tensor]:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
                 or x.shape[0] > MAX_ROWS
-                or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape != x.shape[1:]):
+                or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1] or not weight.is_contiguous()
+                or weight.shape != x.shape[1:]):
             return reference.rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, d]
         ext.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),

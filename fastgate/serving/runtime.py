@@ -105,7 +105,7 @@ class RuntimeConfig:
                                    "otherwise), int4-dense (int4 for decode steps of <= 4 rows, a de-quantized copy "
                                    "for larger products: prefill at float's speed, more memory) or auto (int4-dense "
                                    "for an embedded model in bfloat16 on an AVX-512 CPU, else float); activations "
-                                   "and logits stay in --dtype; fastgate/assets/quant.py (default: %(default)s)",
+                                   "stay in --dtype, logits float32; fastgate/assets/quant.py (default: %(default)s)",
                            choices=WEIGHTS)
     # None: the default corpus
     index: str | None = setting(None, "index root holding bm25/ and dense/ (default: the default corpus, built on "
@@ -212,6 +212,8 @@ class Runtime:
         if self.remote is not None or (self._engine is not None and self._engine.remote):
             return None
         if self._engine is None and self.weights == "auto":
+            import torch
+
             from fastgate.assets.models import MODELS, resolve_device
             from fastgate.assets.precision import DTYPES, expected_dtype
             from fastgate.assets.quant import choose_weights
@@ -219,7 +221,8 @@ class Runtime:
             device = resolve_device(self.device)
             dtype = expected_dtype(self.dtype, device)
             if dtype is not None:
-                return choose_weights("auto", device, DTYPES[dtype], gguf_blocks=self.model in MODELS).weights
+                return choose_weights("auto", device, DTYPES.get(dtype, torch.float16),
+                                      gguf_blocks=self.model in MODELS).weights
         if self._engine is not None or self.weights == "auto":
             return getattr(self.engine.lm, "weights", "float")
         return self.weights
@@ -275,7 +278,8 @@ class Runtime:
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
                   dtype: str | None = None, engine: str | None = None, weights: str | None = None) -> dict[str, Any]:
     """The JSON object ``fastgate ask --json`` prints for one :class:`~fastgate.methods.MethodResult` (with the
-    weights' ``dtype`` and format (``weights``: ``float``, ``int8``, ``int4``) and the ``engine``, ``local`` or
+    weights' ``dtype`` and format (``weights``: ``float``, ``int8``, ``int4``, ``int4-dense``) and the ``engine``,
+    ``local`` or
     ``openai:<base-url>:<model>``, when given)."""
     record = result.to_dict()
     record.update({"model": model, "retriever": retriever})

@@ -245,8 +245,8 @@ class AnswerService:
 
     @property
     def weights_name(self) -> str | None:
-        """How the linear weights are held (``float``, ``int8``, ``int4``; None on a remote engine), as ``/healthz``
-        says."""
+        """How the linear weights are held (``float``, ``int8``, ``int4``, ``int4-dense``; None on a remote engine), as
+        ``/healthz`` says."""
         return self.runtime.weights_name
 
     @property

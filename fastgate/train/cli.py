@@ -79,7 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
     examples = _examples(args)
-    lm = load(args.model, device=args.device)
+    lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     engine = Engine(lm)
     torch.manual_seed(args.seed)
     if args.kind == "prober":
@@ -111,7 +111,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from fastgate.gates.checkpoints import load_probe_checkpoint
     from fastgate.train.evaluate import evaluate_gate
 
-    lm = load(args.model, device=args.device)
+    lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     ckpt = load_probe_checkpoint(args.checkpoint, lm)
     _, held_out = split_examples(load_qa(args.data))
     random.Random(args.seed).shuffle(held_out)
@@ -136,7 +136,7 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
 
     examples = _examples(args)
     retriever = open_retriever("bm25", args.index)
-    lm = load(args.model, device=args.device)
+    lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     path = resolve_checkpoint(args.checkpoint or "", lm.name, "confidence", "the reranker", "fastgate train confidence")
     ckpt = load_probe_checkpoint(path, lm, kind="confidence")
     engine = Engine(lm)
