@@ -770,6 +770,18 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
   }
 }
 
+// The most columns any of the m rows attends (positions checked to lie in the store's 0 .. cols - 1: the caller skips
+// a host-side min / max a layer).
+int64_t attended_width(const int64_t* pos, int64_t m, int64_t cols) {
+  int64_t widest = 1;
+  for (int64_t r = 0; r < m; ++r) {
+    if (pos[r] < 0 || pos[r] >= cols)
+      throw std::invalid_argument("decode_attention: positions must lie in 0.." + std::to_string(cols - 1));
+    widest = std::max(widest, pos[r] + 1);
+  }
+  return widest;
+}
+
 // q: [m, H, D] float32 contiguous; keys / values: bf16 with element strides (row, head, column) and unit stride over
 // D, `cols` columns; pos: [m] int64, the last column each row attends (0 .. cols - 1, checked here: the caller skips
 // a host-side min / max a layer); out: [m, H, D] float32 contiguous. Pointers come from
@@ -786,12 +798,7 @@ void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, ui
   const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
   float* out = reinterpret_cast<float*>(out_ptr);
   const int64_t G = H / Hkv;
-  int64_t widest = 1;
-  for (int64_t r = 0; r < m; ++r) {
-    if (pos[r] < 0 || pos[r] >= cols)
-      throw std::invalid_argument("decode_attention: positions must lie in 0.." + std::to_string(cols - 1));
-    widest = std::max(widest, pos[r] + 1);
-  }
+  const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
   // a thread pays for itself from ~1M multiply-adds (~100 us): a batch-1 step stays on the caller's thread
@@ -902,12 +909,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
   const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
   uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
   const int64_t G = H / Hkv;
-  int64_t widest = 1;
-  for (int64_t r = 0; r < m; ++r) {
-    if (pos[r] < 0 || pos[r] >= cols)
-      throw std::invalid_argument("decode_attention: positions must lie in 0.." + std::to_string(cols - 1));
-    widest = std::max(widest, pos[r] + 1);
-  }
+  const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
   split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
