@@ -189,7 +189,32 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return F.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
 
 
-class Int8Linear(nn.Module):
+class _KeptCopy(nn.Module):
+    """What :class:`Int8Linear` and :class:`Int4Linear` share for ``int4-dense``: their weight kept in a float dtype
+    beside the codes (``dense``, a buffer that moves with the module and stays out of the state dict; None unless
+    the format asks), so products beyond the kernels' rows skip de-quantizing every call, with the same results."""
+
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype`` as the layer's dense product computes it."""
+        raise NotImplementedError
+
+    def keep_dense(self, dtype: torch.dtype | None, dense: torch.Tensor | None = None) -> None:
+        """Keep the weight in ``dtype`` (``dense`` if given, e.g. a view of a fused layer's); ``None`` drops it."""
+        if "dense" not in self._buffers:
+            self.register_buffer("dense", None, persistent=False)
+        self._buffers["dense"] = None if dtype is None else (self._weight_in(dtype) if dense is None else dense)
+
+    def _follow_codes(self) -> None:
+        """After new codes (``refresh``): a kept copy is made again from them."""
+        if self.dense is not None:
+            self.keep_dense(self.dense.dtype)
+
+    def _kept(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The kept copy where it is in ``dtype``, else None."""
+        return self.dense if self.dense is not None and self.dense.dtype == dtype else None
+
+
+class Int8Linear(_KeptCopy):
     """A drop-in for ``nn.Linear`` holding an int8 weight ``[N, K]`` and float32 scales ``[N]`` (buffers, so the
     model's ``parameters()`` still name its float dtype). The output has ``x``'s dtype."""
 
@@ -205,7 +230,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.kernel_rows = kernel_rows
         self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
-        _set_dense(self, None)  # a kept de-quantized copy (keep_dense): none unless the format asks
+        self.keep_dense(None)  # no kept copy unless the format asks (int4-dense)
         self.refresh()
 
     def refresh(self) -> None:
@@ -218,14 +243,10 @@ class Int8Linear(nn.Module):
             self.register_buffer("scale_bf16", scale_bf16, persistent=False)
         self._k_ok = self.in_features % _KERNEL_K_MULTIPLE == 0
         self._kinds = (torch.bfloat16, torch.float32) if self.bf16_products else (torch.bfloat16,)
-        if getattr(self, "dense", None) is not None:  # new codes: a kept copy follows them
-            self.keep_dense(self.dense.dtype)
+        self._follow_codes()
 
-    def keep_dense(self, dtype: torch.dtype | None, dense: torch.Tensor | None = None) -> None:
-        """Keep the int8 weight cast to ``dtype`` (``[N, K]``; ``dense`` if given, e.g. a view of a fused layer's),
-        so products beyond the kernel's rows skip the cast every call (the ``-dense`` formats); the results are the
-        same as without. ``None`` drops it."""
-        _set_dense(self, None if dtype is None else (self.q.to(dtype) if dense is None else dense))
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.q.to(dtype)  # [N, K]: the scales multiply the product (forward)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = KERNEL_ROWS) -> Int8Linear:
@@ -256,19 +277,11 @@ class Int8Linear(nn.Module):
             xb = x2.to(torch.bfloat16)  # a no-op for bf16 rows
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale_bf16).to(x2.dtype)  # [M, N]
         else:
-            dense = self.dense if self.dense is not None and self.dense.dtype == x2.dtype else self.q.to(x2.dtype)
-            y = F.linear(x2, dense) * self.scale.to(x2.dtype)  # [M, N]
+            dense = self._kept(x2.dtype)
+            y = F.linear(x2, self._weight_in(x2.dtype) if dense is None else dense) * self.scale.to(x2.dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
-
-
-def _set_dense(layer: nn.Module, dense: torch.Tensor | None) -> None:
-    """``layer.dense``: a buffer (moves with the module), left out of the state dict, or None."""
-    if "dense" in layer._buffers:
-        layer._buffers["dense"] = dense
-    else:
-        layer.register_buffer("dense", dense, persistent=False)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -388,7 +401,7 @@ def packed_rows_split() -> bool:
         return False
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_KeptCopy):
     """A drop-in for ``nn.Linear`` holding int4 codes in groups of 32 (module docstring): the plain nibbles
     ``q [N, K / 2]`` and float32 ``scale``, ``zero [N, K / 32]`` (buffers), and what the kernel reads, packed once
     (``packed``, ``scale_zeros``: buffers left out of the state dict). The output has ``x``'s dtype."""
@@ -409,7 +422,7 @@ class Int4Linear(nn.Module):
         self.kernel_rows = kernel_rows
         self.source = source  # "gguf" (the file's own blocks) or "quantized" (quantize_int4 of a float weight)
         self.bf16_products = FLOAT32_VIA_BF16  # float32 rows rounded to bf16 for the kernel (module docstring)
-        _set_dense(self, None)  # a kept de-quantized copy (keep_dense): none unless the format asks
+        self.keep_dense(None)  # no kept copy unless the format asks (int4-dense)
         self.refresh()
 
     def refresh(self, packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -424,14 +437,10 @@ class Int4Linear(nn.Module):
                 self.register_buffer(name, value, persistent=False)
         # the kernel's output is the layer's own: no padded rows to drop, no bias to add
         self._exact = self.scale_zeros.shape[1] == self.out_features and self.bias is None
-        if getattr(self, "dense", None) is not None:  # new codes: a kept copy follows them
-            self.keep_dense(self.dense.dtype)
+        self._follow_codes()
 
-    def keep_dense(self, dtype: torch.dtype | None, dense: torch.Tensor | None = None) -> None:
-        """Keep the de-quantized weight in ``dtype`` (``[N, K]``, :meth:`dequantized`; ``dense`` if given, e.g. a
-        view of a fused layer's), so products beyond the kernel's rows (a prefill) skip de-quantizing every call
-        (``int4-dense``); the results are the same as without. ``None`` drops it."""
-        _set_dense(self, None if dtype is None else (self.dequantized(dtype) if dense is None else dense))
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantized(dtype)  # [N, K]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel_rows: int = INT4_KERNEL_ROWS) -> Int4Linear:
@@ -469,8 +478,8 @@ class Int4Linear(nn.Module):
                 y = y[:, :self.out_features]
             y = y.to(x2.dtype)
         else:
-            dense = self.dense if self.dense is not None and self.dense.dtype == x2.dtype else None
-            y = F.linear(x2, self.dequantized(x2.dtype) if dense is None else dense)  # [M, N]
+            dense = self._kept(x2.dtype)
+            y = F.linear(x2, self._weight_in(x2.dtype) if dense is None else dense)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)

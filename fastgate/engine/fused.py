@@ -90,50 +90,18 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
     fused one, so the model holds each weight once and HF's modules still compute with the same values. Int4 parts
     join their plain codes, then the join is packed for the kernel once; the parts keep views of that packed weight
     where the layout splits at their row boundaries (multiples of 64 rows, :func:`packed_rows_split`), else pack their
-    own."""
-    if type(parts[0]) is Int4Linear:
-        q = torch.cat([p.q for p in parts])  # [sum N, K / 2] uint8
-        scale, zero = torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])  # [sum N, K / 32]
-        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-        fused = Int4Linear(q, scale, zero, bias, parts[0].kernel_rows, parts[0].source)
-        fused.bf16_products = parts[0].bf16_products
-        dense = parts[0].dense  # int4-dense: the fused layer keeps the copy, its parts views of it
+    own. A kept de-quantized copy (``int4-dense``) is made once for the join, the parts holding views of it."""
+    if type(parts[0]) in (Int4Linear, Int8Linear):
+        dense = parts[0].dense
+        for p in parts:
+            p.keep_dense(None)  # so the parts' refresh in the join does not make it again
+        fused = _join_int4(parts) if type(parts[0]) is Int4Linear else _join_int8(parts)
         if dense is not None:
             fused.keep_dense(dense.dtype)
-        views = packed_rows_split() and all(p.out_features % 64 == 0 for p in parts) and q.device.type == "cpu"
-        start = 0
-        for p in parts:
-            n = p.out_features
-            p.q, p.scale, p.zero = q[start:start + n], scale[start:start + n], zero[start:start + n]
-            p.keep_dense(None)  # replaced by a view below, not re-made by refresh
-            p.refresh((fused.packed[start:start + n], fused.scale_zeros[:, start:start + n].contiguous())
-                      if views else None)
-            if dense is not None:
-                p.keep_dense(dense.dtype, fused.dense[start:start + n])
-            if bias is not None:
-                p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
-            start += n
-        return fused
-    if type(parts[0]) is Int8Linear:
-        q = torch.cat([p.q for p in parts])  # [sum N, K] int8
-        scale = torch.cat([p.scale for p in parts])  # [sum N]
-        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-        fused = Int8Linear(q, scale, bias, parts[0].kernel_rows)
-        fused.bf16_products = parts[0].bf16_products
-        dense = parts[0].dense  # int4-dense: the fused layer keeps the copy, its parts views of it
-        if dense is not None:
-            fused.keep_dense(dense.dtype)
-        start = 0
-        for p in parts:
-            n = p.out_features
-            p.q, p.scale = fused.q[start:start + n], fused.scale[start:start + n]
-            p.keep_dense(None)
-            p.refresh()
-            if dense is not None:
-                p.keep_dense(dense.dtype, fused.dense[start:start + n])
-            if bias is not None:
-                p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
-            start += n
+            start = 0
+            for p in parts:
+                p.keep_dense(dense.dtype, fused.dense[start:start + p.out_features])
+                start += p.out_features
         return fused
     weight = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
@@ -147,6 +115,45 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
         p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
         if bias is not None:
             p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
+def _join_int4(parts: list[Int4Linear]) -> Int4Linear:
+    """The Int4Linear of ``parts``' codes side by side, the parts' codes and packed weights views of it
+    (:func:`_fuse`)."""
+    q = torch.cat([p.q for p in parts])  # [sum N, K / 2] uint8
+    scale, zero = torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])  # [sum N, K / 32]
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    fused = Int4Linear(q, scale, zero, bias, parts[0].kernel_rows, parts[0].source)
+    fused.bf16_products = parts[0].bf16_products
+    views = packed_rows_split() and all(p.out_features % 64 == 0 for p in parts) and q.device.type == "cpu"
+    start = 0
+    for p in parts:
+        n = p.out_features
+        p.q, p.scale, p.zero = q[start:start + n], scale[start:start + n], zero[start:start + n]
+        p.refresh((fused.packed[start:start + n], fused.scale_zeros[:, start:start + n].contiguous())
+                  if views else None)
+        if bias is not None:
+            p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
+def _join_int8(parts: list[Int8Linear]) -> Int8Linear:
+    """The Int8Linear of ``parts``' weights side by side, the parts' weights and scales views of it (:func:`_fuse`)."""
+    q = torch.cat([p.q for p in parts])  # [sum N, K] int8
+    scale = torch.cat([p.scale for p in parts])  # [sum N]
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    fused = Int8Linear(q, scale, bias, parts[0].kernel_rows)
+    fused.bf16_products = parts[0].bf16_products
+    start = 0
+    for p in parts:
+        n = p.out_features
+        p.q, p.scale = fused.q[start:start + n], fused.scale[start:start + n]
+        p.refresh()
+        if bias is not None:
+            p.bias = nn.Parameter(fused.bias.detach()[start:start + n], requires_grad=False)
         start += n
     return fused
 
@@ -186,14 +193,14 @@ def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]
         bias = bias.to(torch.bfloat16)  # the layers add bias.to(y.dtype), y bf16
     if type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features:
         op, packed, group, sz, dense = (torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP,
-                                        linear.scale_zeros, linear.dense)
+                                        linear.scale_zeros, linear._kept(torch.bfloat16))
         if packed.device.type != "cpu":
             return None, 0, None
         if bias is None:
             small = lambda x: op(x, packed, group, sz)  # noqa: E731  [M, N]
         else:
             small = lambda x: op(x, packed, group, sz) + bias  # noqa: E731
-        if dense is None or dense.dtype is not torch.bfloat16:
+        if dense is None:
             large = None
         elif bias is None:
             large = lambda x: F.linear(x, dense)  # noqa: E731
@@ -201,14 +208,15 @@ def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]
             large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
         return small, linear.kernel_rows, large
     if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu":
-        op, q, scale, dense = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16, linear.dense
+        op, q, scale = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16
+        dense = linear._kept(torch.bfloat16)
         if bias is None:
             small = lambda x: op(x, q, scale)  # noqa: E731  [M, N]
             large = lambda x: F.linear(x, dense) * scale  # noqa: E731
         else:
             small = lambda x: op(x, q, scale) + bias  # noqa: E731
             large = lambda x: F.linear(x, dense) * scale + bias  # noqa: E731
-        return small, linear.kernel_rows, None if dense is None or dense.dtype is not torch.bfloat16 else large
+        return small, linear.kernel_rows, None if dense is None else large
     if type(linear) is nn.Linear and linear.weight.dtype is torch.bfloat16:
         weight = linear.weight
         product = lambda x: F.linear(x, weight, bias)  # noqa: E731
