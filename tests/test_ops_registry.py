@@ -40,7 +40,7 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
-        "align_words": "ext", "word_logprobs": "ext", "align_word_logprobs_batch": "ext",
+        "prefill_attention": "blocked", "align_words": "ext", "word_logprobs": "ext", "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }
     with pytest.raises(TypeError):
@@ -57,7 +57,8 @@ def test_reference_backends_run_every_reference(backend):
     assert o.probe_logits is reference.probe_logits and o.answer_nll is reference.answer_nll
     assert o.decode_attention is reference.decode_attention and o.backends["decode_attention"] == "torch"
     assert o.decode_attention_step is reference.decode_attention_step and o.rms_norm is reference.rms_norm
-    assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope")} == {"torch"}
+    assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope", "prefill_attention")} == {"torch"}
+    assert o.prefill_attention is reference.prefill_attention
     assert {o.backends[n] for n in registry.CPU_OPS} == {"python"}
 
 
@@ -109,7 +110,8 @@ def test_unknown_backends_are_input_errors(monkeypatch):
 def test_without_the_extension(monkeypatch):
     monkeypatch.setattr(registry, "import_ext", lambda: None)
     o = build_ops("auto", "cpu")
-    assert o.backend == "torch" and set(o.backends.values()) == {"torch", "python"}
+    assert o.backend == "torch" and set(o.backends.values()) == {"torch", "python", "blocked"}
+    assert o.backends["prefill_attention"] == "blocked"  # torch operations: no extension needed
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
         build_ops("ext", "cpu")
 

@@ -33,6 +33,7 @@ from fastgate.engine.decode import DecodeLoop, _Spec, mergeable
 from fastgate.engine.generation import RowState
 from fastgate.engine.kv_cache import within_cells
 from fastgate.engine.static_step import batch_bucket, choose, covers, row_key, width_bucket
+from fastgate.ops.reference import prefill_attention, prefill_mask
 
 __all__ = ["PackedPlan", "PrefillSeg", "SlotStore", "packed_forward"]
 
@@ -104,9 +105,7 @@ class PrefillSeg:
     mask: torch.Tensor | None = None  # [n, start + n] bool, built once per pass (None: plain causal, start == 0)
 
     def __post_init__(self) -> None:
-        if self.start:
-            q = torch.arange(self.start, self.start + self.n)[:, None]
-            self.mask = (torch.arange(self.start + self.n)[None, :] <= q).to(self.kv[0][0].device)
+        self.mask = prefill_mask(self.start, self.n, self.kv[0][0].device)
 
 
 @dataclass(eq=False)
@@ -123,6 +122,7 @@ class PackedPlan:
     rows: torch.Tensor | None = None  # [m] arange, for the in-place write
     attn_dtype: torch.dtype | None = None  # the decode rows' attention computes in this dtype (None: the cache's)
     attend: Callable | None = None  # the decode rows' attention op over a bf16 store (ModelRunner.decode_attention)
+    prefill_attend: Callable = prefill_attention  # the chunks' attention op (ModelRunner.ops.prefill_attention)
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -153,8 +153,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         k_buf[:, :, seg.start:end] = key[:, :, seg.offset:seg.offset + seg.n]
         v_buf[:, :, seg.start:end] = value[:, :, seg.offset:seg.offset + seg.n]
         q = query[:, :, seg.offset:seg.offset + seg.n]  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=seg.mask,
-                                           is_causal=seg.mask is None, scale=scaling, enable_gqa=gqa)  # [1, H, n, D]
+        o = plan.prefill_attend(q, k_buf[:, :, :end], v_buf[:, :, :end], seg.start, scaling, seg.mask)  # [1,H,n,D]
         out[seg.offset:seg.offset + seg.n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -475,7 +474,7 @@ class PackedLoop(DecodeLoop):
                 ending.append((job, len(keep)))
                 keep.append(off + n - 1)
         plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype,
-                          attend=eng.decode_attention)
+                          attend=eng.decode_attention, prefill_attend=eng.ops.prefill_attention)
         if m:
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)

@@ -1,5 +1,5 @@
 """Torch references of ops 1, 2 and 5 (docs/ARCHITECTURE.md, Ops): the prober MLP, SeaKR's eigenscore and DTR's answer
-NLL; and the engine's decode attention over a bf16 store.
+NLL; the engine's decode attention over a bf16 store, and its prompt chunks' attention.
 
 They define the semantics the fused Triton kernels (``kernels/``) are tested against, and they are what runs on CPU.
 Every op returns float32.
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from fastgate.errors import ShapeError
 
 __all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_decode_attention_args",
-           "check_eigenscore_args", "decode_attention", "decode_attention_step", "eigenscore", "probe_logits",
-           "rms_norm", "rope"]
+           "check_eigenscore_args", "decode_attention", "decode_attention_step", "eigenscore", "prefill_attention",
+           "prefill_mask", "probe_logits", "rms_norm", "rope"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -249,6 +249,46 @@ def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     keys[rows, :, pos] = k_new.to(keys.dtype)
     values[rows, :, pos] = v_new.to(values.dtype)
     return decode_attention(q, keys, values, pos, scale).to(q.dtype)
+
+
+def check_prefill_attention_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    """Shape checks shared by every implementation of :func:`prefill_attention`."""
+    if q.ndim != 4 or keys.ndim != 4 or values.shape != keys.shape or q.shape[0] != 1 or keys.shape[0] != 1:
+        raise ShapeError(f"prefill_attention: q [1, H, n, D] and keys / values [1, Hkv, S, D] of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    _, heads, n, dim = q.shape
+    if keys.shape[3] != dim or heads % keys.shape[1]:
+        raise ShapeError(f"prefill_attention: q {tuple(q.shape)} does not fit keys {tuple(keys.shape)} (head dim, "
+                         "heads a multiple of the key / value heads)")
+    if start < 0 or start + n != keys.shape[2]:
+        raise ShapeError(f"prefill_attention: {n} queries from column {start} need start + n = {start + n} key "
+                         f"columns, got {keys.shape[2]}")
+
+
+def prefill_mask(start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The mask of ``n`` queries at columns ``start .. start + n - 1``: ``[n, start + n]`` bool, query ``i`` sees
+    columns ``0 .. start + i``; None where it is plain causal (``start == 0``)."""
+    if not start:
+        return None
+    q = torch.arange(start, start + n)[:, None]  # [n, 1]
+    return (torch.arange(start + n)[None, :] <= q).to(device)  # [n, start + n]
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                      scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt chunk's attention: ``q [1, H, n, D]``, the chunk's queries at columns ``start .. start + n - 1`` of
+    its sequence, over ``keys / values [1, Hkv, start + n, D]`` (the cached prefix, then the chunk), causal; query
+    head ``h`` reads key / value head ``h // (H / Hkv)``. ``mask``: :func:`prefill_mask` of the chunk when the caller
+    holds it (built here otherwise). torch's SDPA in the inputs' dtype.
+
+    Returns:
+        ``[1, H, n, D]`` in ``q``'s dtype.
+    """
+    check_prefill_attention_args(q, keys, values, start)
+    if start and mask is None:
+        mask = prefill_mask(start, q.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1])  # [1, H, n, D]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,14 +15,16 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
   the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
   does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
-  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise).
+  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise). A
+  prompt chunk's attention over bf16 keys on a CPU runs in query blocks of batched products (``prefill_attention``,
+  recorded as ``blocked``; :mod:`fastgate.ops.prefill`), torch's SDPA elsewhere.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
 - ``torch`` (alias ``python``): every op runs its reference (``fastgate.ops.reference``, ``fastgate.ops._python``).
 
-Every choice is recorded by op name in :attr:`Ops.backends`: ``triton``, ``ext``, ``torch`` (the torch references)
-or ``python`` (the numpy references). ``triton`` is imported only when a Triton kernel is chosen.
+Every choice is recorded by op name in :attr:`Ops.backends`: ``triton``, ``ext``, ``blocked``, ``torch`` (the torch
+references) or ``python`` (the numpy references). ``triton`` is imported only when a Triton kernel is chosen.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, *CPU_OPS)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -113,7 +115,7 @@ class Ops:
 
     backend: GateBackend  # the backend of the gating ops (today's ``engine.backend``)
     device: torch.device
-    backends: Mapping[str, str]  # op name -> "triton" | "ext" | "torch" | "python"
+    backends: Mapping[str, str]  # op name -> "triton" | "ext" | "blocked" | "torch" | "python"
     accumulate: Callable[..., None]  # (running_sum [B,L,d], states [B,L,d], weight [B]) -> None, in place
     probe_logits: Callable[..., torch.Tensor]  # (sums [B,L,d], counts [B], ProbeParams) -> [B,L,2]
     eigenscore: Callable[..., torch.Tensor]  # (z [B,k,d], alpha=1e-3, valid=None, scale=None) -> [B]
@@ -129,6 +131,8 @@ class Ops:
     decode_attention_step: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]  # (x [T,d], weight [d], eps) -> [T,d]: the fused pass's norm
     rope: Callable[..., torch.Tensor]  # (x [T,H,D], cos [T,1,D], sin [T,1,D]) -> [T,H,D]: its rotary embedding
+    # (q [1,H,n,D], keys/values [1,Hkv,start+n,D], start, scale, mask) -> [1,H,n,D]: a prompt chunk's causal attention
+    prefill_attention: Callable[..., torch.Tensor]
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -253,9 +257,10 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "decode_attention_step": reference.decode_attention_step,
         "rms_norm": reference.rms_norm,
         "rope": reference.rope,
+        "prefill_attention": reference.prefill_attention,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS)}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention")}
     names |= {name: cpu for name in CPU_OPS}
     if cpu == "ext" and device.type == "cpu":  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
         from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
@@ -265,6 +270,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext), "rope": ext_rope(ext),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
         names |= {name: "ext" for name in _LAYER_OPS}
+    if backend != "torch" and device.type == "cpu":  # torch operations: no extension needed (fastgate.ops.prefill)
+        from fastgate.ops.prefill import blocked_prefill_attention
+
+        chosen["prefill_attention"] = blocked_prefill_attention  # bf16 inputs; others: the reference
+        names["prefill_attention"] = "blocked"
     if gate == "triton":
         chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
         names.update({name: "triton" for name in GATE_OPS})

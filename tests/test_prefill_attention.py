@@ -1,0 +1,105 @@
+"""The prompt chunks' attention (op ``prefill_attention``): the blocked bf16 CPU implementation against float32
+attention of the same inputs over awkward shapes, every other input through torch's SDPA unchanged, shape errors,
+and the packed pass calling the op the runner chose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.errors import ShapeError
+from fastgate.ops import build_ops, reference
+from fastgate.ops.prefill import BLOCK, blocked_prefill_attention
+
+
+def _inputs(heads, kv_heads, n, start, dim, dtype=torch.bfloat16, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    total = start + n
+    # q as HF hands it over ([1, T, H, D] transposed: strided), keys / values a prefix of a wider buffer
+    q = (torch.randn(1, n, heads, dim, generator=g) * scale).to(dtype).transpose(1, 2)  # [1, H, n, D]
+    k = (torch.randn(1, kv_heads, total + 5, dim, generator=g) * scale).to(dtype)[:, :, :total]  # [1, Hkv, S, D]
+    v = torch.randn(1, kv_heads, total + 5, dim, generator=g).to(dtype)[:, :, :total]
+    return q, k, v
+
+
+SHAPES = [  # heads, kv heads, queries, cached columns before them, head dim
+    (1, 1, 1, 0, 64), (9, 3, 1, 0, 64), (4, 4, 1, 37, 64), (7, 1, 67, 131, 32), (9, 3, 700, 0, 64),
+    (6, 2, 769, 0, 64), (8, 2, 131, 769, 128), (2, 1, 3, 5, 16), (14, 2, BLOCK, 0, 64), (3, 3, BLOCK + 1, 1, 80),
+    (5, 5, 2 * BLOCK - 1, BLOCK, 256),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,n,start,dim", SHAPES)
+def test_blocked_is_float32_attention_rounded_once(heads, kv_heads, n, start, dim):
+    q, k, v = _inputs(heads, kv_heads, n, start, dim)
+    exact = reference.prefill_attention(q.float(), k.float(), v.float(), start)  # [1, H, n, D] float32
+    out = blocked_prefill_attention(q, k, v, start)
+    assert out.shape == (1, heads, n, dim) and out.dtype is torch.bfloat16
+    # one rounding to bf16 (8 bits): within half a unit of the float32 result, up to float32's own sums
+    assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+    sdpa = reference.prefill_attention(q, k, v, start)  # torch's bf16 SDPA: no closer to float32 than the blocks
+    assert (out.float() - exact).abs().mean() <= (sdpa.float() - exact).abs().mean() * 1.05 + 1e-7
+
+
+def test_a_mask_passed_in_is_the_chunk_mask():
+    q, k, v = _inputs(4, 2, 9, 11, 32)
+    mask = reference.prefill_mask(11, 9)
+    assert mask.shape == (9, 20) and mask[0, 11] and not mask[0, 12] and mask[8].all()
+    assert reference.prefill_mask(0, 9) is None
+    torch.testing.assert_close(reference.prefill_attention(q, k, v, 11, mask=mask),
+                               reference.prefill_attention(q, k, v, 11), rtol=0, atol=0)
+    torch.testing.assert_close(blocked_prefill_attention(q, k, v, 11, mask=mask),
+                               blocked_prefill_attention(q, k, v, 11), rtol=0, atol=0)
+
+
+def test_scale_is_applied():
+    q, k, v = _inputs(4, 2, 70, 3, 32)
+    exact = reference.prefill_attention(q.float(), k.float(), v.float(), 3, scale=0.3)
+    out = blocked_prefill_attention(q, k, v, 3, scale=0.3)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_dtypes_run_the_reference_exactly(dtype):
+    q, k, v = _inputs(6, 2, 97, 13, 64, dtype=dtype)
+    torch.testing.assert_close(blocked_prefill_attention(q, k, v, 13), reference.prefill_attention(q, k, v, 13),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", [reference.prefill_attention, blocked_prefill_attention])
+def test_shape_errors(fn):
+    q, k, v = _inputs(6, 2, 10, 4, 64)
+    with pytest.raises(ShapeError, match="start \\+ n"):
+        fn(q, k, v, 3)
+    with pytest.raises(ShapeError, match="head dim"):
+        fn(q, k[..., :32], v[..., :32], 4)
+    with pytest.raises(ShapeError, match="multiple"):
+        fn(q[:, :5], k, v, 4)
+    with pytest.raises(ShapeError, match="one shape"):
+        fn(q[0], k, v, 4)
+
+
+def test_registry_choice():
+    assert build_ops("auto", "cpu").prefill_attention is blocked_prefill_attention
+    assert build_ops("torch", "cpu").prefill_attention is reference.prefill_attention
+    assert build_ops("auto", "meta").backends["prefill_attention"] == "torch"
+
+
+def test_packed_pass_uses_the_runners_op(tiny_engine, monkeypatch):
+    """Every prompt chunk of a packed prefill goes through the runner's op, which the pass reads from the plan."""
+    import dataclasses
+
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.packed import PackedLoop
+
+    runner = tiny_engine.runner
+    calls = []
+
+    def counting(q, keys, values, start, scale=None, mask=None):
+        calls.append((q.shape[2], start))
+        return reference.prefill_attention(q, keys, values, start, scale, mask)
+
+    monkeypatch.setattr(runner, "ops", dataclasses.replace(runner.ops, prefill_attention=counting))
+    loop = PackedLoop(runner, mid=runner.n_layers // 2)
+    loop.add([("a prompt long enough to be a few tokens", GenerationConfig(max_new_tokens=1), TapSpec(), 1, None)])
+    assert calls and len(calls) % runner.n_layers == 0
