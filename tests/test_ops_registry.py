@@ -40,7 +40,8 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
-        "prefill_attention": "blocked", "align_words": "ext", "word_logprobs": "ext", "align_word_logprobs_batch": "ext",
+        "prefill_attention": "blocked", "align_words": "ext", "word_logprobs": "ext",
+        "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }
     with pytest.raises(TypeError):

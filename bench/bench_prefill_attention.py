@@ -1,0 +1,67 @@
+"""A prompt chunk's causal attention (op ``prefill_attention``): torch's SDPA against the blocked bf16 CPU op.
+
+Designs, each on the same bf16 inputs (random, SmolLM2's heads unless ``--heads``):
+- ``sdpa-bf16``: the reference, torch's SDPA in bf16 (its CPU flash kernel; what HF's forward runs);
+- ``sdpa-fp32``: the same in float32 (inputs cast first, cast included);
+- ``blocked``: :func:`fastgate.ops.prefill.blocked_prefill_attention`, what the engine runs for bf16 chunks on a CPU.
+
+Each row: a chunk of ``n`` queries after ``start`` cached columns; milliseconds (median), GFLOP/s of the causal work
+(two products of ``n × (start + n/2) × D`` per head), the speedup over ``sdpa-bf16`` and the max / mean error against
+float32 attention of the same inputs.
+
+Run: python bench/bench_prefill_attention.py [--chunks 700:0,430:0,512:512,64:700] [--heads 9:3:64] [--threads 1].
+Appends to bench/results/prefill_attention.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_rows, median_time, print_table  # noqa: E402
+
+from fastgate.ops import reference  # noqa: E402
+from fastgate.ops.prefill import blocked_prefill_attention  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", default="700:0,430:0,512:512,64:700",
+                        help="queries:cached columns, comma-separated (default: %(default)s)")
+    parser.add_argument("--heads", default="9:3:64", help="query heads:key-value heads:head dim (SmolLM2's)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    heads, kv_heads, dim = (int(x) for x in args.heads.split(":"))
+    designs = {
+        "sdpa-bf16": lambda q, k, v, s: reference.prefill_attention(q, k, v, s),
+        "sdpa-fp32": lambda q, k, v, s: reference.prefill_attention(q.float(), k.float(), v.float(), s),
+        "blocked": blocked_prefill_attention,
+    }
+    rows = []
+    for chunk in args.chunks.split(","):
+        n, start = (int(x) for x in chunk.split(":"))
+        g = torch.Generator().manual_seed(n * 7919 + start)
+        q = (torch.randn(1, n, heads, dim, generator=g) * 2).bfloat16().transpose(1, 2)  # [1, H, n, D], HF's strides
+        k = (torch.randn(1, kv_heads, start + n, dim, generator=g) * 2).bfloat16()  # [1, Hkv, S, D]
+        v = torch.randn(1, kv_heads, start + n, dim, generator=g).bfloat16()
+        exact = reference.prefill_attention(q.float(), k.float(), v.float(), start)  # [1, H, n, D] float32
+        flops = 4 * heads * n * (start + (n + 1) / 2) * dim  # QK and PV over the columns each query sees
+        base = None
+        for name, fn in designs.items():
+            t = median_time(lambda fn=fn: fn(q, k, v, start))
+            err = (fn(q, k, v, start).float() - exact).abs()
+            base = base or t
+            rows.append({"design": name, "queries": n, "start": start, "heads": heads, "kv_heads": kv_heads,
+                         "head_dim": dim, "threads": args.threads, "ms": t * 1e3, "gflops": flops / t / 1e9,
+                         "vs_sdpa_bf16": base / t, "max_err": float(err.max()), "mean_err": float(err.mean())})
+    print_table(rows, ["design", "queries", "start", "ms", "gflops", "vs_sdpa_bf16", "max_err", "mean_err"])
+    print(f"appended to {append_rows('prefill_attention', rows)}")
+
+
+if __name__ == "__main__":
+    main()
