@@ -7,7 +7,11 @@ Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, re
    sends to retrieval (their alone latencies are the reference);
 2. ``burst``: sends the 2 × per-class questions at once; reports the skip and retrieve classes' p50 latency and the
    skip p50 over its alone p50;
-3. ``late``: sends the retrieving questions, then one skip question 1 s later; reports its latency;
+3. ``late``: sends the retrieving questions, then one skip question ``--late`` seconds later, once per offset (0.25
+   to 2 s by default, a different skip question each time); reports the median latency, its median ratio to the
+   question alone and the worst. One arrival at one offset measured the phase it happened to hit (the retrieving
+   questions' gate passes, their searches or their reading prompts' prefill), which moved a design's figure by 50%
+   between runs;
 4. ``sequential``: the same questions one by one; the burst's speedup is sequential wall time over burst wall time;
 5. ``poisson``: an open loop: ``--poisson-requests`` questions (skip and retrieve alternating) arriving as a Poisson
    process (fixed seed) at each fraction in ``--poisson`` of the sustainable rate, taken as the first design's burst
@@ -113,7 +117,7 @@ def poisson(url: str, skip: list[str], retrieve: list[str], rate: float, n: int,
 
 
 def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[float], n_poisson: int,
-              rate: float | None) -> dict:
+              rate: float | None, late_offsets: list[float]) -> dict:
     """Run the scenarios against the server at ``url``; the figures of one design (``rate``: the sustainable rate
     of the Poisson runs; None: this design's burst throughput)."""
     _ask(url, CANDIDATES[-1])  # warm-up: lazy tables, prefix cache
@@ -143,8 +147,12 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
         return time.perf_counter() - t0, out
 
     burst_wall, lat = burst(mixed)
-    late_q = skip[0]
-    _, late = burst(retrieve + [late_q], {late_q: 1.0})
+    late_s, late_x = [], []  # a skip question arriving while the retrieving ones run, at each offset
+    for i, offset in enumerate(late_offsets):
+        late_q = skip[i % len(skip)]
+        _, late = burst(retrieve + [late_q], {late_q: offset})
+        late_s.append(late[late_q])
+        late_x.append(late[late_q] / alone[late_q])
     t0 = time.perf_counter()
     for q in mixed:
         _ask(url, q)
@@ -163,7 +171,8 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
         "alone_skip_p50_s": alone_skip, "alone_retrieve_p50_s": _p50([alone[q] for q in retrieve]),
         "burst_skip_p50_s": _p50([lat[q] for q in skip]), "burst_retrieve_p50_s": _p50([lat[q] for q in retrieve]),
         "burst_skip_x_alone": _p50([lat[q] for q in skip]) / alone_skip,
-        "late_skip_s": late[late_q], "late_skip_x_alone": late[late_q] / alone[late_q],
+        "late_skip_s": statistics.median(late_s), "late_skip_x_alone": statistics.median(late_x),
+        "late_skip_max_s": max(late_s), "late_offsets": " ".join(f"{o:g}" for o in late_offsets),
         "burst_wall_s": burst_wall, "sequential_wall_s": seq_wall, "burst_speedup": seq_wall / burst_wall,
         **open_loop,
     }
@@ -180,9 +189,14 @@ def main() -> None:
                     help="another server of this tree with these flags (repeatable)")
     ap.add_argument("--poisson", default="0.5,0.8", help="open-loop arrival rates as fractions of the sustainable "
                     "rate, comma-separated; empty: none (default: 0.5,0.8)")
+    ap.add_argument("--late", default="0.25,0.5,1,1.5,2", help="seconds after the retrieving questions that a skip "
+                    "question arrives, one run each, comma-separated (default: %(default)s)")
     ap.add_argument("--poisson-requests", type=int, default=24, help="questions per open-loop rate (default: 24)")
     args = ap.parse_args()
     fractions = [float(f) for f in args.poisson.split(",") if f.strip()]
+    late_offsets = [float(o) for o in args.late.split(",") if o.strip()]
+    if not late_offsets:
+        ap.error("--late needs at least one offset")
     here = Path(__file__).resolve().parent.parent
     designs = [("scheduler", here, shlex.split(args.args))]
     for v in args.variant:
@@ -200,7 +214,7 @@ def main() -> None:
             rate = rows[0]["sustainable_qps"] if rows else None  # every design sees the same arrivals
             rows.append({"design": name, "commit": commit, "flags": " ".join(extra),
                          **scenarios(f"http://127.0.0.1:{port}", args.per_class, args.max_seconds, fractions,
-                                     args.poisson_requests, rate)})
+                                     args.poisson_requests, rate, late_offsets)})
         finally:
             proc.terminate()
             proc.wait(timeout=60)
