@@ -101,7 +101,8 @@ def test_bf16_packed_pass_through_the_op_gives_the_reference_tokens():
         out[backend] = [t.result for t in tickets]
     for a, b in zip(out["ext"], out["torch"]):
         assert list(a.sequences[0].token_ids) == list(b.sequences[0].token_ids)
-        # the attention agrees to float32 rounding; the bf16 activations after it round either way of a tie, and
+        # the decode rows' attention agrees to float32 rounding, and the prompt chunks' (the blocked op under ext,
+        # SDPA's bf16 path under torch) to bf16's; the bf16 activations after it round either way of a tie, and
         # that grows through the layers to a few hundredths of a log-prob
         torch.testing.assert_close(torch.tensor(list(a.sequences[0].token_logprobs)),
                                    torch.tensor(list(b.sequences[0].token_logprobs)), rtol=0, atol=0.05)

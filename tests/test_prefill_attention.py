@@ -37,8 +37,8 @@ def test_blocked_is_float32_attention_rounded_once(heads, kv_heads, n, start, di
     assert out.shape == (1, heads, n, dim) and out.dtype is torch.bfloat16
     # one rounding to bf16 (8 bits): within half a unit of the float32 result, up to float32's own sums
     assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
-    sdpa = reference.prefill_attention(q, k, v, start)  # torch's bf16 SDPA: no closer to float32 than the blocks
-    assert (out.float() - exact).abs().mean() <= (sdpa.float() - exact).abs().mean() * 1.05 + 1e-7
+    sdpa = reference.prefill_attention(q, k, v, start)  # torch's bf16 SDPA, which also rounds its probabilities
+    assert (out.float() - exact).abs().mean() <= (sdpa.float() - exact).abs().mean() * 1.25 + 1e-7
 
 
 def test_a_mask_passed_in_is_the_chunk_mask():
@@ -50,6 +50,16 @@ def test_a_mask_passed_in_is_the_chunk_mask():
                                reference.prefill_attention(q, k, v, 11), rtol=0, atol=0)
     torch.testing.assert_close(blocked_prefill_attention(q, k, v, 11, mask=mask),
                                blocked_prefill_attention(q, k, v, 11), rtol=0, atol=0)
+
+
+def test_a_mask_of_another_chunk_is_refused():
+    q, k, v = _inputs(4, 2, 9, 11, 32, dtype=torch.float32)
+    with pytest.raises(ShapeError, match="mask must be"):
+        reference.prefill_attention(q, k, v, 11, mask=reference.prefill_mask(10, 9))
+    # at start 0 the chunk is plain causal: a mask passed in is not read
+    q0, k0, v0 = _inputs(4, 2, 9, 0, 32, dtype=torch.float32)
+    torch.testing.assert_close(reference.prefill_attention(q0, k0, v0, 0, mask=torch.zeros(1, 1, dtype=torch.bool)),
+                               reference.prefill_attention(q0, k0, v0, 0), rtol=0, atol=0)
 
 
 def test_scale_is_applied():
@@ -79,27 +89,58 @@ def test_shape_errors(fn):
         fn(q[0], k, v, 4)
 
 
-def test_registry_choice():
+def test_registry_choice(monkeypatch):
+    monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
     assert build_ops("auto", "cpu").prefill_attention is blocked_prefill_attention
+    assert build_ops("auto", "cpu").backends["prefill_attention"] == "blocked"
     assert build_ops("torch", "cpu").prefill_attention is reference.prefill_attention
     assert build_ops("auto", "meta").backends["prefill_attention"] == "torch"
 
 
-def test_packed_pass_uses_the_runners_op(tiny_engine, monkeypatch):
-    """Every prompt chunk of a packed prefill goes through the runner's op, which the pass reads from the plan."""
+def test_inputs_it_is_not_for_go_to_the_reference():
+    q, k, v = _inputs(4, 2, 9, 3, 32)
+    meta = [t.to("meta") for t in (q, k, v)]
+    assert blocked_prefill_attention(*meta, 3).device.type == "meta"  # SDPA's meta kernel: shapes only
+    mixed = (q, k.float(), v.float())  # bf16 queries over float32 keys: SDPA decides (here: it refuses)
+    with pytest.raises(RuntimeError):
+        reference.prefill_attention(*mixed, 3)
+    with pytest.raises(RuntimeError):
+        blocked_prefill_attention(*mixed, 3)
+
+
+def test_contiguous_queries_and_an_empty_chunk():
+    q, k, v = _inputs(6, 3, 70, 9, 64)
+    torch.testing.assert_close(blocked_prefill_attention(q.contiguous(), k, v, 9),
+                               blocked_prefill_attention(q, k, v, 9), rtol=0, atol=0)
+    empty = blocked_prefill_attention(q[:, :, :0], k[:, :, :9], v[:, :, :9], 9)
+    assert empty.shape == (1, 6, 0, 64)
+
+
+def test_packed_pass_runs_chunks_through_the_runners_op(monkeypatch):
+    """A bf16 packed loop's prompt chunks (after a cached prefix too) go through the op the runner chose."""
     import dataclasses
 
     from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
     from fastgate.engine.packed import PackedLoop
+    from fastgate.testing import tiny_model
 
-    runner = tiny_engine.runner
+    monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
+    runner = ModelRunner(tiny_model(dtype=torch.bfloat16), prefix_cache=0, step="eager")
+    assert runner.ops.backends["prefill_attention"] == "blocked"
     calls = []
 
     def counting(q, keys, values, start, scale=None, mask=None):
-        calls.append((q.shape[2], start))
-        return reference.prefill_attention(q, keys, values, start, scale, mask)
+        calls.append((q.dtype, q.shape[2], start))
+        return runner_op(q, keys, values, start, scale, mask)
 
-    monkeypatch.setattr(runner, "ops", dataclasses.replace(runner.ops, prefill_attention=counting))
+    runner_op = runner.ops.prefill_attention
+    runner.ops = dataclasses.replace(runner.ops, prefill_attention=counting)
     loop = PackedLoop(runner, mid=runner.n_layers // 2)
-    loop.add([("a prompt long enough to be a few tokens", GenerationConfig(max_new_tokens=1), TapSpec(), 1, None)])
+    cfg = GenerationConfig(max_new_tokens=2, stop_at_eos=False)
+    loop.admit([("a prompt long enough to take a few chunks of five tokens", cfg, TapSpec(), 1, None)])
+    while loop.busy:
+        loop.step(5)  # five prompt tokens a pass: chunks after a cached prefix
     assert calls and len(calls) % runner.n_layers == 0
+    assert {dtype for dtype, _, _ in calls} == {torch.bfloat16}
+    assert any(start > 0 for _, _, start in calls) and max(n for _, n, _ in calls) <= 5

@@ -31,8 +31,8 @@ BLOCK = 64  # query rows a block: 64 and 96 fastest for the layer above, 32 ~10%
 def blocked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                               scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fastgate.ops.reference.prefill_attention`'s signature and semantics; bf16 CPU inputs in query blocks
-    (module docstring), every other input through the reference. ``mask`` is not read here: the blocks' causal
-    pattern is the same for every chunk."""
+    (module docstring), every other input through the reference. ``mask`` is not read by the blocks, whose causal
+    pattern is the same for every chunk (it goes to the reference with the inputs the blocks do not take)."""
     if not (q.dtype is keys.dtype is values.dtype is torch.bfloat16 and q.device.type == "cpu"
             and keys.device.type == "cpu" and values.device.type == "cpu"):
         return reference.prefill_attention(q, keys, values, start, scale, mask)
@@ -44,8 +44,9 @@ def blocked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch
     qg = q[0].unflatten(0, (kv_heads, group))  # [Hkv, g, n, D]: a key / value head's query heads side by side
     kt = keys[0].to(torch.float32).transpose(1, 2)  # [Hkv, D, S]: the scores in float32, as the flash kernel's
     v = values[0].to(torch.float32)  # [Hkv, S, D]
-    out = torch.empty((kv_heads, group, n, dim), dtype=q.dtype)  # [Hkv, g, n, D]
-    tri = torch.full((BLOCK, BLOCK), float("-inf")).triu(1)  # [B, B]: a block's own columns above its diagonal
+    out = torch.empty((kv_heads, group, n, dim), dtype=q.dtype, device=q.device)  # [Hkv, g, n, D]
+    # [B, B]: a block's own columns above its diagonal
+    tri = torch.full((BLOCK, BLOCK), float("-inf"), device=q.device).triu(1)
     for s in range(0, n, BLOCK):
         e = min(n, s + BLOCK)
         b, cols = e - s, start + e  # rows of the block; the columns its last row sees

@@ -1,8 +1,10 @@
-"""Torch references of ops 1, 2 and 5 (docs/ARCHITECTURE.md, Ops): the prober MLP, SeaKR's eigenscore and DTR's answer
-NLL; the engine's decode attention over a bf16 store, and its prompt chunks' attention.
+"""Torch references of ops 1, 2, 5, 6, 7 and 8 (docs/ARCHITECTURE.md, Ops): the prober MLP, SeaKR's eigenscore and
+DTR's answer NLL; the engine's decode attention over a bf16 store, its norm and rotary embedding, and its prompt
+chunks' attention.
 
-They define the semantics the fused Triton kernels (``kernels/``) are tested against, and they are what runs on CPU.
-Every op returns float32.
+They define the semantics the fused Triton kernels (``kernels/``) and the C++ ops are tested against. The gating ops
+return float32; the layer ops (``rms_norm``, ``rope``, ``decode_attention_step``, ``prefill_attention``) keep their
+inputs' dtype.
 """
 
 from __future__ import annotations
@@ -278,15 +280,21 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """A prompt chunk's attention: ``q [1, H, n, D]``, the chunk's queries at columns ``start .. start + n - 1`` of
     its sequence, over ``keys / values [1, Hkv, start + n, D]`` (the cached prefix, then the chunk), causal; query
-    head ``h`` reads key / value head ``h // (H / Hkv)``. ``mask``: :func:`prefill_mask` of the chunk when the caller
-    holds it (built here otherwise). torch's SDPA in the inputs' dtype.
+    head ``h`` reads key / value head ``h // (H / Hkv)``. ``mask``: a copy of :func:`prefill_mask` the caller built
+    once for the chunk (built here otherwise; not read where ``start`` is 0, which is plain causal). torch's SDPA in
+    the inputs' dtype.
 
     Returns:
         ``[1, H, n, D]`` in ``q``'s dtype.
     """
     check_prefill_attention_args(q, keys, values, start)
-    if start and mask is None:
+    if not start:
+        mask = None
+    elif mask is None:
         mask = prefill_mask(start, q.shape[2], q.device)
+    elif mask.shape != (q.shape[2], start + q.shape[2]):
+        raise ShapeError(f"prefill_attention: mask must be [n, start + n] = [{q.shape[2]}, {start + q.shape[2]}], got "
+                         f"{tuple(mask.shape)}")
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=q.shape[1] != keys.shape[1])  # [1, H, n, D]
 

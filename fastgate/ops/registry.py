@@ -17,7 +17,9 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
   fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise). A
   prompt chunk's attention over bf16 keys on a CPU runs in query blocks of batched products (``prefill_attention``,
-  recorded as ``blocked``; :mod:`fastgate.ops.prefill`), torch's SDPA elsewhere.
+  recorded as ``blocked`` for a CPU device under every backend but ``torch``: torch operations, no extension needed;
+  :mod:`fastgate.ops.prefill`), torch's SDPA elsewhere. As for the ``ext`` layer ops, the record names the
+  implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
