@@ -3,7 +3,8 @@
 Designs, each on the same bf16 inputs (random, SmolLM2's heads unless ``--heads``):
 - ``sdpa-bf16``: the reference, torch's SDPA in bf16 (its CPU flash kernel; what HF's forward runs);
 - ``sdpa-fp32``: the same in float32 (inputs cast first, cast included);
-- ``blocked``: :func:`fastgate.ops.prefill.blocked_prefill_attention`, what the engine runs for bf16 chunks on a CPU.
+- ``blocked``: :func:`fastgate.ops.prefill.blocked_prefill_attention`, torch operations (a CPU without AVX512-BF16);
+- ``ext``: the C++ kernel (:func:`fastgate.ops.prefill.ext_prefill_attention`), where the CPU has AVX512-BF16.
 
 Each row: a chunk of ``n`` queries after ``start`` cached columns; milliseconds (median), GFLOP/s of the causal work
 (two products of ``n × (start + n/2) × D`` per head), the speedup over ``sdpa-bf16`` and the max / mean error against
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_rows, median_time, print_table  # noqa: E402
 
 from fastgate.ops import reference  # noqa: E402
-from fastgate.ops.prefill import blocked_prefill_attention  # noqa: E402
+from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention  # noqa: E402
+from fastgate.ops.registry import import_ext  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +44,11 @@ def main() -> None:
         "sdpa-fp32": lambda q, k, v, s: reference.prefill_attention(q.float(), k.float(), v.float(), s),
         "blocked": blocked_prefill_attention,
     }
+    ext = import_ext()
+    if ext is not None and ext.prefill_attention_bf16_supported():
+        designs["ext"] = ext_prefill_attention(ext)
+    else:
+        print("ext: skipped (needs the extension built and a CPU with AVX512-BF16)", file=sys.stderr)
     rows = []
     for chunk in args.chunks.split(","):
         n, start = (int(x) for x in chunk.split(":"))

@@ -933,10 +933,226 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
   }, threads);
 }
 
+
+// ---------------------------------------------------------------------------------------------- prefill attention
+// A prompt chunk's causal attention over bf16 keys / values (op prefill_attention, fastgate/ops/prefill.py): torch's
+// CPU flash kernel ran it at ~50 GFLOP/s and float32 batched products at ~70, where the model's bf16 products reach
+// ~450. Here the scores come from AVX512-BF16 dot products (exact bf16 products, float32 sums: the float32 scores of
+// the bf16 inputs), over keys repacked once per call in pairs along the head dim (16 keys a register); softmax and
+// the value product in float32 (values widened in registers); the output rounded to bf16 once (to nearest even).
+// Built where GCC can target AVX512-BF16 and run only where the CPU has it (prefill_attention_bf16_supported).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTGATE_BF16_KERNEL 1
+#define FASTGATE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#include <immintrin.h>
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized inside their own reductions (_mm512_reduce_*): not ours
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+bool prefill_attention_bf16_supported() {
+#ifdef FASTGATE_BF16_KERNEL
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#ifdef FASTGATE_BF16_KERNEL
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp8_nonpositive's polynomial, 16 at a time
+FASTGATE_BF16_TARGET inline __m512 exp16_nonpositive(__m512 xv) {
+  f32x16 x = reinterpret_cast<f32x16>(xv);
+  const f32x16 lo = f32x16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const f32x16 t = x * 1.44269504088896341f;
+  i32x16 ti = __builtin_convertvector(t, i32x16);  // toward zero
+  f32x16 tf = __builtin_convertvector(ti, f32x16);
+  ti += (tf > t);  // floor for negative t
+  tf = __builtin_convertvector(ti, f32x16);
+  const f32x16 f = t - tf;
+  f32x16 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const i32x16 bits = (ti + 127) << 23;
+  return reinterpret_cast<__m512>(p * reinterpret_cast<f32x16>(bits));
+}
+
+// keys [S, D] bf16 (rows col_stride apart) -> kp [ceil(S / 16)][D / 2][16 keys][2 dims], zero past S
+FASTGATE_BF16_TARGET void pack_key_pairs(const uint16_t* k, int64_t col_stride, int64_t S, int64_t D, uint32_t* kp) {
+  const int64_t groups = (S + 15) / 16, D2 = D / 2;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t c = g * 16 + l;
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        uint32_t pair = 0;
+        if (c < S) __builtin_memcpy(&pair, k + c * col_stride + 2 * d2, sizeof pair);
+        kp[(g * D2 + d2) * 16 + l] = pair;
+      }
+    }
+}
+
+// The value product of TV query vectors: out[t] = sum_j p[t][j] v[j] over j < width, D = 16 * D16.
+template <int D16, int TV>
+FASTGATE_BF16_TARGET inline void value_tile(const float* const* p, int64_t width, const uint16_t* v, int64_t col_stride,
+                                            uint16_t* const* out) {
+  __m512 acc[TV][D16];
+  for (int t = 0; t < TV; ++t)
+    for (int i = 0; i < D16; ++i) acc[t][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; ++j) {
+    const uint16_t* vj = v + j * col_stride;
+    __m512 vv[D16];
+    for (int i = 0; i < D16; ++i)
+      vv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vj + 16 * i))), 16));
+    for (int t = 0; t < TV; ++t) {
+      const __m512 pj = _mm512_set1_ps(p[t][j]);
+      for (int i = 0; i < D16; ++i) acc[t][i] = _mm512_fmadd_ps(pj, vv[i], acc[t][i]);
+    }
+  }
+  for (int t = 0; t < TV; ++t)
+    for (int i = 0; i < D16; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[t] + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][i])));
+}
+
+constexpr int64_t kRowsPerItem = 16;  // query rows of one work item (its G heads each)
+constexpr int kScoreTile = 8;         // query vectors whose scores one pass over the keys computes
+
+// One work item: key / value head h's G query heads over query rows r0 .. r1 - 1 of the chunk.
+template <int D16>
+FASTGATE_BF16_TARGET void prefill_item(const uint16_t* q, int64_t q_head, int64_t q_row, const uint32_t* kp,
+                                       const uint16_t* v, int64_t v_col, int64_t start, int64_t r0, int64_t r1,
+                                       int64_t h, int64_t G, int64_t H, float scale, float* scores, int64_t spad,
+                                       uint16_t* out) {
+  constexpr int64_t D = 16 * D16, D2 = D / 2;
+  constexpr int TV = 16 / D16;  // value tiles: TV x D16 = 16 accumulator registers of AVX-512's 32
+  const int64_t nv = G * (r1 - r0);  // query vectors: (row, head) pairs, row-major
+  auto head_of = [&](int64_t i) { return h * G + i % G; };
+  auto row_of = [&](int64_t i) { return r0 + i / G; };
+  for (int64_t i0 = 0; i0 < nv; i0 += kScoreTile) {  // scores
+    const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, nv - i0));
+    uint32_t qp[kScoreTile][128];
+    for (int t = 0; t < tile; ++t) {
+      const uint16_t* qv = q + head_of(i0 + t) * q_head + row_of(i0 + t) * q_row;
+      for (int64_t d2 = 0; d2 < D2; ++d2) __builtin_memcpy(&qp[t][d2], qv + 2 * d2, sizeof(uint32_t));
+    }
+    const int64_t width = start + row_of(i0 + tile - 1) + 1;  // the tile's widest row
+    for (int64_t g = 0; g < (width + 15) / 16; ++g) {
+      __m512 acc[kScoreTile];
+      for (int t = 0; t < kScoreTile; ++t) acc[t] = _mm512_setzero_ps();
+      const uint32_t* kg = kp + g * D2 * 16;
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        const __m512i kk = _mm512_loadu_si512(kg + d2 * 16);
+        for (int t = 0; t < tile; ++t)
+          acc[t] = _mm512_dpbf16_ps(acc[t], reinterpret_cast<__m512bh>(kk),
+                                    reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qp[t][d2]))));
+      }
+      for (int t = 0; t < tile; ++t) _mm512_storeu_ps(scores + (i0 + t) * spad + g * 16, _mm512_mul_ps(acc[t], _mm512_set1_ps(scale)));
+    }
+  }
+  for (int64_t i = 0; i < nv; ++i) {  // softmax of each vector over its own columns; zeros after them
+    float* s = scores + i * spad;
+    const int64_t w = start + row_of(i) + 1, full = w / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (w - full)) - 1u);
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < full; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + c));
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < full; c += 16) {
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
+      _mm512_storeu_ps(s + c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m)));
+      _mm512_storeu_ps(s + full, e);  // zeros past the row's last column, within the padded row
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t c = 0; c < full + (tail ? 16 : 0); c += 16) _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(s + c), inv));
+  }
+  for (int64_t i0 = 0; i0 < nv; i0 += TV) {  // values: a tile of TV vectors of one key / value head
+    const float* p[TV];
+    uint16_t* o[TV];
+    uint16_t spare[TV][D];
+    int64_t width = 0;
+    for (int t = 0; t < TV; ++t) {
+      const int64_t i = std::min(i0 + t, nv - 1);  // past the end: a repeat of the last vector, written to spare
+      p[t] = scores + i * spad;
+      o[t] = i0 + t < nv ? out + (row_of(i) * H + head_of(i)) * D : spare[t];
+      width = std::max(width, start + row_of(i) + 1);
+    }
+    for (int t = 0; t < TV; ++t) {  // a shorter row's probabilities are 0 up to the tile's width
+      const int64_t w = start + row_of(std::min(i0 + t, nv - 1)) + 1;
+      float* pt = scores + std::min(i0 + t, nv - 1) * spad;
+      for (int64_t c = (w + 15) / 16 * 16; c < width; ++c) pt[c] = 0.0f;
+    }
+    value_tile<D16, TV>(p, width, v, v_col, o);
+  }
+}
+#endif
+
+// q: bf16 [H heads, n rows, D] with element strides (q_head, q_row, 1); keys / values: bf16 [Hkv, start + n, D] with
+// strides (kv_head, kv_col, 1); out: [n, H, D] bf16 contiguous. Query row r of head h sees columns 0 .. start + r of
+// key / value head h / (H / Hkv). D one of 32, 64, 128. Pointers come from torch tensors the caller checked
+// (fastgate/ops/prefill.py). threads: at most that many (the caller passes torch's own count), 0: one per core.
+void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uintptr_t k_ptr, uintptr_t v_ptr,
+                            int64_t kv_head, int64_t kv_col, uintptr_t out_ptr, int64_t n, int64_t H, int64_t Hkv,
+                            int64_t D, int64_t start, double scale, int64_t threads) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (!prefill_attention_bf16_supported())
+    throw std::invalid_argument("prefill_attention_bf16: this CPU has no AVX512-BF16");
+  if (n < 0 || start < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || (D != 32 && D != 64 && D != 128))
+    throw std::invalid_argument("prefill_attention_bf16: bad shape (H a multiple of Hkv, D one of 32, 64, 128)");
+  if (n == 0) return;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(k_ptr);
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(v_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t S = start + n, G = H / Hkv, groups = (S + 15) / 16, spad = groups * 16;
+  const float sc = static_cast<float>(scale);
+  py::gil_scoped_release release;
+  std::vector<uint32_t> kp(Hkv * groups * (D / 2) * 16);
+  split_rows(Hkv, Hkv * S * D, 1 << 16, [&](int64_t first, int64_t step) {
+    for (int64_t h = first; h < Hkv; h += step)
+      pack_key_pairs(k + h * kv_head, kv_col, S, D, kp.data() + h * groups * (D / 2) * 16);
+    return true;
+  }, threads);
+  const int64_t blocks = (n + kRowsPerItem - 1) / kRowsPerItem, items = Hkv * blocks;
+  split_rows(items, items * kRowsPerItem * G * S * D * 2, 1 << 20, [&](int64_t first, int64_t step) {
+    std::vector<float> scores(G * kRowsPerItem * spad);  // per thread
+    for (int64_t item = first; item < items; item += step) {
+      const int64_t h = item % Hkv, b = blocks - 1 - item / Hkv;  // the widest blocks first
+      const int64_t r0 = b * kRowsPerItem, r1 = std::min(n, r0 + kRowsPerItem);
+      const uint32_t* kph = kp.data() + h * groups * (D / 2) * 16;
+      const uint16_t* vh = v + h * kv_head;
+      if (D == 32)
+        prefill_item<2>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
+      else if (D == 64)
+        prefill_item<4>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
+      else
+        prefill_item<8>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
+    }
+    return true;
+  }, threads);
+#else
+  (void)q_ptr, (void)q_head, (void)q_row, (void)k_ptr, (void)v_ptr, (void)kv_head, (void)kv_col, (void)out_ptr;
+  (void)n, (void)H, (void)Hkv, (void)D, (void)start, (void)scale, (void)threads;
+  throw std::invalid_argument("prefill_attention_bf16: not built for this platform");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore, decode attention, RMS norm and rotary embedding of bf16 rows";
+  m.doc() = "fastgate C++ ops: token-to-word alignment, word log-probs, dual-path AIS scores, eigenscore, decode attention, RMS norm and rotary embedding of bf16 rows, prefill attention";
   m.def("align_words", &align_words, py::arg("pieces"),
         "Group generated token pieces (all str or all bytes) into words; returns (words, word_ids).");
   m.def("word_logprobs", &word_logprobs, py::arg("token_logprobs"), py::arg("word_ids"), py::arg("n_words") = -1,
@@ -963,6 +1179,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("rope_bf16", &rope_bf16, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("tokens"),
         py::arg("heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("cos_stride"),
         py::arg("threads") = 0, "HF's rotary embedding of bf16 rows, HF's roundings (pointers to checked torch tensors).");
+  m.def("prefill_attention_bf16", &prefill_attention_bf16, py::arg("q"), py::arg("q_head_stride"),
+        py::arg("q_row_stride"), py::arg("keys"), py::arg("values"), py::arg("kv_head_stride"), py::arg("kv_col_stride"),
+        py::arg("out"), py::arg("n"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("start"),
+        py::arg("scale"), py::arg("threads") = 0,
+        "A prompt chunk's causal attention over bf16 keys / values, AVX512-BF16 scores, float32 softmax and values, "
+        "bf16 out (pointers to checked torch tensors).");
+  m.def("prefill_attention_bf16_supported", &prefill_attention_bf16_supported,
+        "Whether this CPU runs prefill_attention_bf16 (AVX512-BF16).");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

@@ -9,7 +9,17 @@ import torch
 
 from fastgate.errors import ShapeError
 from fastgate.ops import build_ops, reference
-from fastgate.ops.prefill import BLOCK, blocked_prefill_attention
+from fastgate.ops.prefill import BLOCK, KERNEL_HEAD_DIMS, blocked_prefill_attention, ext_prefill_attention
+from fastgate.ops.registry import import_ext
+
+EXT = import_ext()
+KERNEL = EXT is not None and EXT.prefill_attention_bf16_supported()  # the C++ kernel needs AVX512-BF16
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the extension and a CPU with AVX512-BF16")
+IMPLEMENTATIONS = [pytest.param("blocked", id="blocked"), pytest.param("ext", id="ext", marks=needs_kernel)]
+
+
+def _impl(name):
+    return blocked_prefill_attention if name == "blocked" else ext_prefill_attention(EXT)
 
 
 def _inputs(heads, kv_heads, n, start, dim, dtype=torch.bfloat16, seed=0, scale=2.0):
@@ -29,16 +39,44 @@ SHAPES = [  # heads, kv heads, queries, cached columns before them, head dim
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("heads,kv_heads,n,start,dim", SHAPES)
-def test_blocked_is_float32_attention_rounded_once(heads, kv_heads, n, start, dim):
+def test_float32_attention_rounded_once(impl, heads, kv_heads, n, start, dim):
     q, k, v = _inputs(heads, kv_heads, n, start, dim)
     exact = reference.prefill_attention(q.float(), k.float(), v.float(), start)  # [1, H, n, D] float32
-    out = blocked_prefill_attention(q, k, v, start)
+    out = _impl(impl)(q, k, v, start)
     assert out.shape == (1, heads, n, dim) and out.dtype is torch.bfloat16
     # one rounding to bf16 (8 bits): within half a unit of the float32 result, up to float32's own sums
     assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
     sdpa = reference.prefill_attention(q, k, v, start)  # torch's bf16 SDPA, which also rounds its probabilities
     assert (out.float() - exact).abs().mean() <= (sdpa.float() - exact).abs().mean() * 1.25 + 1e-7
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("n,start", [(1, 0), (15, 0), (16, 0), (17, 3), (97, 0), (33, 700), (769, 0)])
+def test_kernel_over_row_blocks_and_key_groups(dim, n, start):
+    """The kernel's tiles: 16 query rows an item, 8 query vectors a score pass, 16 keys a register, value tiles of 2
+    to 8 vectors; every boundary (and a chunk after a long cached prefix) against float32 attention."""
+    q, k, v = _inputs(7, 1, n, start, dim, seed=n + start)
+    out = ext_prefill_attention(EXT)(q, k, v, start, scale=0.2)
+    exact = reference.prefill_attention(q.float(), k.float(), v.float(), start, scale=0.2)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+
+
+@needs_kernel
+def test_kernel_threads_agree_and_hand_other_inputs_to_the_blocks(monkeypatch):
+    q, k, v = _inputs(9, 3, 300, 40, 64)
+    op = ext_prefill_attention(EXT)
+    one = op(q, k, v, 40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    torch.testing.assert_close(op(q, k, v, 40), one, rtol=0, atol=0)  # items are independent: same bits
+    q80, k80, v80 = _inputs(5, 5, 40, 3, 80)  # a head dim the kernel has no tiles for: the blocks, exactly
+    torch.testing.assert_close(op(q80, k80, v80, 3), blocked_prefill_attention(q80, k80, v80, 3), rtol=0, atol=0)
+    q32, k32, v32 = _inputs(4, 2, 20, 0, 64, dtype=torch.float32)  # float32: the reference, exactly
+    torch.testing.assert_close(op(q32, k32, v32, 0), reference.prefill_attention(q32, k32, v32, 0), rtol=0, atol=0)
+    with pytest.raises(ShapeError, match="start \\+ n"):
+        op(q, k, v, 39)
 
 
 def test_a_mask_passed_in_is_the_chunk_mask():
@@ -91,6 +129,8 @@ def test_shape_errors(fn):
 
 def test_registry_choice(monkeypatch):
     monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
+    assert build_ops("auto", "cpu").backends["prefill_attention"] == ("ext" if KERNEL else "blocked")
+    monkeypatch.setattr("fastgate.ops.registry.import_ext", lambda: None)  # no extension: the blocks
     assert build_ops("auto", "cpu").prefill_attention is blocked_prefill_attention
     assert build_ops("auto", "cpu").backends["prefill_attention"] == "blocked"
     assert build_ops("torch", "cpu").prefill_attention is reference.prefill_attention
@@ -127,7 +167,7 @@ def test_packed_pass_runs_chunks_through_the_runners_op(monkeypatch):
 
     monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
     runner = ModelRunner(tiny_model(dtype=torch.bfloat16), prefix_cache=0, step="eager")
-    assert runner.ops.backends["prefill_attention"] == "blocked"
+    assert runner.ops.backends["prefill_attention"] in ("ext", "blocked")
     calls = []
 
     def counting(q, keys, values, start, scale=None, mask=None):

@@ -1,29 +1,39 @@
-"""A prompt chunk's attention over bf16 keys and values on a CPU, in query blocks (op ``prefill_attention``,
-docs/ARCHITECTURE.md).
+"""A prompt chunk's attention over bf16 keys and values on a CPU (op ``prefill_attention``, docs/ARCHITECTURE.md).
 
 The reference (:func:`fastgate.ops.reference.prefill_attention`) is torch's SDPA, whose CPU flash kernel ran a
 700-token SmolLM2 prompt's causal attention (9 heads, 3 key / value heads, head dim 64) at ~50 GFLOP/s on one thread
 of a Zen 4 EPYC, in bf16 and in float32 alike: 10.5 ms a layer, 46% of a 16 x 700 prefill (5.3 of 11.5 s; HF's own
-forward spends the same), where the products ran at ~450 GFLOP/s. Here the queries go in blocks of :data:`BLOCK`
-rows, each block one batched product against the columns it may see (the upper triangle's blocks are never computed)
-and one against the values, products torch's oneDNN runs fast: 7.3 ms for that layer. Everything is float32 inside
-(scores, softmax, the value product) and the output is rounded to bf16 once, so it is closer to float32 attention
-than the flash kernel's bf16 path, which also rounds the probabilities to bf16 (max error on that layer 0.0142
-against 0.0142, mean 0.00063 against 0.00071). Rounding the probabilities too ran 5.6 ms at ~1.4x the flash
-kernel's mean error; not taken. Written with torch operations, not C++: the products are the work, and oneDNN's
-GEMM is faster than a hand loop.
+forward spends the same), where the products ran at ~450 GFLOP/s. Two implementations here, both float32 inside
+(scores, softmax, the value product) with the output rounded to bf16 once, so closer to float32 attention than the
+flash kernel's bf16 path, which also rounds the probabilities to bf16 (max error on that layer 0.0142 against 0.0142,
+mean 0.00063 against 0.00071):
 
-Every input it is not for (float32 or another dtype, another device) goes to the reference, so a float32 model keeps
+- :func:`ext_prefill_attention`: the C++ kernel (``fastgate._C.prefill_attention_bf16``, csrc/ops.cpp) where the CPU
+  has AVX512-BF16: the scores from bf16 dot products (exact bf16 products summed in float32: the float32 scores of
+  the bf16 inputs) over keys repacked once per call, the upper triangle skipped: 2.8 ms for that layer, 3.9x SDPA.
+  Head dims 32, 64 and 128; every other input goes to the blocks.
+- :func:`blocked_prefill_attention`: torch operations, for any CPU: the queries in blocks of :data:`BLOCK` rows, each
+  block one float32 batched product against the columns it may see and one against the values (7.3 ms; oneDNN's
+  float32 product runs at ~200 GFLOP/s, the bf16 one faster but rounding the scores to bf16). Rounding the
+  probabilities to bf16 for a bf16 value product ran 5.6 ms at 1.25-1.4x the flash kernel's mean error: not taken.
+
+Every input neither is for (float32 or another dtype, another device) goes to the reference, so a float32 model keeps
 torch's SDPA exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 
+from fastgate.errors import ShapeError
 from fastgate.ops import reference
 
-__all__ = ["BLOCK", "blocked_prefill_attention"]
+__all__ = ["BLOCK", "KERNEL_HEAD_DIMS", "blocked_prefill_attention", "ext_prefill_attention"]
+
+KERNEL_HEAD_DIMS = (32, 64, 128)  # the C++ kernel's (its value accumulators are sized per head dim)
 
 BLOCK = 64  # query rows a block: 64 and 96 fastest for the layer above, 32 ~10% slower, 128 ~70% (blocks spill cache)
 
@@ -56,3 +66,31 @@ def blocked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch
         p = torch.softmax(scores, -1).view(kv_heads, group * b, cols)  # [Hkv, g*b, cols] float32
         out[:, :, s:e] = torch.bmm(p, v[:, :cols]).view(kv_heads, group, b, dim)  # [Hkv, g, b, D], rounded once
     return out.view(1, heads, n, dim)  # [1, H, n, D]
+
+
+def ext_prefill_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
+    """The C++ kernel with the reference's signature (call only where ``ext.prefill_attention_bf16_supported()``);
+    inputs it cannot run go to :func:`blocked_prefill_attention`."""
+
+    def runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        return (q.dtype is keys.dtype is values.dtype is torch.bfloat16 and q.device.type == "cpu"
+                and keys.device.type == "cpu" and values.device.type == "cpu" and q.dim() == 4
+                and q.shape[-1] in KERNEL_HEAD_DIMS and q.stride(-1) == 1 and keys.stride(-1) == 1
+                and keys.stride() == values.stride())
+
+    def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                          scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if not runs(q, keys, values):
+            return blocked_prefill_attention(q, keys, values, start, scale, mask)
+        reference.check_prefill_attention_args(q, keys, values, start)
+        _, heads, n, dim = q.shape
+        out = torch.empty((n, heads, dim), dtype=torch.bfloat16)  # [n, H, D]
+        try:
+            ext.prefill_attention_bf16(q.data_ptr(), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
+                                       keys.stride(1), keys.stride(2), out.data_ptr(), n, heads, keys.shape[1], dim,
+                                       start, dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return out.transpose(0, 1)[None]  # [1, H, n, D]
+
+    return prefill_attention

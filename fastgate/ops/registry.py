@@ -16,10 +16,10 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
   does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
   fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise). A
-  prompt chunk's attention over bf16 keys on a CPU runs in query blocks of batched products (``prefill_attention``,
-  recorded as ``blocked`` for a CPU device under every backend but ``torch``: torch operations, no extension needed;
-  :mod:`fastgate.ops.prefill`), torch's SDPA elsewhere. As for the ``ext`` layer ops, the record names the
-  implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
+  prompt chunk's attention over bf16 keys on a CPU (``prefill_attention``, :mod:`fastgate.ops.prefill`) runs in the
+  extension where the CPU has AVX512-BF16 (``ext``), else in query blocks of torch's batched products (``blocked``,
+  no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
+  record names the implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -272,11 +272,14 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext), "rope": ext_rope(ext),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
         names |= {name: "ext" for name in _LAYER_OPS}
-    if backend != "torch" and device.type == "cpu":  # torch operations: no extension needed (fastgate.ops.prefill)
-        from fastgate.ops.prefill import blocked_prefill_attention
+    if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
+        from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 
-        chosen["prefill_attention"] = blocked_prefill_attention  # bf16 inputs; others: the reference
-        names["prefill_attention"] = "blocked"
+        ext = import_ext() if cpu == "ext" else None
+        if ext is not None and ext.prefill_attention_bf16_supported():  # the C++ kernel needs AVX512-BF16
+            chosen["prefill_attention"], names["prefill_attention"] = ext_prefill_attention(ext), "ext"
+        else:  # torch operations: no extension needed
+            chosen["prefill_attention"], names["prefill_attention"] = blocked_prefill_attention, "blocked"
     if gate == "triton":
         chosen.update(_triton_ops(os.environ.get("TRITON_INTERPRET") == "1"))
         names.update({name: "triton" for name in GATE_OPS})
