@@ -1,7 +1,9 @@
-// fastgate._C: CPU hot paths for the gates (ops 3 and 4 of docs/ARCHITECTURE.md: AIS and word alignment).
+// fastgate._C: CPU hot paths (docs/ARCHITECTURE.md, Ops): the gates' AIS and word alignment (ops 3 and 4) and
+// eigenscore (op 2), and the engine's layer ops over bf16 (ops 6 to 8: decode and prefill attention, norm, rotary).
 //
-// Every function here has a pure-Python twin in fastgate/ops/_python.py that must give the same
-// result; tests/test_ops_parity.py holds them to it.
+// Every function here has a reference that must give the same result: the CPU ops a pure-Python twin in
+// fastgate/ops/_python.py (tests/test_ops_parity.py), the tensor ops a torch one in fastgate/ops/reference.py
+// (tests/test_decode_attention.py, test_layer_ops.py, test_prefill_attention.py).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
