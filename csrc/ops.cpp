@@ -691,29 +691,32 @@ inline float hsum8(f32x8 a) {
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-// exp(x) for x <= 0 (scores less their maximum), 8 at a time: 2^(x log2 e) split into 2^floor (the exponent bits)
-// times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it flushes to ~0 as expf underflows. A
-// scalar expf per score cost more than reading the keys.
-inline f32x8 exp8_nonpositive(f32x8 x) {
-  const f32x8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+// exp(x) for x <= 0 (scores less their maximum), a vector F (of floats; I: as many int32) at a time: 2^(x log2 e)
+// split into 2^floor (the exponent bits) times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it
+// flushes to ~0 as expf underflows. A scalar expf per score cost more than reading the keys.
+template <class F, class I>
+inline F exp_nonpositive(F x) {
+  const F lo = F{} - 87.0f;
   x = x < lo ? lo : x;
-  const f32x8 t = x * 1.44269504088896341f;
-  i32x8 ti = __builtin_convertvector(t, i32x8);  // toward zero
-  f32x8 tf = __builtin_convertvector(ti, f32x8);
+  const F t = x * 1.44269504088896341f;
+  I ti = __builtin_convertvector(t, I);  // toward zero
+  F tf = __builtin_convertvector(ti, F);
   ti += (tf > t);  // -1 where truncation rounded up: floor for negative t
-  tf = __builtin_convertvector(ti, f32x8);
-  const f32x8 f = t - tf;  // [0, 1)
-  f32x8 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  tf = __builtin_convertvector(ti, F);
+  const F f = t - tf;  // [0, 1)
+  F p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  const i32x8 bits = (ti + 127) << 23;
-  f32x8 scale;
+  const I bits = (ti + 127) << 23;
+  F scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline f32x8 exp8_nonpositive(f32x8 x) { return exp_nonpositive<f32x8, i32x8>(x); }
 
 // One row's key / value head: q [G, D] float32 (already scaled), k / v [n, D] bf16 rows `stride` apart; scores
 // [G, n] scratch; out [G, D] float32. D <= kMaxD.
@@ -965,25 +968,9 @@ bool prefill_attention_bf16_supported() {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-// exp8_nonpositive's polynomial, 16 at a time
-FASTGATE_BF16_TARGET inline __m512 exp16_nonpositive(__m512 xv) {
-  f32x16 x = reinterpret_cast<f32x16>(xv);
-  const f32x16 lo = f32x16{} - 87.0f;
-  x = x < lo ? lo : x;
-  const f32x16 t = x * 1.44269504088896341f;
-  i32x16 ti = __builtin_convertvector(t, i32x16);  // toward zero
-  f32x16 tf = __builtin_convertvector(ti, f32x16);
-  ti += (tf > t);  // floor for negative t
-  tf = __builtin_convertvector(ti, f32x16);
-  const f32x16 f = t - tf;
-  f32x16 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const i32x16 bits = (ti + 127) << 23;
-  return reinterpret_cast<__m512>(p * reinterpret_cast<f32x16>(bits));
+// exp_nonpositive, 16 at a time
+FASTGATE_BF16_TARGET inline __m512 exp16_nonpositive(__m512 x) {
+  return reinterpret_cast<__m512>(exp_nonpositive<f32x16, i32x16>(reinterpret_cast<f32x16>(x)));
 }
 
 // keys [S, D] bf16 (rows col_stride apart) -> kp [ceil(S / 16)][D / 2][16 keys][2 dims], zero past S
