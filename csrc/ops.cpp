@@ -946,7 +946,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 // the bf16 inputs), over keys repacked once per call in pairs along the head dim (16 keys a register); softmax and
 // the value product in float32 (values widened in registers); the output rounded to bf16 once (to nearest even).
 // Built where GCC can target AVX512-BF16 and run only where the CPU has it (prefill_attention_bf16_supported).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10  // AVX512-BF16 intrinsics
 #define FASTGATE_BF16_KERNEL 1
 #define FASTGATE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #include <immintrin.h>
