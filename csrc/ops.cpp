@@ -787,6 +787,12 @@ int64_t attended_width(const int64_t* pos, int64_t m, int64_t cols) {
   return widest;
 }
 
+// The shapes both decode attention entry points take: H a multiple of Hkv, 0 < D <= kMaxD.
+void check_decode_shape(const char* name, int64_t m, int64_t H, int64_t Hkv, int64_t D) {
+  if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
+    throw std::invalid_argument(std::string(name) + ": bad shape (H a multiple of Hkv, 0 < D <= 256)");
+}
+
 // q: [m, H, D] float32 contiguous; keys / values: bf16 with element strides (row, head, column) and unit stride over
 // D, `cols` columns; pos: [m] int64, the last column each row attends (0 .. cols - 1, checked here: the caller skips
 // a host-side min / max a layer); out: [m, H, D] float32 contiguous. Pointers come from
@@ -795,8 +801,7 @@ int64_t attended_width(const int64_t* pos, int64_t m, int64_t cols) {
 void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr,
                            int64_t m, int64_t H, int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head,
                            int64_t s_col, double scale, int64_t threads) {
-  if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
-    throw std::invalid_argument("decode_attention_bf16: bad shape (H a multiple of Hkv, 0 < D <= 256)");
+  check_decode_shape("decode_attention_bf16", m, H, Hkv, D);
   const float* q = reinterpret_cast<const float*>(q_ptr);
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_ptr);
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_ptr);
@@ -904,8 +909,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
                                 uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H,
                                 int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
                                 double scale, int64_t threads) {
-  if (m < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D > kMaxD)
-    throw std::invalid_argument("decode_attention_step_bf16: bad shape (H a multiple of Hkv, 0 < D <= 256)");
+  check_decode_shape("decode_attention_step_bf16", m, H, Hkv, D);
   const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
   const uint16_t* kn = reinterpret_cast<const uint16_t*>(kn_ptr);
   const uint16_t* vn = reinterpret_cast<const uint16_t*>(vn_ptr);
@@ -956,9 +960,12 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 
 bool prefill_attention_bf16_supported() {
 #ifdef FASTGATE_BF16_KERNEL
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
+  static const bool supported = [] {  // asked once: every kernel call checks it
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
 #else
   return false;
 #endif

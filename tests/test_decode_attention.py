@@ -157,28 +157,15 @@ def test_the_step_op_writes_the_store_and_attends_as_the_reference(m, H, Hkv, C,
 def test_a_bf16_decode_pass_takes_the_step_op_with_the_general_path_s_results():
     """The fused pass's decode-only path (bare products, one store-write-and-attention call a layer) runs for a bf16
     model with the C++ ops, and gives the general path's tokens, log-probs and taps bitwise (the same arithmetic)."""
-    import dataclasses
+    from decode_paths import decode_path_runs
 
-    from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.engine.model_runner import ModelRunner
-    from fastgate.engine.packed import PackedLoop
+    from fastgate.config import GenerationConfig
     from fastgate.testing import tiny_model
 
     lm = tiny_model(dtype=torch.bfloat16)
     prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills"]
     cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
-    out, calls = {}, []
-    for fast in (True, False):
-        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
-        inner = runner.ops.decode_attention_step
-        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
-            (lambda *a, inner=inner: calls.append(1) or inner(*a)) if fast else None))
-        loop = PackedLoop(runner, mid=2)
-        tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 2)), 1, None) for p in prompts])
-        while loop.busy:
-            loop.step(7)
-        out[fast] = [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
-                      t.result.running_sum) for t in tickets]
+    out, calls = decode_path_runs(lm, [prompts], cfg, layers=(0, 2), mid=2, budget=7)
     assert calls  # the decode-only passes went through it
-    for a, b in zip(out[True], out[False]):
+    for a, b in zip(out[True][0], out[False][0]):
         assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

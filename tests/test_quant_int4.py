@@ -323,11 +323,9 @@ def test_a_runtime_names_its_auto_weights_before_loading():
 def test_bf16_decode_passes_of_any_rows_take_the_bare_products_with_the_layers_results(weights):
     """The fused pass's decode-only path with quantized layers (a Qwen-like model: q/k/v biases): batches below and
     above the kernels' rows give the general path's tokens, log-probs and taps bitwise."""
-    import dataclasses
+    from decode_paths import decode_path_runs
 
-    from fastgate.config import GenerationConfig, TapSpec
-    from fastgate.engine.model_runner import ModelRunner
-    from fastgate.engine.packed import PackedLoop
+    from fastgate.config import GenerationConfig
     from fastgate.ops.registry import ext_available
     from fastgate.testing import tiny_model
 
@@ -342,20 +340,8 @@ def test_bf16_decode_passes_of_any_rows_take_the_bare_products_with_the_layers_r
     quantize_model(lm.model, weights)
     prompts = [f"Question {i}: who wrote Hamlet" + " and" * i for i in range(7)]  # 7 rows: beyond int4-dense's 4
     cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
-    out, calls = {}, []
-    for fast in (True, False):
-        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
-        inner = runner.ops.decode_attention_step
-        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
-            (lambda *a, inner=inner: calls.append(a[0].shape[0]) or inner(*a)) if fast else None))
-        for n in (2, 7):
-            loop = PackedLoop(runner, mid=1)
-            tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 1)), 1, None) for p in prompts[:n]])
-            while loop.busy:
-                loop.step()
-            out[fast, n] = [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
-                             t.result.running_sum) for t in tickets]
+    out, calls = decode_path_runs(lm, [prompts[:2], prompts], cfg, layers=(0, 1), mid=1)
     assert 7 in calls and min(calls) <= 2  # both sides of the kernels' rows went through the bare path
-    for n in (2, 7):
-        for a, b in zip(out[True, n], out[False, n]):
+    for i in (0, 1):  # 2 rows, then 7
+        for a, b in zip(out[True][i], out[False][i]):
             assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

@@ -38,13 +38,17 @@ KERNEL_HEAD_DIMS = (32, 64, 128)  # the C++ kernel's (its value accumulators are
 BLOCK = 64  # query rows a block: 64 and 96 fastest for the layer above, 32 ~10% slower, 128 ~70% (blocks spill cache)
 
 
+def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is bf16 on a CPU: the inputs both implementations here are for."""
+    return all(t.dtype is torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
 def blocked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                               scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fastgate.ops.reference.prefill_attention`'s signature and semantics; bf16 CPU inputs in query blocks
     (module docstring), every other input through the reference. ``mask`` is not read by the blocks, whose causal
     pattern is the same for every chunk (it goes to the reference with the inputs the blocks do not take)."""
-    if not (q.dtype is keys.dtype is values.dtype is torch.bfloat16 and q.device.type == "cpu"
-            and keys.device.type == "cpu" and values.device.type == "cpu"):
+    if not _bf16_on_cpu(q, keys, values):
         return reference.prefill_attention(q, keys, values, start, scale, mask)
     reference.check_prefill_attention_args(q, keys, values, start)
     _, heads, n, dim = q.shape
@@ -73,10 +77,8 @@ def ext_prefill_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
     inputs it cannot run go to :func:`blocked_prefill_attention`."""
 
     def runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        return (q.dtype is keys.dtype is values.dtype is torch.bfloat16 and q.device.type == "cpu"
-                and keys.device.type == "cpu" and values.device.type == "cpu" and q.dim() == 4
-                and q.shape[-1] in KERNEL_HEAD_DIMS and q.stride(-1) == 1 and keys.stride(-1) == 1
-                and keys.stride() == values.stride())
+        return (_bf16_on_cpu(q, keys, values) and q.dim() == 4 and q.shape[-1] in KERNEL_HEAD_DIMS
+                and q.stride(-1) == 1 and keys.stride(-1) == 1 and keys.stride() == values.stride())
 
     def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                           scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -264,18 +264,17 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     }
     names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention")}
     names |= {name: cpu for name in CPU_OPS}
-    if cpu == "ext" and device.type == "cpu":  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
+    ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
+    if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
         from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
         from fastgate.ops.layer import ext_rms_norm, ext_rope
 
-        ext = import_ext()  # built: _cpu_ops("ext") imported it
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext), "rope": ext_rope(ext),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
         names |= {name: "ext" for name in _LAYER_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 
-        ext = import_ext() if cpu == "ext" else None
         if ext is not None and ext.prefill_attention_bf16_supported():  # the C++ kernel needs AVX512-BF16
             chosen["prefill_attention"], names["prefill_attention"] = ext_prefill_attention(ext), "ext"
         else:  # torch operations: no extension needed

@@ -1,0 +1,34 @@
+"""The fused pass's decode-only path against its general path on one model, for the tests that hold them bitwise
+equal (tests/test_decode_attention.py, tests/test_quant_int4.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
+    """Generate each list of prompts in ``prompt_sets`` on a bf16 ``lm`` with the C++ ops, once with the decode-only
+    path (the runner's ``decode_attention_step``) and once without it (None: every pass the general way).
+
+    Returns ``(out, calls)``: ``out[fast][i]`` the (token ids, log-probs, running sum) of set ``i``'s prompts, and the
+    rows of each decode-only call (``fast=True`` only).
+    """
+    from fastgate.config import TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+
+    out, calls = {}, []
+    for fast in (True, False):
+        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+        inner = runner.ops.decode_attention_step
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
+            (lambda *a, inner=inner: calls.append(a[0].shape[0]) or inner(*a)) if fast else None))
+        out[fast] = []
+        for prompts in prompt_sets:
+            loop = PackedLoop(runner, mid=mid)
+            tickets = loop.admit([(p, cfg, TapSpec(layers=layers), 1, None) for p in prompts])
+            while loop.busy:
+                loop.step(budget)
+            out[fast].append([(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
+                               t.result.running_sum) for t in tickets])
+    return out, calls
