@@ -13,10 +13,12 @@ from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine.model_runner import ModelRunner
 from fastgate.engine.packed import PackedLoop
 from fastgate.engine.static_step import (
+    CDF_BLOCK,
     TOP_K_MAX,
     StaticStep,
     StepConfig,
     batch_bucket,
+    cdf_count,
     choose,
     covers,
     uniform,
@@ -275,6 +277,41 @@ def test_choose_draws_follow_the_distribution():
     kept = probs[:3] / probs[:3].sum()
     freq = torch.bincount(tok, minlength=4).float() / n
     assert freq[3] == 0 and ((freq[:3] - kept).abs() < 3 * (kept * (1 - kept) / n).sqrt() + 1e-3).all(), freq
+
+
+@pytest.mark.parametrize("v", [1, 7, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 769, 49152])
+def test_cdf_count_is_the_flat_cumsum_count(v):
+    """The blocked inverse cdf counts what one cumsum over the vocabulary counts, for widths around the block and
+    SmolLM2's 49,152: float64, u at 0, random, and halfway between two neighbouring cdf values (where only a wrong
+    block offset, not rounding, could move the count)."""
+    torch.manual_seed(v)
+    probs = torch.rand(6, v, dtype=torch.float64).softmax(-1)  # [6, V]
+    flat = probs.cumsum(-1)  # [6, V]
+    u = torch.rand(6, 1, dtype=torch.float64) * 0.999
+    u[0, 0] = 0.0
+    for r, k in ((1, CDF_BLOCK), (2, v // 2), (3, v - 1)):  # a block's first token, the middle, the last
+        if 0 < k < v:
+            u[r, 0] = (flat[r, k - 1] + flat[r, k]) / 2
+    assert torch.equal(cdf_count(probs, u), (flat <= u).sum(-1))
+    sliced = torch.rand(6, 2 * v, dtype=torch.float64).softmax(-1)[:, ::2]  # non-contiguous rows
+    assert torch.equal(cdf_count(sliced, u), (sliced.cumsum(-1) <= u).sum(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_choose_compiles_with_inductor_at_serving_shapes(b):
+    """On a GPU: :func:`choose` compiled by inductor over a 49,152-token vocabulary (SmolLM2's) at the batch buckets
+    that serve gives the eager tokens. One cumsum over the vocabulary failed to generate code at batch 16 and 64
+    (torch 2.11), which sent those buckets of the compiled step to eager."""
+    torch.manual_seed(b)
+    logits = torch.randn(b, 49152, device="cuda") * 3  # [B, V]
+    rows = torch.arange(b, device="cuda")
+    args = (rows % 2 == 1, torch.full((b,), 0.7, device="cuda"), torch.where(rows % 4 == 3, 0, 50),
+            torch.full((b,), 0.9, device="cuda"), rows * 7919 + 1, torch.full((b,), 3, device="cuda"))
+    want = choose(logits, *args)
+    got = torch.compile(choose, fullgraph=True, dynamic=False)(logits, *args)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
 
 def test_uniform_is_deterministic_and_in_range():

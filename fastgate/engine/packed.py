@@ -131,7 +131,6 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     plan: PackedPlan = kwargs["fastgate_plan"]
     layer = module.layer_idx
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
-    gqa = query.shape[1] != key.shape[1]
     m = plan.m
     if m:
         keys, values = plan.store.keys[layer], plan.store.values[layer]  # [R, Hkv, C, D]
@@ -140,13 +139,16 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         if plan.attend is not None:  # one pass over the bf16 store, float32 inside (fastgate.ops.attention)
             out[:m] = plan.attend(query[0, :, :m].transpose(0, 1), keys, values, plan.pos, scaling)  # [m, H, D]
         else:
-            q = query[0, :, :m].transpose(0, 1).unsqueeze(2)  # [m, H, 1, D]
+            heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+            # a key head's query heads as that many query rows of one head: no GQA flag, so no key copies, and on
+            # CUDA the memory-efficient kernel takes the mask (with enable_gqa SDPA fell back to its math path there:
+            # ~15 small kernels a layer, a third of an eager step's host time; bench/profile_step.py)
+            q = query[0, :, :m].transpose(0, 1).reshape(m, kv_heads, heads // kv_heads, dim)  # [m, Hkv, G, D]
             k, v = keys[:m, :, :plan.width], values[:m, :, :plan.width]  # [m, Hkv, W, D]
             if plan.attn_dtype is not None:  # bf16 caches on a CPU: in float32 (ModelRunner.attention_dtype)
                 q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling,
-                                               enable_gqa=gqa)  # [m, H, 1, D]
-            out[:m] = o[:, :, 0]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [m, Hkv, G, D]
+            out[:m] = o.reshape(m, heads, dim)
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
         end = seg.start + seg.n

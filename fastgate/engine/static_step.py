@@ -89,6 +89,25 @@ def uniform(key: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
     return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
 
 
+CDF_BLOCK = 256  # the whole vocabulary's cdf in blocks of this many tokens: two short scans, none over V
+
+
+def cdf_count(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of ``probs [B, V]``, how many entries of its cumulative distribution are ``<= u [B, 1]``: the
+    inverse-cdf draw's token. The cdf is built in two short scans (within blocks of :data:`CDF_BLOCK` tokens, then
+    over the blocks' totals) rather than one over the vocabulary: inductor (torch 2.11, CUDA) failed to generate the
+    split scan of a 49,152-wide cumsum at batch 16 and 64, and the compiled step fell back to eager for those buckets.
+    The same function runs in the eager packed loop, so both loops draw alike. Returns ``[B]`` int64."""
+    b, v = probs.shape
+    nb = -(-v // CDF_BLOCK)
+    blocks = F.pad(probs, (0, nb * CDF_BLOCK - v)).view(b, nb, CDF_BLOCK)  # [B, nb, CDF_BLOCK]
+    inner = blocks.cumsum(-1)  # [B, nb, CDF_BLOCK] within each block
+    totals = inner[:, :, -1]  # [B, nb]
+    before = totals.cumsum(-1) - totals  # [B, nb] the mass of the blocks before each
+    cdf = (before[:, :, None] + inner).flatten(1)[:, :v]  # [B, V]
+    return (cdf <= u).sum(-1)
+
+
 def choose(logits: torch.Tensor, sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, key: torch.Tensor, draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's next token and its log-prob: argmax where ``sample`` is False, else a draw from the row's
@@ -114,8 +133,8 @@ def choose(logits: torch.Tensor, sample: torch.Tensor, temperature: torch.Tensor
     pick = (probs.cumsum(-1) <= u).sum(-1).clamp_max(k_max - 1)  # [B] the first candidate whose cdf passes u
     drawn = idx.gather(1, pick[:, None])[:, 0]  # [B]
     # top-k 0 (and top-p 1): the whole vocabulary, in token order
-    whole = (logits / temperature[:, None]).softmax(-1).cumsum(-1)  # [B, V]
-    drawn = torch.where(top_k == 0, (whole <= u).sum(-1).clamp_max(logits.shape[-1] - 1), drawn)  # [B]
+    whole = (logits / temperature[:, None]).softmax(-1)  # [B, V]
+    drawn = torch.where(top_k == 0, cdf_count(whole, u).clamp_max(logits.shape[-1] - 1), drawn)  # [B]
     tokens = torch.where(sample, drawn, greedy)  # [B]
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
