@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -695,7 +696,7 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 // split into 2^floor (the exponent bits) times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it
 // flushes to ~0 as expf underflows. A scalar expf per score cost more than reading the keys.
 template <class F, class I>
-inline F exp_nonpositive(F x) {
+inline __attribute__((always_inline)) F exp_nonpositive(F x) {
   const F lo = F{} - 87.0f;
   x = x < lo ? lo : x;
   const F t = x * 1.44269504088896341f;
@@ -841,6 +842,141 @@ inline uint16_t f32_to_bf16(float f) {
 
 inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// The elementwise layer ops (rms_norm_bf16, rope_bf16, silu_mul_bf16) are written once over a vector type: 16
+// floats a vector where the CPU has AVX-512 (checked once, at the first call), else 8 (the x86-64-v3 clone with
+// AVX2, or the baseline). torch's own kernels run 16 wide on such a CPU: at 8 the C++ loops lost to them from ~16 rows.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define FASTGATE_AVX512 1
+#define FASTGATE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#endif
+#define FASTGATE_INLINE inline __attribute__((always_inline))
+
+bool cpu_has_avx512() {
+#ifdef FASTGATE_AVX512
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// A test hook: 8 runs the 8-wide loops on an AVX-512 CPU too, so that one machine tests both widths.
+std::atomic<int> g_max_width{16};
+
+void set_max_vector_width(int64_t width) {
+  if (width != 8 && width != 16) throw std::invalid_argument("set_max_vector_width: 8 or 16");
+  g_max_width.store(static_cast<int>(width), std::memory_order_relaxed);
+}
+
+inline bool use_width16() { return cpu_has_avx512() && g_max_width.load(std::memory_order_relaxed) >= 16; }
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+struct Vec8 {  // the vector types of one width
+  typedef f32x8 F;
+  typedef i32x8 I;
+  typedef u32x8 U32;
+  typedef u16x8 U16;
+  static constexpr int N = 8;
+};
+struct Vec16 {
+  typedef f32x16 F;
+  typedef i32x16 I;
+  typedef u32x16 U32;
+  typedef u16x16 U16;
+  static constexpr int N = 16;
+};
+
+template <class V>
+FASTGATE_INLINE typename V::F load_bf16v(const uint16_t* src) {
+  typename V::U16 h;
+  __builtin_memcpy(&h, src, sizeof h);
+  const typename V::U32 u = __builtin_convertvector(h, typename V::U32) << 16;
+  typename V::F f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// f32_to_bf16, a vector at a time (the same bits: nearest even, NaN kept a quiet NaN)
+template <class V>
+FASTGATE_INLINE typename V::U16 to_bf16v(typename V::F f) {
+  typedef typename V::U32 U32;
+  U32 u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  const U32 nan = (U32)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const U32 r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (((u >> 16) | 0x40u) & nan);
+  return __builtin_convertvector(r, typename V::U16);
+}
+
+template <class V>
+FASTGATE_INLINE void store_bf16v(uint16_t* dst, typename V::F f) {
+  const typename V::U16 h = to_bf16v<V>(f);
+  __builtin_memcpy(dst, &h, sizeof h);
+}
+
+template <class V>
+FASTGATE_INLINE typename V::F round_bf16v(typename V::F f) {
+  const typename V::U32 u = __builtin_convertvector(to_bf16v<V>(f), typename V::U32) << 16;
+  typename V::F r;
+  __builtin_memcpy(&r, &u, sizeof r);
+  return r;
+}
+
+// Each row function below once as a template and twice compiled: `name`8 (the clones) and `name`16 (AVX-512), and
+// `name` picks one per call from the cached CPU check.
+#ifdef FASTGATE_AVX512
+#define FASTGATE_WIDTHS(name, params, args)                                             \
+  FASTGATE_CLONES void name##8 params { name##_t<Vec8> args; }                          \
+  FASTGATE_AVX512_TARGET void name##16 params { name##_t<Vec16> args; }                  \
+  inline void name params {                                                             \
+    if (use_width16()) name##16 args;                                                   \
+    else name##8 args;                                                                  \
+  }
+#else
+#define FASTGATE_WIDTHS(name, params, args)                    \
+  FASTGATE_CLONES void name##8 params { name##_t<Vec8> args; } \
+  inline void name params { name##8 args; }
+#endif
+
+// One row of rms_norm_bf16 (four independent sums of squares); the scalar tail rounds alike.
+template <class V>
+FASTGATE_INLINE void rms_norm_row_t(const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t d, float e) {
+  typedef typename V::F F;
+  constexpr int N = V::N;
+  F acc[4] = {};
+  int64_t j = 0;
+  for (; j + 4 * N <= d; j += 4 * N)
+    for (int k = 0; k < 4; ++k) {
+      const F v = load_bf16v<V>(xr + j + N * k);
+      acc[k] += v * v;
+    }
+  for (; j + N <= d; j += N) {
+    const F v = load_bf16v<V>(xr + j);
+    acc[0] += v * v;
+  }
+  const F a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  float sum = 0.0f;
+  for (int k = 0; k < N; ++k) sum += a[k];
+  for (; j < d; ++j) {
+    const float v = bf16_to_f32(xr[j]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + e);
+  j = 0;
+  for (; j + N <= d; j += N)
+    store_bf16v<V>(o + j, load_bf16v<V>(w + j) * round_bf16v<V>(load_bf16v<V>(xr + j) * inv));
+  for (; j < d; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(bf16_to_f32(xr[j]) * inv));
+}
+FASTGATE_WIDTHS(rms_norm_row, (const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t d, float e),
+                (xr, w, o, d, e))
+
 // x: [rows, d] bf16, rows `x_stride` elements apart, unit stride along d; weight: [d] bf16; out: [rows, d] bf16
 // contiguous. out = weight * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (LlamaRMSNorm).
 void rms_norm_bf16(uintptr_t x_ptr, uintptr_t w_ptr, uintptr_t out_ptr, int64_t rows, int64_t d, int64_t x_stride,
@@ -852,17 +988,67 @@ void rms_norm_bf16(uintptr_t x_ptr, uintptr_t w_ptr, uintptr_t out_ptr, int64_t 
   const float e = static_cast<float>(eps);
   py::gil_scoped_release release;
   split_rows(rows, rows * d * 4, 1 << 20, [&](int64_t first, int64_t step) {
-    for (int64_t r = first; r < rows; r += step) {
-      const uint16_t* xr = x + r * x_stride;
-      uint16_t* o = out + r * d;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < d; ++j) {
-        const float v = bf16_to_f32(xr[j]);
-        sum += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + e);
-      for (int64_t j = 0; j < d; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(bf16_to_f32(xr[j]) * inv));
+    for (int64_t r = first; r < rows; r += step) rms_norm_row(x + r * x_stride, w, out + r * d, d, e);
+    return true;
+  }, threads);
+}
+
+// One head of rope_bf16: out[i] = bf16(bf16(x[i] cos[i]) + bf16(rot[i] sin[i])), a vector at a time within each
+// half (rot = -x[i + D/2] in the first half, x[i - D/2] in the second), a scalar tail where a half is not a multiple.
+template <class V>
+FASTGATE_INLINE void rope_head_t(const uint16_t* xr, const uint16_t* c, const uint16_t* s, uint16_t* o, int64_t half) {
+  constexpr int N = V::N;
+  for (int side = 0; side < 2; ++side) {
+    const int64_t lo = side * half, other = side ? -half : half;
+    const float sign = side ? 1.0f : -1.0f;
+    int64_t i = lo;
+    for (; i + N <= lo + half; i += N) {
+      const typename V::F a = round_bf16v<V>(load_bf16v<V>(xr + i) * load_bf16v<V>(c + i));
+      const typename V::F b = round_bf16v<V>((load_bf16v<V>(xr + i + other) * sign) * load_bf16v<V>(s + i));
+      store_bf16v<V>(o + i, a + b);
     }
+    for (; i < lo + half; ++i) {
+      const float a = round_bf16(bf16_to_f32(xr[i]) * bf16_to_f32(c[i]));
+      const float b = round_bf16((sign * bf16_to_f32(xr[i + other])) * bf16_to_f32(s[i]));
+      o[i] = f32_to_bf16(a + b);
+    }
+  }
+}
+FASTGATE_WIDTHS(rope_head, (const uint16_t* xr, const uint16_t* c, const uint16_t* s, uint16_t* o, int64_t half),
+                (xr, c, s, o, half))
+
+// SiLU(gate) * up of bf16 rows, torch's arithmetic: silu(x) = x / (1 + exp(-x)) in float32 rounded to bf16, then
+// the product with up in float32 rounded to bf16 (F.silu(g) * u on bf16 tensors). exp(-x) by the attention kernels'
+// polynomial (relative error ~2e-7 against Sleef's ~1e-7: a bf16 result moves only where the float32 value sits
+// within a few float32 steps of a bf16 rounding boundary); above ln(FLT_MAX) it is inf, as expf's, so silu is -0.
+template <class V>
+FASTGATE_INLINE void silu_mul_row_t(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
+  typedef typename V::F F;
+  constexpr int N = V::N;
+  const F top = F{} + 88.72283f, inf = F{} + std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + N <= n; j += N) {
+    const F x = load_bf16v<V>(g + j);
+    const F nx = -x;
+    const F e = nx > top ? inf : exp_nonpositive<F, typename V::I>(nx);  // the polynomial holds up to 88.7 too
+    store_bf16v<V>(o + j, round_bf16v<V>(x / (1.0f + e)) * load_bf16v<V>(u + j));
+  }
+  for (; j < n; ++j) {
+    const float x = bf16_to_f32(g[j]);
+    o[j] = f32_to_bf16(round_bf16(x / (1.0f + std::exp(-x))) * bf16_to_f32(u[j]));
+  }
+}
+FASTGATE_WIDTHS(silu_mul_row, (const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n), (g, u, o, n))
+
+// gu: [rows, 2 n] bf16 (the fused gate / up product), rows `gu_stride` elements apart, gate in columns 0 .. n - 1 and
+// up in n .. 2n - 1; out: [rows, n] bf16 contiguous = silu(gate) * up.
+void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t rows, int64_t n, int64_t gu_stride, int64_t threads) {
+  if (rows < 0 || n <= 0 || gu_stride < 2 * n) throw std::invalid_argument("silu_mul_bf16: bad shape");
+  const uint16_t* gu = reinterpret_cast<const uint16_t*>(gu_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  py::gil_scoped_release release;
+  split_rows(rows, rows * n * 16, 1 << 20, [&](int64_t first, int64_t step) {
+    for (int64_t r = first; r < rows; r += step) silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
     return true;
   }, threads);
 }
@@ -883,16 +1069,7 @@ void rope_bf16(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t 
     for (int64_t t = first; t < T; t += step) {
       const uint16_t* c = cs + t * c_stride;
       const uint16_t* s = sn + t * c_stride;
-      for (int64_t h = 0; h < H; ++h) {
-        const uint16_t* xr = x + t * s_tok + h * s_head;
-        uint16_t* o = out + (t * H + h) * D;
-        for (int64_t i = 0; i < D; ++i) {
-          const float rot = i < half ? -bf16_to_f32(xr[i + half]) : bf16_to_f32(xr[i - half]);
-          const float a = round_bf16(bf16_to_f32(xr[i]) * bf16_to_f32(c[i]));
-          const float b = round_bf16(rot * bf16_to_f32(s[i]));
-          o[i] = f32_to_bf16(a + b);
-        }
-      }
+      for (int64_t h = 0; h < H; ++h) rope_head(x + t * s_tok + h * s_head, c, s, out + (t * H + h) * D, half);
     }
     return true;
   }, threads);
@@ -972,8 +1149,6 @@ bool prefill_attention_bf16_supported() {
 }
 
 #ifdef FASTGATE_BF16_KERNEL
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // exp_nonpositive, 16 at a time
 FASTGATE_BF16_TARGET inline __m512 exp16_nonpositive(__m512 x) {
@@ -1172,6 +1347,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
         py::arg("d"), py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
         "LlamaRMSNorm of bf16 rows, float32 statistics, HF's roundings (pointers to checked torch tensors).");
+  m.def("set_max_vector_width", &set_max_vector_width, py::arg("width"),
+        "Test hook: 8 runs the elementwise layer ops 8 wide on an AVX-512 CPU too; 16 (the default) restores them.");
+  m.def("cpu_has_avx512", &cpu_has_avx512,
+        "Whether this CPU runs the elementwise layer ops 16 floats a vector (AVX-512F/BW/VL/DQ).");
+  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"),
+        py::arg("row_stride"), py::arg("threads") = 0,
+        "SiLU(gate) * up of bf16 rows [rows, 2 inter], torch's roundings (pointers to checked torch tensors).");
   m.def("rope_bf16", &rope_bf16, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("tokens"),
         py::arg("heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("cos_stride"),
         py::arg("threads") = 0, "HF's rotary embedding of bf16 rows, HF's roundings (pointers to checked torch tensors).");

@@ -1,19 +1,25 @@
-"""The fused pass's RMS norm and rotary embedding over bf16 rows on a CPU, in one C++ call each (ops ``rms_norm``,
-``rope``; docs/ARCHITECTURE.md).
+"""The fused pass's RMS norm, rotary embedding and SwiGLU activation over bf16 rows on a CPU, in one C++ call each
+(ops ``rms_norm``, ``rope``, ``silu_mul``; docs/ARCHITECTURE.md).
 
-As torch operations the norm is nine dispatches (cast, square, sum, divide, add, rsqrt, product, cast, product) and the
-rotary embedding seven (two slices, a negation, a join, two products, a sum): about 700 of a batch-1 decode step of
-SmolLM2's 30 layers, ~1 ms of a ~10 ms step at one thread. torch has no fused CPU kernel with HF's roundings
-(``F.rms_norm`` multiplies by the weight before rounding to bf16), so these are written here
-(``fastgate._C.rms_norm_bf16``, ``rope_bf16`` in csrc/ops.cpp). They keep every rounding of the references
-(:func:`fastgate.ops.reference.rms_norm`, :func:`~fastgate.ops.reference.rope`); the rotary embedding is bitwise
-the reference's, the norm's float32 sum of squares may add in another order than torch's reduction (its last bits).
+As torch operations the norm is nine dispatches (cast, square, sum, divide, add, rsqrt, product, cast, product), the
+rotary embedding seven (two slices, a negation, a join, two products, a sum) and the activation two: about 800 of a
+batch-1 decode step of SmolLM2's 30 layers, ~1 ms of a ~10 ms step at one thread. torch has no fused CPU kernel with
+HF's roundings (``F.rms_norm`` multiplies by the weight before rounding to bf16), so these are written here
+(``fastgate._C.rms_norm_bf16``, ``rope_bf16``, ``silu_mul_bf16`` in csrc/ops.cpp). They keep every rounding of the
+references (:func:`fastgate.ops.reference.rms_norm`, :func:`~fastgate.ops.reference.rope`,
+:func:`~fastgate.ops.reference.silu_mul`): the rotary embedding is bitwise the reference's; the norm's float32 sum of
+squares may add in another order than torch's reduction, and the activation's exp is a polynomial rather than
+torch's Sleef exp (either moves a result by one bf16 step where the float32 value sits at a rounding boundary: ~1 in
+10^5 elements).
 
 Every input they cannot take (float32 or another dtype, another device, a last dimension with a stride, an odd head
-dim) goes to the reference: a float32 model keeps torch's arithmetic exactly. So do more than :data:`MAX_ROWS` rows:
-the loops here are scalar, and from ~16 rows torch's vectorized operations win (one thread of a Zen 4 EPYC, 576-wide
-rows: 1 row 5 us against 14, 16 rows 17 against 17, 1,024 rows 870 against 295); what they remove is the dispatch of
-a decode step's few rows.
+dim) goes to the reference: a float32 model keeps torch's arithmetic exactly. So do more rows than an op's limit
+(:func:`row_limits`), chosen once at construction by the vector width the CPU gives the loops: 16 floats with
+AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm
+(576 wide) 14 / 17 / 28 / 2,500 against 0.8 / 3.8 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 17 / 37 /
+490 against 1.3 / 6.5 / 23 / 360; the activation (1,536 wide) 5.5 / 16 / 51 / 780 against 1.4 / 18 / 73 / 1,160 (the
+division and two bf16 roundings cost more than Sleef's loop). At 8 wide the rotary embedding loses from ~32 rows and
+the activation from ~2.
 """
 
 from __future__ import annotations
@@ -25,17 +31,22 @@ import torch
 
 from fastgate.ops import reference
 
-__all__ = ["MAX_ROWS", "ext_rms_norm", "ext_rope"]
-
-MAX_ROWS = 8  # rows (tokens) up to which the C++ loops beat torch's operations (module docstring)
+__all__ = ["ext_rms_norm", "ext_rope", "ext_silu_mul", "row_limits"]
 
 
-def ext_rms_norm(ext: ModuleType) -> Callable[..., torch.Tensor]:
+def row_limits(wide: bool) -> dict[str, int]:
+    """Rows (tokens) up to which each C++ loop beats torch's operations, for a CPU with AVX-512 (``wide``) or
+    without (module docstring)."""
+    unlimited = 1 << 62
+    return {"rms_norm": unlimited, "rope": unlimited if wide else 16, "silu_mul": 8 if wide else 1}
+
+
+def ext_rms_norm(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
     """The C++ RMS norm with the reference's signature ``(x [..., d], weight [d], eps) -> [..., d]``."""
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
-                or x.shape[0] > MAX_ROWS
+                or x.shape[0] > max_rows
                 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1] or not weight.is_contiguous()
                 or weight.shape != x.shape[1:]):
             return reference.rms_norm(x, weight, eps)
@@ -47,12 +58,12 @@ def ext_rms_norm(ext: ModuleType) -> Callable[..., torch.Tensor]:
     return rms_norm
 
 
-def ext_rope(ext: ModuleType) -> Callable[..., torch.Tensor]:
+def ext_rope(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
     """The C++ rotary embedding with the reference's signature ``(x [T, H, D], cos, sin [T, 1, D]) -> [T, H, D]``."""
 
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if (x.dtype is not torch.bfloat16 or cos.dtype is not torch.bfloat16 or sin.dtype is not torch.bfloat16
-                or x.device.type != "cpu" or x.shape[0] > MAX_ROWS or x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2
+                or x.device.type != "cpu" or x.shape[0] > max_rows or x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2
                 or cos.shape != (x.shape[0], 1, x.shape[2]) or sin.shape != cos.shape or cos.stride(2) != 1
                 or sin.stride() != cos.stride()):
             return reference.rope(x, cos, sin)
@@ -63,3 +74,19 @@ def ext_rope(ext: ModuleType) -> Callable[..., torch.Tensor]:
         return out
 
     return rope
+
+
+def ext_silu_mul(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
+    """The C++ SwiGLU activation with the reference's signature ``(gate_up [T, 2I]) -> [T, I]``."""
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        if (gate_up.dtype is not torch.bfloat16 or gate_up.device.type != "cpu" or gate_up.dim() != 2
+                or gate_up.shape[0] > max_rows or gate_up.shape[1] % 2 or gate_up.stride(1) != 1
+                or gate_up.stride(0) < gate_up.shape[1]):
+            return reference.silu_mul(gate_up)
+        t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((t, inter), dtype=torch.bfloat16)  # [T, I]
+        ext.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, inter, gate_up.stride(0), torch.get_num_threads())
+        return out
+
+    return silu_mul
