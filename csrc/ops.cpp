@@ -842,7 +842,7 @@ inline uint16_t f32_to_bf16(float f) {
 
 inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-// The elementwise layer ops (rms_norm_bf16, rope_bf16, silu_mul_bf16) are written once over a vector type: 16
+// The elementwise layer ops (rms_norm_bf16, rope_bf16) are written once over a vector type: 16
 // floats a vector where the CPU has AVX-512 (checked once, at the first call), else 8 (the x86-64-v3 clone with
 // AVX2, or the baseline). torch's own kernels run 16 wide on such a CPU: at 8 the C++ loops lost to them from ~16 rows.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
@@ -945,31 +945,61 @@ FASTGATE_INLINE typename V::F round_bf16v(typename V::F f) {
   inline void name params { name##8 args; }
 #endif
 
-// One row of rms_norm_bf16 (four independent sums of squares); the scalar tail rounds alike.
+// A row's sum of squares in torch's own order: at::native's vectorized_inner_sum over vectors of 8 floats (torch
+// registers its sum kernel without an AVX-512 build, so 8 on AVX2 and AVX-512 CPUs alike): vectors 4i + k summed
+// per k in a cascade of levels 16 steps long (multi_row_sum), the leftover vectors into k = 0, the four partials in
+// order, then the scalar tail and the 8 lanes one by one. The squares of bf16 values are exact in float32, so this
+// is torch's h.pow(2).mean(-1) bit for bit. (torch lengthens the levels only past 2^19 steps.)
 template <class V>
-FASTGATE_INLINE void rms_norm_row_t(const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t d, float e) {
+FASTGATE_INLINE float torch_sum_squares(const uint16_t* xr, int64_t d) {
   typedef typename V::F F;
   constexpr int N = V::N;
-  F acc[4] = {};
-  int64_t j = 0;
-  for (; j + 4 * N <= d; j += 4 * N)
-    for (int k = 0; k < 4; ++k) {
-      const F v = load_bf16v<V>(xr + j + N * k);
-      acc[k] += v * v;
+  const int64_t vecs = d / N, steps = vecs / 4;
+  F acc[4][4] = {};  // [level][partial]
+  int64_t i = 0;
+  for (; i + 16 <= steps;) {
+    for (int j = 0; j < 16; ++j, ++i)
+      for (int k = 0; k < 4; ++k) {
+        const F v = load_bf16v<V>(xr + (4 * i + k) * N);
+        acc[0][k] += v * v;
+      }
+    for (int j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = F{};
+      }
+      if ((i & (int64_t(15) << (4 * j))) != 0) break;
     }
-  for (; j + N <= d; j += N) {
-    const F v = load_bf16v<V>(xr + j);
-    acc[0] += v * v;
   }
-  const F a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (; i < steps; ++i)
+    for (int k = 0; k < 4; ++k) {
+      const F v = load_bf16v<V>(xr + (4 * i + k) * N);
+      acc[0][k] += v * v;
+    }
+  for (int j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
+  F part = acc[0][0];
+  for (int64_t v = steps * 4; v < vecs; ++v) {
+    const F x = load_bf16v<V>(xr + v * N);
+    part += x * x;
+  }
+  for (int k = 1; k < 4; ++k) part += acc[0][k];
   float sum = 0.0f;
-  for (int k = 0; k < N; ++k) sum += a[k];
-  for (; j < d; ++j) {
+  for (int64_t j = vecs * N; j < d; ++j) {
     const float v = bf16_to_f32(xr[j]);
     sum += v * v;
   }
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + e);
-  j = 0;
+  for (int k = 0; k < N; ++k) sum += part[k];
+  return sum;
+}
+
+// One row of rms_norm_bf16; the scalar tail rounds alike.
+template <class V>
+FASTGATE_INLINE void rms_norm_row_t(const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t d, float e) {
+  constexpr int N = V::N;
+  // 8 wide in either width: torch's order (above); AVX-512VL runs the 8-float vectors in the 16-wide clone
+  const float inv = 1.0f / std::sqrt(torch_sum_squares<Vec8>(xr, d) / static_cast<float>(d) + e);
+  int64_t j = 0;
   for (; j + N <= d; j += N)
     store_bf16v<V>(o + j, load_bf16v<V>(w + j) * round_bf16v<V>(load_bf16v<V>(xr + j) * inv));
   for (; j < d; ++j) o[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(bf16_to_f32(xr[j]) * inv));
@@ -1016,42 +1046,6 @@ FASTGATE_INLINE void rope_head_t(const uint16_t* xr, const uint16_t* c, const ui
 }
 FASTGATE_WIDTHS(rope_head, (const uint16_t* xr, const uint16_t* c, const uint16_t* s, uint16_t* o, int64_t half),
                 (xr, c, s, o, half))
-
-// SiLU(gate) * up of bf16 rows, torch's arithmetic: silu(x) = x / (1 + exp(-x)) in float32 rounded to bf16, then
-// the product with up in float32 rounded to bf16 (F.silu(g) * u on bf16 tensors). exp(-x) by the attention kernels'
-// polynomial (relative error ~2e-7 against Sleef's ~1e-7: a bf16 result moves only where the float32 value sits
-// within a few float32 steps of a bf16 rounding boundary); above ln(FLT_MAX) it is inf, as expf's, so silu is -0.
-template <class V>
-FASTGATE_INLINE void silu_mul_row_t(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
-  typedef typename V::F F;
-  constexpr int N = V::N;
-  const F top = F{} + 88.72283f, inf = F{} + std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  for (; j + N <= n; j += N) {
-    const F x = load_bf16v<V>(g + j);
-    const F nx = -x;
-    const F e = nx > top ? inf : exp_nonpositive<F, typename V::I>(nx);  // the polynomial holds up to 88.7 too
-    store_bf16v<V>(o + j, round_bf16v<V>(x / (1.0f + e)) * load_bf16v<V>(u + j));
-  }
-  for (; j < n; ++j) {
-    const float x = bf16_to_f32(g[j]);
-    o[j] = f32_to_bf16(round_bf16(x / (1.0f + std::exp(-x))) * bf16_to_f32(u[j]));
-  }
-}
-FASTGATE_WIDTHS(silu_mul_row, (const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n), (g, u, o, n))
-
-// gu: [rows, 2 n] bf16 (the fused gate / up product), rows `gu_stride` elements apart, gate in columns 0 .. n - 1 and
-// up in n .. 2n - 1; out: [rows, n] bf16 contiguous = silu(gate) * up.
-void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t rows, int64_t n, int64_t gu_stride, int64_t threads) {
-  if (rows < 0 || n <= 0 || gu_stride < 2 * n) throw std::invalid_argument("silu_mul_bf16: bad shape");
-  const uint16_t* gu = reinterpret_cast<const uint16_t*>(gu_ptr);
-  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
-  py::gil_scoped_release release;
-  split_rows(rows, rows * n * 16, 1 << 20, [&](int64_t first, int64_t step) {
-    for (int64_t r = first; r < rows; r += step) silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
-    return true;
-  }, threads);
-}
 
 // x: [T, H, D] bf16 with element strides (token, head), unit along D; cos / sin: [T, D] bf16 rows `c_stride` apart;
 // out: [T, H, D] bf16 contiguous. out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) =
@@ -1351,9 +1345,6 @@ PYBIND11_MODULE(_C, m) {
         "Test hook: 8 runs the elementwise layer ops 8 wide on an AVX-512 CPU too; 16 (the default) restores them.");
   m.def("cpu_has_avx512", &cpu_has_avx512,
         "Whether this CPU runs the elementwise layer ops 16 floats a vector (AVX-512F/BW/VL/DQ).");
-  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("inter"),
-        py::arg("row_stride"), py::arg("threads") = 0,
-        "SiLU(gate) * up of bf16 rows [rows, 2 inter], torch's roundings (pointers to checked torch tensors).");
   m.def("rope_bf16", &rope_bf16, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("tokens"),
         py::arg("heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("cos_stride"),
         py::arg("threads") = 0, "HF's rotary embedding of bf16 rows, HF's roundings (pointers to checked torch tensors).");

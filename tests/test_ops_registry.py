@@ -40,7 +40,7 @@ def test_ops_hold_every_op_and_record_each_choice():
     kernel = registry.import_ext().prefill_attention_bf16_supported()  # the C++ prefill attention needs AVX512-BF16
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
-        "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext", "silu_mul": "ext",
+        "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
         "prefill_attention": "ext" if kernel else "blocked", "align_words": "ext", "word_logprobs": "ext",
         "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
@@ -59,7 +59,6 @@ def test_reference_backends_run_every_reference(backend):
     assert o.probe_logits is reference.probe_logits and o.answer_nll is reference.answer_nll
     assert o.decode_attention is reference.decode_attention and o.backends["decode_attention"] == "torch"
     assert o.decode_attention_step is reference.decode_attention_step and o.rms_norm is reference.rms_norm
-    assert o.silu_mul is reference.silu_mul
     assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope", "prefill_attention")} == {"torch"}
     assert o.prefill_attention is reference.prefill_attention
     assert {o.backends[n] for n in registry.CPU_OPS} == {"python"}

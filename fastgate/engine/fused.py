@@ -158,12 +158,6 @@ def _join_int8(parts: list[Int8Linear]) -> Int8Linear:
     return fused
 
 
-def _activate(act, gate_up: torch.Tensor) -> torch.Tensor:
-    """HF's gated MLP activation ``act(gate) * up`` of ``gate_up [T, 2I]``: ``[T, I]``."""
-    inter = gate_up.shape[-1] // 2
-    return act(gate_up[:, :inter]) * gate_up[:, inter:]
-
-
 class _Layer:
     """One decoder layer's pieces for the fused pass."""
 
@@ -177,8 +171,6 @@ class _Layer:
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
         self.act = mlp.act_fn
-        # SiLU's gate times up is the op silu_mul (one C++ call over a decode step's rows); other activations as HF's
-        self.swiglu = isinstance(mlp.act_fn, torch.nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
         # the four products as bare calls for the rows of a bf16 decode step on a CPU, each (small, rows, large):
@@ -266,13 +258,13 @@ class FusedForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope,
-                 attention_step=None, silu_mul=reference.silu_mul) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 attention_step=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
         function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
         of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them).
-        ``rms_norm``, ``rope``, ``attention_step``, ``silu_mul``: the runner's ops of those names (the references by
-        default; ``attention_step`` None: every pass through ``attention``). A pass of decode rows only over a bf16
-        store whose attention runs in C++ (``plan.attend``), of rows few enough for the layers' kernels, goes through
+        ``rms_norm``, ``rope``, ``attention_step``: the runner's ops of those names (the references by default;
+        ``attention_step`` None: every pass through ``attention``). A pass of decode rows only over a bf16 store
+        whose attention runs in C++ (``plan.attend``), of rows few enough for the layers' kernels, goes through
         :meth:`_decode_layers`: the same arithmetic in fewer host operations."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
@@ -284,16 +276,16 @@ class FusedForward:
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
         if (attention_step is not None and plan.attend is not None and not plan.segs and plan.m == t
                 and h.dtype is torch.bfloat16 and h.device.type == "cpu" and t <= self._row_limit):
-            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, silu_mul, wanted, outputs)
+            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs)
         else:
-            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, silu_mul, wanted, outputs)
+            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs)
         h = self.norm(h)
         if self.n in wanted:
             outputs[self.n] = h[None]
         logits = self.head(h[keep])  # [K, V]
         return logits.to(torch.float32), outputs
 
-    def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, silu_mul, wanted, outputs) -> torch.Tensor:
+    def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs) -> torch.Tensor:
         """The decoder layers over ``h [T, d]`` (any pass: decode rows and prompt chunks)."""
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -308,13 +300,13 @@ class FusedForward:
             h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
             x = rms_norm(h, layer.ln2, layer.eps2)
             gu = layer.gate_up(x)  # [T, 2 I]
-            h = h + layer.down(silu_mul(gu) if layer.swiglu else _activate(layer.act, gu))
+            inter = gu.shape[-1] // 2
+            h = h + layer.down(layer.act(gu[:, :inter]) * gu[:, inter:])
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h
 
-    def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, silu_mul, wanted,
-                       outputs) -> torch.Tensor:
+    def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
         ``plan.pos[r]``), bf16 on a CPU: the products as bare calls (:func:`_row_products`: the kernels up to their
         rows, the kept de-quantized or float weights beyond) and each layer's store writes and attention as one call
@@ -331,7 +323,8 @@ class FusedForward:
                                store.values[layer.index], pos, layer.scaling)  # [T, Hq, D]
             h = h + o_p(o.view(t, hq * d))
             gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
-            h = h + down_p(silu_mul(gu) if layer.swiglu else _activate(layer.act, gu))
+            inter = gu.shape[-1] // 2
+            h = h + down_p(layer.act(gu[:, :inter]) * gu[:, inter:])
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h

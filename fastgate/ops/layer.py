@@ -1,25 +1,23 @@
-"""The fused pass's RMS norm, rotary embedding and SwiGLU activation over bf16 rows on a CPU, in one C++ call each
-(ops ``rms_norm``, ``rope``, ``silu_mul``; docs/ARCHITECTURE.md).
+"""The fused pass's RMS norm and rotary embedding over bf16 rows on a CPU, in one C++ call each (ops ``rms_norm``,
+``rope``; docs/ARCHITECTURE.md).
 
-As torch operations the norm is nine dispatches (cast, square, sum, divide, add, rsqrt, product, cast, product), the
-rotary embedding seven (two slices, a negation, a join, two products, a sum) and the activation two: about 800 of a
-batch-1 decode step of SmolLM2's 30 layers, ~1 ms of a ~10 ms step at one thread. torch has no fused CPU kernel with
-HF's roundings (``F.rms_norm`` multiplies by the weight before rounding to bf16), so these are written here
-(``fastgate._C.rms_norm_bf16``, ``rope_bf16``, ``silu_mul_bf16`` in csrc/ops.cpp). They keep every rounding of the
-references (:func:`fastgate.ops.reference.rms_norm`, :func:`~fastgate.ops.reference.rope`,
-:func:`~fastgate.ops.reference.silu_mul`): the rotary embedding is bitwise the reference's; the norm's float32 sum of
-squares may add in another order than torch's reduction, and the activation's exp is a polynomial rather than
-torch's Sleef exp (either moves a result by one bf16 step where the float32 value sits at a rounding boundary: ~1 in
-10^5 elements).
+As torch operations the norm is nine dispatches (cast, square, sum, divide, add, rsqrt, product, cast, product) and the
+rotary embedding seven (two slices, a negation, a join, two products, a sum): about 700 of a batch-1 decode step of
+SmolLM2's 30 layers, ~1 ms of a ~10 ms step at one thread. torch has no fused CPU kernel with HF's roundings
+(``F.rms_norm`` multiplies by the weight before rounding to bf16), so these are written here
+(``fastgate._C.rms_norm_bf16``, ``rope_bf16`` in csrc/ops.cpp). They keep every rounding of the references
+(:func:`fastgate.ops.reference.rms_norm`, :func:`~fastgate.ops.reference.rope`): the rotary embedding is bitwise the
+reference's, and so is the norm (its float32 sum of squares adds in torch's order, at::native's cascade over vectors
+of 8 floats: torch registers its sum kernel without an AVX-512 build).
 
 Every input they cannot take (float32 or another dtype, another device, a last dimension with a stride, an odd head
 dim) goes to the reference: a float32 model keeps torch's arithmetic exactly. So do more rows than an op's limit
 (:func:`row_limits`), chosen once at construction by the vector width the CPU gives the loops: 16 floats with
 AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm
-(576 wide) 14 / 17 / 28 / 2,500 against 0.8 / 3.8 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 17 / 37 /
-490 against 1.3 / 6.5 / 23 / 360; the activation (1,536 wide) 5.5 / 16 / 51 / 780 against 1.4 / 18 / 73 / 1,160 (the
-division and two bf16 roundings cost more than Sleef's loop). At 8 wide the rotary embedding loses from ~32 rows and
-the activation from ~2.
+(576 wide) 14 / 17 / 26 / 2,300 against 0.8 / 3.7 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 16 / 36 /
+450 against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows. (A C++ SwiGLU activation,
+``silu(gate) * up``, was tried and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and its
+polynomial exp was not torch's Sleef exp bit for bit.)
 """
 
 from __future__ import annotations
@@ -31,14 +29,14 @@ import torch
 
 from fastgate.ops import reference
 
-__all__ = ["ext_rms_norm", "ext_rope", "ext_silu_mul", "row_limits"]
+__all__ = ["ext_rms_norm", "ext_rope", "row_limits"]
 
 
 def row_limits(wide: bool) -> dict[str, int]:
     """Rows (tokens) up to which each C++ loop beats torch's operations, for a CPU with AVX-512 (``wide``) or
     without (module docstring)."""
     unlimited = 1 << 62
-    return {"rms_norm": unlimited, "rope": unlimited if wide else 16, "silu_mul": 8 if wide else 1}
+    return {"rms_norm": unlimited, "rope": unlimited if wide else 16}
 
 
 def ext_rms_norm(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
@@ -74,19 +72,3 @@ def ext_rope(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
         return out
 
     return rope
-
-
-def ext_silu_mul(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
-    """The C++ SwiGLU activation with the reference's signature ``(gate_up [T, 2I]) -> [T, I]``."""
-
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        if (gate_up.dtype is not torch.bfloat16 or gate_up.device.type != "cpu" or gate_up.dim() != 2
-                or gate_up.shape[0] > max_rows or gate_up.shape[1] % 2 or gate_up.stride(1) != 1
-                or gate_up.stride(0) < gate_up.shape[1]):
-            return reference.silu_mul(gate_up)
-        t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((t, inter), dtype=torch.bfloat16)  # [T, I]
-        ext.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, inter, gate_up.stride(0), torch.get_num_threads())
-        return out
-
-    return silu_mul

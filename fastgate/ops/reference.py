@@ -18,7 +18,7 @@ from fastgate.errors import ShapeError
 
 __all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_decode_attention_args",
            "check_eigenscore_args", "decode_attention", "decode_attention_step", "eigenscore", "prefill_attention",
-           "prefill_mask", "probe_logits", "rms_norm", "rope", "silu_mul"]
+           "prefill_mask", "probe_logits", "rms_norm", "rope"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -314,9 +314,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
     return x * cos + rot * sin
 
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU MLP's activation: ``silu(gate) * up`` of ``gate_up [T, 2I]`` (the fused gate / up product, gate in
-    the first ``I`` columns), as Llama's MLP computes ``act_fn(gate_proj(x)) * up_proj(x)``; ``[T, I]``."""
-    inter = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]

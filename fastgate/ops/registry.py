@@ -15,9 +15,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
   the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
   does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
-  fused pass's norm, rotary embedding and SwiGLU activation of bf16 rows (``rms_norm``, ``rope``, ``silu_mul``; torch
-  operations otherwise). A prompt chunk's attention over bf16 keys on a CPU (``prefill_attention``,
-  :mod:`fastgate.ops.prefill`) runs in the
+  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise). A
+  prompt chunk's attention over bf16 keys on a CPU (``prefill_attention``, :mod:`fastgate.ops.prefill`) runs in the
   extension where the CPU has AVX512-BF16 (``ext``), else in query blocks of torch's batched products (``blocked``,
   no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
   record names the implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
@@ -67,8 +66,7 @@ GateBackend = Literal["triton", "ext", "torch"]
 GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
-# the engine's, CPU bf16 in C++
-_LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope", "silu_mul")
+_LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
 OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *CPU_OPS)
 
 
@@ -135,7 +133,6 @@ class Ops:
     decode_attention_step: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]  # (x [T,d], weight [d], eps) -> [T,d]: the fused pass's norm
     rope: Callable[..., torch.Tensor]  # (x [T,H,D], cos [T,1,D], sin [T,1,D]) -> [T,H,D]: its rotary embedding
-    silu_mul: Callable[..., torch.Tensor]  # (gate_up [T,2I]) -> [T,I]: its SwiGLU activation, silu(gate) * up
     # (q [1,H,n,D], keys/values [1,Hkv,start+n,D], start, scale, mask) -> [1,H,n,D]: a prompt chunk's causal attention
     prefill_attention: Callable[..., torch.Tensor]
 
@@ -262,7 +259,6 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "decode_attention_step": reference.decode_attention_step,
         "rms_norm": reference.rms_norm,
         "rope": reference.rope,
-        "silu_mul": reference.silu_mul,
         "prefill_attention": reference.prefill_attention,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
@@ -271,11 +267,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
         from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
-        from fastgate.ops.layer import ext_rms_norm, ext_rope, ext_silu_mul, row_limits
+        from fastgate.ops.layer import ext_rms_norm, ext_rope, row_limits
 
         limits = row_limits(ext.cpu_has_avx512())  # the rows each loop pays for at this CPU's vector width
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext, limits["rms_norm"]),
-                   "rope": ext_rope(ext, limits["rope"]), "silu_mul": ext_silu_mul(ext, limits["silu_mul"]),
+                   "rope": ext_rope(ext, limits["rope"]),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
         names |= {name: "ext" for name in _LAYER_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
