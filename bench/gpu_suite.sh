@@ -10,6 +10,11 @@
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
 #                                     #     then bench_engine.py on random weights in Llama-3-8B's shapes (~16 GB bf16)
+#   bash bench/gpu_suite.sh all       # one call of ~9 minutes for a session lent 15 minutes of device time in all:
+#                                     #     the tests (160 s), the SmolLM2-shaped bench at the serving shapes (b1 and
+#                                     #     b16 at 600 tokens: packed eager and compiled, HF eager and static +
+#                                     #     compile; the 16 x 700 prefill; 300 s), the kernel benches (90 s); every
+#                                     #     file packed into $OUT/gpu.tgz at the end (at most 8 files come back)
 #
 # Nothing is installed or built: the tree runs from PYTHONPATH (the C++ extension is CPU-only, never built here; the
 # image's python3 holds torch, triton, transformers). Random weights in the models' shapes: timings need the shapes,
@@ -27,7 +32,17 @@ set -uo pipefail
 PART=${1:-}
 case "$PART" in
   tests|smollm2|llama3) ;;
-  *) echo "usage: bash bench/gpu_suite.sh tests|smollm2|llama3" >&2; exit 2 ;;
+  all)  # the three in one call, each under its own budget and in its own folder, then one archive (see the header)
+    OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
+    work=$(mktemp -d)
+    OUT=$work/tests BUDGET=150 timeout 160 bash "$0" tests > "$work/tests.out" 2>&1
+    OUT=$work/smollm2 BUDGET=300 SMOLLM2_QUICK=1 timeout 310 bash "$0" smollm2 > "$work/smollm2.out" 2>&1
+    OUT=$work/llama3 BUDGET=85 LLAMA3_KERNELS_ONLY=1 timeout 90 bash "$0" llama3 > "$work/llama3.out" 2>&1
+    mkdir -p "$OUT" && tar czf "$OUT/gpu.tgz" -C "$work" .
+    tail -4 "$work/tests.out"; grep -E "^ +[a-z-]+ +(eager|compiled|eager-fallback) |^ +[a-z-]+ +bfloat16 " "$work/smollm2.out"
+    tail -3 "$work/llama3.out"
+    exit 0 ;;
+  *) echo "usage: bash bench/gpu_suite.sh tests|smollm2|llama3|all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/gpu-$PART-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
@@ -78,17 +93,23 @@ case "$PART" in
   smollm2)
     # where an eager step's host time goes (torch.profiler, ~20 s each): the eager step is the compiled one's fallback
     # and the prefill's path; 2026-11-26 it found cuDNN's per-shape attention plans (docs/RESULTS.md)
-    for shape in "1 30" "16 600"; do
+    shapes_profiled="1 30,16 600"
+    [ -n "${SMOLLM2_QUICK:-}" ] && shapes_profiled=""  # the `all` part keeps its seconds for the compiles
+    IFS=, read -ra profiled <<< "$shapes_profiled"
+    for shape in "${profiled[@]}"; do
       set -- $shape
       timeout 60 "$PY" bench/profile_step.py --device "$DEVICE" --batch "$1" --context "$2" --rows 15 \
         >> "$OUT/profile.log" 2>&1 || echo "profile_step batch $1 context $2: exit $?" >> "$OUT/profile.log"
     done
-    grep "one step" "$OUT/profile.log"
+    grep -s "one step" "$OUT/profile.log"
     # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600: 4 graphs
+    shapes="--designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 --contexts 30,600"
+    # the `all` part's shapes: the serving ones only (b1 and b16 at 600: the same four compiles, no more rows)
+    [ -n "${SMOLLM2_QUICK:-}" ] && shapes="--designs packed,packed-compiled,hf-eager,hf-static-compile --batches 1,16 \
+--contexts 600"
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model smollm2-135m-shape --dtypes "$DTYPES" \
-      --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
-      --contexts 30,600 --compile-batches 1,16 --compile-contexts 600 --prefill 16x700 --steps 30 --rounds 1 \
-      --max-minutes "$(minutes 90)" 2>&1 | tee "$LOG"
+      --weights float $shapes --compile-batches 1,16 --compile-contexts 600 --prefill 16x700 --steps 30 --rounds 1 \
+      --max-minutes "$(minutes 60)" 2>&1 | tee "$LOG"
     status=${PIPESTATUS[0]}
     ;;
   llama3)
@@ -96,6 +117,7 @@ case "$PART" in
     # what is left. compiles: packed-compiled and hf-static-compile at batch 1, context 600: 2 graphs of 32 layers
     timeout 90 "$PY" bench/bench_probe.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee "$LOG"
     timeout 90 "$PY" bench/bench_eigenscore.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee -a "$LOG"
+    [ -n "${LLAMA3_KERNELS_ONLY:-}" ] && { echo "part $PART: kernels only after ${SECONDS} s" | tee -a "$LOG"; exit 0; }
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model llama3-8b-shape --dtypes "$DTYPES" \
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
       --contexts 30,600 --compile-batches 1 --compile-contexts 600 --prefill 16x700 --steps 20 --rounds 1 \
