@@ -35,13 +35,15 @@ case "$PART" in
   all)  # the three in one call, each under its own budget and in its own folder, then one archive (see the header)
     OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
     work=$(mktemp -d)
-    OUT=$work/tests BUDGET=150 timeout 160 bash "$0" tests > "$work/tests.out" 2>&1
-    OUT=$work/smollm2 BUDGET=300 SMOLLM2_QUICK=1 timeout 310 bash "$0" smollm2 > "$work/smollm2.out" 2>&1
-    OUT=$work/llama3 BUDGET=85 LLAMA3_KERNELS_ONLY=1 timeout 90 bash "$0" llama3 > "$work/llama3.out" 2>&1
+    worst=0
+    OUT=$work/tests BUDGET=150 timeout 160 bash "$0" tests > "$work/tests.out" 2>&1 || worst=$?
+    OUT=$work/smollm2 BUDGET=300 SMOLLM2_QUICK=1 timeout 310 bash "$0" smollm2 > "$work/smollm2.out" 2>&1 || worst=$?
+    OUT=$work/llama3 BUDGET=85 LLAMA3_KERNELS_ONLY=1 timeout 90 bash "$0" llama3 > "$work/llama3.out" 2>&1 || worst=$?
     mkdir -p "$OUT" && tar czf "$OUT/gpu.tgz" -C "$work" .
-    tail -4 "$work/tests.out"; grep -E "^ +[a-z-]+ +(eager|compiled|eager-fallback) |^ +[a-z-]+ +bfloat16 " "$work/smollm2.out"
-    tail -3 "$work/llama3.out"
-    exit 0 ;;
+    grep -E " (passed|failed|error)" "$work/tests.out" | tail -1
+    grep -E "^ +[a-z-]+ +(eager|compiled|eager-fallback) |^ +[a-z-]+ +bfloat16 " "$work/smollm2.out"
+    grep -E "^part " "$work/tests.out" "$work/smollm2.out" "$work/llama3.out"
+    exit "$worst" ;;  # the last part that failed (0: none)
   *) echo "usage: bash bench/gpu_suite.sh tests|smollm2|llama3|all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/gpu-$PART-$(date -u +%Y%m%dT%H%M%SZ)}
@@ -96,7 +98,7 @@ case "$PART" in
     shapes_profiled="1 30,16 600"
     [ -n "${SMOLLM2_QUICK:-}" ] && shapes_profiled=""  # the `all` part keeps its seconds for the compiles
     IFS=, read -ra profiled <<< "$shapes_profiled"
-    for shape in "${profiled[@]}"; do
+    for shape in ${profiled[@]+"${profiled[@]}"}; do  # (an empty array under set -u: bash before 4.4)
       set -- $shape
       timeout 60 "$PY" bench/profile_step.py --device "$DEVICE" --batch "$1" --context "$2" --rows 15 \
         >> "$OUT/profile.log" 2>&1 || echo "profile_step batch $1 context $2: exit $?" >> "$OUT/profile.log"
@@ -116,8 +118,14 @@ case "$PART" in
     # the kernel benches first (seconds each on CUDA; bounded all the same), then the 8B-shaped engine bench with
     # what is left. compiles: packed-compiled and hf-static-compile at batch 1, context 600: 2 graphs of 32 layers
     timeout 90 "$PY" bench/bench_probe.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee "$LOG"
+    kernels=${PIPESTATUS[0]}
     timeout 90 "$PY" bench/bench_eigenscore.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee -a "$LOG"
-    [ -n "${LLAMA3_KERNELS_ONLY:-}" ] && { echo "part $PART: kernels only after ${SECONDS} s" | tee -a "$LOG"; exit 0; }
+    eig=${PIPESTATUS[0]}
+    [ "$eig" -ne 0 ] && kernels=$eig
+    if [ -n "${LLAMA3_KERNELS_ONLY:-}" ]; then
+      echo "part $PART: kernels only, exit $kernels after ${SECONDS} s" | tee -a "$LOG"
+      exit "$kernels"
+    fi
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model llama3-8b-shape --dtypes "$DTYPES" \
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
       --contexts 30,600 --compile-batches 1 --compile-contexts 600 --prefill 16x700 --steps 20 --rounds 1 \

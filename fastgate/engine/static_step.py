@@ -103,7 +103,8 @@ def cdf_count(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = F.pad(probs, (0, nb * CDF_BLOCK - v)).view(b, nb, CDF_BLOCK)  # [B, nb, CDF_BLOCK]
     inner = blocks.cumsum(-1)  # [B, nb, CDF_BLOCK] within each block
     totals = inner[:, :, -1]  # [B, nb]
-    before = totals.cumsum(-1) - totals  # [B, nb] the mass of the blocks before each
+    before = F.pad(totals.cumsum(-1)[:, :-1], (1, 0))  # [B, nb] the mass before each block: an exclusive scan, so
+    # a block's first entry never falls below the one before it (a cumsum less the totals could, by an ulp)
     cdf = (before[:, :, None] + inner).flatten(1)[:, :v]  # [B, V]
     return (cdf <= u).sum(-1)
 

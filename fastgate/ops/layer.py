@@ -7,8 +7,9 @@ SmolLM2's 30 layers, ~1 ms of a ~10 ms step at one thread. torch has no fused CP
 (``F.rms_norm`` multiplies by the weight before rounding to bf16), so these are written here
 (``fastgate._C.rms_norm_bf16``, ``rope_bf16`` in csrc/ops.cpp). They keep every rounding of the references
 (:func:`fastgate.ops.reference.rms_norm`, :func:`~fastgate.ops.reference.rope`): the rotary embedding is bitwise the
-reference's, and so is the norm (its float32 sum of squares adds in torch's order, at::native's cascade over vectors
-of 8 floats: torch registers its sum kernel without an AVX-512 build).
+reference's, and so is the norm for rows of at least 8 features (its float32 sum of squares adds in torch's order,
+at::native's cascade over vectors of 8 floats: torch registers its sum kernel without an AVX-512 build; shorter rows,
+which torch sums otherwise, go to the reference).
 
 Every input they cannot take (float32 or another dtype, another device, a last dimension with a stride, an odd head
 dim) goes to the reference: a float32 model keeps torch's arithmetic exactly. So do more rows than an op's limit
@@ -44,7 +45,7 @@ def ext_rms_norm(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
-                or x.shape[0] > max_rows
+                or x.shape[0] > max_rows or x.shape[-1] < 8  # under 8 features torch sums in another order
                 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1] or not weight.is_contiguous()
                 or weight.shape != x.shape[1:]):
             return reference.rms_norm(x, weight, eps)

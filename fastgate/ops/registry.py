@@ -269,7 +269,8 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
         from fastgate.ops.layer import ext_rms_norm, ext_rope, row_limits
 
-        limits = row_limits(ext.cpu_has_avx512())  # the rows each loop pays for at this CPU's vector width
+        # the rows each loop pays for at this CPU's vector width (an extension built before the widths: 8 wide)
+        limits = row_limits(getattr(ext, "cpu_has_avx512", lambda: False)())
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext, limits["rms_norm"]),
                    "rope": ext_rope(ext, limits["rope"]),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
