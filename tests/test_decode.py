@@ -248,3 +248,32 @@ def test_a_packed_pass_equals_each_sequence_alone(tiny_engine):
                              torch.tensor([0, 1, 2, 8]))  # [4, V]
     for i in range(4):
         torch.testing.assert_close(got[i], alone[i].float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 20])
+def test_fresh_prompts_batched_in_one_attention_call_equal_generation_alone(tiny_engine, budget, monkeypatch):
+    """The packed pass's fresh prompt chunks as one padded causal call a layer (``ModelRunner.batch_prefill``, on by
+    default on CUDA; forced here on a CPU): every prompt gives what it gives alone, whole (one pass of five prompts)
+    or 20 tokens a pass (a pass of fresh prompts batched; one holding a chunk that starts mid-prompt, one call a
+    chunk)."""
+    from fastgate.engine import packed
+
+    built = []
+    original = packed.SegBatch.of.__func__
+
+    def counting(cls, segs, device):
+        built.append(len(segs))
+        return original(cls, segs, device)
+
+    monkeypatch.setattr(packed.SegBatch, "of", classmethod(counting))
+    monkeypatch.setattr(tiny_engine.runner, "batch_prefill", True)
+    loop = _loop("packed", tiny_engine)
+    results = {}
+    loop.admit(CASES, owners=list(range(len(CASES))))
+    while loop.busy:
+        for t in loop.step(prefill_budget=budget):
+            results[t.owner] = t.result
+    assert built and max(built) > 1  # the batched call ran, over more than one prompt
+    monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
+    for i, spec in enumerate(CASES):
+        _same(results[i], _alone(tiny_engine, spec))

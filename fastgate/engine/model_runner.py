@@ -202,6 +202,9 @@ class ModelRunner:
                                  and self.dtype is torch.bfloat16 and self.attention_dtype is not None else None)
         # and which SDPA kernels the passes may use on this device (cuDNN's plans are rebuilt every decode step)
         self.sdpa_backends = sdpa_backends(model.device)
+        # fresh prompts' chunks of a packed pass as one padded attention call a layer, where kernel launches cost
+        # more than the padding's arithmetic: on CUDA (a CPU keeps one call a chunk: its C++ kernel, no padding)
+        self.batch_prefill = torch.device(model.device).type == "cuda"
         # the one owner of KV arithmetic (truncation, a row's worst case, bytes a cell): fastgate.engine.kv_cache
         self.kv = KVCacheManager(KVGeometry.of(self.model.config, self.dtype), self.lm.max_context)
         self.kv_heads, self.head_dim = self.kv.geometry.kv_heads, self.kv.geometry.head_dim

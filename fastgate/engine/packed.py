@@ -35,7 +35,7 @@ from fastgate.engine.kv_cache import within_cells
 from fastgate.engine.static_step import batch_bucket, choose, covers, row_key, width_bucket
 from fastgate.ops.reference import prefill_attention, prefill_mask
 
-__all__ = ["PackedPlan", "PrefillSeg", "SlotStore", "packed_forward"]
+__all__ = ["PackedPlan", "PrefillSeg", "SegBatch", "SlotStore", "packed_forward"]
 
 _NAME = "fastgate_packed"  # the packed attention function's name in transformers' AttentionInterface
 
@@ -109,6 +109,31 @@ class PrefillSeg:
 
 
 @dataclass(eq=False)
+class SegBatch:
+    """The pass's prompt chunks as one padded batch for one attention call a layer (fresh prompts only: each chunk
+    starts its sequence, so right padding keeps every real query's causal window real). On a GPU each chunk's own
+    attention call and copies were ~10 kernel launches a layer and chunk: 16 prompts of a 16 x 700 prefill took 0.24x
+    HF's one forward (docs/RESULTS.md)."""
+
+    idx: torch.Tensor  # [S * L] long: pack position of each padded slot (a padding slot repeats its chunk's first)
+    dst: torch.Tensor  # [sum n] long: the padded slot of each chunk token, in pack order
+    src: torch.Tensor  # [sum n] long: its pack position
+    rows: int  # S, the chunks
+    width: int  # L, the longest chunk
+
+    @classmethod
+    def of(cls, segs: list[PrefillSeg], device) -> SegBatch:
+        width = max(seg.n for seg in segs)
+        idx, dst, src = [], [], []
+        for r, seg in enumerate(segs):
+            idx += [seg.offset + min(i, seg.n - 1) for i in range(width)]
+            dst += range(r * width, r * width + seg.n)
+            src += range(seg.offset, seg.offset + seg.n)
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_long(idx), as_long(dst), as_long(src), len(segs), width)
+
+
+@dataclass(eq=False)
 class PackedPlan:
     """What the packed pass's attention reads: the first ``m`` tokens are one token of store rows ``0 .. m - 1``,
     written at columns ``pos``; then the prefill segments."""
@@ -123,6 +148,7 @@ class PackedPlan:
     attn_dtype: torch.dtype | None = None  # the decode rows' attention computes in this dtype (None: the cache's)
     attend: Callable | None = None  # the decode rows' attention op over a bf16 store (ModelRunner.decode_attention)
     prefill_attend: Callable = prefill_attention  # the chunks' attention op (ModelRunner.ops.prefill_attention)
+    seg_batch: SegBatch | None = None  # the chunks as one padded attention call a layer (ModelRunner.batch_prefill)
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -130,6 +156,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     with each token's own position); returns ``[1, T, H, D]`` as HF's own functions do."""
     plan: PackedPlan = kwargs["fastgate_plan"]
     layer = module.layer_idx
+    gqa = query.shape[1] != key.shape[1]
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     m = plan.m
     if m:
@@ -149,6 +176,19 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
                 q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [m, Hkv, G, D]
             out[:m] = o.reshape(m, heads, dim)
+    if plan.seg_batch is not None:  # every chunk starts its prompt: one causal call over the padded batch
+        sb = plan.seg_batch
+        for seg in plan.segs:  # the prompts' own buffers still take their columns (the store reads them later)
+            k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
+            k_buf[:, :, :seg.n] = key[:, :, seg.offset:seg.offset + seg.n]
+            v_buf[:, :, :seg.n] = value[:, :, seg.offset:seg.offset + seg.n]
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        q = query[0][:, sb.idx].view(heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, H, L, D]
+        k = key[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, Hkv, L, D]
+        v = value[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)  # [S, H, L, D]
+        out[sb.src] = o.transpose(1, 2).reshape(sb.rows * sb.width, heads, dim)[sb.dst]  # [sum n, H, D]
+        return out.unsqueeze(0), None
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
         end = seg.start + seg.n
@@ -479,6 +519,8 @@ class PackedLoop(DecodeLoop):
                 keep.append(off + n - 1)
         plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype,
                           attend=eng.decode_attention, prefill_attend=eng.ops.prefill_attention)
+        if eng.batch_prefill and len(plan_segs) > 1 and all(seg.start == 0 for seg in plan_segs):
+            plan.seg_batch = SegBatch.of(plan_segs, dev)
         if m:
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)
