@@ -670,15 +670,6 @@ py::array_t<float> eigenscore(FArray z, U8Array valid, double alpha, bool cov) {
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-inline f32x8 load8_bf16(const uint16_t* src) {
-  u16x8 h;
-  __builtin_memcpy(&h, src, sizeof h);
-  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -692,11 +683,45 @@ inline float hsum8(f32x8 a) {
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+// The vector types of one width (8 floats: the clones'; 16: AVX-512's), and bf16 widened to float32 a vector at a
+// time (a bf16 is the top half of a float32).
+#define FASTGATE_INLINE inline __attribute__((always_inline))
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+struct Vec8 {
+  typedef f32x8 F;
+  typedef i32x8 I;
+  typedef u32x8 U32;
+  typedef u16x8 U16;
+  static constexpr int N = 8;
+};
+struct Vec16 {
+  typedef f32x16 F;
+  typedef i32x16 I;
+  typedef u32x16 U32;
+  typedef u16x16 U16;
+  static constexpr int N = 16;
+};
+
+template <class V>
+FASTGATE_INLINE typename V::F load_bf16v(const uint16_t* src) {
+  typename V::U16 h;
+  __builtin_memcpy(&h, src, sizeof h);
+  const typename V::U32 u = __builtin_convertvector(h, typename V::U32) << 16;
+  typename V::F f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // exp(x) for x <= 0 (scores less their maximum), a vector F (of floats; I: as many int32) at a time: 2^(x log2 e)
 // split into 2^floor (the exponent bits) times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it
 // flushes to ~0 as expf underflows. A scalar expf per score cost more than reading the keys.
 template <class F, class I>
-inline __attribute__((always_inline)) F exp_nonpositive(F x) {
+FASTGATE_INLINE F exp_nonpositive(F x) {
   const F lo = F{} - 87.0f;
   x = x < lo ? lo : x;
   const F t = x * 1.44269504088896341f;
@@ -730,7 +755,7 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
   for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
     const uint16_t* kw = k + w * stride;
     f32x8 kv[kMaxD / 8];
-    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load8_bf16(kw + j);
+    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load_bf16v<Vec8>(kw + j);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -763,7 +788,7 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
   for (int64_t w = 0; w < n; ++w) {  // out: each value row read once for the G heads
     const uint16_t* vw = v + w * stride;
     f32x8 vv[kMaxD / 8];
-    for (int64_t j = 0; j < dv; j += 8) vv[j / 8] = load8_bf16(vw + j);
+    for (int64_t j = 0; j < dv; j += 8) vv[j / 8] = load_bf16v<Vec8>(vw + j);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + w];
       float* og = out + g * D;
@@ -849,7 +874,6 @@ inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #define FASTGATE_AVX512 1
 #define FASTGATE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #endif
-#define FASTGATE_INLINE inline __attribute__((always_inline))
 
 bool cpu_has_avx512() {
 #ifdef FASTGATE_AVX512
@@ -874,35 +898,6 @@ void set_max_vector_width(int64_t width) {
 
 inline bool use_width16() { return cpu_has_avx512() && g_max_width.load(std::memory_order_relaxed) >= 16; }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-struct Vec8 {  // the vector types of one width
-  typedef f32x8 F;
-  typedef i32x8 I;
-  typedef u32x8 U32;
-  typedef u16x8 U16;
-  static constexpr int N = 8;
-};
-struct Vec16 {
-  typedef f32x16 F;
-  typedef i32x16 I;
-  typedef u32x16 U32;
-  typedef u16x16 U16;
-  static constexpr int N = 16;
-};
-
-template <class V>
-FASTGATE_INLINE typename V::F load_bf16v(const uint16_t* src) {
-  typename V::U16 h;
-  __builtin_memcpy(&h, src, sizeof h);
-  const typename V::U32 u = __builtin_convertvector(h, typename V::U32) << 16;
-  typename V::F f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // f32_to_bf16, a vector at a time (the same bits: nearest even, NaN kept a quiet NaN)
 template <class V>

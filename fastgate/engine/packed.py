@@ -156,8 +156,8 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     with each token's own position); returns ``[1, T, H, D]`` as HF's own functions do."""
     plan: PackedPlan = kwargs["fastgate_plan"]
     layer = module.layer_idx
-    gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    out = query.new_empty((query.shape[2], heads, dim))  # [T, H, D]
     m = plan.m
     if m:
         keys, values = plan.store.keys[layer], plan.store.values[layer]  # [R, Hkv, C, D]
@@ -166,7 +166,6 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         if plan.attend is not None:  # one pass over the bf16 store, float32 inside (fastgate.ops.attention)
             out[:m] = plan.attend(query[0, :, :m].transpose(0, 1), keys, values, plan.pos, scaling)  # [m, H, D]
         else:
-            heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
             # a key head's query heads as that many query rows of one head: no GQA flag, so no key copies, and on
             # CUDA the memory-efficient kernel takes the mask (with enable_gqa SDPA fell back to its math path there:
             # ~15 small kernels a layer, a third of an eager step's host time; bench/profile_step.py)
@@ -176,24 +175,22 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
                 q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [m, Hkv, G, D]
             out[:m] = o.reshape(m, heads, dim)
+    for seg in plan.segs:  # each prompt's buffers take the chunk's columns (its later chunks and the store read them)
+        k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
+        k_buf[:, :, seg.start:seg.start + seg.n] = key[:, :, seg.offset:seg.offset + seg.n]
+        v_buf[:, :, seg.start:seg.start + seg.n] = value[:, :, seg.offset:seg.offset + seg.n]
     if plan.seg_batch is not None:  # every chunk starts its prompt: one causal call over the padded batch
         sb = plan.seg_batch
-        for seg in plan.segs:  # the prompts' own buffers still take their columns (the store reads them later)
-            k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
-            k_buf[:, :, :seg.n] = key[:, :, seg.offset:seg.offset + seg.n]
-            v_buf[:, :, :seg.n] = value[:, :, seg.offset:seg.offset + seg.n]
-        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         q = query[0][:, sb.idx].view(heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, H, L, D]
         k = key[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, Hkv, L, D]
         v = value[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)  # [S, H, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                           enable_gqa=heads != kv_heads)  # [S, H, L, D]
         out[sb.src] = o.transpose(1, 2).reshape(sb.rows * sb.width, heads, dim)[sb.dst]  # [sum n, H, D]
         return out.unsqueeze(0), None
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
         end = seg.start + seg.n
-        k_buf[:, :, seg.start:end] = key[:, :, seg.offset:seg.offset + seg.n]
-        v_buf[:, :, seg.start:end] = value[:, :, seg.offset:seg.offset + seg.n]
         q = query[:, :, seg.offset:seg.offset + seg.n]  # [1, H, n, D]
         o = plan.prefill_attend(q, k_buf[:, :, :end], v_buf[:, :, :end], seg.start, scaling, seg.mask)  # [1,H,n,D]
         out[seg.offset:seg.offset + seg.n] = o[0].transpose(0, 1)
