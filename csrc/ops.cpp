@@ -1120,8 +1120,9 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 #define FASTGATE_BF16_KERNEL 1
 #define FASTGATE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #include <immintrin.h>
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized inside their own reductions (_mm512_reduce_*): not ours
+// GCC 12's AVX-512 headers trip -W(maybe-)uninitialized inside their own reductions and conversions: not ours
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 bool prefill_attention_bf16_supported() {
@@ -1309,6 +1310,303 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 #endif
 }
 
+// -------------------------------------------------------------------------------- weight-only quantized products
+// The decode step's products over the weights' own codes (ops int4_matmul, int8_matmul; fastgate/ops/quant.py).
+// torch's CPU kernels (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm) ran a batch-1 step of SmolLM2's int4
+// blocks at ~16 GB/s of codes on one Zen 4 core, compute-bound, and its int8 head at ~16 GB/s: together 90% of the
+// step. Here, with AVX512-BF16:
+//
+// int4 (codes q [N, K / 2], byte j of a row holding k = 2j in its low nibble and 2j + 1 in its high one; scale, zero
+// [N, K / 32] float32; w = (code - 8) scale + zero): a byte becomes the bf16 pair (128 + lo, 128 + hi) with two
+// integer operations (0x4300 | c is bf16 128 + c exactly: 7 mantissa bits), so one vdpbf16ps multiplies a group's 32
+// codes by its 32 bf16 inputs in their natural order, exactly, into float32: D_g = 128 S_g + sum c x (S_g: the
+// group's sum of x). Then y = sum_g scale_g D_g + sum_g (zero_g - 136 scale_g) S_g: the first sum in 16 lanes a row
+// (one multiply-add a group), the second once a row over the groups. Four rows share each load of x.
+// int8 (q [N, K] int8, scale [N] float32; w = q scale): codes widened to float32 in registers, float32 products and
+// sums, the scale once a row.
+// Both sum in float32 (in another order than torch's kernels: the last bits of a sum) and round the output to bf16
+// once, to nearest even. Built where GCC targets AVX512-BF16; chosen only where the CPU has it (the registry).
+#ifdef FASTGATE_BF16_KERNEL
+
+constexpr int kQuantRows = 4;  // weight rows a tile: each load of an input row serves four
+constexpr int kQuantInputs = 4;  // input rows a tile (M > 4: tiles of 4 in turn)
+// the weights are streamed from memory: each load asks for the line this far ahead (the hardware's prefetchers
+// alone left the int4 kernel at ~16 GB/s on a Zen 4 EPYC; 2 / 4 / 8 KB ahead: 4.9 / 3.7 / 3.4 ms for SmolLM2's 120)
+constexpr int64_t kPrefetchBytes = 8192;
+
+// rows n .. n + R of the int4 product for MB input rows. The codes are read as they are held: a row's 32-bit lane j
+// holds codes 8j .. 8j + 7 in its nibbles p = 0 .. 7 (bits 4p .. 4p + 3), so a 64-byte load is four groups (lanes 4g ..
+// 4g + 3: group g). Pass s (0 .. 3) moves nibbles s and s + 4 to bits 3 .. 6 and 19 .. 22 and sets 0x3F80 above
+// each: the bf16 pair (1 + c / 16, 1 + c' / 16), exact, in one shift and one ternary logic operation; one vdpbf16ps
+// then multiplies the pairs by xp, the input permuted to match (xp [blocks][4 passes][32] bf16 per input row, zero
+// past K, xp_stride apart), into float32. The sum of the four passes is, in lanes of group g, sum (1 + c / 16) x over
+// the group: times its scale into the row's 16 lanes. With S_g the group's sum of x,
+//     y = 16 sum_g scale_g (S_g + sum_k c x / 16) + sum_g (zero_g - 24 scale_g) S_g
+// (w = (c - 8) scale + zero). The offset S_g stays within 16x the codes' own part (a code at the mantissa's top bits,
+// not its bottom: 1 + c / 16, not 128 + c), so cancelling it costs ~4 of float32's 24 bits.
+template <int R, int MB>
+FASTGATE_BF16_TARGET inline void int4_tile(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
+                                           const uint8_t* q, const float* scale, const float* zero, int64_t G,
+                                           int64_t n, int64_t N, uint16_t* y) {
+  const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> its group
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  // Loads of the weights are plain 64-byte loads, also where a row's last block is short: what they read past the row
+  // (the next row's codes, scales) meets inputs that are zero there (xp and S are zero-padded), and adds nothing.
+  // Only a load that would pass the end of the arrays is masked. (A masked load that misses the cache cost ~4x a
+  // plain one on a Zen 4 EPYC: the kernel streaming SmolLM2's weights from memory ran 3x slower than torch's.)
+  const int64_t row_bytes = G * 16, total = N * G;
+  // the blocks of four groups, then two groups left (K = 576: 18 groups) in 256-bit halves; one or three left go
+  // through a full block (a plain load where it stays inside the arrays, see above)
+  const int64_t blocks = G % 4 == 2 ? G / 4 : (G + 3) / 4;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t groups = std::min<int64_t>(4, G - 4 * b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = n + r;
+      const int64_t qo = row * row_bytes + 64 * b, so = row * G + 4 * b;
+      _mm_prefetch(reinterpret_cast<const char*>(q + qo) + kPrefetchBytes, _MM_HINT_T0);
+      if (b % 4 == 0) {  // a row's scales and zeros: a quarter of its codes' bytes
+        _mm_prefetch(reinterpret_cast<const char*>(scale + so) + kPrefetchBytes / 4, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(zero + so) + kPrefetchBytes / 4, _MM_HINT_T0);
+      }
+      const __m512i t = qo + 64 <= N * row_bytes
+                            ? _mm512_loadu_si512(q + qo)
+                            : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * groups)) - 1, q + qo);  // 128 codes
+      const __m128 s4 = so + 4 <= total ? _mm_loadu_ps(scale + so)
+                                        : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << groups) - 1), scale + so);
+      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+      __m512bh w[4];
+      w[0] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 3), nibbles, one, 0xEA));
+      w[1] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 1), nibbles, one, 0xEA));
+      w[2] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 5), nibbles, one, 0xEA));
+      w[3] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 9), nibbles, one, 0xEA));
+      for (int m = 0; m < MB; ++m) {
+        const uint16_t* xb = xp + m * xp_stride + b * 128;
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb)));
+        d = _mm512_dpbf16_ps(d, w[1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 32)));
+        d = _mm512_dpbf16_ps(d, w[2], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 64)));
+        d = _mm512_dpbf16_ps(d, w[3], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 96)));
+        acc[r][m] = _mm512_fmadd_ps(d, s, acc[r][m]);
+      }
+    }
+  }
+  if (G % 4 == 2) {  // the last two groups: the low halves of a block (lanes 0 .. 7), 256 bits wide
+    const __m256i nib8 = _mm256_set1_epi32(0x00780078), one8 = _mm256_set1_epi32(0x3F803F80);
+    const __m256i spread8 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+    const int64_t b = blocks;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = n + r;
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * row_bytes + 64 * b));
+      const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + row * G + 4 * b)));
+      const __m256 s = _mm256_permutexvar_ps(spread8, _mm256_castps128_ps256(s2));
+      __m256bh w[4];
+      w[0] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_slli_epi32(t, 3), nib8, one8, 0xEA));
+      w[1] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 1), nib8, one8, 0xEA));
+      w[2] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 5), nib8, one8, 0xEA));
+      w[3] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 9), nib8, one8, 0xEA));
+      for (int m = 0; m < MB; ++m) {
+        const uint16_t* xb = xp + m * xp_stride + b * 128;
+        __m256 d = _mm256_setzero_ps();
+        for (int p = 0; p < 4; ++p)
+          d = _mm256_dpbf16_ps(d, w[p], reinterpret_cast<__m256bh>(
+                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * p))));
+        // into the row's 16 lanes: the low 8
+        acc[r][m] = _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(_mm256_mul_ps(d, s)));
+      }
+    }
+  }
+  __m512 v[R][MB];  // 16 acc + the offsets' correction, to be summed across lanes
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = n + r;
+    // the offsets' correction: sum_g (zero_g - 24 scale_g) S_g, 16 groups at a time
+    __m512 c[MB];
+    for (int m = 0; m < MB; ++m) c[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const int64_t o = row * G + g;
+      __m512 sv, zv;
+      if (o + 16 <= total) {
+        sv = _mm512_loadu_ps(scale + o);
+        zv = _mm512_loadu_ps(zero + o);
+      } else {
+        const __mmask16 mk = static_cast<__mmask16>((1u << std::min<int64_t>(16, total - o)) - 1);
+        sv = _mm512_maskz_loadu_ps(mk, scale + o);
+        zv = _mm512_maskz_loadu_ps(mk, zero + o);
+      }
+      const __m512 corr = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sv, zv);
+      for (int m = 0; m < MB; ++m) c[m] = _mm512_fmadd_ps(corr, _mm512_loadu_ps(S + m * S_stride + g), c[m]);
+    }
+    for (int m = 0; m < MB; ++m) v[r][m] = _mm512_fmadd_ps(_mm512_set1_ps(16.0f), acc[r][m], c[m]);  // 16x: exact
+  }
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (R == 4) {  // four rows' sums at once: halves added, then two rounds of pairwise sums
+      __m256 h[4];
+      for (int r = 0; r < 4; ++r)
+        h[r] = _mm256_add_ps(_mm512_castps512_ps256(v[r][m]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[r][m]), 1)));
+      const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = f32_to_bf16(sums[r]);
+    } else {
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(v[r][m]));
+    }
+  }
+}
+
+template <int MB>
+FASTGATE_BF16_TARGET void int4_rows(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
+                                    const uint8_t* q, const float* scale, const float* zero, int64_t G, int64_t n0,
+                                    int64_t n1, int64_t N, uint16_t* y) {
+  int64_t n = n0;
+  for (; n + kQuantRows <= n1; n += kQuantRows)
+    int4_tile<kQuantRows, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y);
+  for (; n < n1; ++n) int4_tile<1, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y);
+}
+
+// rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows K apart) -> y bf16
+template <int R, int MB>
+FASTGATE_BF16_TARGET inline void int8_tile(const float* x, const int8_t* q, const float* scale, int64_t K, int64_t n,
+                                           int64_t N, uint16_t* y) {
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (n + r) * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512 w = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + r) * K + k))));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  if (k < K) {  // the tail, masked
+    const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, q + (n + r) * K + k)));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][m]) * scale[n + r]);
+}
+
+template <int MB>
+FASTGATE_BF16_TARGET void int8_rows(const float* x, const int8_t* q, const float* scale, int64_t K, int64_t n0,
+                                    int64_t n1, int64_t N, uint16_t* y) {
+  int64_t n = n0;
+  for (; n + kQuantRows <= n1; n += kQuantRows) int8_tile<kQuantRows, MB>(x, q, scale, K, n, N, y);
+  for (; n < n1; ++n) int8_tile<1, MB>(x, q, scale, K, n, N, y);
+}
+
+// Splits N weight rows into blocks of 64 over the threads (each thread every step-th block), and the M input rows
+// into tiles of kQuantInputs, calling rows<MB>(m0, n0, n1) for each.
+template <class Rows>
+void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // a thread starts only for ~4M multiply-adds of its own: a thread's start costs ~30 us
+  split_rows(blocks, M * N * K, 1 << 22, [&](int64_t first, int64_t step) {
+    for (int64_t b = first; b < blocks; b += step) {
+      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += kQuantInputs) rows(m0, std::min<int64_t>(kQuantInputs, M - m0), n0, n1);
+    }
+    return true;
+  }, threads);
+}
+
+#endif
+
+bool quant_kernels_supported() { return prefill_attention_bf16_supported(); }
+
+// x [M, K] bf16 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
+// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384.
+void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
+                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
+  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
+    throw std::invalid_argument("int4_matmul_bf16: bad shape (K a multiple of 32, at most 16384)");
+  if (M == 0) return;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(q_ptr);
+  const float* scale = reinterpret_cast<const float*>(scale_ptr);
+  const float* zero = reinterpret_cast<const float*>(zero_ptr);
+  uint16_t* y = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t G = K / 32, blocks = (G + 3) / 4, xp_stride = blocks * 128, S_stride = (G + 15) / 16 * 16;
+  py::gil_scoped_release release;
+  // per input row: each group's sum S_g (zero past G), and x permuted for the passes: block b, pass s, pair j (lane
+  // j) holds the inputs of codes 8j + s and 8j + s + 4 of the block's 128 (zero past K)
+  std::vector<float> S(M * S_stride, 0.0f);
+  std::vector<uint16_t> xp(M * xp_stride, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xm = x + m * x_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < 32; ++j) s += bf16_to_f32(xm[g * 32 + j]);
+      S[m * S_stride + g] = s;
+    }
+    uint16_t* pm = xp.data() + m * xp_stride;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = k / 128, c = k % 128, j = c / 8, p = c % 8;  // code c of block b: lane j, nibble p
+      pm[b * 128 + (p % 4) * 32 + 2 * j + p / 4] = xm[k];
+    }
+  }
+  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+    const uint16_t* xm = xp.data() + m0 * xp_stride;
+    const float* Sm = S.data() + m0 * S_stride;
+    uint16_t* ym = y + m0 * N;
+    switch (mb) {
+      case 1: int4_rows<1>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
+      case 2: int4_rows<2>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
+      case 3: int4_rows<3>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
+      default: int4_rows<4>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
+    }
+  });
+#else
+  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
+  (void)threads;
+  throw std::invalid_argument("int4_matmul_bf16: not built for this platform");
+#endif
+}
+
+// x [M, K] bf16 (rows x_stride apart, unit stride along K); q [N, K] int8, scale [N] float32, contiguous; out [M, N]
+// bf16 contiguous.
+void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
+                      int64_t M, int64_t N, int64_t K, int64_t threads) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (!quant_kernels_supported()) throw std::invalid_argument("int8_matmul_bf16: this CPU has no AVX512-BF16");
+  if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_bf16: bad shape");
+  if (M == 0) return;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const int8_t* q = reinterpret_cast<const int8_t*>(q_ptr);
+  const float* scale = reinterpret_cast<const float*>(scale_ptr);
+  uint16_t* y = reinterpret_cast<uint16_t*>(out_ptr);
+  py::gil_scoped_release release;
+  std::vector<float> xf(M * K);  // the inputs widened once
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_f32(x[m * x_stride + k]);
+  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+    const float* xm = xf.data() + m0 * K;
+    uint16_t* ym = y + m0 * N;
+    switch (mb) {
+      case 1: int8_rows<1>(xm, q, scale, K, n0, n1, N, ym); break;
+      case 2: int8_rows<2>(xm, q, scale, K, n0, n1, N, ym); break;
+      case 3: int8_rows<3>(xm, q, scale, K, n0, n1, N, ym); break;
+      default: int8_rows<4>(xm, q, scale, K, n0, n1, N, ym); break;
+    }
+  });
+#else
+  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
+  throw std::invalid_argument("int8_matmul_bf16: not built for this platform");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -1351,6 +1649,12 @@ PYBIND11_MODULE(_C, m) {
         "bf16 out (pointers to checked torch tensors).");
   m.def("prefill_attention_bf16_supported", &prefill_attention_bf16_supported,
         "Whether this CPU runs prefill_attention_bf16 (AVX512-BF16).");
+  m.def("quant_kernels_supported", &quant_kernels_supported,
+        "Whether int4_matmul_bf16 / int8_matmul_bf16 run here (built for and running on a CPU with AVX512-BF16)");
+  m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
+        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
+  m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
+        py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

@@ -16,8 +16,8 @@ from fastgate.testing import tiny_model
 PROMPTS = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills"]
 
 
-def _run(lm, forward: str, specs, budget=None):
-    runner = ModelRunner(lm, prefix_cache=0, step="eager", forward=forward)
+def _run(lm, forward: str, specs, budget=None, backend="auto"):
+    runner = ModelRunner(lm, backend=backend, prefix_cache=0, step="eager", forward=forward)
     assert (runner.fused is not None) == (forward == "fused")
     loop = PackedLoop(runner, mid=2)
     tickets = loop.admit(specs)
@@ -73,12 +73,23 @@ def test_fused_pass_equals_hf_modules_bitwise_in_float32(budget):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_pass_with_quantized_weights_equals_hf_modules(dtype, weights):
+    """With torch's quantized products (the layers' own kernels: the ``torch`` backend) the fused pass is HF's
+    modules bitwise. With the C++ ones (bf16 rows where the CPU has AVX512-BF16: ops int4_matmul, int8_matmul) its
+    products sum in another order with float32 scales: the same tokens, log-probs within bf16's reach."""
     lm = tiny_model(dtype=dtype)
     quantize_model(lm.model, weights)
-    a, b = _run(lm, "hf", _specs(6)), _run(lm, "fused", _specs(6))
+    a, b = _run(lm, "hf", _specs(6), backend="torch"), _run(lm, "fused", _specs(6), backend="torch")
     for x, y in zip(a, b):
         assert x[:-1] == y[:-1]
         assert torch.equal(x[-1], y[-1])
+    runner = ModelRunner(lm, prefix_cache=0, step="eager")
+    if runner.ops.backends["int4_matmul"] != "ext" or dtype is not torch.bfloat16:
+        return
+    c = _run(lm, "fused", _specs(6))
+    for x, y in zip(a, c):
+        assert [ids for ids, _ in x[:-1]] == [ids for ids, _ in y[:-1]]
+        for (_, lp_x), (_, lp_y) in zip(x[:-1], y[:-1]):
+            assert max(abs(p - q) for p, q in zip(lp_x, lp_y)) < 0.15  # a random tiny model: flat log-probs
 
 
 def test_fusing_keeps_one_copy_of_each_weight_and_hf_modules_still_compute_the_same():

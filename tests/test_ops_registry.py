@@ -37,11 +37,13 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert all(callable(getattr(o, name)) for name in OP_NAMES)
     # the extension is built by `make install`: on CPU it runs the eigenscore and the CPU ops
     assert o.backend == "ext" and o.device == torch.device("cpu")
-    kernel = registry.import_ext().prefill_attention_bf16_supported()  # the C++ prefill attention needs AVX512-BF16
+    # the C++ prefill attention and quantized products need AVX512-BF16
+    kernel = registry.import_ext().prefill_attention_bf16_supported()
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
-        "prefill_attention": "ext" if kernel else "blocked", "align_words": "ext", "word_logprobs": "ext",
+        "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if kernel else "torch",
+        "int8_matmul": "ext" if kernel else "torch", "align_words": "ext", "word_logprobs": "ext",
         "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }

@@ -71,6 +71,12 @@ with int4 against 14.3 with int8, 24.6 with bf16 weights and 6.7 for llama.cpp o
 about 4 ms are the 120 int4 products (the kernel is compute-bound at one thread, ~16 GB/s of codes) and 1.8 ms the
 int8 head (the GGUF's Q8_0 table), the rest host operations. At 16 rows the kernel is no faster than a dense bf16
 product (21 µs a row for 576 → 3072).
+
+The engine's fused pass multiplies a decode step's rows (up to a layer's ``kernel_rows``) through its runner's ops
+``int4_matmul`` and ``int8_matmul`` (:mod:`fastgate.ops.quant`), not through these modules' forward: torch's kernels
+above, or, where the CPU has AVX512-BF16, C++ kernels over the plain codes ``q`` and float32 ``scale`` / ``zero``
+(torch's kernels round those to bf16), prefetching the weights they stream: 2x torch's int4 and int8 products on a
+Zen 4 core. The modules' own forward (HF's module tree, prefill) is unchanged.
 """
 
 from __future__ import annotations

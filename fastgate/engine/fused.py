@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear, packed_rows_split
+from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
+from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 
 __all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
 
@@ -173,33 +174,36 @@ class _Layer:
         self.act = mlp.act_fn
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
+        self.linears = (self.qkv, self.o, self.gate_up, self.down)
         # the four products as bare calls for the rows of a bf16 decode step on a CPU, each (small, rows, large):
-        # up to rows, and beyond (None: none); products None where one has no bare call
-        products = [_row_products(m) for m in (self.qkv, self.o, self.gate_up, self.down)]
+        # up to rows, and beyond (None: none); products None where one has no bare call. Bound here to torch's
+        # quantized products; FusedForward binds them to the runner's ops (the same rows)
+        products = [_row_products(m) for m in self.linears]
         self.products = None if any(p is None for p, _, _ in products) else products
         # rows every product takes as a bare call: any where each has its many-rows call, else its kernels' least
         self.product_rows = 0 if self.products is None else (
             1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
 
 
-def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]:
+def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul,
+                  int8_matmul=torch_int8_matmul) -> tuple[object | None, int, object | None]:
     """``linear``'s product of bf16 CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at most
     ``rows`` rows and ``large`` beyond (None: not available). They are the calls :class:`Int4Linear` and
     :class:`Int8Linear` make for such rows (the weight-only kernel, then the kept de-quantized copy of ``int4-dense``),
-    or ``F.linear`` of a bf16 ``nn.Linear``, with the bias added as the layers add it. They skip
-    ``nn.Module.__call__`` and the layers' checks: a decode step makes four a layer (120 for SmolLM2)."""
+    the kernel being the op ``int4_matmul`` / ``int8_matmul`` given (torch's by default: the layers' own), or
+    ``F.linear`` of a bf16 ``nn.Linear``, with the bias added as the layers add it. They skip ``nn.Module.__call__``
+    and the layers' checks: a decode step makes four a layer (120 for SmolLM2)."""
     bias = None if linear.bias is None else linear.bias.detach()
     if type(linear) in (Int4Linear, Int8Linear) and bias is not None:
         bias = bias.to(torch.bfloat16)  # the layers add bias.to(y.dtype), y bf16
     if type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features:
-        op, packed, group, sz, dense = (torch.ops.aten._weight_int4pack_mm_for_cpu.default, linear.packed, GROUP,
-                                        linear.scale_zeros, linear._kept(torch.bfloat16))
-        if packed.device.type != "cpu":
+        dense = linear._kept(torch.bfloat16)
+        if linear.packed.device.type != "cpu":
             return None, 0, None
         if bias is None:
-            small = lambda x: op(x, packed, group, sz)  # noqa: E731  [M, N]
+            small = lambda x: int4_matmul(x, linear)  # noqa: E731  [M, N]
         else:
-            small = lambda x: op(x, packed, group, sz) + bias  # noqa: E731
+            small = lambda x: int4_matmul(x, linear) + bias  # noqa: E731
         if dense is None:
             large = None
         elif bias is None:
@@ -208,13 +212,12 @@ def _row_products(linear: nn.Module) -> tuple[object | None, int, object | None]
             large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
         return small, linear.kernel_rows, large
     if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu":
-        op, q, scale = torch.ops.aten._weight_int8pack_mm.default, linear.q, linear.scale_bf16
-        dense = linear._kept(torch.bfloat16)
+        scale, dense = linear.scale_bf16, linear._kept(torch.bfloat16)
         if bias is None:
-            small = lambda x: op(x, q, scale)  # noqa: E731  [M, N]
+            small = lambda x: int8_matmul(x, linear)  # noqa: E731  [M, N]
             large = lambda x: F.linear(x, dense) * scale  # noqa: E731
         else:
-            small = lambda x: op(x, q, scale) + bias  # noqa: E731
+            small = lambda x: int8_matmul(x, linear) + bias  # noqa: E731
             large = lambda x: F.linear(x, dense) * scale + bias  # noqa: E731
         return small, linear.kernel_rows, None if dense is None else large
     if type(linear) is nn.Linear and linear.weight.dtype is torch.bfloat16:
@@ -245,6 +248,8 @@ class FusedForward:
         # every layer's kernels (0: some layer has no bare product)
         self._row_limit = min(layer.product_rows for layer in self.layers)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
+        # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
+        self._bound: dict[tuple, list[list[tuple]]] = {}
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[T, D]`` at ``positions [T]`` (rows of a table the model's rotary module computed)."""
@@ -257,15 +262,17 @@ class FusedForward:
         return self._cos[positions], self._sin[positions]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
-                 tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope,
-                 attention_step=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope, attention_step=None,
+                 matmuls=(torch_int4_matmul, torch_int8_matmul)) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
         function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
         of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them).
         ``rms_norm``, ``rope``, ``attention_step``: the runner's ops of those names (the references by default;
-        ``attention_step`` None: every pass through ``attention``). A pass of decode rows only over a bf16 store
+        ``attention_step`` None: every pass through ``attention``); ``matmuls``: its ops ``int4_matmul`` and
+        ``int8_matmul`` (torch's kernels by default, the layers' own). A pass of decode rows only over a bf16 store
         whose attention runs in C++ (``plan.attend``), of rows few enough for the layers' kernels, goes through
-        :meth:`_decode_layers`: the same arithmetic in fewer host operations."""
+        :meth:`_decode_layers` (its products, and an int8 head's for as many rows, through ``matmuls``): the same
+        arithmetic in fewer host operations."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
         t = ids.shape[0]
@@ -274,39 +281,60 @@ class FusedForward:
             outputs[0] = h[None]
         cos, sin = self.rope(positions, h)  # [T, D]
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
-        if (attention_step is not None and plan.attend is not None and not plan.segs and plan.m == t
-                and h.dtype is torch.bfloat16 and h.device.type == "cpu" and t <= self._row_limit):
-            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs)
+        decode = (attention_step is not None and plan.attend is not None and not plan.segs and plan.m == t
+                  and h.dtype is torch.bfloat16 and h.device.type == "cpu" and t <= self._row_limit)
+        if decode:
+            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
         else:
-            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs)
+            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls)
         h = self.norm(h)
         if self.n in wanted:
             outputs[self.n] = h[None]
-        logits = self.head(h[keep])  # [K, V]
+        head = self.head
+        if (type(head) is Int8Linear and h.dtype is torch.bfloat16 and h.device.type == "cpu" and head.bias is None
+                and head._k_ok and keep.shape[0] <= head.kernel_rows):  # the rows Int8Linear gives its kernel
+            logits = matmuls[1](h[keep], head)  # [K, V]
+        else:
+            logits = head(h[keep])  # [K, V]
         return logits.to(torch.float32), outputs
 
-    def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs) -> torch.Tensor:
-        """The decoder layers over ``h [T, d]`` (any pass: decode rows and prompt chunks)."""
+    def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs,
+                matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
+        """The decoder layers over ``h [T, d]`` (any pass: decode rows and prompt chunks). bf16 rows on a CPU few
+        enough for a quantized layer's kernel go through ``matmuls`` as in :meth:`_decode_layers`, so a pass's
+        products do not depend on the path it takes; every other product is the layer's own."""
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
-        for i, layer in enumerate(self.layers):
+        rows_ok = h.dtype is torch.bfloat16 and h.device.type == "cpu"
+        for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
+            qkv_p, o_p, gate_up_p, down_p = (small if rows_ok and small is not None and t <= rows else linear
+                                             for (small, rows, _), linear in zip(products, layer.linears))
             x = rms_norm(h, layer.ln1, layer.eps1)
-            qkv = layer.qkv(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
+            qkv = qkv_p(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
             q = qk[:, :hq].transpose(0, 1)[None]  # [1, Hq, T, D]
             k = qk[:, hq:].transpose(0, 1)[None]  # [1, Hkv, T, D]
             v = qkv[:, hq + hk:].transpose(0, 1)[None]  # [1, Hkv, T, D]
             o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, fastgate_plan=plan)
-            h = h + layer.o(o.reshape(t, hq * d))  # o [1, T, Hq, D]
+            h = h + o_p(o.reshape(t, hq * d))  # o [1, T, Hq, D]
             x = rms_norm(h, layer.ln2, layer.eps2)
-            gu = layer.gate_up(x)  # [T, 2 I]
+            gu = gate_up_p(x)  # [T, 2 I]
             inter = gu.shape[-1] // 2
-            h = h + layer.down(layer.act(gu[:, :inter]) * gu[:, inter:])
+            h = h + down_p(layer.act(gu[:, :inter]) * gu[:, inter:])
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h
 
-    def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs) -> torch.Tensor:
+    def _products(self, matmuls: tuple) -> list[list[tuple]]:
+        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``."""
+        bound = self._bound.get(matmuls)
+        if bound is None:
+            bound = self._bound[matmuls] = [[_row_products(m, *matmuls) for m in layer.linears]
+                                            for layer in self.layers]
+        return bound
+
+    def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,
+                       matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
         ``plan.pos[r]``), bf16 on a CPU: the products as bare calls (:func:`_row_products`: the kernels up to their
         rows, the kept de-quantized or float weights beyond) and each layer's store writes and attention as one call
@@ -314,9 +342,9 @@ class FusedForward:
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         store, pos = plan.store, plan.pos
-        for i, layer in enumerate(self.layers):
+        for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
             # each product as its layer would run these rows: the kernel up to its rows, the kept copy beyond
-            qkv_p, o_p, gate_up_p, down_p = (small if t <= rows else large for small, rows, large in layer.products)
+            qkv_p, o_p, gate_up_p, down_p = (small if t <= rows else large for small, rows, large in products)
             qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1)).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
             o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],

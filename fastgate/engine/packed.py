@@ -536,7 +536,8 @@ class PackedLoop(DecodeLoop):
             with sdpa_choice(eng.sdpa_backends):  # the runner's SDPA kernels (no per-shape plan builds on CUDA)
                 if fused is not None:
                     logits, outputs = fused(*args, _packed_attention, tap_layers, eng.ops.rms_norm, eng.ops.rope,
-                                            eng.ops.decode_attention_step)  # [K, V]
+                                            eng.ops.decode_attention_step,
+                                            (eng.ops.int4_matmul, eng.ops.int8_matmul))  # [K, V]
                     hooks = _Outputs(outputs)
                 else:
                     logits = packed_forward(eng.model, *args)  # [K, V]

@@ -20,6 +20,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   extension where the CPU has AVX512-BF16 (``ext``), else in query blocks of torch's batched products (``blocked``,
   no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
   record names the implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
+  The decode step's quantized products (``int4_matmul``, ``int8_matmul``, :mod:`fastgate.ops.quant`) run in the
+  extension where the CPU has AVX512-BF16, torch's weight-only kernels otherwise (and under ``torch``).
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -44,6 +46,7 @@ import torch
 from fastgate.errors import BackendUnavailableError, InputError
 from fastgate.ops import _python, reference
 from fastgate.ops._cpu import CpuOps
+from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 
 __all__ = [
     "BACKENDS",
@@ -67,7 +70,8 @@ GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *CPU_OPS)
+_QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++ where AVX512-BF16)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -135,6 +139,8 @@ class Ops:
     rope: Callable[..., torch.Tensor]  # (x [T,H,D], cos [T,1,D], sin [T,1,D]) -> [T,H,D]: its rotary embedding
     # (q [1,H,n,D], keys/values [1,Hkv,start+n,D], start, scale, mask) -> [1,H,n,D]: a prompt chunk's causal attention
     prefill_attention: Callable[..., torch.Tensor]
+    int4_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int4Linear) -> [M,N] bf16: a decode step's product
+    int8_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int8Linear) -> [M,N] bf16
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -260,9 +266,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "rms_norm": reference.rms_norm,
         "rope": reference.rope,
         "prefill_attention": reference.prefill_attention,
+        "int4_matmul": torch_int4_matmul,
+        "int8_matmul": torch_int8_matmul,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention")}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS)}
     names |= {name: cpu for name in CPU_OPS}
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
@@ -275,6 +283,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                    "rope": ext_rope(ext, limits["rope"]),
                    "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
         names |= {name: "ext" for name in _LAYER_OPS}
+        if getattr(ext, "quant_kernels_supported", lambda: False)():  # AVX512-BF16 (an older extension: torch's)
+            from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul
+
+            chosen |= {"int4_matmul": ext_int4_matmul(ext), "int8_matmul": ext_int8_matmul(ext)}
+            names |= {name: "ext" for name in _QUANT_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 

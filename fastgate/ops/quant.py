@@ -1,0 +1,85 @@
+"""The decode step's weight-only quantized products on a CPU (ops ``int4_matmul``, ``int8_matmul``;
+docs/ARCHITECTURE.md, Ops).
+
+Each op takes bf16 rows ``x [M, K]`` and a quantized layer (:class:`~fastgate.assets.quant.Int4Linear`,
+:class:`~fastgate.assets.quant.Int8Linear`) and returns ``x @ w.T`` ``[M, N]`` in bf16, without the layer's bias (the
+callers add it, as the layers do). The references (:func:`torch_int4_matmul`, :func:`torch_int8_matmul`) are what the
+layers run for such rows: torch's weight-only kernels (``aten._weight_int4pack_mm_for_cpu`` over the layer's packed
+weight and bf16 scales and zeros; ``aten._weight_int8pack_mm`` with bf16 scales). The definitions they approximate
+are :func:`fastgate.assets.quant.int4_reference` and :func:`~fastgate.assets.quant.int8_reference` (float32).
+
+Why a kernel of our own (``fastgate._C.int4_matmul_bf16``, ``int8_matmul_bf16``; csrc/ops.cpp): on one core of a
+Zen 4 EPYC torch's int4 kernel ran ~36 G codes a second and the int8 head ~23 G weights, compute-bound, 90% of a
+batch-1 decode step of SmolLM2. The C++ kernels read the layer's own plain codes (no second packing) and use
+AVX512-BF16 dot products of exact bf16 forms of the codes: 46-64 G codes a second on the same core (576 -> 3,072: 36
+against 49 us; 1,536 -> 576: 14 against 26). They sum in float32 and round once to bf16, as torch's kernels do, in
+another order, with the float32 scales and zeros (torch's kernels round them to bf16 first): results within a bf16
+rounding of torch's. They need AVX512-BF16 (the registry binds them only where the CPU has it) and take every input
+the layers hand a decode step; anything else (other dtypes, devices, strides; a bias is the caller's) goes to the
+reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
+
+__all__ = ["ext_int4_matmul", "ext_int8_matmul", "torch_int4_matmul", "torch_int8_matmul"]
+
+_MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its stack (csrc/ops.cpp)
+
+
+def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """``x [M, K]`` bf16 on a CPU times ``layer``'s int4 weight: ``[M, N]`` bf16, by torch's kernel."""
+    x = x.contiguous()  # the kernel's rows
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, GROUP, layer.scale_zeros)  # [M, N'] (N' >= N)
+    return y if y.shape[1] == layer.out_features else y[:, :layer.out_features]
+
+
+def torch_int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    """``x [M, K]`` bf16 on a CPU times ``layer``'s int8 weight: ``[M, N]`` bf16, by torch's kernel."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.q, layer.scale_bf16)
+
+
+def _rows_ok(x: torch.Tensor, k: int) -> bool:
+    return (x.dtype is torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
+            and x.stride(1) == 1 and x.stride(0) >= k)
+
+
+def ext_int4_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
+    """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's."""
+
+    def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+        q, scale, zero = layer.q, layer.scale, layer.zero
+        k, n = layer.in_features, layer.out_features
+        if not (_rows_ok(x, k) and k <= _MAX_K and q.device.type == "cpu" and q.is_contiguous()
+                and scale.is_contiguous() and zero.is_contiguous() and scale.dtype is torch.float32
+                and zero.dtype is torch.float32):
+            return torch_int4_matmul(x, layer)
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)  # [M, N]
+        ext.int4_matmul_bf16(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                             out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        return out
+
+    return int4_matmul
+
+
+def ext_int8_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
+    """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's."""
+
+    def int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        q, scale = layer.q, layer.scale
+        k, n = layer.in_features, layer.out_features
+        if not (_rows_ok(x, k) and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
+                and scale.dtype is torch.float32):
+            return torch_int8_matmul(x, layer)
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)  # [M, N]
+        ext.int8_matmul_bf16(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                             x.shape[0], n, k, torch.get_num_threads())
+        return out
+
+    return int8_matmul

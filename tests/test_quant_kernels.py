@@ -1,0 +1,132 @@
+"""The C++ weight-only products (fastgate.ops.quant: ops int4_matmul, int8_matmul) against the float32 definitions
+(fastgate.assets.quant.int4_reference, int8_reference): awkward shapes (1 row, primes, 769, groups that leave one,
+two or three of a block of four), more input rows than a tile, strided input rows, two threads; the inputs they do
+not take go to torch's kernels; the registry binds them only where the CPU has AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgate.assets.quant import Int4Linear, Int8Linear, int4_reference, int8_reference, quantize_int4, quantize_int8
+from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul, torch_int4_matmul, torch_int8_matmul
+from fastgate.ops.registry import build_ops, import_ext
+
+
+def _ext():
+    ext = import_ext()
+    if ext is None or not getattr(ext, "quant_kernels_supported", lambda: False)():
+        pytest.skip("needs the C++ extension on a CPU with AVX512-BF16")
+    return ext
+
+
+def _close_to_definition(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """``y`` (bf16) is the float32 definition ``ref`` rounded once: within a bf16 step of each output, plus a sliver
+    of the row's scale for outputs that cancel to near zero (the float32 sums run in another order)."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    tol = ref.abs() * 2.0 ** -8 + ref.abs().amax(dim=-1, keepdim=True) * 1e-4 + 1e-6
+    bad = (y.float() - ref).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} outputs off, worst {((y.float() - ref).abs() - tol).max().item():.3g}"
+
+
+def _int4(n: int, k: int, seed: int) -> Int4Linear:
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, zero = quantize_int4(torch.randn((n, k), generator=gen) * 0.05)
+    return Int4Linear(q, scale, zero)
+
+
+@pytest.mark.parametrize("n", [1, 7, 769, 1031])
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 576, 608, 1536])  # groups: 1, 2, 3, 5, 18, 19, 48
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_int4_kernel_is_the_definition_rounded_once(n, k, m):
+    op = ext_int4_matmul(_ext())
+    layer = _int4(n, k, seed=n * k + m)
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    _close_to_definition(op(x, layer), int4_reference(x, layer.q, layer.scale, layer.zero))
+
+
+def test_int4_kernel_of_strided_rows_and_of_a_view_of_joined_rows():
+    """Rows of a wider buffer (the row stride is the kernel's), and a layer whose codes are rows of a larger tensor
+    (a fused layer's part): the kernel reads no further than its own rows."""
+    op = ext_int4_matmul(_ext())
+    big = _int4(40, 576, seed=3)
+    part = Int4Linear(big.q[16:37], big.scale[16:37], big.zero[16:37])  # contiguous views, ending before the tensor
+    wide = torch.randn((5, 700)).to(torch.bfloat16)
+    x = wide[:, 50:626]  # [5, 576], rows 700 apart
+    assert x.stride() == (700, 1)
+    _close_to_definition(op(x, part), int4_reference(x, part.q, part.scale, part.zero))
+    _close_to_definition(op(x, big)[:, 16:37], int4_reference(x, part.q, part.scale, part.zero))
+
+
+def test_int4_kernel_extreme_inputs_and_constant_groups():
+    """Large and tiny magnitudes (the offsets' correction cancels ~16x the codes' part), and groups whose codes are
+    all 0 or all 15."""
+    op = ext_int4_matmul(_ext())
+    layer = _int4(33, 256, seed=9)
+    layer.q[:8] = 0
+    layer.q[8:16] = 0xFF
+    x = torch.cat([torch.randn(1, 256) * 1e3, torch.randn(1, 256) * 1e-3, torch.randn(1, 256) + 5.0])
+    x = x.to(torch.bfloat16)
+    _close_to_definition(op(x, layer), int4_reference(x, layer.q, layer.scale, layer.zero))
+
+
+@pytest.mark.parametrize("n", [1, 7, 769])
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 97, 576])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int8_kernel_is_the_definition_rounded_once(n, k, m):
+    op = ext_int8_matmul(_ext())
+    gen = torch.Generator().manual_seed(n + k + m)
+    layer = Int8Linear(*quantize_int8(torch.randn((n, k), generator=gen)))
+    x = torch.randn((m, k), generator=gen).to(torch.bfloat16)
+    _close_to_definition(op(x, layer), int8_reference(x, layer.q, layer.scale))
+    wide = torch.randn((m, k + 9), generator=gen).to(torch.bfloat16)[:, 4:4 + k]  # strided rows
+    _close_to_definition(op(wide, layer), int8_reference(wide, layer.q, layer.scale))
+
+
+def test_two_threads_give_one_thread_s_bits():
+    """Enough work for the kernels to start a second thread (each thread its own blocks of 64 weight rows)."""
+    ext = _ext()
+    layer = _int4(2048, 576, seed=1)
+    head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
+    x = torch.randn((4, 576)).to(torch.bfloat16)
+    for name, lay, args in (("int4_matmul_bf16", layer, (layer.q, layer.scale, layer.zero)),
+                            ("int8_matmul_bf16", head, (head.q, head.scale))):
+        outs = []
+        for threads in (1, 2):
+            out = torch.empty((4, lay.out_features), dtype=torch.bfloat16)
+            getattr(ext, name)(x.data_ptr(), x.stride(0), *(t.data_ptr() for t in args), out.data_ptr(), 4,
+                               lay.out_features, lay.in_features, threads)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), name
+
+
+def test_inputs_the_kernels_do_not_take_go_to_torch_s_kernels():
+    """Rows without a unit stride along K: torch's kernels (a stand-in extension records its calls)."""
+    calls = []
+
+    class Ext:
+        def int4_matmul_bf16(self, *args):
+            calls.append("int4")
+
+        def int8_matmul_bf16(self, *args):
+            calls.append("int8")
+
+    layer4, layer8 = _int4(16, 64, seed=2), Int8Linear(*quantize_int8(torch.randn(16, 64)))
+    op4, op8 = ext_int4_matmul(Ext()), ext_int8_matmul(Ext())
+    transposed = torch.randn(64, 3).to(torch.bfloat16).T  # [3, 64], stride 1 along the rows
+    assert torch.equal(op4(transposed, layer4), torch_int4_matmul(transposed, layer4))
+    assert torch.equal(op8(transposed, layer8), torch_int8_matmul(transposed, layer8))
+    assert calls == []
+    op4(transposed.contiguous(), layer4)
+    op8(transposed.contiguous(), layer8)
+    assert calls == ["int4", "int8"]
+
+
+def test_the_registry_binds_the_kernels_where_the_cpu_has_avx512_bf16():
+    torch_ops = build_ops("torch", "cpu")
+    assert torch_ops.int4_matmul is torch_int4_matmul and torch_ops.int8_matmul is torch_int8_matmul
+    assert torch_ops.backends["int4_matmul"] == "torch"
+    ext = import_ext()
+    auto = build_ops("auto", "cpu")
+    expected = "ext" if ext is not None and ext.quant_kernels_supported() else "torch"
+    assert auto.backends["int4_matmul"] == auto.backends["int8_matmul"] == expected
