@@ -36,7 +36,8 @@ of 32 with a scale and zero, an embedded model's own 4-bit GGUF blocks where it 
 ``int4-dense`` adds a de-quantized copy for products beyond 4 rows; ``auto`` is what a user gets for the dtype on this
 machine, skipped where it resolves to a form measured already); rows name the form as loaded. ``weights_MB`` counts
 the bytes a step of its rows reads of the weights as held (int8 and its scales, int4's packed codes and its bf16
-scales and zeros, int4-dense's copy beyond its kernel rows), which the bound reads.
+scales and zeros, or, for the packed design where the op ``int4_matmul`` is C++, the plain codes and float32 scales
+and zeros it reads; int4-dense's copy beyond its kernel rows), which the bound reads.
 
 A ``--prefill`` batch (``16x700``)
 is timed too: ``packed`` is the serving path (:meth:`PackedLoop.add <fastgate.engine.packed.PackedLoop.add>`: packed
@@ -150,11 +151,12 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
                        weights_reason=held.reason)
 
 
-def weight_bytes(model, rows: int = 1) -> int:
+def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
     """Bytes a decode step of ``rows`` rows reads of the weights as held: the parameters (tied ones once), the int8
-    layers' weights and scales, the int4 layers' packed codes and bf16 scales and zeros (what the kernel reads) or,
-    beyond their kernel rows, their kept de-quantized copy (``int4-dense``), less the embedding table where the LM head
-    does not multiply by it (an untied head, or a quantized head of its own: a step reads one row of the table a
+    layers' weights and scales, the int4 layers' packed codes and bf16 scales and zeros (what torch's kernel reads;
+    ``int4_plain``: their plain codes and float32 scales and zeros, what the C++ kernel of op ``int4_matmul`` reads)
+    or, beyond their kernel rows, their kept de-quantized copy (``int4-dense``), less the embedding table where the LM
+    head does not multiply by it (an untied head, or a quantized head of its own: a step reads one row of the table a
     token)."""
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
@@ -163,7 +165,8 @@ def weight_bytes(model, rows: int = 1) -> int:
         elif isinstance(module, Int8Linear):
             held += sum(t.numel() * t.element_size() for t in (module.q, module.scale))
         elif isinstance(module, Int4Linear):
-            held += sum(t.numel() * t.element_size() for t in (module.packed, module.scale_zeros))
+            read = (module.q, module.scale, module.zero) if int4_plain else (module.packed, module.scale_zeros)
+            held += sum(t.numel() * t.element_size() for t in read)
     embed = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     return held - (embed.numel() * embed.element_size() if head is not embed else 0)
@@ -491,18 +494,22 @@ def main() -> None:
             meta: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # mode, cache width, KV bytes
             bandwidth = [read_bandwidth(device)]
 
-            def step_row(key: tuple[str, int, int], held=lm.model) -> None:  # held: read weight_bytes(held, b)
+            # held: read weight_bytes(held, b); ext_int4: the packed design's int4 products of few rows run the
+            # runner's op, C++ over the plain codes
+            def step_row(key: tuple[str, int, int], held=lm.model,
+                         ext_int4=engine.runner.ops.backends["int4_matmul"] == "ext") -> None:
                 d, b, c = key
                 mode, width, kv = meta.pop(key)
                 bw = statistics.median(bandwidth)
                 step = statistics.median(times[key])
                 short = times.get((d, b, contexts[0]))
-                bound = (weight_bytes(held, b) + kv) / bw
+                read = weight_bytes(held, b, int4_plain=ext_int4 and d == "packed")
+                bound = (read + kv) / bw
                 emit({"kind": "step", "design": d, "mode": mode, "dtype": name, "weights": held_as,
                       "dtype_reason": reason, "batch": b, "context": c, "cache_width": width,
                       "step_ms": step * 1e3, "bound_ms": bound * 1e3, "of_bound": bound / step,
                       "vs_short": step / statistics.median(short) if short else 1.0,
-                      "first_step_s": FIRST_STEP.get(key, float("nan")), "weights_MB": weight_bytes(held, b) / 1e6,
+                      "first_step_s": FIRST_STEP.get(key, float("nan")), "weights_MB": read / 1e6,
                       "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "compiles": compiles(), "rounds": len(times[key]),
                       **machine})
 

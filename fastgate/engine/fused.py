@@ -200,10 +200,12 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul,
         dense = linear._kept(torch.bfloat16)
         if linear.packed.device.type != "cpu":
             return None, 0, None
+        bind = getattr(int4_matmul, "bind", None)  # the op for this one layer, its checks made once
+        product = bind(linear) if bind is not None else (lambda x: int4_matmul(x, linear))
         if bias is None:
-            small = lambda x: int4_matmul(x, linear)  # noqa: E731  [M, N]
+            small = product  # [M, N]
         else:
-            small = lambda x: int4_matmul(x, linear) + bias  # noqa: E731
+            small = lambda x: product(x) + bias  # noqa: E731
         if dense is None:
             large = None
         elif bias is None:

@@ -65,6 +65,31 @@ def ext_int4_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int4Linear], tor
                              out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         return out
 
+    def bind(layer: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``int4_matmul(x, layer)`` for one layer, its checks made once: a decode step makes 120 of these calls
+        (SmolLM2), and the op's checks of the layer's buffers cost ~4x the kernel's own call. The buffers are held
+        and compared by identity each call, so a layer whose codes are replaced (``refresh``) takes the op again."""
+        buffers = layer._buffers
+        q, scale, zero = buffers["q"], buffers["scale"], buffers["zero"]
+        k, n = layer.in_features, layer.out_features
+        if not (k <= _MAX_K and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
+                and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32):
+            return lambda x: int4_matmul(x, layer)
+        run, ptrs, empty, bf16, threads = (ext.int4_matmul_bf16, (q.data_ptr(), scale.data_ptr(), zero.data_ptr()),
+                                           torch.empty, torch.bfloat16, torch.get_num_threads)
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                    or buffers["q"] is not q or buffers["scale"] is not scale or buffers["zero"] is not zero):
+                return int4_matmul(x, layer)
+            m = x.shape[0]
+            out = empty((m, n), dtype=bf16)  # [M, N]
+            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
+            return out
+
+        return product
+
+    int4_matmul.bind = bind  # type: ignore[attr-defined]
     return int4_matmul
 
 
