@@ -1074,8 +1074,14 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
                                 int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
                                 uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H,
                                 int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
-                                double scale, int64_t threads) {
+                                double scale, int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr,
+                                int64_t c_stride) {
   check_decode_shape("decode_attention_step_bf16", m, H, Hkv, D);
+  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_bf16: the rotary embedding needs D even");
+  // cos / sin (0: none): [m, D] bf16 rows c_stride apart; q and k_new are rotated first, as rope_bf16 rotates them
+  // (the same loop), so that the fused pass's rotary embedding and attention are one call
+  const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos_ptr);
+  const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin_ptr);
   const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
   const uint16_t* kn = reinterpret_cast<const uint16_t*>(kn_ptr);
   const uint16_t* vn = reinterpret_cast<const uint16_t*>(vn_ptr);
@@ -1089,14 +1095,22 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
   py::gil_scoped_release release;
   split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest), o(G * D);  // per thread
+    std::vector<uint16_t> qrot(cs ? D : 0);
     for (int64_t item = first; item < m * Hkv; item += step) {
       const int64_t r = item / Hkv, h = item % Hkv;
       uint16_t* kc = k + r * s_row + h * s_head + pos[r] * s_col;  // this row's new column
       uint16_t* vc = v + r * s_row + h * s_head + pos[r] * s_col;
-      __builtin_memcpy(kc, kn + r * kn_row + h * kn_head, D * sizeof(uint16_t));
+      if (cs)
+        rope_head(kn + r * kn_row + h * kn_head, cs + r * c_stride, sn + r * c_stride, kc, D / 2);
+      else
+        __builtin_memcpy(kc, kn + r * kn_row + h * kn_head, D * sizeof(uint16_t));
       __builtin_memcpy(vc, vn + r * vn_row + h * vn_head, D * sizeof(uint16_t));
       for (int64_t g = 0; g < G; ++g) {
         const uint16_t* qr = q + r * q_row + (h * G + g) * q_head;
+        if (cs) {
+          rope_head(qr, cs + r * c_stride, sn + r * c_stride, qrot.data(), D / 2);
+          qr = qrot.data();
+        }
         for (int64_t i = 0; i < D; ++i) qs[g * D + i] = bf16_to_f32(qr[i]) * sc;
       }
       attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
@@ -1344,10 +1358,16 @@ constexpr int64_t kPrefetchBytes = 8192;
 //     y = 16 sum_g scale_g (S_g + sum_k c x / 16) + sum_g (zero_g - 24 scale_g) S_g
 // (w = (c - 8) scale + zero). The offset S_g stays within 16x the codes' own part (a code at the mantissa's top bits,
 // not its bottom: 1 + c / 16, not 128 + c), so cancelling it costs ~4 of float32's 24 bits.
+// an output: the sum rounded to bf16, then, with a residual res [M, N] bf16, bf16(res + that) (torch's h + y of bf16)
+inline uint16_t int4_out(float sum, const uint16_t* res, int64_t i) {
+  const uint16_t y = f32_to_bf16(sum);
+  return res ? f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(y)) : y;
+}
+
 template <int R, int MB>
 FASTGATE_BF16_TARGET inline void int4_tile(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
                                            const uint8_t* q, const float* scale, const float* zero, int64_t G,
-                                           int64_t n, int64_t N, uint16_t* y) {
+                                           int64_t n, int64_t N, uint16_t* y, const uint16_t* res) {
   const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> its group
   __m512 acc[R][MB];
@@ -1448,9 +1468,9 @@ FASTGATE_BF16_TARGET inline void int4_tile(const uint16_t* xp, int64_t xp_stride
       const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
       alignas(16) float sums[4];
       _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = f32_to_bf16(sums[r]);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = int4_out(sums[r], res, m * N + n + r);
     } else {
-      for (int r = 0; r < R; ++r) y[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(v[r][m]));
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = int4_out(_mm512_reduce_add_ps(v[r][m]), res, m * N + n + r);
     }
   }
 }
@@ -1458,11 +1478,11 @@ FASTGATE_BF16_TARGET inline void int4_tile(const uint16_t* xp, int64_t xp_stride
 template <int MB>
 FASTGATE_BF16_TARGET void int4_rows(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
                                     const uint8_t* q, const float* scale, const float* zero, int64_t G, int64_t n0,
-                                    int64_t n1, int64_t N, uint16_t* y) {
+                                    int64_t n1, int64_t N, uint16_t* y, const uint16_t* res) {
   int64_t n = n0;
   for (; n + kQuantRows <= n1; n += kQuantRows)
-    int4_tile<kQuantRows, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y);
-  for (; n < n1; ++n) int4_tile<1, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y);
+    int4_tile<kQuantRows, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y, res);
+  for (; n < n1; ++n) int4_tile<1, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y, res);
 }
 
 // rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows K apart) -> y bf16
@@ -1524,10 +1544,47 @@ void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows) {
 
 bool quant_kernels_supported() { return prefill_attention_bf16_supported(); }
 
+#ifdef FASTGATE_BF16_KERNEL
+// One input row's preparation for int4_tile: the groups' sums S [G] (float32) and the row permuted for the passes,
+// xp [blocks * 128] bf16 (block b, pass s, pair j: the inputs of codes 8j + s and 8j + s + 4 of the block's 128; zero
+// past K), 32 values a vector (two-source word permutes); S_g = the group's 32 values summed in float32.
+FASTGATE_BF16_TARGET void int4_prepare(const uint16_t* x, int64_t K, float* S, uint16_t* xp) {
+  const int64_t G = K / 32, blocks = (G + 3) / 4;
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512i v = _mm512_loadu_si512(x + g * 32);  // 32 bf16
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));  // the even ones, widened
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    S[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+  // pass s, position 2j + h <- code 8j + s + 4h: positions 0-15 from the block's first 64 codes, 16-31 from the rest
+  alignas(64) uint16_t idx[4][32];
+  for (int s = 0; s < 4; ++s)
+    for (int t = 0; t < 32; ++t) idx[s][t] = static_cast<uint16_t>((8 * (t / 2) + s + 4 * (t % 2)) % 64);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i v[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t k0 = b * 128 + 32 * i, left = K - k0;
+      v[i] = left >= 32 ? _mm512_loadu_si512(x + k0)
+                        : (left > 0 ? _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), x + k0)
+                                    : _mm512_setzero_si512());
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m512i ix = _mm512_load_si512(idx[s]);
+      const __m512i a = _mm512_permutex2var_epi16(v[0], ix, v[1]), c = _mm512_permutex2var_epi16(v[2], ix, v[3]);
+      _mm512_storeu_si512(xp + b * 128 + 32 * s, _mm512_mask_blend_epi16(0xFFFF0000u, a, c));
+    }
+  }
+}
+#endif
+
 // x [M, K] bf16 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
-// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384.
+// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384. norm_ptr (0: none): the
+// rows are first RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that
+// the fused pass's norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous
+// added to the product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
 void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
-                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads) {
+                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr,
+                      double eps, uintptr_t res_ptr) {
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
@@ -1537,40 +1594,37 @@ void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintpt
   const uint8_t* q = reinterpret_cast<const uint8_t*>(q_ptr);
   const float* scale = reinterpret_cast<const float*>(scale_ptr);
   const float* zero = reinterpret_cast<const float*>(zero_ptr);
+  const uint16_t* norm = reinterpret_cast<const uint16_t*>(norm_ptr);
+  const uint16_t* res = reinterpret_cast<const uint16_t*>(res_ptr);
   uint16_t* y = reinterpret_cast<uint16_t*>(out_ptr);
   const int64_t G = K / 32, blocks = (G + 3) / 4, xp_stride = blocks * 128, S_stride = (G + 15) / 16 * 16;
   py::gil_scoped_release release;
-  // per input row: each group's sum S_g (zero past G), and x permuted for the passes: block b, pass s, pair j (lane
-  // j) holds the inputs of codes 8j + s and 8j + s + 4 of the block's 128 (zero past K)
+  // per input row (normed first where asked): each group's sum S_g (zero past G) and the row permuted for the passes
   std::vector<float> S(M * S_stride, 0.0f);
-  std::vector<uint16_t> xp(M * xp_stride, 0);
+  std::vector<uint16_t> xp(M * xp_stride), xn(norm ? K : 0);
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xm = x + m * x_stride;
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < 32; ++j) s += bf16_to_f32(xm[g * 32 + j]);
-      S[m * S_stride + g] = s;
+    if (norm) {
+      rms_norm_row(xm, norm, xn.data(), K, static_cast<float>(eps));
+      xm = xn.data();
     }
-    uint16_t* pm = xp.data() + m * xp_stride;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t b = k / 128, c = k % 128, j = c / 8, p = c % 8;  // code c of block b: lane j, nibble p
-      pm[b * 128 + (p % 4) * 32 + 2 * j + p / 4] = xm[k];
-    }
+    int4_prepare(xm, K, S.data() + m * S_stride, xp.data() + m * xp_stride);
   }
   quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
     const uint16_t* xm = xp.data() + m0 * xp_stride;
     const float* Sm = S.data() + m0 * S_stride;
     uint16_t* ym = y + m0 * N;
+    const uint16_t* rm = res ? res + m0 * N : nullptr;
     switch (mb) {
-      case 1: int4_rows<1>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
-      case 2: int4_rows<2>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
-      case 3: int4_rows<3>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
-      default: int4_rows<4>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym); break;
+      case 1: int4_rows<1>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
+      case 2: int4_rows<2>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
+      case 3: int4_rows<3>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
+      default: int4_rows<4>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
     }
   });
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
-  (void)threads;
+  (void)threads, (void)norm_ptr, (void)eps, (void)res_ptr;
   throw std::invalid_argument("int4_matmul_bf16: not built for this platform");
 #endif
 }
@@ -1630,7 +1684,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("v_new_head"), py::arg("keys"), py::arg("values"), py::arg("pos"), py::arg("out"), py::arg("m"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("cols"), py::arg("row_stride"),
         py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
-        "A decode-only pass's store writes and attention over a bf16 store, bf16 in and out (checked pointers).");
+        py::arg("cos") = 0, py::arg("sin") = 0, py::arg("cos_stride") = 0,
+        "A decode-only pass's store writes and attention over a bf16 store, bf16 in and out (checked pointers); with "
+        "cos / sin, q and k_new rotated first (rope_bf16's loop).");
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
         py::arg("d"), py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
         "LlamaRMSNorm of bf16 rows, float32 statistics, HF's roundings (pointers to checked torch tensors).");
@@ -1652,7 +1708,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("quant_kernels_supported", &quant_kernels_supported,
         "Whether int4_matmul_bf16 / int8_matmul_bf16 run here (built for and running on a CPU with AVX512-BF16)");
   m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
-        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
+        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
+        py::arg("norm") = 0, py::arg("eps") = 1e-6, py::arg("residual") = 0);
   m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,

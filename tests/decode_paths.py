@@ -8,7 +8,9 @@ import dataclasses
 
 def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
     """Generate each list of prompts in ``prompt_sets`` on a bf16 ``lm`` with the C++ ops, once with the decode-only
-    path (the runner's ``decode_attention_step``) and once without it (None: every pass the general way).
+    path (the runner's ``decode_attention_step``, with the rotary embedding in its call where the op binds that, and
+    the products' fused forms: the norm before, the residual sum after) and once without it (None: every pass the
+    general way).
 
     Returns ``(out, calls)``: ``out[fast][i]`` the (token ids, log-probs, running sum) of set ``i``'s prompts, and the
     rows of each decode-only call (``fast=True`` only).
@@ -21,8 +23,16 @@ def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
     for fast in (True, False):
         runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
         inner = runner.ops.decode_attention_step
-        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=(
-            (lambda *a, inner=inner: calls.append(a[0].shape[0]) or inner(*a)) if fast else None))
+        step = None
+        if fast:  # counting the rows of each call; the form with the rotary embedding in it too, where bound
+            def step(*a, inner=inner):
+                calls.append(a[0].shape[0])
+                return inner(*a)
+
+            roped = getattr(inner, "roped", None)
+            if roped is not None:
+                step.roped = lambda qkv, *a, roped=roped: calls.append(qkv.shape[0]) or roped(qkv, *a)
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=step)
         out[fast] = []
         for prompts in prompt_sets:
             loop = PackedLoop(runner, mid=mid)

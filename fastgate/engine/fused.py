@@ -252,6 +252,7 @@ class FusedForward:
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
         self._bound: dict[tuple, list[list[tuple]]] = {}
+        self._selections: dict[tuple, list[tuple]] = {}  # (matmuls, rows) -> each layer's calls (_selected)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[T, D]`` at ``positions [T]`` (rows of a table the model's rotary module computed)."""
@@ -310,7 +311,7 @@ class FusedForward:
         rows_ok = h.dtype is torch.bfloat16 and h.device.type == "cpu"
         for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
             qkv_p, o_p, gate_up_p, down_p = (small if rows_ok and small is not None and t <= rows else linear
-                                             for (small, rows, _), linear in zip(products, layer.linears))
+                                             for (small, rows, _), linear in zip(products[:4], layer.linears))
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = qkv_p(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
@@ -327,12 +328,38 @@ class FusedForward:
                 outputs[i + 1] = h[None]
         return h
 
+    def _selected(self, matmuls: tuple, t: int) -> list[tuple]:
+        """Each layer's calls for a decode pass of ``t`` rows (kept a ``(matmuls, t)``): ``(qkv, qkv_normed, o,
+        o_added, gate_up, gate_up_normed, down, down_added)``, each product as its layer runs ``t`` rows (the
+        kernel up to its rows, the kept copy beyond), the fused forms (the norm before, the residual sum after, in the
+        kernel's call) where the kernel takes the rows and the op binds them, else None."""
+        key = (matmuls, t)
+        selected = self._selections.get(key)
+        if selected is None:
+            selected = []
+            for products in self._products(matmuls):
+                (qkv, qkv_rows, qkv_large), (o, o_rows, o_large), (gu, gu_rows, gu_large), (dn, dn_rows, dn_large) = \
+                    products[:4]
+                selected.append((
+                    qkv if t <= qkv_rows else qkv_large, products[4] if t <= qkv_rows else None,
+                    o if t <= o_rows else o_large, getattr(o, "added", None) if t <= o_rows else None,
+                    gu if t <= gu_rows else gu_large, products[5] if t <= gu_rows else None,
+                    dn if t <= dn_rows else dn_large, getattr(dn, "added", None) if t <= dn_rows else None))
+            self._selections[key] = selected
+        return selected
+
     def _products(self, matmuls: tuple) -> list[list[tuple]]:
-        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``."""
+        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``, and
+        for q/k/v and gate/up the product that norms its rows first in the same call where the op binds one
+        (``normed``, else None)."""
         bound = self._bound.get(matmuls)
         if bound is None:
             bound = self._bound[matmuls] = [[_row_products(m, *matmuls) for m in layer.linears]
                                             for layer in self.layers]
+            for products in bound:
+                for i in (0, 2):  # qkv, gate_up: after a norm
+                    small = products[i][0]
+                    products.append(getattr(small, "normed", None))
         return bound
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,
@@ -344,17 +371,31 @@ class FusedForward:
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         store, pos = plan.store, plan.pos
-        for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
-            # each product as its layer would run these rows: the kernel up to its rows, the kept copy beyond
-            qkv_p, o_p, gate_up_p, down_p = (small if t <= rows else large for small, rows, large in products)
-            qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1)).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
-            qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
-            o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],
-                               store.values[layer.index], pos, layer.scaling)  # [T, Hq, D]
-            h = h + o_p(o.view(t, hq * d))
-            gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
+        roped = getattr(attention_step, "roped", None)
+        for i, (layer, calls) in enumerate(zip(self.layers, self._selected(matmuls, t))):
+            qkv_p, qkv_n, o_p, o_a, gate_up_p, gate_up_n, down_p, down_a = calls
+            # the norm and the product after it in one call where the kernel takes these rows (bitwise the two)
+            if qkv_n is not None:
+                qkv = qkv_n(h, layer.ln1, layer.eps1, rms_norm)
+            else:
+                qkv = qkv_p(rms_norm(h, layer.ln1, layer.eps1))
+            qkv = qkv.view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
+            if roped is not None:  # the rotary embedding in the attention's call (bitwise the two)
+                o = roped(qkv, hq, cos, sin, store.keys[layer.index], store.values[layer.index], pos, layer.scaling,
+                          rope)  # [T, Hq, D]
+            else:
+                qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
+                o = attention_step(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], store.keys[layer.index],
+                                   store.values[layer.index], pos, layer.scaling)  # [T, Hq, D]
+            # the residual sum in the product's call where the kernel takes these rows (bitwise h + product)
+            h = o_a(o.view(t, hq * d), h) if o_a is not None else h + o_p(o.view(t, hq * d))
+            if gate_up_n is not None:
+                gu = gate_up_n(h, layer.ln2, layer.eps2, rms_norm)  # [T, 2 I]
+            else:
+                gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
             inter = gu.shape[-1] // 2
-            h = h + down_p(layer.act(gu[:, :inter]) * gu[:, inter:])
+            act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            h = down_a(act, h) if down_a is not None else h + down_p(act)
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h

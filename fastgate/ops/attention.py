@@ -56,9 +56,15 @@ def ext_decode_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
     return decode_attention
 
 
-def ext_decode_attention_step(ext: ModuleType) -> Callable[..., torch.Tensor]:
+def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Callable[..., torch.Tensor]:
     """The C++ store writes and attention of a decode-only pass (bf16 in and out, ``decode_attention_step_bf16``) with
-    the reference's signature; inputs it cannot run go to the reference."""
+    the reference's signature; inputs it cannot run go to the reference.
+
+    ``fuse_rope``: the runner's ``rope`` is the C++ one for any rows (``rope_bf16``), so the op also offers
+    ``roped(qkv, heads, cos, sin, keys, values, pos, scale, rope)`` (``qkv [m, H + 2 Hkv, D]``: the q, k_new and v_new
+    heads side by side): the rotary embedding of q and k_new in the same call with that loop, bitwise
+    ``decode_attention_step(rope(q), rope(k_new), v_new, ...)`` (one Python call a layer less: each costs ~5 us
+    beside a batch-1 step's ~180 us a layer)."""
 
     def runs(q, k_new, v_new, keys, values, pos) -> bool:
         return (keys.dtype is torch.bfloat16 and values.dtype is torch.bfloat16 and q.dtype is torch.bfloat16
@@ -87,4 +93,41 @@ def ext_decode_attention_step(ext: ModuleType) -> Callable[..., torch.Tensor]:
                 raise ShapeError(str(exc)) from None
         return out
 
+    bf16, int64 = torch.bfloat16, torch.int64
+
+    def roped(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, pos: torch.Tensor, scale: float | None,
+              rope: Callable[..., torch.Tensor]) -> torch.Tensor:
+        # qkv [m, H + 2 Hkv, D]: the q, k_new, v_new heads side by side, before the rotary embedding; cos / sin
+        # [m, 1, D]. The checks read each shape and stride once (30 calls a step; slices and per-tensor checks cost
+        # more than the kernel at short contexts), the pointers of k_new and v_new are offsets into qkv.
+        qs, ks, cs = qkv.shape, keys.shape, cos.shape
+        qst, kst, cst = qkv.stride(), keys.stride(), cos.stride()
+        m, dim, kv_heads = qs[0], qs[2], ks[1] if len(ks) == 4 else 0
+        if not (qkv.dtype is bf16 and keys.dtype is bf16 and values.dtype is bf16 and cos.dtype is bf16
+                and sin.dtype is bf16 and pos.dtype is int64 and qkv.is_cpu and keys.is_cpu and cos.is_cpu
+                and pos.is_cpu and len(qs) == 3 and len(ks) == 4 and qs[1] == heads + 2 * kv_heads
+                and heads % kv_heads == 0 and ks[3] == dim and dim <= _MAX_HEAD_DIM and dim % 2 == 0
+                and m <= ks[0] and values.shape == ks and values.stride() == kst and kst[3] == 1 and qst[2] == 1
+                and pos.shape == (m,) and pos.is_contiguous() and cs == (m, 1, dim) and sin.shape == cs
+                and cst[2] == 1 and sin.stride() == cst):
+            k_new, v_new = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+            return decode_attention_step(rope(qkv[:, :heads], cos, sin), rope(k_new, cos, sin), v_new, keys, values,
+                                         pos, scale)
+        out = torch.empty((m, heads, dim), dtype=bf16)  # [m, H, D]
+        if m:
+            base, head_bytes = qkv.data_ptr(), qst[1] * 2  # bf16: 2 bytes an element
+            try:
+                ext.decode_attention_step_bf16(
+                    base, qst[0], qst[1], base + heads * head_bytes, qst[0], qst[1],
+                    base + (heads + kv_heads) * head_bytes, qst[0], qst[1], keys.data_ptr(), values.data_ptr(),
+                    pos.data_ptr(), out.data_ptr(), m, heads, kv_heads, dim, ks[2], kst[0], kst[1], kst[2],
+                    dim ** -0.5 if scale is None else float(scale), torch.get_num_threads(), cos.data_ptr(),
+                    sin.data_ptr(), cst[0])
+            except ValueError as exc:
+                raise ShapeError(str(exc)) from None
+        return out
+
+    if fuse_rope:
+        decode_attention_step.roped = roped  # type: ignore[attr-defined]
     return decode_attention_step

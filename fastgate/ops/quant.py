@@ -50,8 +50,11 @@ def _rows_ok(x: torch.Tensor, k: int) -> bool:
             and x.stride(1) == 1 and x.stride(0) >= k)
 
 
-def ext_int4_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
-    """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's."""
+def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
+    """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's.
+
+    ``fuse_norm``: the runner's ``rms_norm`` is the C++ one (``rms_norm_bf16``), so a layer bound here may also norm
+    its rows in the same call with that loop (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
 
     def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
         q, scale, zero = layer.q, layer.scale, layer.zero
@@ -87,6 +90,32 @@ def ext_int4_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int4Linear], tor
             run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
             return out
 
+        def normed(x: torch.Tensor, weight: torch.Tensor, eps: float, rms_norm: Callable) -> torch.Tensor:
+            """``product(rms_norm(x, weight, eps))`` in one call (the norm's C++ loop in the kernel's call)."""
+            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                    or weight.dtype is not bf16 or not weight.is_contiguous() or weight.shape != (k,)
+                    or buffers["q"] is not q or buffers["scale"] is not scale or buffers["zero"] is not zero):
+                return product(rms_norm(x, weight, eps))
+            m = x.shape[0]
+            out = empty((m, n), dtype=bf16)  # [M, N]
+            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(), float(eps))
+            return out
+
+        def added(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            """``residual + product(x)`` in one call (the bf16 sum rounded as torch rounds it)."""
+            m = x.shape[0]
+            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                    or residual.dtype is not bf16 or residual.shape != (m, n) or not residual.is_contiguous()
+                    or not residual.is_cpu or buffers["q"] is not q or buffers["scale"] is not scale
+                    or buffers["zero"] is not zero):
+                return residual + product(x)
+            out = empty((m, n), dtype=bf16)  # [M, N]
+            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0, 1e-6, residual.data_ptr())
+            return out
+
+        product.added = added  # type: ignore[attr-defined]
+        if fuse_norm:
+            product.normed = normed  # type: ignore[attr-defined]
         return product
 
     int4_matmul.bind = bind  # type: ignore[attr-defined]

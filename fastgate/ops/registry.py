@@ -281,12 +281,17 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         limits = row_limits(getattr(ext, "cpu_has_avx512", lambda: False)())
         chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext, limits["rms_norm"]),
                    "rope": ext_rope(ext, limits["rope"]),
-                   "decode_attention_step": ext_decode_attention_step(ext)}  # bf16 rows; others: the references
+                   # bf16 rows; others: the references. The rotary embedding in the same call where rope is C++ for
+                   # any rows (AVX-512)
+                   "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] >= 1 << 62)}
         names |= {name: "ext" for name in _LAYER_OPS}
         if getattr(ext, "quant_kernels_supported", lambda: False)():  # AVX512-BF16 (an older extension: torch's)
             from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul
 
-            chosen |= {"int4_matmul": ext_int4_matmul(ext), "int8_matmul": ext_int8_matmul(ext)}
+            # the C++ norm above is bound for every bf16 row here (AVX512-BF16 CPUs have AVX-512): int4 products
+            # may norm their rows in the same call with it
+            fuse = names["rms_norm"] == "ext" and limits["rms_norm"] >= 1 << 62
+            chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse), "int8_matmul": ext_int8_matmul(ext)}
             names |= {name: "ext" for name in _QUANT_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
