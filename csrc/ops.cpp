@@ -1327,19 +1327,20 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 // -------------------------------------------------------------------------------- weight-only quantized products
 // The decode step's products over the weights' own codes (ops int4_matmul, int8_matmul; fastgate/ops/quant.py).
 // torch's CPU kernels (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm) ran a batch-1 step of SmolLM2's int4
-// blocks at ~16 GB/s of codes on one Zen 4 core, compute-bound, and its int8 head at ~16 GB/s: together 90% of the
-// step. Here, with AVX512-BF16:
+// blocks at ~16 GB/s of codes on one Zen 4 core, and its int8 head at ~17 GB/s: together 90% of the step. Here, with
+// AVX512-BF16:
 //
 // int4 (codes q [N, K / 2], byte j of a row holding k = 2j in its low nibble and 2j + 1 in its high one; scale, zero
-// [N, K / 32] float32; w = (code - 8) scale + zero): a byte becomes the bf16 pair (128 + lo, 128 + hi) with two
-// integer operations (0x4300 | c is bf16 128 + c exactly: 7 mantissa bits), so one vdpbf16ps multiplies a group's 32
-// codes by its 32 bf16 inputs in their natural order, exactly, into float32: D_g = 128 S_g + sum c x (S_g: the
-// group's sum of x). Then y = sum_g scale_g D_g + sum_g (zero_g - 136 scale_g) S_g: the first sum in 16 lanes a row
-// (one multiply-add a group), the second once a row over the groups. Four rows share each load of x.
+// [N, K / 32] float32; w = (code - 8) scale + zero): the plain codes, no second packing; 32 of them become exact bf16
+// values 1 + c / 16 in one shift and one ternary logic operation, and one vdpbf16ps multiplies them by the input,
+// permuted once a call to match (int4_tile below has the layout and the algebra). Four weight rows share each load
+// of the input; the zeros' and offsets' part once a row.
 // int8 (q [N, K] int8, scale [N] float32; w = q scale): codes widened to float32 in registers, float32 products and
 // sums, the scale once a row.
-// Both sum in float32 (in another order than torch's kernels: the last bits of a sum) and round the output to bf16
-// once, to nearest even. Built where GCC targets AVX512-BF16; chosen only where the CPU has it (the registry).
+// Both sum in float32 (in another order than torch's kernels: the last bits of a sum), prefetch the weights they
+// stream, and round the output to bf16 once, to nearest even. Built where GCC targets AVX512-BF16; chosen only where
+// the CPU has it (the registry). The 256-bit half block of int4_tile repeats the 512-bit block's steps in the other
+// width's intrinsics (K = 576: 18 groups, four blocks and a half).
 #ifdef FASTGATE_BF16_KERNEL
 
 constexpr int kQuantRows = 4;  // weight rows a tile: each load of an input row serves four
