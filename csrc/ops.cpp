@@ -748,23 +748,9 @@ inline f32x8 exp8_nonpositive(f32x8 x) { return exp_nonpositive<f32x8, i32x8>(x)
 // [G, n] scratch; out [G, D] float32. D <= kMaxD.
 constexpr int64_t kMaxD = 256;
 
+// Each of G rows of n scores (G x n, contiguous) becomes its softmax, in float32 (exp of non-positive numbers).
 FASTGATE_CLONES
-void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G,
-                 int64_t D, float* scores, float* out) {
-  const int64_t dv = D / 8 * 8;
-  for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
-    const uint16_t* kw = k + w * stride;
-    f32x8 kv[kMaxD / 8];
-    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load_bf16v<Vec8>(kw + j);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < dv; j += 8) acc += load8(qg + j) * kv[j / 8];
-      float s = hsum8(acc);
-      for (int64_t j = dv; j < D; ++j) s += qg[j] * bf16_to_f32(kw[j]);
-      scores[g * n + w] = s;
-    }
-  }
+void softmax_rows(float* scores, int64_t n, int64_t G) {
   for (int64_t g = 0; g < G; ++g) {  // softmax per query head, in float32 (exp of non-positive numbers)
     float* sg = scores + g * n;
     float mx = -std::numeric_limits<float>::infinity();
@@ -784,6 +770,26 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
     const float inv = 1.0f / sum;
     for (int64_t w = 0; w < n; ++w) sg[w] *= inv;
   }
+}
+
+FASTGATE_CLONES
+void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G,
+                 int64_t D, float* scores, float* out) {
+  const int64_t dv = D / 8 * 8;
+  for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
+    const uint16_t* kw = k + w * stride;
+    f32x8 kv[kMaxD / 8];
+    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load_bf16v<Vec8>(kw + j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < dv; j += 8) acc += load8(qg + j) * kv[j / 8];
+      float s = hsum8(acc);
+      for (int64_t j = dv; j < D; ++j) s += qg[j] * bf16_to_f32(kw[j]);
+      scores[g * n + w] = s;
+    }
+  }
+  softmax_rows(scores, n, G);
   for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
   for (int64_t w = 0; w < n; ++w) {  // out: each value row read once for the G heads
     const uint16_t* vw = v + w * stride;
@@ -800,6 +806,10 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
     }
   }
 }
+
+// attend_head, or its AVX-512 form where the CPU has it and the shapes suit (defined with the AVX-512 code below)
+void attend(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G, int64_t D,
+            float* scores, float* out);
 
 // The most columns any of the m rows attends (positions checked to lie in the store's 0 .. cols - 1: the caller skips
 // a host-side min / max a layer).
@@ -844,7 +854,7 @@ void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, ui
       const int64_t r = item / Hkv, h = item % Hkv;
       const float* qr = q + (r * H + h * G) * D;  // the G query heads of key / value head h
       for (int64_t i = 0; i < G * D; ++i) qs[i] = qr[i] * sc;
-      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
+      attend(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
                   scores.data(), out + (r * H + h * G) * D);
     }
     return true;
@@ -1113,7 +1123,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
         }
         for (int64_t i = 0; i < D; ++i) qs[g * D + i] = bf16_to_f32(qr[i]) * sc;
       }
-      attend_head(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
+      attend(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
                   scores.data(), o.data());
       uint16_t* orow = out + (r * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) orow[i] = f32_to_bf16(o[i]);
@@ -1138,6 +1148,104 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+
+#ifdef FASTGATE_BF16_KERNEL
+// attend_head 16 floats a vector (AVX-512), for D a multiple of 32 up to 128: a key or value row of 32 bf16 is one
+// 64-byte load split into its even and odd dims (a shift, an and: no widening shuffles), q permuted alike once; the
+// value product keeps the outputs of up to GB query heads in registers across the keys (attend_head loads and stores
+// them a key at a time). The scores' sums run in another order than attend_head's (16 lanes, not 8): the last bits of
+// a score; the value product adds the keys in the same order.
+template <int C, int GB>  // C: chunks of 32 dims; GB: query heads a pass over the values
+FASTGATE_AVX512_TARGET inline void value_pass(const float* p, int64_t n, const uint16_t* v, int64_t stride,
+                                               float* oe, float* oo) {
+  __m512 ae[GB][C], ao[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) ae[g][c] = ao[g][c] = _mm512_setzero_ps();
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t w = 0; w < n; ++w) {
+    __m512 ve[C], vo[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + w * stride + 32 * c);
+      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pw = _mm512_set1_ps(p[g * n + w]);
+      for (int c = 0; c < C; ++c) {
+        ae[g][c] = _mm512_fmadd_ps(pw, ve[c], ae[g][c]);
+        ao[g][c] = _mm512_fmadd_ps(pw, vo[c], ao[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(oe + (g * C + c) * 16, ae[g][c]);
+      _mm512_storeu_ps(oo + (g * C + c) * 16, ao[g][c]);
+    }
+}
+
+template <int C>
+FASTGATE_AVX512_TARGET void attend_head16(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride,
+                                          int64_t n, int64_t G, float* scores, float* out) {
+  constexpr int D = 32 * C;
+  alignas(64) float qe[8][C * 16], qo[8][C * 16];  // G <= 8 (the caller checks)
+  for (int64_t g = 0; g < G; ++g)
+    for (int i = 0; i < C * 16; ++i) {
+      const int c = i / 16, l = i % 16;
+      qe[g][i] = q[g * D + 32 * c + 2 * l];
+      qo[g][i] = q[g * D + 32 * c + 2 * l + 1];
+    }
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
+    __m512 ke[C], ko[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(k + w * stride + 32 * c);
+      ke[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      ko[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_load_ps(qe[g]), ke[0]);
+      acc = _mm512_fmadd_ps(_mm512_load_ps(qo[g]), ko[0], acc);
+      for (int c = 1; c < C; ++c) {
+        acc = _mm512_fmadd_ps(_mm512_load_ps(qe[g] + 16 * c), ke[c], acc);
+        acc = _mm512_fmadd_ps(_mm512_load_ps(qo[g] + 16 * c), ko[c], acc);
+      }
+      scores[g * n + w] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  softmax_rows(scores, n, G);
+  constexpr int GB = C <= 2 ? 4 : 2;  // the value pass's accumulators: 2 C GB registers
+  alignas(64) float oe[GB * C * 16], oo[GB * C * 16];
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gb = std::min<int64_t>(GB, G - g0);
+    const float* p = scores + g0 * n;
+    switch (gb) {
+      case 1: value_pass<C, 1>(p, n, v, stride, oe, oo); break;
+      case 2: value_pass<C, 2>(p, n, v, stride, oe, oo); break;
+      case 3: value_pass<C, C <= 2 ? 3 : 2>(p, n, v, stride, oe, oo); break;
+      default: value_pass<C, GB>(p, n, v, stride, oe, oo); break;
+    }
+    for (int64_t g = 0; g < gb; ++g)
+      for (int i = 0; i < C * 16; ++i) {
+        const int c = i / 16, l = i % 16;
+        out[(g0 + g) * D + 32 * c + 2 * l] = oe[g * C * 16 + i];
+        out[(g0 + g) * D + 32 * c + 2 * l + 1] = oo[g * C * 16 + i];
+      }
+  }
+}
+#endif
+
+void attend(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G, int64_t D,
+            float* scores, float* out) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (use_width16() && G <= 8) {
+    if (D == 32) return attend_head16<1>(q, k, v, stride, n, G, scores, out);
+    if (D == 64) return attend_head16<2>(q, k, v, stride, n, G, scores, out);
+    if (D == 128) return attend_head16<4>(q, k, v, stride, n, G, scores, out);
+  }
+#endif
+  attend_head(q, k, v, stride, n, G, D, scores, out);
+}
 
 bool prefill_attention_bf16_supported() {
 #ifdef FASTGATE_BF16_KERNEL

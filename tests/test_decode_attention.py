@@ -20,6 +20,9 @@ SHAPES = [  # m rows, H heads, Hkv key / value heads, C columns, D head dim, R s
     (7, 14, 2, 769, 128, 9),
     (2, 4, 4, 31, 8, 2),
     (5, 10, 5, 97, 256, 7),
+    (4, 8, 2, 45, 32, 4),  # the AVX-512 form's head dims (32, 64, 128) with 1 to 7 query heads a key head
+    (3, 12, 2, 70, 64, 3),
+    (2, 16, 1, 50, 64, 2),  # 16 query heads a key head: past the AVX-512 form's 8, the 8-wide loop
 ]
 
 

@@ -3,7 +3,9 @@
 The reference (:func:`fastgate.ops.reference.decode_attention`) is what the packed pass always did: cast the rows'
 keys and values to float32 and call torch's SDPA. That makes three passes over the cache a layer (read bf16, write
 and read float32); the C++ kernel (``fastgate._C.decode_attention_bf16``) reads each key and value once, widening in
-registers, and accumulates in float32 too. torch has no CPU kernel that does this (its bf16 SDPA ran ~6x slower than
+registers, and accumulates in float32 too. With AVX-512 and head dims of 32, 64 or 128 (up to 8 query heads a key
+head) it runs 16 floats a vector with the value product's outputs in registers: SmolLM2's batch-1 step at 600 tokens
+took ~2.2 ms more than at 30 with the 8-wide loop, ~0.6 ms more with this one. torch has no CPU kernel that does this (its bf16 SDPA ran ~6x slower than
 float32 on a Zen 4 EPYC without AMX), which is why it is written here.
 
 The extension does not link against torch: it gets the tensors' data pointers and strides, after the checks below,
