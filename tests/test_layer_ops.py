@@ -13,7 +13,7 @@ from fastgate.ops import layer, reference
 from fastgate.ops.registry import build_ops, ext_available
 
 needs_ext = pytest.mark.skipif(not ext_available(), reason="the C++ extension is not built")
-UNLIMITED = 1 << 62
+UNLIMITED = layer.UNLIMITED
 
 
 @pytest.fixture(params=[8, 16])

@@ -179,9 +179,9 @@ class _Layer:
         # up to rows, and beyond (None: none); products None where one has no bare call. Bound here to torch's
         # quantized products; FusedForward binds them to the runner's ops (the same rows)
         products = [_row_products(m) for m in self.linears]
-        self.products = None if any(p is None for p, _, _ in products) else products
         # rows every product takes as a bare call: any where each has its many-rows call, else its kernels' least
-        self.product_rows = 0 if self.products is None else (
+        # (0: some product has no bare call)
+        self.product_rows = 0 if any(p is None for p, _, _ in products) else (
             1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
 
 
@@ -311,7 +311,7 @@ class FusedForward:
         rows_ok = h.dtype is torch.bfloat16 and h.device.type == "cpu"
         for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
             qkv_p, o_p, gate_up_p, down_p = (small if rows_ok and small is not None and t <= rows else linear
-                                             for (small, rows, _), linear in zip(products[:4], layer.linears))
+                                             for (small, rows, _), linear in zip(products, layer.linears))
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = qkv_p(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
@@ -339,27 +339,21 @@ class FusedForward:
             selected = []
             for products in self._products(matmuls):
                 (qkv, qkv_rows, qkv_large), (o, o_rows, o_large), (gu, gu_rows, gu_large), (dn, dn_rows, dn_large) = \
-                    products[:4]
+                    products
                 selected.append((
-                    qkv if t <= qkv_rows else qkv_large, products[4] if t <= qkv_rows else None,
+                    qkv if t <= qkv_rows else qkv_large, getattr(qkv, "normed", None) if t <= qkv_rows else None,
                     o if t <= o_rows else o_large, getattr(o, "added", None) if t <= o_rows else None,
-                    gu if t <= gu_rows else gu_large, products[5] if t <= gu_rows else None,
+                    gu if t <= gu_rows else gu_large, getattr(gu, "normed", None) if t <= gu_rows else None,
                     dn if t <= dn_rows else dn_large, getattr(dn, "added", None) if t <= dn_rows else None))
             self._selections[key] = selected
         return selected
 
     def _products(self, matmuls: tuple) -> list[list[tuple]]:
-        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``, and
-        for q/k/v and gate/up the product that norms its rows first in the same call where the op binds one
-        (``normed``, else None)."""
+        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``."""
         bound = self._bound.get(matmuls)
         if bound is None:
             bound = self._bound[matmuls] = [[_row_products(m, *matmuls) for m in layer.linears]
                                             for layer in self.layers]
-            for products in bound:
-                for i in (0, 2):  # qkv, gate_up: after a norm
-                    small = products[i][0]
-                    products.append(getattr(small, "normed", None))
         return bound
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,

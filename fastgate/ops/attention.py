@@ -5,8 +5,8 @@ keys and values to float32 and call torch's SDPA. That makes three passes over t
 and read float32); the C++ kernel (``fastgate._C.decode_attention_bf16``) reads each key and value once, widening in
 registers, and accumulates in float32 too. With AVX-512 and head dims of 32, 64 or 128 (up to 8 query heads a key
 head) it runs 16 floats a vector with the value product's outputs in registers: SmolLM2's batch-1 step at 600 tokens
-took ~2.2 ms more than at 30 with the 8-wide loop, ~0.6 ms more with this one. torch has no CPU kernel that does this (its bf16 SDPA ran ~6x slower than
-float32 on a Zen 4 EPYC without AMX), which is why it is written here.
+took ~2.2 ms more than at 30 with the 8-wide loop, ~0.6 ms more with this one. torch has no CPU kernel that does this
+(its bf16 SDPA ran ~6x slower than float32 on a Zen 4 EPYC without AMX), which is why it is written here.
 
 The extension does not link against torch: it gets the tensors' data pointers and strides, after the checks below,
 and every input it cannot take (float32 caches, a head dim over 256, another device) goes to the reference.
@@ -76,24 +76,30 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
                 and q.stride(-1) == 1 and k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and pos.is_contiguous()
                 and q.dim() == 3 and k_new.shape == v_new.shape == (q.shape[0], keys.shape[1], q.shape[2]))
 
+    def launch(q: tuple, k_new: tuple, v_new: tuple, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+               m: int, heads: int, dim: int, scale: float | None, rotary: tuple = (0, 0, 0)) -> torch.Tensor:
+        """The kernel's call, checked by the caller: ``q``, ``k_new``, ``v_new`` as ``(pointer, row stride, head
+        stride)``, ``rotary`` as ``(cos pointer, sin pointer, row stride)`` (0s: none); the output ``[m, H, D]``."""
+        out = torch.empty((m, heads, dim), dtype=torch.bfloat16)  # [m, H, D]
+        if m:
+            ks, kst = keys.shape, keys.stride()
+            try:
+                ext.decode_attention_step_bf16(
+                    *q, *k_new, *v_new, keys.data_ptr(), values.data_ptr(), pos.data_ptr(), out.data_ptr(), m, heads,
+                    ks[1], dim, ks[2], kst[0], kst[1], kst[2], dim ** -0.5 if scale is None else float(scale),
+                    torch.get_num_threads(), *rotary)
+            except ValueError as exc:
+                raise ShapeError(str(exc)) from None
+        return out
+
     def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
                               values: torch.Tensor, pos: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         if not runs(q, k_new, v_new, keys, values, pos):
             return reference.decode_attention_step(q, k_new, v_new, keys, values, pos, scale)
         reference.check_decode_attention_args(q, keys, values, pos, positions=False)  # the kernel checks positions
         m, heads, dim = q.shape
-        out = torch.empty((m, heads, dim), dtype=torch.bfloat16)  # [m, H, D]
-        if m:
-            s_row, s_head, s_col, _ = keys.stride()
-            try:
-                ext.decode_attention_step_bf16(
-                    q.data_ptr(), q.stride(0), q.stride(1), k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
-                    v_new.data_ptr(), v_new.stride(0), v_new.stride(1), keys.data_ptr(), values.data_ptr(),
-                    pos.data_ptr(), out.data_ptr(), m, heads, keys.shape[1], dim, keys.shape[2], s_row, s_head, s_col,
-                    dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
-            except ValueError as exc:
-                raise ShapeError(str(exc)) from None
-        return out
+        return launch((q.data_ptr(), q.stride(0), q.stride(1)), (k_new.data_ptr(), k_new.stride(0), k_new.stride(1)),
+                      (v_new.data_ptr(), v_new.stride(0), v_new.stride(1)), keys, values, pos, m, heads, dim, scale)
 
     bf16, int64 = torch.bfloat16, torch.int64
 
@@ -116,19 +122,10 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
             k_new, v_new = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
             return decode_attention_step(rope(qkv[:, :heads], cos, sin), rope(k_new, cos, sin), v_new, keys, values,
                                          pos, scale)
-        out = torch.empty((m, heads, dim), dtype=bf16)  # [m, H, D]
-        if m:
-            base, head_bytes = qkv.data_ptr(), qst[1] * 2  # bf16: 2 bytes an element
-            try:
-                ext.decode_attention_step_bf16(
-                    base, qst[0], qst[1], base + heads * head_bytes, qst[0], qst[1],
-                    base + (heads + kv_heads) * head_bytes, qst[0], qst[1], keys.data_ptr(), values.data_ptr(),
-                    pos.data_ptr(), out.data_ptr(), m, heads, kv_heads, dim, ks[2], kst[0], kst[1], kst[2],
-                    dim ** -0.5 if scale is None else float(scale), torch.get_num_threads(), cos.data_ptr(),
-                    sin.data_ptr(), cst[0])
-            except ValueError as exc:
-                raise ShapeError(str(exc)) from None
-        return out
+        base, head_bytes = qkv.data_ptr(), qst[1] * 2  # bf16: 2 bytes an element
+        return launch((base, qst[0], qst[1]), (base + heads * head_bytes, qst[0], qst[1]),
+                      (base + (heads + kv_heads) * head_bytes, qst[0], qst[1]), keys, values, pos, m, heads, dim,
+                      scale, (cos.data_ptr(), sin.data_ptr(), cst[0]))
 
     if fuse_rope:
         decode_attention_step.roped = roped  # type: ignore[attr-defined]

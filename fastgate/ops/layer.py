@@ -30,14 +30,15 @@ import torch
 
 from fastgate.ops import reference
 
-__all__ = ["ext_rms_norm", "ext_rope", "row_limits"]
+__all__ = ["UNLIMITED", "ext_rms_norm", "ext_rope", "row_limits"]
+
+UNLIMITED = 1 << 62  # a row limit that never binds: the C++ loop for any rows
 
 
 def row_limits(wide: bool) -> dict[str, int]:
     """Rows (tokens) up to which each C++ loop beats torch's operations, for a CPU with AVX-512 (``wide``) or
     without (module docstring)."""
-    unlimited = 1 << 62
-    return {"rms_norm": unlimited, "rope": unlimited if wide else 16}
+    return {"rms_norm": UNLIMITED, "rope": UNLIMITED if wide else 16}
 
 
 def ext_rms_norm(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:

@@ -50,6 +50,14 @@ def _rows_ok(x: torch.Tensor, k: int) -> bool:
             and x.stride(1) == 1 and x.stride(0) >= k)
 
 
+def _int4_layer_ok(layer: Int4Linear) -> bool:
+    """Whether the C++ kernel takes ``layer``'s buffers: plain codes on a CPU, float32 scales and zeros, contiguous,
+    ``K`` within the kernel's bound."""
+    q, scale, zero = layer.q, layer.scale, layer.zero
+    return (layer.in_features <= _MAX_K and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
+            and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32)
+
+
 def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
     """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's.
 
@@ -57,33 +65,32 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch
     its rows in the same call with that loop (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
 
     def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-        q, scale, zero = layer.q, layer.scale, layer.zero
         k, n = layer.in_features, layer.out_features
-        if not (_rows_ok(x, k) and k <= _MAX_K and q.device.type == "cpu" and q.is_contiguous()
-                and scale.is_contiguous() and zero.is_contiguous() and scale.dtype is torch.float32
-                and zero.dtype is torch.float32):
+        if not (_rows_ok(x, k) and _int4_layer_ok(layer)):
             return torch_int4_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)  # [M, N]
-        ext.int4_matmul_bf16(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
-                             out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        ext.int4_matmul_bf16(x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(),
+                             layer.zero.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         return out
 
     def bind(layer: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """``int4_matmul(x, layer)`` for one layer, its checks made once: a decode step makes 120 of these calls
         (SmolLM2), and the op's checks of the layer's buffers cost ~4x the kernel's own call. The buffers are held
         and compared by identity each call, so a layer whose codes are replaced (``refresh``) takes the op again."""
+        if not _int4_layer_ok(layer):
+            return lambda x: int4_matmul(x, layer)
         buffers = layer._buffers
         q, scale, zero = buffers["q"], buffers["scale"], buffers["zero"]
         k, n = layer.in_features, layer.out_features
-        if not (k <= _MAX_K and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
-                and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32):
-            return lambda x: int4_matmul(x, layer)
         run, ptrs, empty, bf16, threads = (ext.int4_matmul_bf16, (q.data_ptr(), scale.data_ptr(), zero.data_ptr()),
                                            torch.empty, torch.bfloat16, torch.get_num_threads)
 
+        def takes(x: torch.Tensor) -> bool:  # bf16 CPU rows of K, unit stride; the layer's buffers still these
+            return (x.dtype is bf16 and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
+                    and buffers["q"] is q and buffers["scale"] is scale and buffers["zero"] is zero)
+
         def product(x: torch.Tensor) -> torch.Tensor:
-            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
-                    or buffers["q"] is not q or buffers["scale"] is not scale or buffers["zero"] is not zero):
+            if not takes(x):
                 return int4_matmul(x, layer)
             m = x.shape[0]
             out = empty((m, n), dtype=bf16)  # [M, N]
@@ -92,9 +99,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch
 
         def normed(x: torch.Tensor, weight: torch.Tensor, eps: float, rms_norm: Callable) -> torch.Tensor:
             """``product(rms_norm(x, weight, eps))`` in one call (the norm's C++ loop in the kernel's call)."""
-            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
-                    or weight.dtype is not bf16 or not weight.is_contiguous() or weight.shape != (k,)
-                    or buffers["q"] is not q or buffers["scale"] is not scale or buffers["zero"] is not zero):
+            if not (takes(x) and weight.dtype is bf16 and weight.is_contiguous() and weight.shape == (k,)):
                 return product(rms_norm(x, weight, eps))
             m = x.shape[0]
             out = empty((m, n), dtype=bf16)  # [M, N]
@@ -104,10 +109,8 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch
         def added(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             """``residual + product(x)`` in one call (the bf16 sum rounded as torch rounds it)."""
             m = x.shape[0]
-            if (x.dtype is not bf16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
-                    or residual.dtype is not bf16 or residual.shape != (m, n) or not residual.is_contiguous()
-                    or not residual.is_cpu or buffers["q"] is not q or buffers["scale"] is not scale
-                    or buffers["zero"] is not zero):
+            if not (takes(x) and residual.dtype is bf16 and residual.is_cpu and residual.shape == (m, n)
+                    and residual.is_contiguous()):
                 return residual + product(x)
             out = empty((m, n), dtype=bf16)  # [M, N]
             run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0, 1e-6, residual.data_ptr())

@@ -275,7 +275,7 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
         from fastgate.ops.attention import ext_decode_attention, ext_decode_attention_step
-        from fastgate.ops.layer import ext_rms_norm, ext_rope, row_limits
+        from fastgate.ops.layer import UNLIMITED, ext_rms_norm, ext_rope, row_limits
 
         # the rows each loop pays for at this CPU's vector width (an extension built before the widths: 8 wide)
         limits = row_limits(getattr(ext, "cpu_has_avx512", lambda: False)())
@@ -283,14 +283,14 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                    "rope": ext_rope(ext, limits["rope"]),
                    # bf16 rows; others: the references. The rotary embedding in the same call where rope is C++ for
                    # any rows (AVX-512)
-                   "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] >= 1 << 62)}
+                   "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] == UNLIMITED)}
         names |= {name: "ext" for name in _LAYER_OPS}
         if getattr(ext, "quant_kernels_supported", lambda: False)():  # AVX512-BF16 (an older extension: torch's)
             from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul
 
             # the C++ norm above is bound for every bf16 row here (AVX512-BF16 CPUs have AVX-512): int4 products
             # may norm their rows in the same call with it
-            fuse = names["rms_norm"] == "ext" and limits["rms_norm"] >= 1 << 62
+            fuse = names["rms_norm"] == "ext" and limits["rms_norm"] == UNLIMITED
             chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse), "int8_matmul": ext_int8_matmul(ext)}
             names |= {name: "ext" for name in _QUANT_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
