@@ -97,8 +97,15 @@ def profile_prefill(engine, args, cuda: bool) -> None:
         print(f"{design} prefill {n}x{length}: {t:.3f} s, {n * length / t:.0f} tok/s ({engine.dtype_name})", flush=True)
         with profile(activities=activities) as prof:
             prefill_time(engine, rows, design)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
-                                        max_name_column_width=60), flush=True)
+        events = prof.key_averages()
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
+        if cuda:  # where the device's time goes, and how many kernels ran (a pass of many small ones is host-bound)
+            print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60),
+                  flush=True)
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                 "cudaLaunchKernelExC", "cudaMemcpyAsync",
+                                                                 "cudaMemsetAsync"))
+            print(f"{design}: {launches} kernel launches and copies", flush=True)
 
 
 if __name__ == "__main__":

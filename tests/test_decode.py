@@ -261,9 +261,9 @@ def test_fresh_prompts_batched_in_one_attention_call_equal_generation_alone(tiny
     built = []
     original = packed.SegBatch.of.__func__
 
-    def counting(cls, segs, device):
-        built.append(len(segs))
-        return original(cls, segs, device)
+    def counting(cls, segs, device, whole=False):
+        built.append((len(segs), whole))
+        return original(cls, segs, device, whole)
 
     monkeypatch.setattr(packed.SegBatch, "of", classmethod(counting))
     monkeypatch.setattr(tiny_engine.runner, "batch_prefill", True)
@@ -273,7 +273,50 @@ def test_fresh_prompts_batched_in_one_attention_call_equal_generation_alone(tiny
     while loop.busy:
         for t in loop.step(prefill_budget=budget):
             results[t.owner] = t.result
-    assert built and max(built) > 1  # the batched call ran, over more than one prompt
+    assert built and max(n for n, _ in built) > 1  # the batched call ran, over more than one prompt
+    # whole prompts (no budget): their padded keys / values joined the store straight (PackedLoop._enter_batch)
+    assert any(whole for _, whole in built) == (budget is None)
     monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
     for i, spec in enumerate(CASES):
+        _same(results[i], _alone(tiny_engine, spec))
+
+
+def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, monkeypatch):
+    """Whole prompts of one length packed back to back (``SegBatch.base``: the padded batch is a view of the pass,
+    no gather) after rows already decoding in the same pass, one of them forked: each gives what it gives alone."""
+    from fastgate.engine import packed
+
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa"]
+    by_len: dict[int, list[str]] = {}
+    for a in words:
+        for b in words:
+            prompt = f"{a} {b} and"
+            by_len.setdefault(tiny_engine.count_tokens(prompt), []).append(prompt)
+    same = max(by_len.values(), key=len)[:3]
+    assert len(same) == 3
+    cases = [CASES[0], CASES[1]] + [(p, G(max_new_tokens=4 + i, stop_at_eos=False), TapSpec(layers=(1,)), 1 + (i == 1),
+                                     None) for i, p in enumerate(same)]
+    built = []
+    original = packed.SegBatch.of.__func__
+
+    def recording(cls, segs, device, whole=False):
+        sb = original(cls, segs, device, whole)
+        built.append((len(segs), sb.base is not None, whole))
+        return sb
+
+    monkeypatch.setattr(packed.SegBatch, "of", classmethod(recording))
+    monkeypatch.setattr(tiny_engine.runner, "batch_prefill", True)
+    loop = _loop("packed", tiny_engine)
+    results = {}
+    loop.admit(cases[:2], owners=[0, 1])
+    for t in loop.step():  # the first two prompts prefilled (not one length: gathered), their rows decoding
+        results[t.owner] = t.result
+    loop.admit(cases[2:], owners=[2, 3, 4])
+    while loop.busy:
+        for t in loop.step():
+            results[t.owner] = t.result
+    assert (3, True, True) in built  # the three equal prompts: views, whole
+    monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
+    assert sorted(results) == [0, 1, 2, 3, 4]
+    for i, spec in enumerate(cases):
         _same(results[i], _alone(tiny_engine, spec))

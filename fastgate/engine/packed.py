@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,11 +102,12 @@ class PrefillSeg:
     offset: int
     n: int
     start: int
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # None: whole fresh prompts batched (SegBatch.kv holds them)
     mask: torch.Tensor | None = None  # [n, start + n] bool, built once per pass (None: plain causal, start == 0)
 
     def __post_init__(self) -> None:
-        self.mask = prefill_mask(self.start, self.n, self.kv[0][0].device)
+        if self.kv is not None:
+            self.mask = prefill_mask(self.start, self.n, self.kv[0][0].device)
 
 
 @dataclass(eq=False)
@@ -113,24 +115,46 @@ class SegBatch:
     """The pass's prompt chunks as one padded batch for one attention call a layer (fresh prompts only: each chunk
     starts its sequence, so right padding keeps every real query's causal window real). On a GPU each chunk's own
     attention call and copies were ~10 kernel launches a layer and chunk: 16 prompts of a 16 x 700 prefill took 0.24x
-    HF's one forward (docs/RESULTS.md)."""
+    HF's one forward (docs/RESULTS.md); with the call batched, the chunks' buffer copies, allocations and one-by-one
+    joins still took 0.48x (3,263 launches against HF's 1,071, bench/profile_step.py). So when every chunk is its
+    whole prompt (``kv`` not None), the padded keys / values of each layer are the prompts' only buffers and join the
+    store in one copy a layer (:meth:`PackedLoop._enter_batch`); chunks of one length packed end to end (``base`` not
+    None) are views of the pass's tensors, no gather."""
 
-    idx: torch.Tensor  # [S * L] long: pack position of each padded slot (a padding slot repeats its chunk's first)
-    dst: torch.Tensor  # [sum n] long: the padded slot of each chunk token, in pack order
-    src: torch.Tensor  # [sum n] long: its pack position
+    idx: torch.Tensor | None  # [S * L] long: pack position of each padded slot (a padding slot repeats its chunk's
+    # last); None with base
+    dst: torch.Tensor | None  # [sum n] long: the padded slot of each chunk token, in pack order
+    src: torch.Tensor | None  # [sum n] long: its pack position
     rows: int  # S, the chunks
     width: int  # L, the longest chunk
+    base: int | None = None  # pack offset of the first chunk when all are L long and back to back (views, no gather)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [S, Hkv, L, D], filled by the pass (whole)
 
     @classmethod
-    def of(cls, segs: list[PrefillSeg], device) -> SegBatch:
+    def of(cls, segs: list[PrefillSeg], device, whole: bool = False) -> SegBatch:
+        """The padded batch of ``segs``; ``whole``: every chunk is its prompt whole, its keys / values kept here."""
         width = max(seg.n for seg in segs)
-        idx, dst, src = [], [], []
-        for r, seg in enumerate(segs):
-            idx += [seg.offset + min(i, seg.n - 1) for i in range(width)]
-            dst += range(r * width, r * width + seg.n)
-            src += range(seg.offset, seg.offset + seg.n)
-        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_long(idx), as_long(dst), as_long(src), len(segs), width)
+        kv = [] if whole else None
+        first = segs[0].offset
+        if all(seg.n == width and seg.offset == first + r * width for r, seg in enumerate(segs)):
+            return cls(None, None, None, len(segs), width, first, kv)
+        # tensor arithmetic, not Python lists: a 16 x 700 pass's three index lists took ~6 ms of host time on a GPU
+        n = torch.tensor([seg.n for seg in segs])  # [S]
+        col = torch.arange(width)  # [L]
+        idx = (torch.tensor([seg.offset for seg in segs])[:, None]
+               + torch.minimum(col[None, :], n[:, None] - 1)).flatten()  # [S * L]
+        real = (col[None, :] < n[:, None]).flatten()  # [S * L]: the chunks' own slots
+        return cls(idx.to(device), real.nonzero().flatten().to(device), idx[real].to(device), len(segs), width, None,
+                   kv)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [1, H, T, D]`` (the pass's queries, keys or values) as the padded batch ``[S, H, L, D]``."""
+        heads, dim = x.shape[1], x.shape[3]
+        if self.base is not None:
+            t = x[0, :, self.base:self.base + self.rows * self.width]  # [H, S * L, D]
+        else:
+            t = x[0][:, self.idx]  # [H, S * L, D]
+        return t.view(heads, self.rows, self.width, dim).transpose(0, 1)  # [S, H, L, D]
 
 
 @dataclass(eq=False)
@@ -175,18 +199,23 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
                 q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [m, Hkv, G, D]
             out[:m] = o.reshape(m, heads, dim)
-    for seg in plan.segs:  # each prompt's buffers take the chunk's columns (its later chunks and the store read them)
-        k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
-        k_buf[:, :, seg.start:seg.start + seg.n] = key[:, :, seg.offset:seg.offset + seg.n]
-        v_buf[:, :, seg.start:seg.start + seg.n] = value[:, :, seg.offset:seg.offset + seg.n]
-    if plan.seg_batch is not None:  # every chunk starts its prompt: one causal call over the padded batch
-        sb = plan.seg_batch
-        q = query[0][:, sb.idx].view(heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, H, L, D]
-        k = key[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)  # [S, Hkv, L, D]
-        v = value[0][:, sb.idx].view(kv_heads, sb.rows, sb.width, dim).transpose(0, 1)
+    sb = plan.seg_batch
+    if sb is None or sb.kv is None:
+        for seg in plan.segs:  # each prompt's buffers take the chunk's columns (its later chunks and the store read)
+            k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
+            k_buf[:, :, seg.start:seg.start + seg.n] = key[:, :, seg.offset:seg.offset + seg.n]
+            v_buf[:, :, seg.start:seg.start + seg.n] = value[:, :, seg.offset:seg.offset + seg.n]
+    if sb is not None:  # every chunk starts its prompt: one causal call over the padded batch
+        q, k, v = sb.padded(query), sb.padded(key), sb.padded(value)  # [S, H, L, D], [S, Hkv, L, D] x 2
+        if sb.kv is not None:  # whole prompts: these are their buffers (the store takes them when the pass ends)
+            sb.kv.append((k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                            enable_gqa=heads != kv_heads)  # [S, H, L, D]
-        out[sb.src] = o.transpose(1, 2).reshape(sb.rows * sb.width, heads, dim)[sb.dst]  # [sum n, H, D]
+        o = o.transpose(1, 2).reshape(sb.rows * sb.width, heads, dim)  # [S * L, H, D]
+        if sb.base is not None:
+            out[sb.base:sb.base + sb.rows * sb.width] = o
+        else:
+            out[sb.src] = o[sb.dst]  # [sum n, H, D]
         return out.unsqueeze(0), None
     for seg in plan.segs:
         k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]
@@ -239,6 +268,7 @@ class _Job:
     ids: list[int]
     truncated: bool
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [1, Hkv, len(ids), D]
+    started: bool = False  # its cached prefix looked up (buffers are allocated when a pass first needs them)
     done: int = 0  # columns prefilled (the cached prefix included)
     priority: tuple = ()  # prefill order: lower first (the caller's key, then arrival)
 
@@ -339,22 +369,28 @@ class PackedLoop(DecodeLoop):
         return tickets
 
     def _start(self, job: _Job) -> None:
-        """The job's prefill buffers, with its cached prefix's keys / values copied in."""
+        """The job's cached prefix, if any, copied into its new prefill buffers."""
         eng = self.runner
-        n = len(job.ids)
-        # empty, not zeros: every column is written (the cached prefix below, then each chunk's own columns) before
-        # any pass reads it, and zeroing 16 prompts' buffers cost ~2% of a 16 x 700 prefill
-        job.kv = [(torch.empty((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device),
-                   torch.empty((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device))
-                  for _ in range(eng.n_layers)]  # per layer [1, Hkv, n, D]
+        job.started = True
         prefix = eng.shared_prefix([job.ids])
         if prefix is not None:
             eng.prefix_hits += 1
             p = len(prefix)
+            self._allocate(job)
             for (k, v), (pk, pv) in zip(job.kv, eng.prefix_kv(prefix)):
                 k[:, :, :p] = pk
                 v[:, :, :p] = pv
             job.done = p
+
+    def _allocate(self, job: _Job) -> None:
+        """The job's prefill buffers (a pass that is not its whole prompt batched needs them)."""
+        eng = self.runner
+        n = len(job.ids)
+        # empty, not zeros: every column is written (the cached prefix, then each chunk's own columns) before any pass
+        # reads it, and zeroing 16 prompts' buffers cost ~2% of a 16 x 700 prefill
+        job.kv = [(torch.empty((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device),
+                   torch.empty((1, eng.kv_heads, n, eng.head_dim), dtype=eng.dtype, device=eng.device))
+                  for _ in range(eng.n_layers)]  # per layer [1, Hkv, n, D]
 
     def _new_rows(self, specs, tickets, rows, truncated, pre_answer, per_row: bool = True):
         new_rows, layers, running, count = super()._new_rows(specs, tickets, rows, truncated, pre_answer, per_row)
@@ -492,7 +528,7 @@ class PackedLoop(DecodeLoop):
                 continue
             if budget is not None and ran >= budget:
                 break
-            if job.kv is None:
+            if not job.started:
                 self._start(job)
             n = job.left if budget is None else min(job.left, budget - ran)
             segs.append((job, n))
@@ -505,8 +541,14 @@ class PackedLoop(DecodeLoop):
         ids = list(feed)
         positions = list(self.lens[:m])
         keep = list(range(m))
+        # fresh prompts batched in one attention call a layer (CUDA); when every one is whole in this pass, that
+        # call's padded keys / values are their only buffers (SegBatch)
+        batched = eng.batch_prefill and len(segs) > 1 and all(job.done == 0 for job, _ in segs)
+        whole = batched and all(n == len(job.ids) for job, n in segs)
         plan_segs, ending = [], []
         for job, n in segs:
+            if job.kv is None and not whole:
+                self._allocate(job)
             off = len(ids)
             ids += job.ids[job.done:job.done + n]
             positions += range(job.done, job.done + n)
@@ -516,8 +558,8 @@ class PackedLoop(DecodeLoop):
                 keep.append(off + n - 1)
         plan = PackedPlan(self.store, m, None, 0, None, plan_segs, attn_dtype=eng.attention_dtype,
                           attend=eng.decode_attention, prefill_attend=eng.ops.prefill_attention)
-        if eng.batch_prefill and len(plan_segs) > 1 and all(seg.start == 0 for seg in plan_segs):
-            plan.seg_batch = SegBatch.of(plan_segs, dev)
+        if batched:
+            plan.seg_batch = SegBatch.of(plan_segs, dev, whole)
         if m:
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)
@@ -531,7 +573,9 @@ class PackedLoop(DecodeLoop):
         fused = eng.fused  # the model's own pass in few host operations (fastgate.engine.fused), or HF's with hooks
         hooks = eng.taps(tuple(sorted(tap_layers))) if tap_layers and fused is None else None
         try:
-            args = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), plan,
+            # through numpy: torch.tensor of a Python list of 11,200 ints takes ~1 ms, five times numpy's
+            args = (torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(dev),
+                    torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(dev), plan,
                     torch.tensor(keep, dtype=torch.long, device=dev))
             with sdpa_choice(eng.sdpa_backends):  # the runner's SDPA kernels (no per-shape plan builds on CUDA)
                 if fused is not None:
@@ -559,6 +603,9 @@ class PackedLoop(DecodeLoop):
                 ticket.taps_s += taps_s
         for job, n in segs:
             job.done += n
+        if whole:
+            self._enter_batch(ending, logits, pre, plan.seg_batch.kv)
+            return ran
         for job, j in ending:
             self.prefilling.remove(job)
             self._enter_job(job, logits[j], pre.get(id(job)))
@@ -620,6 +667,42 @@ class PackedLoop(DecodeLoop):
                                     torch.zeros(b, dtype=torch.float32, device=dev),
                                     torch.zeros((b, d), dtype=torch.float32, device=dev))
         return bufs
+
+    def _enter_batch(self, ending: list[tuple[_Job, int]], logits: torch.Tensor, pre: dict,
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The prompts of a pass that prefilled each whole and batched join at once, in pass order, as
+        :meth:`_enter_job` one by one would (same rows, store columns and logits): the store's next rows take each
+        layer's padded keys / values ``kv [S, Hkv, L, D]`` in one copy (a prompt's k samples: its row k times; the
+        padding past a prompt's length lands in columns its mask never reads, as any finite values may)."""
+        jobs = [job for job, _ in ending]
+        for job in jobs:
+            self.prefilling.remove(job)
+        ks = [job.spec.k for job in jobs]
+        dev = self.runner.device
+        at = torch.tensor([j for _, j in ending], dtype=torch.long, device=dev)  # [S]: each prompt's logits row
+        fork = torch.repeat_interleave(torch.arange(len(jobs), device=dev),
+                                       torch.tensor(ks, device=dev))  # [N]: each new row's prompt
+        pre_rows = None
+        if pre:
+            pre_rows = torch.stack([pre[id(job)] for job in jobs])[fork]  # [N, d]
+        rows, layers, running, count = self._new_rows([job.spec for job in jobs], [job.ticket for job in jobs],
+                                                      [job.ids for job in jobs], [job.truncated for job in jobs],
+                                                      pre_rows)
+        m, n_new = len(self.rows), len(rows)
+        bound = None
+        if self.max_cells is not None:  # as _enter_job's: room for the prompts still being prefilled
+            bound = max(1, self.max_cells - sum(len(job.ids) for job in jobs)
+                        - sum(len(j.ids) for j in self.prefilling))
+        kvg = self.runner.kv
+        cols = max(self._final_cols(), *(kvg.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
+        self.store.reserve(m + n_new, cols, m, max(self.lens, default=0), bound)
+        forked = n_new != len(jobs)
+        for layer, (k, v) in enumerate(kv):  # [S, Hkv, L, D] each
+            width = k.shape[2]
+            self.store.keys[layer][m:m + n_new, :, :width] = k[fork] if forked else k
+            self.store.values[layer][m:m + n_new, :, :width] = v[fork] if forked else v
+        self._append(rows, logits[at][fork], layers, running, count)  # logits [N, V]
+        self.lens = self.lens + [len(job.ids) for job, k in zip(jobs, ks) for _ in range(k)]
 
     def _enter_job(self, job: _Job, logits: torch.Tensor, pre_answer) -> None:
         """The k samples of a prefilled prompt join: the store's next k rows get its keys / values."""
