@@ -33,6 +33,8 @@ def methods(world):
 
 MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the packed layout (the default)
          "chunked-prefill": {"continuous": True, "prefill_budget": 48},  # 4 chunks a 158-token prompt
+         # 48 tokens a step with no row decoding, 16 while rows decode
+         "decoding-chunks": {"continuous": True, "prefill_budget": 48, "decoding_prefill_budget": 16},
          "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
          "padded-chunked-prefill": {"continuous": True, "prefill_budget": 48, "layout": "padded"},
          "closed-calls": {"continuous": False}}
@@ -315,3 +317,23 @@ def test_prefill_order_puts_the_oldest_requests_prompt_first(world, order):
     assert queued == ([old, new] if order == "program" else [new, old])
     sched.run([old, new])
     assert old.error is None and new.error is None
+
+
+def test_a_step_prefills_the_decoding_budget_while_rows_decode(world):
+    """``decoding_prefill_budget``: the smaller chunk only while some row decodes, the whole budget otherwise; it never
+    raises the budget, and bad values are refused."""
+    from fastgate.engine.packed import PackedLoop
+
+    engine = world[0]
+    sched = Scheduler(engine, continuous=True, prefill_budget=48, decoding_prefill_budget=16)
+    admission = sched.admission
+    loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
+    assert admission.step_budget(loop) == 48  # nothing decoding
+    loop.admit([("Q: Who wrote Hamlet?\nA:", GenerationConfig(max_new_tokens=8, stop_at_eos=False), TapSpec(), 1, None)])
+    while not loop.rows:
+        loop.step(prefill_budget=admission.step_budget(loop))
+    assert admission.step_budget(loop) == 16  # a row decodes
+    assert Scheduler(engine, prefill_budget=8, decoding_prefill_budget=16).admission.step_budget(loop) == 8
+    assert Scheduler(engine, prefill_budget=48).admission.step_budget(loop) == 48
+    with pytest.raises(InputError, match="decoding_prefill_budget"):
+        Scheduler(engine, prefill_budget=48, decoding_prefill_budget=-1)

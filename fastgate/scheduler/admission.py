@@ -187,6 +187,14 @@ class Admission:
         join = loop.add if self.config.prefill_budget == WHOLE_PROMPTS else loop.admit
         return join(specs, owners=group)
 
+    def step_budget(self, loop) -> int:
+        """The prompt tokens ``loop``'s next step may prefill: ``prefill_budget``, or the smaller
+        ``decoding_prefill_budget`` while rows decode (0: whole prompts)."""
+        budget, decoding = self.config.prefill_budget, self.config.decoding_prefill_budget
+        if budget and decoding and any(not row.final for row in loop.rows):
+            return min(budget, decoding)
+        return budget
+
     def decode_step(self) -> None:
         """One decode step of every loop; generations that finished go back to their programs."""
         for mid, loop in list(self.loops.items()):
@@ -198,7 +206,7 @@ class Admission:
             t0 = time.perf_counter()
             try:
                 # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
-                done = loop.step(self.config.prefill_budget or None)
+                done = loop.step(self.step_budget(loop) or None)
             except Exception as exc:  # the whole loop is lost: its programs end with the error
                 del self.loops[mid]
                 for task, ticket in members:

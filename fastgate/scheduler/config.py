@@ -34,6 +34,10 @@ class SchedulerConfig:
         prefill_budget: with the decode loop, the most prompt tokens (rows × columns, padding included) prefilled
             per step, in chunks between decode steps (see :meth:`DecodeLoop.admit`); :data:`WHOLE_PROMPTS` (0): a
             generation's prompt is prefilled whole when it joins.
+        decoding_prefill_budget: with a ``prefill_budget``, the most prompt tokens a step while rows are decoding (0:
+            ``prefill_budget``): on a CPU a 512-token chunk makes the rows' step ~10x longer, so a short answer
+            caught behind a burst of long prompts waits ~10x longer per token; a smaller chunk while rows decode and
+            the whole budget when none does (Sarathi-Serve sizes its chunk by the decode step's latency target).
         kv_budget: with the decode loop, the most bytes the running rows' KV cache may take (None: no bound). A
             generation joins only if the cache's worst case with it (every row right-aligned to the widest prompt,
             grown until the longest row ends) fits; otherwise it waits for rows to finish, in arrival order, and a
@@ -67,6 +71,9 @@ class SchedulerConfig:
     # batch throughput: a forward costs a fixed ~140 ms on a CPU, so whole prompts in few passes win
     prefill_budget: int = setting(WHOLE_PROMPTS, "prompt tokens prefilled per decode step, in chunks between steps; "
                                                  "0: whole prompts when they join (default: %(default)s)")
+    # batch throughput: the library's loop prefills at its one budget
+    decoding_prefill_budget: int = setting(0, "prompt tokens per step while rows decode, below --prefill-budget; "
+                                              "0: --prefill-budget (default: %(default)s)")
     # None: a batch call's cache is bounded by max_rows alone
     kv_budget: int | None = None
     # packed where the model allows it: no extra pass for prompt chunks (docs/RESULTS.md)
@@ -85,6 +92,9 @@ class SchedulerConfig:
             raise InputError(f"admit_every must be >= 1, got {self.admit_every}")
         if self.prefill_budget is None or self.prefill_budget < 0:
             raise InputError(f"prefill_budget must be >= 0 (0: whole prompts), got {self.prefill_budget}")
+        if self.decoding_prefill_budget is None or self.decoding_prefill_budget < 0:
+            raise InputError(f"decoding_prefill_budget must be >= 0 (0: prefill_budget), got "
+                             f"{self.decoding_prefill_budget}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise InputError(f"kv_budget must be >= 1 byte, got {self.kv_budget}")
         if self.layout not in LAYOUTS:

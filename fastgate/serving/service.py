@@ -72,6 +72,8 @@ class ServiceConfig(RuntimeConfig):
     # not the library's whole prompts: 512 prompt tokens a decode step keep cheap requests cheap under load; packed,
     # they ride in the decode rows' forward (no extra pass); 0: whole prompts at admission (docs/RESULTS.md)
     prefill_budget: int = _scheduler_setting("prefill_budget", 512)
+    # the library scheduler's 0 (the whole budget) until measured otherwise (bench/bench_mixed.py)
+    decoding_prefill_budget: int = _scheduler_setting("decoding_prefill_budget")
     # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
     kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
                                           "one that cannot fit alone gets 422 (default: %(default)s)")
@@ -111,7 +113,9 @@ class ServiceConfig(RuntimeConfig):
     def scheduler_config(self) -> SchedulerConfig:
         """The settings of the service's scheduler."""
         return SchedulerConfig(max_rows=self.max_rows, admit_every=self.admit_every,
-                               prefill_budget=self.prefill_budget, kv_budget=int(self.kv_budget_mb * 2**20),
+                               prefill_budget=self.prefill_budget,
+                               decoding_prefill_budget=self.decoding_prefill_budget,
+                               kv_budget=int(self.kv_budget_mb * 2**20),
                                layout=self.layout, prefill_order=self.prefill_order)
 
 
