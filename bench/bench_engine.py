@@ -395,6 +395,8 @@ def prefill_time(engine: Engine, rows: list[list[int]], design: str) -> float:
     from transformers import DynamicCache
 
     sync = _sync(torch.device(engine.device))
+    # the serving path takes text (and tokenises it, timed); turning the rows back into text is the bench's own work
+    texts = [engine.tokenizer.decode(r) for r in rows] if design == "packed" else []
     with torch.inference_mode():
         sync()
         t = time.perf_counter()
@@ -403,7 +405,7 @@ def prefill_time(engine: Engine, rows: list[list[int]], design: str) -> float:
         elif design == "packed":  # the serving path: packed passes of the runner's prefill chunk, each row's token
             loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
             cfg = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
-            loop.add([(engine.tokenizer.decode(r), cfg, TapSpec(), 1, None) for r in rows])
+            loop.add([(text, cfg, TapSpec(), 1, None) for text in texts])
         else:
             ids = torch.tensor(rows, device=engine.device)  # [B, C]
             with plain_head(engine):

@@ -35,6 +35,7 @@ MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the p
          "chunked-prefill": {"continuous": True, "prefill_budget": 48},  # 4 chunks a 158-token prompt
          # 48 tokens a step with no row decoding, 16 while rows decode
          "decoding-chunks": {"continuous": True, "prefill_budget": 48, "decoding_prefill_budget": 16},
+         "quick-order": {"continuous": True, "prefill_budget": 48, "prefill_order": "quick"},  # short prompts first
          "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
          "padded-chunked-prefill": {"continuous": True, "prefill_budget": 48, "layout": "padded"},
          "closed-calls": {"continuous": False}}
