@@ -23,7 +23,11 @@ run against a server started from that tree, in the same run, so the two designs
 conditions (``--baseline-args`` passes that server's own flags); ``--variant NAME=FLAGS`` adds a server of this tree
 with other flags (e.g. ``--variant "whole-prefill=--prefill-budget 0"``). Rows go to bench/results/mixed.csv.
 
-Run: python bench/bench_mixed.py [--per-class 8] [--poisson 0.5,0.8] [--variant NAME=FLAGS]
+``--rounds N`` (3) measures the alone latencies, the burst and the late arrivals N times and reports each figure's
+median over rounds (``burst_skip_x_alone_rounds`` lists every round's ratio): one burst of 6-12 questions a class moved
+a design's ratio by 30% between runs.
+
+Run: python bench/bench_mixed.py [--per-class 8] [--rounds 3] [--poisson 0.5,0.8] [--variant NAME=FLAGS]
      [--baseline /tmp/old --baseline-args "--max-batch 32"]
 """
 
@@ -117,9 +121,11 @@ def poisson(url: str, skip: list[str], retrieve: list[str], rate: float, n: int,
 
 
 def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[float], n_poisson: int,
-              rate: float | None, late_offsets: list[float]) -> dict:
+              rate: float | None, late_offsets: list[float], rounds: int = 1) -> dict:
     """Run the scenarios against the server at ``url``; the figures of one design (``rate``: the sustainable rate
-    of the Poisson runs; None: this design's burst throughput)."""
+    of the Poisson runs; None: this design's burst throughput). ``rounds``: the alone latencies, the burst and the late
+    arrivals that many times; each figure is the median over rounds (a burst's p50 over 6-12 questions moved by
+    30% between runs of one design)."""
     _ask(url, CANDIDATES[-1])  # warm-up: lazy tables, prefix cache
     skip, retrieve, alone = [], [], {}
     t_end = time.perf_counter() + max_seconds
@@ -134,6 +140,12 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
     if not skip or not retrieve:
         raise SystemExit(f"found {len(skip)} skip and {len(retrieve)} retrieve questions; add candidates")
     mixed = [q for pair in zip(skip, retrieve) for q in pair]
+    if rounds > 1:  # each question alone again: its median (the selection's answer is the first round)
+        times = {q: [alone[q]] for q in mixed}
+        for _ in range(rounds - 1):
+            for q in mixed:
+                times[q].append(_ask(url, q)[0])
+        alone = {q: statistics.median(v) for q, v in times.items()}
 
     def burst(questions: list[str], delays: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
         t0 = time.perf_counter()
@@ -146,13 +158,20 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
             out = dict(pool.map(one, questions))
         return time.perf_counter() - t0, out
 
-    burst_wall, lat = burst(mixed)
+    walls, skip_p50, retrieve_p50 = [], [], []
+    for _ in range(rounds):
+        wall, lat = burst(mixed)
+        walls.append(wall)
+        skip_p50.append(_p50([lat[q] for q in skip]))
+        retrieve_p50.append(_p50([lat[q] for q in retrieve]))
+    burst_wall = statistics.median(walls)
     late_s, late_x = [], []  # a skip question arriving while the retrieving ones run, at each offset
-    for i, offset in enumerate(late_offsets):
-        late_q = skip[i % len(skip)]
-        _, late = burst(retrieve + [late_q], {late_q: offset})
-        late_s.append(late[late_q])
-        late_x.append(late[late_q] / alone[late_q])
+    for r in range(rounds):
+        for i, offset in enumerate(late_offsets):
+            late_q = skip[(i + r * len(late_offsets)) % len(skip)]
+            _, late = burst(retrieve + [late_q], {late_q: offset})
+            late_s.append(late[late_q])
+            late_x.append(late[late_q] / alone[late_q])
     t0 = time.perf_counter()
     for q in mixed:
         _ask(url, q)
@@ -167,10 +186,11 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
             for q in (0.5, 0.95, 0.99):
                 open_loop[f"{tag}_{cls}_p{round(q * 100)}_s"] = _pct(by_class[cls], q)
     return {
-        "skip": len(skip), "retrieve": len(retrieve),
+        "skip": len(skip), "retrieve": len(retrieve), "rounds": rounds,
         "alone_skip_p50_s": alone_skip, "alone_retrieve_p50_s": _p50([alone[q] for q in retrieve]),
-        "burst_skip_p50_s": _p50([lat[q] for q in skip]), "burst_retrieve_p50_s": _p50([lat[q] for q in retrieve]),
-        "burst_skip_x_alone": _p50([lat[q] for q in skip]) / alone_skip,
+        "burst_skip_p50_s": _p50(skip_p50), "burst_retrieve_p50_s": _p50(retrieve_p50),
+        "burst_skip_x_alone": _p50(skip_p50) / alone_skip,
+        "burst_skip_x_alone_rounds": " ".join(f"{v / alone_skip:.2f}" for v in skip_p50),
         "late_skip_s": statistics.median(late_s), "late_skip_x_alone": statistics.median(late_x),
         "late_skip_max_s": max(late_s), "late_offsets": " ".join(f"{o:g}" for o in late_offsets),
         "burst_wall_s": burst_wall, "sequential_wall_s": seq_wall, "burst_speedup": seq_wall / burst_wall,
@@ -192,7 +212,11 @@ def main() -> None:
     ap.add_argument("--late", default="0.25,0.5,1,1.5,2", help="seconds after the retrieving questions that a skip "
                     "question arrives, one run each, comma-separated (default: %(default)s)")
     ap.add_argument("--poisson-requests", type=int, default=24, help="questions per open-loop rate (default: 24)")
+    ap.add_argument("--rounds", type=int, default=3, help="alone latencies, bursts and late arrivals this many times, "
+                    "each figure the median over rounds (default: %(default)s)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     fractions = [float(f) for f in args.poisson.split(",") if f.strip()]
     late_offsets = [float(o) for o in args.late.split(",") if o.strip()]
     if not late_offsets:
@@ -214,7 +238,7 @@ def main() -> None:
             rate = rows[0]["sustainable_qps"] if rows else None  # every design sees the same arrivals
             rows.append({"design": name, "commit": commit, "flags": " ".join(extra),
                          **scenarios(f"http://127.0.0.1:{port}", args.per_class, args.max_seconds, fractions,
-                                     args.poisson_requests, rate, late_offsets)})
+                                     args.poisson_requests, rate, late_offsets, args.rounds)})
         finally:
             proc.terminate()
             proc.wait(timeout=60)
