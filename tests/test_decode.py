@@ -135,34 +135,6 @@ def test_packed_prefill_runs_the_lowest_priority_key_first_then_arrival(tiny_eng
         _same(ticket.result, _alone(tiny_engine, specs[word]))
 
 
-def test_quick_share_prefills_a_short_late_prompt_first_and_keeps_long_ones_moving(tiny_engine):
-    """``quick_share``: a short prompt asked last (newest priority) goes first when it fits in the share of the
-    pass's budget; the oldest long prompt still gets the rest of the pass; every prompt gives what it gives alone."""
-    loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2, quick_share=0.5)
-    cfg = G(max_new_tokens=2, stop_at_eos=False)
-    specs = {"long": ("word " * 40, cfg, TapSpec(), 1, None), "other": ("other " * 40, cfg, TapSpec(), 1, None),
-             "short": ("Hi again", cfg, TapSpec(), 1, None), "short2": ("Hi folks", cfg, TapSpec(), 1, None)}
-    tickets = dict(zip(["long", "other"], loop.admit([specs["long"], specs["other"]], owners=["long", "other"],
-                                                     priority=[1.0, 2.0])))
-    (tickets["short"],) = loop.admit([specs["short"]], owners=["short"], priority=[3.0])
-    short_len = len(loop.prefilling[-1].ids)
-    (tickets["short2"],) = loop.admit([specs["short2"]], owners=["short2"], priority=[4.0])
-    assert len(loop.prefilling[-1].ids) == short_len
-    budget = 2 * short_len + 6  # its half holds one short prompt, not two
-    loop.step(prefill_budget=budget)
-    assert tickets["short"].rows  # prefilled whole first, though its request is newer than the long ones
-    assert not tickets["short2"].rows  # beyond the share: in priority order, after the long ones
-    long_job = next(job for job in loop.prefilling if job.ticket is tickets["long"])
-    assert long_job.done == budget - short_len  # the oldest long prompt took the rest of the pass
-    assert next(job for job in loop.prefilling if job.ticket is tickets["other"]).done == 0
-    while loop.busy:
-        loop.step(prefill_budget=budget)
-    for name, ticket in tickets.items():
-        _same(ticket.result, _alone(tiny_engine, specs[name]))
-    with pytest.raises(ValueError, match="quick_share"):
-        PackedLoop(tiny_engine, mid=1, quick_share=1.5)
-
-
 def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
     loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
     long = ("Q: What is the capital of France?\nA:", G(max_new_tokens=30, stop_at_eos=False), TapSpec(), 1, None)

@@ -35,7 +35,6 @@ MODES = {"whole-prefill": {"continuous": True, "prefill_budget": None},  # the p
          "chunked-prefill": {"continuous": True, "prefill_budget": 48},  # 4 chunks a 158-token prompt
          # 48 tokens a step with no row decoding, 16 while rows decode
          "decoding-chunks": {"continuous": True, "prefill_budget": 48, "decoding_prefill_budget": 16},
-         "quick-order": {"continuous": True, "prefill_budget": 48, "prefill_order": "quick"},  # short prompts first
          "padded-whole-prefill": {"continuous": True, "prefill_budget": None, "layout": "padded"},
          "padded-chunked-prefill": {"continuous": True, "prefill_budget": 48, "layout": "padded"},
          "closed-calls": {"continuous": False}}
@@ -330,7 +329,8 @@ def test_a_step_prefills_the_decoding_budget_while_rows_decode(world):
     admission = sched.admission
     loop = PackedLoop(engine.runner, mid=engine.n_layers // 2)
     assert admission.step_budget(loop) == 48  # nothing decoding
-    loop.admit([("Q: Who wrote Hamlet?\nA:", GenerationConfig(max_new_tokens=8, stop_at_eos=False), TapSpec(), 1, None)])
+    cfg = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    loop.admit([("Q: Who wrote Hamlet?\nA:", cfg, TapSpec(), 1, None)])
     while not loop.rows:
         loop.step(prefill_budget=admission.step_budget(loop))
     assert admission.step_budget(loop) == 16  # a row decodes

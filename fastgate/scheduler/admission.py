@@ -25,7 +25,7 @@ from fastgate.engine.protocol import LLMEngine
 from fastgate.errors import InputError
 from fastgate.programs import Generate, PromptStates
 from fastgate.scheduler.batching import BatchingTable, mid_layer
-from fastgate.scheduler.config import QUICK_SHARE, WHOLE_PROMPTS, SchedulerConfig
+from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
 from fastgate.scheduler.task import Counters, Delivery, Task
 
 __all__ = ["Admission"]
@@ -62,7 +62,6 @@ class Admission:
         self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
         self._since_admit = 0  # decode steps since generations last joined a busy loop
         self.prefill_order = config.prefill_order
-        self._loop_kw: dict[str, Any] = {}  # a new loop's own settings (the packed loop's quick share)
         if engine.remote:
             self.continuous, self.layout = False, "remote"
             self._cell, self._max_cells = 0, None
@@ -83,8 +82,6 @@ class Admission:
         # (fastgate.engine.packed)
         self.layout = ("packed" if packable(local) else "padded") if config.layout == "auto" else config.layout
         self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
-        quick = self.layout == "packed" and self.prefill_order == "quick"
-        self._loop_kw = {"quick_share": QUICK_SHARE} if quick else {}
         self._empty_loop = self._loop_cls(local, local.n_layers // 2)  # never admits: asked what one row alone takes
 
     @property
@@ -146,7 +143,7 @@ class Admission:
                         f"{self.config.kv_budget / 2**20:.0f} MiB"))
                     continue
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
-                    self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells, **self._loop_kw)
+                    self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
                 cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
                             for m, loop in self.loops.items())
                 if cells > self._max_cells:
@@ -157,7 +154,7 @@ class Admission:
         for mid, group in by_loop.items():
             loop = self.loops.get(mid)
             if loop is None:
-                loop = self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells, **self._loop_kw)
+                loop = self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
             call = self.counters.next_call()
             t0 = time.perf_counter()
             try:
@@ -185,7 +182,7 @@ class Admission:
         """Generations ``group`` ((task, i, request) each) join ``loop``; one ticket each."""
         specs = [(r.prompt, r.config, r.taps, r.k, r.seed) for _, _, r in group]
         if self.layout == "packed":  # a packed loop prefills queued prompts in its next passes (whole without a budget)
-            priority = [task.submitted for task, _, _ in group] if self.prefill_order != "arrival" else None
+            priority = [task.submitted for task, _, _ in group] if self.prefill_order == "program" else None
             return loop.admit(specs, owners=group, priority=priority)
         join = loop.add if self.config.prefill_budget == WHOLE_PROMPTS else loop.admit
         return join(specs, owners=group)

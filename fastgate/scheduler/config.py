@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from fastgate.errors import InputError
 from fastgate.settings import setting
 
-__all__ = ["LAYOUTS", "PREFILL_ORDERS", "QUICK_SHARE", "WHOLE_PROMPTS", "SchedulerConfig"]
+__all__ = ["LAYOUTS", "PREFILL_ORDERS", "WHOLE_PROMPTS", "SchedulerConfig"]
 
 LAYOUTS = ("auto", "packed", "padded")
-PREFILL_ORDERS = ("program", "arrival", "quick")
-QUICK_SHARE = 0.5  # prefill_order "quick": the share of a step's prefill budget that short prompts may take first
+PREFILL_ORDERS = ("program", "arrival")
 WHOLE_PROMPTS = 0  # prefill_budget: no per-step bound, each prompt prefilled whole when its generation joins
 
 
@@ -53,10 +52,7 @@ class SchedulerConfig:
             models).
         prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
             so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
-            ones; ``arrival``: each prompt in the order its generation was asked for; ``quick``: as ``program``, but
-            under a ``prefill_budget`` whole prompts that fit in :data:`QUICK_SHARE` of a step go first, shortest
-            first (a late closed-book question does not wait behind older requests' reading prompts; the long ones
-            keep at least the rest of each step, so a stream of short prompts cannot starve them).
+            ones; ``arrival``: each prompt in the order its generation was asked for.
 
     The defaults favour throughput (batch evaluation: ``answer_batch``): every forward pass costs a fixed ~140 ms on
     a 2-core CPU (the weights streamed once) besides ~2 ms a prompt token, so fewer, larger prefills win. A server
@@ -85,9 +81,8 @@ class SchedulerConfig:
                                   "Mistral); padded: rows left-padded, prompts prefilled in forwards of their own; "
                                   "auto: packed where the model allows it (default: %(default)s)", choices=LAYOUTS)
     # the oldest request first: a RAG prompt after its gate does not queue behind newer requests (closed-loop p95)
-    prefill_order: str = setting("program", "packed layout: prefill the oldest request's prompts first (program), "
-                                            "each prompt in the order it was asked for (arrival), or as program with "
-                                            "prompts that fit in half a step's budget first (quick) (default: "
+    prefill_order: str = setting("program", "packed layout: prefill the oldest request's prompts first (program) or "
+                                            "each prompt in the order it was asked for (arrival) (default: "
                                             "%(default)s)", choices=PREFILL_ORDERS)
 
     def __post_init__(self) -> None:
@@ -105,4 +100,4 @@ class SchedulerConfig:
         if self.layout not in LAYOUTS:
             raise InputError(f"layout must be auto, packed or padded, got {self.layout!r}")
         if self.prefill_order not in PREFILL_ORDERS:
-            raise InputError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
+            raise InputError(f"prefill_order must be program or arrival, got {self.prefill_order!r}")
