@@ -382,3 +382,17 @@ def test_finished_rows_leave_the_batch_and_nothing_changes(tiny_engine, monkeypa
         torch.testing.assert_close(batch.running_sum[i], alone.running_sum[0], atol=1e-4, rtol=1e-4)
         assert batch.count[i].item() == alone.count[0].item() == lengths[i]
         torch.testing.assert_close(batch.eos_state[i], alone.eos_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_prompts_tokenised_in_one_call_as_one_by_one(tiny_engine):
+    """``ModelRunner.encode`` tokenises a batch in one tokenizer call: the same ids as one prompt at a time (unicode,
+    whitespace, special-looking text), an empty prompt refused by its index, an empty batch empty."""
+    from fastgate.errors import InputError
+
+    runner = tiny_engine.runner
+    prompts = ["Who wrote Hamlet?", "🙂 naïve café  \n\t x", "<|endoftext|> plain", "a" * 300, " leading space"]
+    rows, cut = runner.encode(prompts, 4)
+    assert rows == [runner.tokenizer(p)["input_ids"] for p in prompts] and cut == [False] * len(prompts)
+    assert runner.encode([], 4) == ([], [])
+    with pytest.raises(InputError, match="prompt 1 is empty"):
+        runner.encode(["Hi", ""], 4)
