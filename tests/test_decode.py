@@ -262,7 +262,8 @@ def test_fresh_prompts_batched_in_one_attention_call_equal_generation_alone(tiny
     original = packed.SegBatch.of.__func__
 
     def counting(cls, segs, device, whole=False):
-        built.append((len(segs), whole))
+        small = len(segs) * max(seg.n for seg in segs) <= packed.WHOLE_PADDING * sum(seg.n for seg in segs)
+        built.append((len(segs), whole, small))
         return original(cls, segs, device, whole)
 
     monkeypatch.setattr(packed.SegBatch, "of", classmethod(counting))
@@ -273,17 +274,21 @@ def test_fresh_prompts_batched_in_one_attention_call_equal_generation_alone(tiny
     while loop.busy:
         for t in loop.step(prefill_budget=budget):
             results[t.owner] = t.result
-    assert built and max(n for n, _ in built) > 1  # the batched call ran, over more than one prompt
-    # whole prompts (no budget): their padded keys / values joined the store straight (PackedLoop._enter_batch)
-    assert any(whole for _, whole in built) == (budget is None)
+    assert built and max(n for n, _, _ in built) > 1  # the batched call ran, over more than one prompt
+    # whole prompts (no budget) padded little: their padded keys / values joined the store straight
+    # (PackedLoop._enter_batch); these five are far apart in length, so their own buffers
+    assert all(whole == (budget is None and small) for _, whole, small in built)
+    assert not any(whole for _, whole, _ in built)
     monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
     for i, spec in enumerate(CASES):
         _same(results[i], _alone(tiny_engine, spec))
 
 
-def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("lengths", ["equal", "near"])
+def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, monkeypatch, lengths):
     """Whole prompts of one length packed back to back (``SegBatch.base``: the padded batch is a view of the pass,
-    no gather) after rows already decoding in the same pass, one of them forked: each gives what it gives alone."""
+    no gather), or of lengths a token apart (gathered, padded a little: still their only buffers), after rows already
+    decoding in the same pass, one of them forked: each gives what it gives alone."""
     from fastgate.engine import packed
 
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa"]
@@ -292,7 +297,8 @@ def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, mon
         for b in words:
             prompt = f"{a} {b} and"
             by_len.setdefault(tiny_engine.count_tokens(prompt), []).append(prompt)
-    same = max(by_len.values(), key=len)[:3]
+    common = max(by_len, key=lambda n: len(by_len[n]))
+    same = by_len[common][:3] if lengths == "equal" else by_len[common][:2] + by_len[common + 1][:1]
     assert len(same) == 3
     cases = [CASES[0], CASES[1]] + [(p, G(max_new_tokens=4 + i, stop_at_eos=False), TapSpec(layers=(1,)), 1 + (i == 1),
                                      None) for i, p in enumerate(same)]
@@ -315,7 +321,7 @@ def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, mon
     while loop.busy:
         for t in loop.step():
             results[t.owner] = t.result
-    assert (3, True, True) in built  # the three equal prompts: views, whole
+    assert (3, lengths == "equal", True) in built  # the three prompts, whole: views when of one length
     monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
     assert sorted(results) == [0, 1, 2, 3, 4]
     for i, spec in enumerate(cases):

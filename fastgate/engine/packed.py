@@ -257,6 +257,7 @@ def packable(engine) -> bool:
 
 
 _PACKABLE = frozenset({"llama", "qwen2", "mistral"})
+WHOLE_PADDING = 1.25  # a pass's whole prompts keep their padded batch as buffers if it is at most this times their size
 
 
 @dataclass(eq=False)
@@ -544,7 +545,10 @@ class PackedLoop(DecodeLoop):
         # fresh prompts batched in one attention call a layer (CUDA); when every one is whole in this pass, that
         # call's padded keys / values are their only buffers (SegBatch)
         batched = eng.batch_prefill and len(segs) > 1 and all(job.done == 0 for job, _ in segs)
-        whole = batched and all(n == len(job.ids) for job, n in segs)
+        # ... unless padding would make them much larger than the prompts (every layer's padded keys / values live
+        # until the pass ends: one 4,000-token prompt among 63 short ones would hold 40x their size)
+        whole = (batched and all(n == len(job.ids) for job, n in segs)
+                 and len(segs) * max(n for _, n in segs) <= WHOLE_PADDING * sum(n for _, n in segs))
         plan_segs, ending = [], []
         for job, n in segs:
             if job.kv is None and not whole:
