@@ -338,3 +338,33 @@ def test_a_step_prefills_the_decoding_budget_while_rows_decode(world):
     assert Scheduler(engine, prefill_budget=48).admission.step_budget(loop) == 48
     with pytest.raises(InputError, match="decoding_prefill_budget"):
         Scheduler(engine, prefill_budget=48, decoding_prefill_budget=-1)
+    with pytest.raises(InputError, match="needs a prefill_budget"):
+        Scheduler(engine, prefill_budget=0, decoding_prefill_budget=16)
+
+
+def test_the_decode_step_passes_the_decoding_budget_to_the_loop(world, monkeypatch):
+    """The scheduler's steps ask the loop for ``decoding_prefill_budget`` tokens while rows decode."""
+    from fastgate.engine.packed import PackedLoop
+
+    engine = world[0]
+    asked = []
+    original = PackedLoop.step
+
+    def recording(self, prefill_budget=None):
+        asked.append((prefill_budget, any(not row.final for row in self.rows)))
+        return original(self, prefill_budget)
+
+    monkeypatch.setattr(PackedLoop, "step", recording)
+    sched = Scheduler(engine, continuous=True, prefill_budget=48, decoding_prefill_budget=16)
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+
+    def ask(prompt):
+        yield Generate(prompt, cfg)
+        return "done"
+
+    tasks = [Task(None, "", program=ask(p)) for p in ("Who wrote Hamlet? " * 6, "Capital of France? " * 6)]
+    sched._inbox.extend(tasks)
+    sched.run(tasks)
+    assert all(t.result == "done" for t in tasks)
+    assert asked and all(budget == (16 if decoding else 48) for budget, decoding in asked)
+    assert any(decoding for _, decoding in asked)

@@ -208,7 +208,9 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     if sb is not None:  # every chunk starts its prompt: one causal call over the padded batch
         q, k, v = sb.padded(query), sb.padded(key), sb.padded(value)  # [S, H, L, D], [S, Hkv, L, D] x 2
         if sb.kv is not None:  # whole prompts: these are their buffers (the store takes them when the pass ends)
-            sb.kv.append((k, v))
+            # views of the pass (base) would keep each layer's whole q/k/v projection alive: 4.5x SmolLM2's keys /
+            # values until the pass ends; a gather is already a tensor of its own
+            sb.kv.append((k.contiguous(), v.contiguous()) if sb.base is not None else (k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                            enable_gqa=heads != kv_heads)  # [S, H, L, D]
         o = o.transpose(1, 2).reshape(sb.rows * sb.width, heads, dim)  # [S * L, H, D]
@@ -684,8 +686,8 @@ class PackedLoop(DecodeLoop):
         ks = [job.spec.k for job in jobs]
         dev = self.runner.device
         at = torch.tensor([j for _, j in ending], dtype=torch.long, device=dev)  # [S]: each prompt's logits row
-        fork = torch.repeat_interleave(torch.arange(len(jobs), device=dev),
-                                       torch.tensor(ks, device=dev))  # [N]: each new row's prompt
+        fork = torch.repeat_interleave(torch.arange(len(jobs), device=dev), torch.tensor(ks, device=dev),
+                                       output_size=sum(ks))  # [N]: each new row's prompt (no device sync)
         pre_rows = None
         if pre:
             pre_rows = torch.stack([pre[id(job)] for job in jobs])[fork]  # [N, d]

@@ -95,6 +95,8 @@ class SchedulerConfig:
         if self.decoding_prefill_budget is None or self.decoding_prefill_budget < 0:
             raise InputError(f"decoding_prefill_budget must be >= 0 (0: prefill_budget), got "
                              f"{self.decoding_prefill_budget}")
+        if self.decoding_prefill_budget and self.prefill_budget == WHOLE_PROMPTS:
+            raise InputError("decoding_prefill_budget needs a prefill_budget (whole prompts have no per-step budget)")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise InputError(f"kv_budget must be >= 1 byte, got {self.kv_budget}")
         if self.layout not in LAYOUTS:
