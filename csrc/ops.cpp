@@ -1155,20 +1155,25 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 // value product keeps the outputs of up to GB query heads in registers across the keys (attend_head loads and stores
 // them a key at a time). The scores' sums run in another order than attend_head's (16 lanes, not 8): the last bits of
 // a score; the value product adds the keys in the same order.
+template <int C>  // a row of 32 C bf16 as its even and odd dims, float32: a shift and an and a 64-byte load
+FASTGATE_AVX512_TARGET inline void split_row(const uint16_t* row, __m512* even, __m512* odd) {
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < C; ++c) {
+    const __m512i x = _mm512_loadu_si512(row + 32 * c);
+    even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+  }
+}
+
 template <int C, int GB>  // C: chunks of 32 dims; GB: query heads a pass over the values
 FASTGATE_AVX512_TARGET inline void value_pass(const float* p, int64_t n, const uint16_t* v, int64_t stride,
                                                float* oe, float* oo) {
   __m512 ae[GB][C], ao[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) ae[g][c] = ao[g][c] = _mm512_setzero_ps();
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t w = 0; w < n; ++w) {
     __m512 ve[C], vo[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i x = _mm512_loadu_si512(v + w * stride + 32 * c);
-      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
-    }
+    split_row<C>(v + w * stride, ve, vo);
     for (int g = 0; g < GB; ++g) {
       const __m512 pw = _mm512_set1_ps(p[g * n + w]);
       for (int c = 0; c < C; ++c) {
@@ -1195,14 +1200,9 @@ FASTGATE_AVX512_TARGET void attend_head16(const float* q, const uint16_t* k, con
       qe[g][i] = q[g * D + 32 * c + 2 * l];
       qo[g][i] = q[g * D + 32 * c + 2 * l + 1];
     }
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
     __m512 ke[C], ko[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i x = _mm512_loadu_si512(k + w * stride + 32 * c);
-      ke[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      ko[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
-    }
+    split_row<C>(k + w * stride, ke, ko);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(_mm512_load_ps(qe[g]), ke[0]);
       acc = _mm512_fmadd_ps(_mm512_load_ps(qo[g]), ko[0], acc);
