@@ -49,8 +49,8 @@ from fastgate.train.read import (  # noqa: E402
     choose_price,
     collect_rows,
     cross_validated_shift_gains,
-    price_table,
     prefill_states,
+    price_table,
     search_again,
     usable_records,
 )
