@@ -257,6 +257,49 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
     assert sched.kv_bytes == 0 and sched.idle  # nothing is held after the burst
 
 
+def test_whole_prompts_batched_under_a_kv_budget_hold_no_more_cells_than_it_allows(world, monkeypatch):
+    """Fresh prompts prefilled whole in one batched pass (CUDA's path, forced on a CPU) keep their padded batch as
+    their buffers while the store grows for them: admission counts a queued prompt at up to WHOLE_PADDING its
+    length, and the store's growth leaves room for the padded batch, so that the store, the batch and the prompts
+    still queued stay within the budget at every join; each answer is its generation alone."""
+    from fastgate.engine import packed
+
+    engine = world[0]
+    monkeypatch.setattr(engine.runner, "batch_prefill", True)
+    cfg = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
+    # lengths apart by up to a third: batched whole (padding within WHOLE_PADDING), and padded
+    prompts = [f"Q: {w}{' and ' + v if i % 2 else ''}?\nA:" for i, (w, v) in enumerate(
+        (w, v) for w in ("red", "blue", "green") for v in ("cats and dogs", "mice"))]
+    longest = max(engine.count_tokens(p) for p in prompts)
+    cell = engine.kv.cell_bytes
+    sched = Scheduler(engine, kv_budget=3 * engine.kv.row_columns(longest, 4) * cell + 2 * longest * cell,
+                      prefill_budget=None, layout="packed")
+    max_cells = sched.admission._max_cells
+    joins = []
+    original = packed.PackedLoop._enter_batch
+
+    def measured(self, ending, logits, pre, kv):
+        original(self, ending, logits, pre, kv)
+        held = kv[0][0].shape[0] * kv[0][0].shape[2]  # the padded batch, alive until the pass ends
+        joins.append(self.store.rows_cap * self.store.cols_cap + held + sum(len(j.ids) for j in self.prefilling))
+
+    monkeypatch.setattr(packed.PackedLoop, "_enter_batch", measured)
+
+    def gen(prompt):
+        (out,) = (yield Generate(prompt, cfg)).sequences
+        return out.token_ids
+
+    tasks = [Task(None, "", program=gen(p)) for p in prompts]
+    sched._inbox.extend(tasks)
+    while not all(t.done for t in tasks):
+        sched.step()
+    assert joins, "no pass of whole prompts was batched"
+    assert max(joins) <= max_cells
+    monkeypatch.setattr(engine.runner, "batch_prefill", False)
+    assert [t.error for t in tasks] == [None] * len(tasks)
+    assert [t.result for t in tasks] == [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
+
+
 def test_a_sliding_window_model_runs_padded_closed_calls_and_answers_as_alone():
     """Gemma-3's sliding-window layers cannot take rows into a running loop: the scheduler chooses closed calls
     (and refuses a packed layout clearly), and each generation equals its own."""

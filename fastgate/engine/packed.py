@@ -21,6 +21,7 @@ laid out. Models whose layers keep a sliding window (Gemma-3) keep the padded la
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -323,10 +324,17 @@ class PackedLoop(DecodeLoop):
         return max((kv.row_columns(n, r.cfg.max_new_tokens, len(r.tokens)) for r, n in zip(self.rows, self.lens)
                     if not r.final), default=0)
 
+    def _prefill_cells(self, tokens: int) -> int:
+        """The cells that prefill buffers for ``tokens`` prompt tokens can take: where fresh prompts are batched, up to
+        :data:`WHOLE_PADDING` times as many (a pass of whole prompts holds their padded batch)."""
+        return math.ceil(WHOLE_PADDING * tokens) if self.runner.batch_prefill else tokens
+
     def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
         """The most rows × columns the store and the prefill buffers can reach if generations ``joining``
         ((prompt tokens, rows, new tokens) each) join now and nothing else does: the store as wide as its
-        longest row will grow and never smaller than it is, plus every queued prompt's prefill buffer."""
+        longest row will grow and never smaller than it is, plus every queued prompt's prefill buffer (where fresh
+        prompts are batched, up to :data:`WHOLE_PADDING` times its length: a pass of whole prompts holds their padded
+        batch)."""
         kv = self.runner.kv
         cols = [self._final_cols()]
         prompts = 0
@@ -337,7 +345,7 @@ class PackedLoop(DecodeLoop):
             cols.append(kv.row_columns(prompt, new))
             prompts += prompt
         rows = self.size + sum(k for _, k, _ in joining)
-        return max(rows, self.store.rows_cap) * max(max(cols), self.store.cols_cap) + prompts
+        return max(rows, self.store.rows_cap) * max(max(cols), self.store.cols_cap) + self._prefill_cells(prompts)
 
     # -------------------------------------------------------------- admission
     @torch.inference_mode()
@@ -696,9 +704,9 @@ class PackedLoop(DecodeLoop):
                                                       pre_rows)
         m, n_new = len(self.rows), len(rows)
         bound = None
-        if self.max_cells is not None:  # as _enter_job's: room for the prompts still being prefilled
-            bound = max(1, self.max_cells - sum(len(job.ids) for job in jobs)
-                        - sum(len(j.ids) for j in self.prefilling))
+        if self.max_cells is not None:  # as _enter_job's, the padded batch held while the store grows: room for it
+            held = kv[0][0].shape[0] * kv[0][0].shape[2]  # S × L cells, at most WHOLE_PADDING × the prompts' tokens
+            bound = max(1, self.max_cells - held - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)))
         kvg = self.runner.kv
         cols = max(self._final_cols(), *(kvg.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
         self.store.reserve(m + n_new, cols, m, max(self.lens, default=0), bound)
@@ -720,7 +728,7 @@ class PackedLoop(DecodeLoop):
         # leaves room for the prompts still being prefilled (admission counted them, see cells_after)
         bound = None
         if self.max_cells is not None:
-            bound = max(1, self.max_cells - n - sum(len(j.ids) for j in self.prefilling))
+            bound = max(1, self.max_cells - n - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)))
         cols = max(self._final_cols(), self.runner.kv.row_columns(n, job.spec.config.max_new_tokens))
         self.store.reserve(m + k, cols, m, max(self.lens, default=0), bound)
         self.store.write_rows(m, job.kv, n, k)
