@@ -326,3 +326,40 @@ def test_equal_prompts_batched_as_views_join_with_rows_decoding(tiny_engine, mon
     assert sorted(results) == [0, 1, 2, 3, 4]
     for i, spec in enumerate(cases):
         _same(results[i], _alone(tiny_engine, spec))
+
+
+def test_prompts_ending_in_one_pass_grow_the_store_once(tiny_engine, monkeypatch):
+    """Many prompts that end in the same packed pass (each with its own buffers: not batched) join a store grown
+    once for all of them, not at each join (each growth copies every row so far); each still gives what it gives
+    alone, forks and rows already decoding included."""
+    from fastgate.engine.packed import SlotStore
+
+    growths = []
+    original = SlotStore.reserve
+
+    def counting(self, rows, cols, used_rows, used_cols, max_cells=None):
+        before = (self.rows_cap, self.cols_cap)
+        original(self, rows, cols, used_rows, used_cols, max_cells)
+        if (self.rows_cap, self.cols_cap) != before:
+            growths.append((before, (self.rows_cap, self.cols_cap)))
+
+    monkeypatch.setattr(SlotStore, "reserve", counting)
+    monkeypatch.setattr(tiny_engine.runner, "batch_prefill", False)
+    loop = _loop("packed", tiny_engine)
+    results = {}
+    loop.admit(CASES[:1], owners=[0])
+    for t in loop.step():  # one row decoding before the others join
+        results[t.owner] = t.result
+    growths.clear()
+    short = G(max_new_tokens=5, stop_at_eos=False)
+    cases = CASES[1:] + [(f"Q: question number {i} here?\nA:", short, TapSpec(), 1 + i % 2, None) for i in range(12)]
+    loop.admit(cases, owners=list(range(1, len(cases) + 1)))
+    for t in loop.step():  # every prompt prefilled in this one pass, then joined
+        results[t.owner] = t.result
+    assert len(growths) == 1, growths
+    assert growths[0][1][0] >= 1 + sum(c[3] for c in cases)
+    while loop.busy:
+        for t in loop.step():
+            results[t.owner] = t.result
+    for i, spec in enumerate([CASES[0], *cases]):
+        _same(results[i], _alone(tiny_engine, spec))
