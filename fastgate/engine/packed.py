@@ -620,24 +620,26 @@ class PackedLoop(DecodeLoop):
         if whole:
             self._enter_batch(ending, logits, pre, plan.seg_batch.kv)
             return ran
-        if len(ending) > 1:
+        if len(ending) > 1:  # the store grown once for all of them, not at each join (each growth copies every row)
             self._reserve_for([job for job, _ in ending])
         for job, j in ending:
             self.prefilling.remove(job)
             self._enter_job(job, logits[j], pre.get(id(job)))
         return ran
 
-    def _reserve_for(self, jobs: list[_Job]) -> None:
-        """Room in the store for every row of ``jobs`` (prompts ending in this pass) at once, as their joins one by one
-        would leave it: the store grown once, not at each join (64 short prompts ending together regrew it five times,
-        each a copy of every row so far: 12% of their prefill on a CPU). Within ``max_cells`` as :meth:`_enter_job`
-        bounds it: room left for the jobs' own buffers and the prompts still queued."""
+    def _reserve_for(self, jobs: list[_Job], held: int | None = None) -> None:
+        """Room in the store for every row of ``jobs`` (prompts ending in this pass), as wide as the longest live row
+        will grow (no growth while they decode); under ``max_cells`` the spare leaves room for what the jobs hold
+        while the store grows (``held`` cells: their own buffers' tokens by default, a padded batch's S × L) and for
+        the prompts still queued (admission counted them, see :meth:`cells_after`). 64 short prompts ending in one
+        pass, joining one by one, regrew the store five times, each a copy of every row so far."""
         kv = self.runner.kv
-        ids = {id(job) for job in jobs}
         bound = None
         if self.max_cells is not None:
+            ids = {id(job) for job in jobs}
             queued = sum(len(j.ids) for j in self.prefilling if id(j) not in ids)
-            bound = max(1, self.max_cells - sum(len(job.ids) for job in jobs) - self._prefill_cells(queued))
+            held = sum(len(job.ids) for job in jobs) if held is None else held
+            bound = max(1, self.max_cells - held - self._prefill_cells(queued))
         cols = max(self._final_cols(), *(kv.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
         m = len(self.rows)
         self.store.reserve(m + sum(job.spec.k for job in jobs), cols, m, max(self.lens, default=0), bound)
@@ -720,13 +722,8 @@ class PackedLoop(DecodeLoop):
                                                       [job.ids for job in jobs], [job.truncated for job in jobs],
                                                       pre_rows)
         m, n_new = len(self.rows), len(rows)
-        bound = None
-        if self.max_cells is not None:  # as _enter_job's, the padded batch held while the store grows: room for it
-            held = kv[0][0].shape[0] * kv[0][0].shape[2]  # S × L cells, at most WHOLE_PADDING × the prompts' tokens
-            bound = max(1, self.max_cells - held - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)))
-        kvg = self.runner.kv
-        cols = max(self._final_cols(), *(kvg.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
-        self.store.reserve(m + n_new, cols, m, max(self.lens, default=0), bound)
+        # the padded batch is held while the store grows: S × L cells, at most WHOLE_PADDING × the prompts' tokens
+        self._reserve_for(jobs, held=kv[0][0].shape[0] * kv[0][0].shape[2])
         forked = n_new != len(jobs)
         for layer, (k, v) in enumerate(kv):  # [S, Hkv, L, D] each
             width = k.shape[2]
@@ -741,13 +738,7 @@ class PackedLoop(DecodeLoop):
         pre = pre_answer[None].expand(k, -1) if pre_answer is not None else None  # [k, d]
         rows, layers, running, count = self._new_rows([job.spec], [job.ticket], [job.ids], [job.truncated], pre)
         m, n = len(self.rows), len(job.ids)
-        # the store takes the rows' final width now (no growth while they decode); under a budget its spare
-        # leaves room for the prompts still being prefilled (admission counted them, see cells_after)
-        bound = None
-        if self.max_cells is not None:
-            bound = max(1, self.max_cells - n - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)))
-        cols = max(self._final_cols(), self.runner.kv.row_columns(n, job.spec.config.max_new_tokens))
-        self.store.reserve(m + k, cols, m, max(self.lens, default=0), bound)
+        self._reserve_for([job])  # the rows' final width now; a no-op when the pass reserved for every job ending
         self.store.write_rows(m, job.kv, n, k)
         job.kv = None
         self._append(rows, logits[None].repeat(k, 1), layers, running, count)  # logits [k, V]
