@@ -4,7 +4,10 @@ training records (issue 43; an experiment, not part of the package).
 The shipped gate (shift-gain model, the ``all`` features, l2 10, 5 folds within each dev set) is refitted with one
 candidate signal at a time beside its features, and judged on each balanced dev set at 48% and 40% reads (the
 set's own score quantile; points of accuracy against reading everything) and at the price that keeps every dev set
-within one point of the better of ``never`` and ``always`` (reads / points per set). Candidates:
+within one point of the better of ``never`` and ``always`` (reads / points per set); each cell ± the SE of the
+paired per-question difference, beside a random gate at the same reading rate (expected, with the SE of its expected
+per-question difference) and the oracle that reads exactly the questions a read fixes (at its own, lower rate).
+Candidates:
 
 - ``strings``: free string features of the closed-book answer (its words in the question, in how many passages, a
   passage's title, the top passage, empty);
@@ -87,7 +90,8 @@ def judge(data: dict, extra: list[dict] | None, names: tuple[str, ...], label: s
         m = groups == s
         for rate in (0.48, 0.40):
             read = oof[m] >= np.quantile(oof[m], 1 - rate)
-            cells.append(f"{100 * (np.where(read, rd[m], cb[m]).mean() - rd[m].mean()):+.2f}")
+            diff = np.where(read, rd[m], cb[m]) - rd[m]  # [n] per question, paired with reading everything
+            cells.append(f"{100 * diff.mean():+.2f} ± {100 * diff.std(ddof=1) / np.sqrt(m.sum()):.2f}")
     price = choose_price(oof, cb, rd, groups, 0.01)
     at = " ".join(f"{r['reads']:.2f}/{-100 * r['loss']:+.1f}" for r in price_table(oof, cb, rd, groups, price))
     print(f"| {label} | " + " | ".join(cells) + f" | {price:.3f}: {at} |", flush=True)
@@ -171,6 +175,16 @@ def main() -> None:
     groups = np.array([s for s in STORES for _ in data[s]["rows"]])
     print("| signal | TriviaQA 48% | TriviaQA 40% | NQ 48% | NQ 40% | price: reads / points, per dev set |")
     print("|---|---:|---:|---:|---:|---|")
+    for label, at in (("random gate at the same rate (expected)", None), ("oracle (reads only what a read fixes)", 1)):
+        cells = []
+        for s in STORES[:2]:
+            m = groups == s
+            rd, cbs = data[s]["rd"], data[s]["cb"]
+            for rate in (0.48, 0.40):
+                diff = -(1 - rate) * (rd - cbs) if at is None else np.maximum(rd, cbs) - rd  # [n] paired differences
+                cells.append(f"{100 * diff.mean():+.2f} ± {100 * diff.std(ddof=1) / np.sqrt(m.sum()):.2f}")
+        reads = " ".join(f"{data[s]['fixed'].mean():.3f}" for s in STORES)
+        print(f"| {label} | " + " | ".join(cells) + (f" | oracle reads per set: {reads} |" if at else " | |"))
     judge(data, None, (), "the shipped features")
     judge(data, None, (), "oracle: + answerable", score_add=10.0 * ans)
     judge(data, None, (), "oracle: + closed-book right", score_add=-10.0 * cb)
