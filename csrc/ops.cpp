@@ -1449,13 +1449,29 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 // stream, and round the output to bf16 once, to nearest even. Built where GCC targets AVX512-BF16; chosen only where
 // the CPU has it (the registry). The 256-bit half block of int4_tile repeats the 512-bit block's steps in the other
 // width's intrinsics (K = 576: 18 groups, four blocks and a half).
-#ifdef FASTGATE_BF16_KERNEL
-
 constexpr int kQuantRows = 4;  // weight rows a tile: each load of an input row serves four
 constexpr int kQuantInputs = 4;  // input rows a tile (M > 4: tiles of 4 in turn)
 // the weights are streamed from memory: each load asks for the line this far ahead (the hardware's prefetchers
 // alone left the int4 kernel at ~16 GB/s on a Zen 4 EPYC; 2 / 4 / 8 KB ahead: 4.9 / 3.7 / 3.4 ms for SmolLM2's 120)
 constexpr int64_t kPrefetchBytes = 8192;
+
+// Splits N weight rows into blocks of 64 over the threads (each thread every step-th block), and the M input rows
+// into tiles of `inputs`, calling rows(m0, mb, n0, n1) for each.
+template <class Rows>
+void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows, int64_t inputs = kQuantInputs) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // a thread starts only for ~4M multiply-adds of its own: a thread's start costs ~30 us
+  split_rows(blocks, M * N * K, 1 << 22, [&](int64_t first, int64_t step) {
+    for (int64_t b = first; b < blocks; b += step) {
+      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += inputs) rows(m0, std::min<int64_t>(inputs, M - m0), n0, n1);
+    }
+    return true;
+  }, threads);
+}
+
+#ifdef FASTGATE_BF16_KERNEL
 
 // rows n .. n + R of the int4 product for MB input rows. The codes are read as they are held: a row's 32-bit lane j
 // holds codes 8j .. 8j + 7 in its nibbles p = 0 .. 7 (bits 4p .. 4p + 3), so a 64-byte load is four groups (lanes 4g ..
@@ -1633,22 +1649,6 @@ FASTGATE_BF16_TARGET void int8_rows(const float* x, const int8_t* q, const float
   for (; n < n1; ++n) int8_tile<1, MB>(x, q, scale, K, n, N, y);
 }
 
-// Splits N weight rows into blocks of 64 over the threads (each thread every step-th block), and the M input rows
-// into tiles of kQuantInputs, calling rows<MB>(m0, n0, n1) for each.
-template <class Rows>
-void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows) {
-  constexpr int64_t kBlock = 64;
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  // a thread starts only for ~4M multiply-adds of its own: a thread's start costs ~30 us
-  split_rows(blocks, M * N * K, 1 << 22, [&](int64_t first, int64_t step) {
-    for (int64_t b = first; b < blocks; b += step) {
-      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
-      for (int64_t m0 = 0; m0 < M; m0 += kQuantInputs) rows(m0, std::min<int64_t>(kQuantInputs, M - m0), n0, n1);
-    }
-    return true;
-  }, threads);
-}
-
 #endif
 
 bool quant_kernels_supported() { return prefill_attention_bf16_supported(); }
@@ -1770,6 +1770,222 @@ void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintpt
 #endif
 }
 
+// ---- The decode step's quantized products over float32 rows (AVX2 + FMA) ----
+//
+// The same products as int4_matmul_bf16 / int8_matmul_bf16 for a float32 model: x [M, K] float32 in, y [M, N]
+// float32 out, nothing rounded to bf16. Written for CPUs without AVX-512 (an AVX2-only EPYC: there torch's weight-only
+// kernels run a scalar loop on float32 rows, and bf16 is emulated), and taken by float32 rows on every x86-64 CPU with
+// AVX2 and FMA. int4: a group's 16 bytes widen to 32-bit lanes (vpmovzxbd), a mask and a shift give its even and odd
+// codes as exact float32, and each multiplies the input permuted to match (xp: per 16 codes, the 8 even inputs, then
+// the 8 odd ones), so that
+//     y = sum_g scale_g sum_k c_k x_k + sum_g (zero_g - 8 scale_g) S_g        (w = (c - 8) scale + zero)
+// with S_g the group's sum of x. int8: codes widened to float32, float32 products, the scale once a row. Both sum in
+// float32 in their own order (the last bits of a sum differ from F.linear's), prefetch the weights they stream, and
+// never load past a row (every load is whole: a group is 16 bytes, an int8 row's tail goes scalar).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FASTGATE_AVX2_KERNEL 1
+#define FASTGATE_AVX2_TARGET __attribute__((target("avx2,fma")))
+#include <immintrin.h>
+#endif
+
+bool quant_f32_kernels_supported() {
+#ifdef FASTGATE_AVX2_KERNEL
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#ifdef FASTGATE_AVX2_KERNEL
+constexpr int kF32Inputs = 2;  // input rows a tile (16 ymm registers: 4 rows x 2 inputs of sums, 4 codes, 2 more)
+
+FASTGATE_AVX2_TARGET inline float hsum8_avx(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 p = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
+// rows n .. n + R of the int4 product for MB input rows (xp [MB][K] permuted, S [MB][G] group sums, both K and G
+// apart) -> y [MB][N] float32 (+ res [MB][N] where given: y = res + product, one float32 addition)
+template <int R, int MB>
+FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
+                                               const float* zero, int64_t K, int64_t n, int64_t N, float* y,
+                                               const float* res) {
+  const int64_t G = K / 32, row_bytes = K / 2;
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = q + (n + r) * row_bytes + 16 * g;  // the group's 32 codes
+      if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetchBytes, _MM_HINT_T0);
+      if (g % 16 == 0) {  // a row's scales and zeros: a quarter of its codes' bytes each
+        _mm_prefetch(reinterpret_cast<const char*>(scale + (n + r) * G + g) + kPrefetchBytes / 4, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(zero + (n + r) * G + g) + kPrefetchBytes / 4, _MM_HINT_T0);
+      }
+      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr)));
+      const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + 8)));
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));  // codes 0, 2, .. 14
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));  // codes 1, 3, .. 15
+      const __m256 c2 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));  // codes 16, 18, .. 30
+      const __m256 c3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));  // codes 17, 19, .. 31
+      const __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
+      for (int m = 0; m < MB; ++m) {
+        const float* xb = xp + m * K + 32 * g;
+        // two short chains, not one of four: at one input row the sums' latency, not the issue rate, bounded a
+        // chain of five dependent multiply-adds a group
+        const __m256 d0 = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(c0, _mm256_loadu_ps(xb)));
+        const __m256 d1 = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(c2, _mm256_loadu_ps(xb + 16)));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), s, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* sr = scale + (n + r) * G;
+    const float* zr = zero + (n + r) * G;
+    for (int m = 0; m < MB; ++m) {
+      // the offsets' part: sum_g (zero_g - 8 scale_g) S_g, 8 groups a vector, the rest one by one
+      const float* Sm = S + m * G;
+      __m256 c = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8)
+        c = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(sr + g), _mm256_loadu_ps(zr + g)),
+                            _mm256_loadu_ps(Sm + g), c);
+      float tail = 0.0f;
+      for (; g < G; ++g) tail += (zr[g] - 8.0f * sr[g]) * Sm[g];
+      const float sum = hsum8_avx(acc[r][m]) + (hsum8_avx(c) + tail);
+      const int64_t i = m * N + n + r;
+      y[i] = res ? res[i] + sum : sum;
+    }
+  }
+}
+
+template <int MB>
+FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
+                                        const float* zero, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
+                                        const float* res) {
+  int64_t n = n0;
+  if constexpr (MB == 1)  // one input row: eight weight rows a tile, eight independent sums in flight
+    for (; n + 2 * kQuantRows <= n1; n += 2 * kQuantRows)
+      int4_tile_f32<2 * kQuantRows, 1>(xp, S, q, scale, zero, K, n, N, y, res);
+  for (; n + kQuantRows <= n1; n += kQuantRows) int4_tile_f32<kQuantRows, MB>(xp, S, q, scale, zero, K, n, N, y, res);
+  for (; n < n1; ++n) int4_tile_f32<1, MB>(xp, S, q, scale, zero, K, n, N, y, res);
+}
+
+// rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows x_stride apart) -> y [MB][N] float32
+template <int R, int MB>
+FASTGATE_AVX2_TARGET inline void int8_tile_f32(const float* x, int64_t x_stride, const int8_t* q, const float* scale,
+                                               int64_t K, int64_t n, int64_t N, float* y) {
+  __m256 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * x_stride + k);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qr = q + (n + r) * K + k;
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr))));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      float tail = 0.0f;  // K not a multiple of 8: the last codes one by one
+      for (int64_t t = k; t < K; ++t) tail += static_cast<float>(q[(n + r) * K + t]) * x[m * x_stride + t];
+      y[m * N + n + r] = (hsum8_avx(acc[r][m]) + tail) * scale[n + r];
+    }
+}
+
+template <int MB>
+FASTGATE_AVX2_TARGET void int8_rows_f32(const float* x, int64_t x_stride, const int8_t* q, const float* scale,
+                                        int64_t K, int64_t n0, int64_t n1, int64_t N, float* y) {
+  int64_t n = n0;
+  for (; n + kQuantRows <= n1; n += kQuantRows) int8_tile_f32<kQuantRows, MB>(x, x_stride, q, scale, K, n, N, y);
+  for (; n < n1; ++n) int8_tile_f32<1, MB>(x, x_stride, q, scale, K, n, N, y);
+}
+#endif
+
+// x [M, K] float32 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
+// float32, all contiguous; out [M, N] float32 contiguous; K a multiple of 32. res_ptr (0: none): a residual [M, N]
+// float32 contiguous, out = res + product (torch's h + y, one float32 addition each).
+void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
+                     uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
+  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
+    throw std::invalid_argument("int4_matmul_f32: bad shape (K a multiple of 32, x_stride >= K)");
+  if (M == 0) return;
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(q_ptr);
+  const float* scale = reinterpret_cast<const float*>(scale_ptr);
+  const float* zero = reinterpret_cast<const float*>(zero_ptr);
+  const float* res = reinterpret_cast<const float*>(res_ptr);
+  float* y = reinterpret_cast<float*>(out_ptr);
+  const int64_t G = K / 32;
+  py::gil_scoped_release release;
+  // per input row: each group's sum S_g, and the row permuted: per 16 codes, the even inputs, then the odd ones
+  std::vector<float> S(M * G), xp(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * x_stride;
+    float* pm = xp.data() + m * K;
+    for (int64_t c = 0; c < K; c += 16)
+      for (int j = 0; j < 8; ++j) {
+        pm[c + j] = xm[c + 2 * j];
+        pm[c + 8 + j] = xm[c + 2 * j + 1];
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int j = 0; j < 32; ++j) sum += xm[32 * g + j];
+      S[m * G + g] = sum;
+    }
+  }
+  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+    const float* xm = xp.data() + m0 * K;
+    const float* Sm = S.data() + m0 * G;
+    float* ym = y + m0 * N;
+    const float* rm = res ? res + m0 * N : nullptr;
+    if (mb == 1) int4_rows_f32<1>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
+    else int4_rows_f32<2>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
+  }, kF32Inputs);
+#else
+  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
+  (void)threads, (void)res_ptr;
+  throw std::invalid_argument("int4_matmul_f32: not built for this platform");
+#endif
+}
+
+// x [M, K] float32 (rows x_stride apart, unit stride along K); q [N, K] int8, scale [N] float32, contiguous; out
+// [M, N] float32 contiguous.
+void int8_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
+                     int64_t M, int64_t N, int64_t K, int64_t threads) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported()) throw std::invalid_argument("int8_matmul_f32: this CPU has no AVX2 and FMA");
+  if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_f32: bad shape");
+  if (M == 0) return;
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  const int8_t* q = reinterpret_cast<const int8_t*>(q_ptr);
+  const float* scale = reinterpret_cast<const float*>(scale_ptr);
+  float* y = reinterpret_cast<float*>(out_ptr);
+  py::gil_scoped_release release;
+  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+    const float* xm = x + m0 * x_stride;
+    float* ym = y + m0 * N;
+    if (mb == 1) int8_rows_f32<1>(xm, x_stride, q, scale, K, n0, n1, N, ym);
+    else int8_rows_f32<2>(xm, x_stride, q, scale, K, n0, n1, N, ym);
+  }, kF32Inputs);
+#else
+  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
+  throw std::invalid_argument("int8_matmul_f32: not built for this platform");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -1821,6 +2037,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("norm") = 0, py::arg("eps") = 1e-6, py::arg("residual") = 0);
   m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
+  m.def("int4_matmul_f32", &int4_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
+        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
+        py::arg("residual") = 0,
+        "The int4 weight-only product of float32 rows (AVX2 + FMA; csrc/ops.cpp has the layout)");
+  m.def("int8_matmul_f32", &int8_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
+        py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
+        "The int8 weight-only product of float32 rows (AVX2 + FMA)");
+  m.def("quant_f32_kernels_supported", &quant_f32_kernels_supported,
+        "Whether int4_matmul_f32 / int8_matmul_f32 run here (built for x86-64 and the CPU has AVX2 and FMA)");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

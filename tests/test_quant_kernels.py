@@ -122,11 +122,14 @@ def test_inputs_the_kernels_do_not_take_go_to_torch_s_kernels():
     assert calls == ["int4", "int8"]
 
 
-def test_the_registry_binds_the_kernels_where_the_cpu_has_avx512_bf16():
+def test_the_registry_binds_the_kernels_where_the_cpu_has_avx512_bf16_or_avx2():
+    """bf16 rows' kernels where the CPU has AVX512-BF16, float32 rows' where it has AVX2 and FMA: either binds the
+    ops to the extension (tests/test_quant_f32_kernels.py has the float32 side)."""
     torch_ops = build_ops("torch", "cpu")
     assert torch_ops.int4_matmul is torch_int4_matmul and torch_ops.int8_matmul is torch_int8_matmul
     assert torch_ops.backends["int4_matmul"] == "torch"
     ext = import_ext()
     auto = build_ops("auto", "cpu")
-    expected = "ext" if ext is not None and ext.quant_kernels_supported() else "torch"
+    expected = "ext" if ext is not None and (ext.quant_kernels_supported() or ext.quant_f32_kernels_supported()) \
+        else "torch"
     assert auto.backends["int4_matmul"] == auto.backends["int8_matmul"] == expected

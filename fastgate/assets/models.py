@@ -534,7 +534,8 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
-    held = choose_weights(weights, dev, choice.dtype, gguf_blocks=name_or_path in MODELS)
+    held = choose_weights(weights, dev, choice.dtype, gguf_blocks=name_or_path in MODELS,
+                          dtype_auto=choice.reason != "asked")
     codes = None
     if held.weights in ("int4", "int4-dense") and name_or_path in MODELS:
         codes = gguf_int4_codes(locate_gguf(MODELS[name_or_path]), model)

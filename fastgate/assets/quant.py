@@ -103,6 +103,7 @@ __all__ = [
     "WeightsChoice",
     "canonical_weights",
     "choose_weights",
+    "float32_kernels",
     "int4_dequantize",
     "int4_reference",
     "int8_reference",
@@ -147,16 +148,34 @@ class WeightsChoice:
     reason: str  # "asked", or what decided auto
 
 
+def float32_kernels() -> bool:
+    """Whether the C++ extension is built and runs its float32 weight-only kernels here (AVX2 and FMA; the registry
+    binds them as ``int4_matmul`` / ``int8_matmul`` for float32 rows, :mod:`fastgate.ops.quant`)."""
+    try:
+        import importlib
+
+        ext = importlib.import_module("fastgate._C")
+    except ImportError:
+        return False
+    return bool(getattr(ext, "quant_f32_kernels_supported", lambda: False)())
+
+
 def choose_weights(weights: str, device: torch.device | str, dtype: torch.dtype, *, gguf_blocks: bool,
-                   capability: str | None = None) -> WeightsChoice:
+                   capability: str | None = None, dtype_auto: bool = False,
+                   f32_kernels: bool | None = None) -> WeightsChoice:
     """The format for ``weights`` (``auto`` or one of :data:`FORMATS`) of a model in ``dtype`` on ``device``.
 
-    ``auto`` is ``int4-dense`` where it is never slower than ``float`` and decodes faster: a CPU whose torch runs the
-    weight-only kernels' AVX-512 code (``capability``: None for this one), bf16 weights, and a model with a GGUF's
-    own 4-bit blocks (``gguf_blocks``: an embedded model; a local directory is not re-quantized unasked). Its decode
-    steps of at most :data:`DENSE_KERNEL_ROWS` rows read 4-bit or int8 weights (2-3x faster than the dense bf16
-    product at one row on a Zen 4 EPYC) and every larger product (batched steps, prefill) uses the de-quantized copy
-    at the dense product's speed; the price is memory (the codes beside the bf16 copy). ``float`` elsewhere.
+    ``auto`` is ``int4-dense`` where it is never slower than ``float`` and decodes faster, for a model with a GGUF's
+    own 4-bit blocks (``gguf_blocks``: an embedded model; a local directory is not re-quantized unasked) on a CPU:
+
+    - bf16 weights where torch runs the weight-only kernels' AVX-512 code (``capability``: None for this one's);
+    - float32 weights that ``auto`` chose (``dtype_auto``: a CPU without a native bf16 product) where the extension's
+      float32 kernels run (``f32_kernels``: None asks :func:`float32_kernels`; AVX2 and FMA). A float32 the user
+      asked for stays ``float``: the reference dtype, whose answers the golden tests pin.
+
+    Its decode steps of at most :data:`DENSE_KERNEL_ROWS` rows read 4-bit or int8 weights (2-3x faster than the dense
+    product at one row) and every larger product (batched steps, prefill) uses the de-quantized copy at the dense
+    product's speed; the price is memory (the codes beside the copy). ``float`` elsewhere.
 
     Raises:
         UnknownNameError: ``weights`` is not one of :data:`WEIGHTS`.
@@ -167,11 +186,18 @@ def choose_weights(weights: str, device: torch.device | str, dtype: torch.dtype,
     cap = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     if torch.device(device).type != "cpu":
         return WeightsChoice("float", f"{torch.device(device).type}: the 4-bit kernel is torch's CPU one")
-    if dtype is not torch.bfloat16:
-        name = str(dtype).removeprefix("torch.")
-        return WeightsChoice("float", f"{name} weights: the weight-only kernels take bf16 rows")
     if not gguf_blocks:
         return WeightsChoice("float", "no GGUF 4-bit blocks (a local model is quantized only when asked)")
+    if dtype is torch.float32:
+        if not dtype_auto:
+            return WeightsChoice("float", "float32 asked: the reference dtype keeps its float weights")
+        if not (float32_kernels() if f32_kernels is None else f32_kernels):
+            return WeightsChoice("float", "float32: the extension's float32 kernels (AVX2 and FMA) are not here")
+        return WeightsChoice("int4-dense", f"cpu {cap}, float32 by auto, the GGUF's 4-bit blocks: 4-bit decode steps "
+                                           f"of <= {DENSE_KERNEL_ROWS} rows (AVX2 kernels), de-quantized copy beyond")
+    if dtype is not torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        return WeightsChoice("float", f"{name} weights: the weight-only kernels take bf16 or float32 rows")
     if not cap.startswith("AVX512"):
         return WeightsChoice("float", f"cpu capability {cap}: the weight-only kernels' vectorized code needs AVX-512")
     return WeightsChoice("int4-dense", f"cpu {cap}, bf16, the GGUF's 4-bit blocks: 4-bit decode steps of <= "

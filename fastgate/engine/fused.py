@@ -185,19 +185,23 @@ class _Layer:
             1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
 
 
-def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul,
-                  int8_matmul=torch_int8_matmul) -> tuple[object | None, int, object | None]:
-    """``linear``'s product of bf16 CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at most
-    ``rows`` rows and ``large`` beyond (None: not available). They are the calls :class:`Int4Linear` and
+def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=torch_int8_matmul,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[object | None, int, object | None]:
+    """``linear``'s product of ``dtype`` CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at
+    most ``rows`` rows and ``large`` beyond (None: not available). They are the calls :class:`Int4Linear` and
     :class:`Int8Linear` make for such rows (the weight-only kernel, then the kept de-quantized copy of ``int4-dense``),
     the kernel being the op ``int4_matmul`` / ``int8_matmul`` given (torch's by default: the layers' own), or
-    ``F.linear`` of a bf16 ``nn.Linear``, with the bias added as the layers add it. They skip ``nn.Module.__call__``
-    and the layers' checks: a decode step makes four a layer (120 for SmolLM2)."""
+    ``F.linear`` of an ``nn.Linear`` in ``dtype``, with the bias added as the layers add it. They skip
+    ``nn.Module.__call__`` and the layers' checks: a decode step makes four a layer (120 for SmolLM2). float32 rows
+    (``dtype`` float32) take a quantized layer's kernel only where the op has one for them (``op.float32``: the
+    registry's C++ op on an AVX2 CPU); torch's kernels run a scalar loop there, so the layer's own call stays."""
     bias = None if linear.bias is None else linear.bias.detach()
     if type(linear) in (Int4Linear, Int8Linear) and bias is not None:
-        bias = bias.to(torch.bfloat16)  # the layers add bias.to(y.dtype), y bf16
-    if type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features:
-        dense = linear._kept(torch.bfloat16)
+        bias = bias.to(dtype)  # the layers add bias.to(y.dtype), y in the rows' dtype
+    f32 = dtype is torch.float32
+    if (type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features
+            and (not f32 or getattr(int4_matmul, "float32", False))):
+        dense = linear._kept(dtype)
         if linear.packed.device.type != "cpu":
             return None, 0, None
         bind = getattr(int4_matmul, "bind", None)  # the op for this one layer, its checks made once
@@ -213,8 +217,9 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul,
         else:
             large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
         return small, linear.kernel_rows, large
-    if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu":
-        scale, dense = linear.scale_bf16, linear._kept(torch.bfloat16)
+    if (type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu"
+            and (not f32 or getattr(int8_matmul, "float32", False))):
+        scale, dense = (linear.scale if f32 else linear.scale_bf16), linear._kept(dtype)
         if bias is None:
             small = lambda x: int8_matmul(x, linear)  # noqa: E731  [M, N]
             large = lambda x: F.linear(x, dense) * scale  # noqa: E731
@@ -222,7 +227,7 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul,
             small = lambda x: int8_matmul(x, linear) + bias  # noqa: E731
             large = lambda x: F.linear(x, dense) * scale + bias  # noqa: E731
         return small, linear.kernel_rows, None if dense is None else large
-    if type(linear) is nn.Linear and linear.weight.dtype is torch.bfloat16:
+    if type(linear) is nn.Linear and linear.weight.dtype is dtype:
         weight = linear.weight
         product = lambda x: F.linear(x, weight, bias)  # noqa: E731
         return product, 1 << 30, product
@@ -294,8 +299,9 @@ class FusedForward:
         if self.n in wanted:
             outputs[self.n] = h[None]
         head = self.head
-        if (type(head) is Int8Linear and h.dtype is torch.bfloat16 and h.device.type == "cpu" and head.bias is None
-                and head._k_ok and keep.shape[0] <= head.kernel_rows):  # the rows Int8Linear gives its kernel
+        kernel_rows = h.dtype is torch.bfloat16 or (h.dtype is torch.float32 and getattr(matmuls[1], "float32", False))
+        if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok and kernel_rows
+                and keep.shape[0] <= head.kernel_rows):  # the rows Int8Linear gives its kernel
             logits = matmuls[1](h[keep], head)  # [K, V]
         else:
             logits = head(h[keep])  # [K, V]
@@ -308,10 +314,13 @@ class FusedForward:
         products do not depend on the path it takes; every other product is the layer's own."""
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
-        rows_ok = h.dtype is torch.bfloat16 and h.device.type == "cpu"
-        for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls))):
-            qkv_p, o_p, gate_up_p, down_p = (small if rows_ok and small is not None and t <= rows else linear
-                                             for (small, rows, _), linear in zip(products, layer.linears))
+        rows_ok = h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu"
+        for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls, h.dtype))):
+            # the kernel up to its rows, the kept copy's bare product beyond (the layer's own calls, without its
+            # module call and checks), else the layer
+            qkv_p, o_p, gate_up_p, down_p = (
+                (small if t <= rows else large or linear) if rows_ok and small is not None else linear
+                for (small, rows, large), linear in zip(products, layer.linears))
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = qkv_p(x).view(t, hq + 2 * hk, d)  # [T, Hq + 2 Hkv, D]
             qk = rope(qkv[:, :hq + hk], cos, sin)  # [T, Hq + Hkv, D]
@@ -348,12 +357,14 @@ class FusedForward:
             self._selections[key] = selected
         return selected
 
-    def _products(self, matmuls: tuple) -> list[list[tuple]]:
-        """Every layer's four products (:func:`_row_products`) with the quantized ones through ``matmuls``."""
-        bound = self._bound.get(matmuls)
+    def _products(self, matmuls: tuple, dtype: torch.dtype = torch.bfloat16) -> list[list[tuple]]:
+        """Every layer's four products (:func:`_row_products`) of ``dtype`` rows with the quantized ones through
+        ``matmuls``."""
+        key = (matmuls, dtype)
+        bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[matmuls] = [[_row_products(m, *matmuls) for m in layer.linears]
-                                            for layer in self.layers]
+            bound = self._bound[key] = [[_row_products(m, *matmuls, dtype) for m in layer.linears]
+                                        for layer in self.layers]
         return bound
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,

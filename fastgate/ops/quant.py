@@ -17,6 +17,14 @@ another order, with the float32 scales and zeros (torch's kernels round them to 
 rounding of torch's. They need AVX512-BF16 (the registry binds them only where the CPU has it) and take every input
 the layers hand a decode step; anything else (other dtypes, devices, strides; a bias is the caller's) goes to the
 reference.
+
+float32 rows (a float32 model: ``auto`` on a CPU without a native bf16 product) have kernels of their own
+(``int4_matmul_f32``, ``int8_matmul_f32``): AVX2 and FMA, float32 in and out, nothing rounded to bf16. Why: on such a
+CPU torch's weight-only kernels run a scalar loop for float32 rows (576 -> 3,072, one row: 2.6 ms), so a float32 model
+could only multiply its float32 weights, 4-8x the bytes of the GGUF's 4-bit blocks. The registry binds them where the
+CPU has AVX2 and FMA (``float32`` set on the op); their reference for float32 rows is the dense product of the
+de-quantized weight (the layer's kept copy where it has one), :func:`fastgate.assets.quant.int4_reference`'s
+arithmetic.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
 
@@ -34,19 +43,28 @@ _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its st
 
 
 def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-    """``x [M, K]`` bf16 on a CPU times ``layer``'s int4 weight: ``[M, N]`` bf16, by torch's kernel."""
+    """``x [M, K]`` on a CPU times ``layer``'s int4 weight: ``[M, N]`` in ``x``'s dtype. bf16 rows by torch's kernel;
+    float32 rows by the dense product of the de-quantized weight (the layer's kept copy where it has one: torch's
+    kernel runs a scalar loop on float32 rows)."""
+    if x.dtype is torch.float32:
+        dense = layer._kept(torch.float32)
+        return F.linear(x, layer.dequantized(torch.float32) if dense is None else dense)  # [M, N]
     x = x.contiguous()  # the kernel's rows
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, GROUP, layer.scale_zeros)  # [M, N'] (N' >= N)
     return y if y.shape[1] == layer.out_features else y[:, :layer.out_features]
 
 
 def torch_int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    """``x [M, K]`` bf16 on a CPU times ``layer``'s int8 weight: ``[M, N]`` bf16, by torch's kernel."""
+    """``x [M, K]`` on a CPU times ``layer``'s int8 weight: ``[M, N]`` in ``x``'s dtype. bf16 rows by torch's kernel;
+    float32 rows by the dense product of the codes (the kept copy where there is one), then the scales."""
+    if x.dtype is torch.float32:
+        dense = layer._kept(torch.float32)
+        return F.linear(x, layer.q.to(torch.float32) if dense is None else dense) * layer.scale  # [M, N]
     return torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.q, layer.scale_bf16)
 
 
-def _rows_ok(x: torch.Tensor, k: int) -> bool:
-    return (x.dtype is torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
+def _rows_ok(x: torch.Tensor, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    return (x.dtype is dtype and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
             and x.stride(1) == 1 and x.stride(0) >= k)
 
 
@@ -58,19 +76,24 @@ def _int4_layer_ok(layer: Int4Linear) -> bool:
             and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32)
 
 
-def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
+def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = True,
+                    f32: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
     """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's.
 
-    ``fuse_norm``: the runner's ``rms_norm`` is the C++ one (``rms_norm_bf16``), so a layer bound here may also norm
-    its rows in the same call with that loop (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
+    ``bf16``: bf16 rows run ``int4_matmul_bf16`` (AVX512-BF16); ``f32``: float32 rows run ``int4_matmul_f32`` (AVX2 and
+    FMA; the op then says so: ``float32`` True). ``fuse_norm``: the runner's ``rms_norm`` is the C++ one
+    (``rms_norm_bf16``), so a layer bound here may also norm its bf16 rows in the same call with that loop
+    (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
+    kinds = tuple(d for d, on in ((torch.bfloat16, bf16), (torch.float32, f32)) if on)
 
     def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
         k, n = layer.in_features, layer.out_features
-        if not (_rows_ok(x, k) and _int4_layer_ok(layer)):
+        if not (x.dtype in kinds and _rows_ok(x, k, x.dtype) and _int4_layer_ok(layer)):
             return torch_int4_matmul(x, layer)
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)  # [M, N]
-        ext.int4_matmul_bf16(x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(),
-                             layer.zero.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
+        run = ext.int4_matmul_bf16 if x.dtype is torch.bfloat16 else ext.int4_matmul_f32
+        run(x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(), layer.zero.data_ptr(),
+            out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         return out
 
     def bind(layer: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -82,61 +105,78 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False) -> Callable[[torch
         buffers = layer._buffers
         q, scale, zero = buffers["q"], buffers["scale"], buffers["zero"]
         k, n = layer.in_features, layer.out_features
-        run, ptrs, empty, bf16, threads = (ext.int4_matmul_bf16, (q.data_ptr(), scale.data_ptr(), zero.data_ptr()),
-                                           torch.empty, torch.bfloat16, torch.get_num_threads)
+        ptrs, empty, bf16_t, threads = ((q.data_ptr(), scale.data_ptr(), zero.data_ptr()), torch.empty,
+                                        torch.bfloat16, torch.get_num_threads)
+        runs = {torch.bfloat16: getattr(ext, "int4_matmul_bf16", None) if bf16 else None,
+                torch.float32: getattr(ext, "int4_matmul_f32", None) if f32 else None}
 
-        def takes(x: torch.Tensor) -> bool:  # bf16 CPU rows of K, unit stride; the layer's buffers still these
-            return (x.dtype is bf16 and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-                    and buffers["q"] is q and buffers["scale"] is scale and buffers["zero"] is zero)
+        def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
+            return (runs.get(x.dtype) is not None and x.is_cpu and x.dim() == 2 and x.shape[1] == k
+                    and x.stride(1) == 1 and buffers["q"] is q and buffers["scale"] is scale
+                    and buffers["zero"] is zero)
 
         def product(x: torch.Tensor) -> torch.Tensor:
             if not takes(x):
                 return int4_matmul(x, layer)
             m = x.shape[0]
-            out = empty((m, n), dtype=bf16)  # [M, N]
-            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
+            out = empty((m, n), dtype=x.dtype)  # [M, N]
+            runs[x.dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
             return out
 
         def normed(x: torch.Tensor, weight: torch.Tensor, eps: float, rms_norm: Callable) -> torch.Tensor:
-            """``product(rms_norm(x, weight, eps))`` in one call (the norm's C++ loop in the kernel's call)."""
-            if not (takes(x) and weight.dtype is bf16 and weight.is_contiguous() and weight.shape == (k,)):
+            """``product(rms_norm(x, weight, eps))`` in one call for bf16 rows (the norm's C++ loop in the kernel's
+            call)."""
+            if not (x.dtype is bf16_t and takes(x) and weight.dtype is bf16_t and weight.is_contiguous()
+                    and weight.shape == (k,)):
                 return product(rms_norm(x, weight, eps))
             m = x.shape[0]
-            out = empty((m, n), dtype=bf16)  # [M, N]
-            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(), float(eps))
+            out = empty((m, n), dtype=bf16_t)  # [M, N]
+            runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(),
+                         float(eps))
             return out
 
         def added(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            """``residual + product(x)`` in one call (the bf16 sum rounded as torch rounds it)."""
+            """``residual + product(x)`` in one call (each sum rounded as torch rounds it in the rows' dtype)."""
             m = x.shape[0]
-            if not (takes(x) and residual.dtype is bf16 and residual.is_cpu and residual.shape == (m, n)
+            if not (takes(x) and residual.dtype is x.dtype and residual.is_cpu and residual.shape == (m, n)
                     and residual.is_contiguous()):
                 return residual + product(x)
-            out = empty((m, n), dtype=bf16)  # [M, N]
-            run(x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0, 1e-6, residual.data_ptr())
+            out = empty((m, n), dtype=x.dtype)  # [M, N]
+            if x.dtype is bf16_t:
+                runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0, 1e-6,
+                             residual.data_ptr())
+            else:
+                runs[x.dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(),
+                              residual.data_ptr())
             return out
 
         product.added = added  # type: ignore[attr-defined]
-        if fuse_norm:
+        if fuse_norm and bf16:
             product.normed = normed  # type: ignore[attr-defined]
         return product
 
     int4_matmul.bind = bind  # type: ignore[attr-defined]
+    int4_matmul.float32 = f32  # type: ignore[attr-defined]  (float32 rows have a kernel: fastgate.engine.fused)
     return int4_matmul
 
 
-def ext_int8_matmul(ext: ModuleType) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
-    """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's."""
+def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
+                    f32: bool = False) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
+    """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's.
+    ``bf16`` / ``f32``: which rows run C++ (``int8_matmul_bf16``, AVX512-BF16; ``int8_matmul_f32``, AVX2 and FMA)."""
+    kinds = tuple(d for d, on in ((torch.bfloat16, bf16), (torch.float32, f32)) if on)
 
     def int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
         q, scale = layer.q, layer.scale
         k, n = layer.in_features, layer.out_features
-        if not (_rows_ok(x, k) and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
-                and scale.dtype is torch.float32):
+        if not (x.dtype in kinds and _rows_ok(x, k, x.dtype) and q.device.type == "cpu" and q.is_contiguous()
+                and scale.is_contiguous() and scale.dtype is torch.float32):
             return torch_int8_matmul(x, layer)
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)  # [M, N]
-        ext.int8_matmul_bf16(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                             x.shape[0], n, k, torch.get_num_threads())
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
+        run = ext.int8_matmul_bf16 if x.dtype is torch.bfloat16 else ext.int8_matmul_f32
+        run(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], n, k,
+            torch.get_num_threads())
         return out
 
+    int8_matmul.float32 = f32  # type: ignore[attr-defined]
     return int8_matmul

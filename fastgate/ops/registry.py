@@ -21,7 +21,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
   record names the implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
   The decode step's quantized products (``int4_matmul``, ``int8_matmul``, :mod:`fastgate.ops.quant`) run in the
-  extension where the CPU has AVX512-BF16, torch's weight-only kernels otherwise (and under ``torch``).
+  extension for bf16 rows where the CPU has AVX512-BF16 and for float32 rows where it has AVX2 and FMA; torch's
+  weight-only kernels (bf16 rows) and the de-quantized dense product (float32 rows) otherwise, and under ``torch``.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -70,7 +71,7 @@ GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
-_QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++ where AVX512-BF16)
+_QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
 OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, *CPU_OPS)
 
 
@@ -285,13 +286,18 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                    # any rows (AVX-512)
                    "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] == UNLIMITED)}
         names |= {name: "ext" for name in _LAYER_OPS}
-        if getattr(ext, "quant_kernels_supported", lambda: False)():  # AVX512-BF16 (an older extension: torch's)
+        # bf16 rows where the CPU has AVX512-BF16, float32 rows where it has AVX2 and FMA (an older extension:
+        # torch's for both)
+        bf16 = bool(getattr(ext, "quant_kernels_supported", lambda: False)())
+        f32 = bool(getattr(ext, "quant_f32_kernels_supported", lambda: False)())
+        if bf16 or f32:
             from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul
 
             # the C++ norm above is bound for every bf16 row here (AVX512-BF16 CPUs have AVX-512): int4 products
             # may norm their rows in the same call with it
             fuse = names["rms_norm"] == "ext" and limits["rms_norm"] == UNLIMITED
-            chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse), "int8_matmul": ext_int8_matmul(ext)}
+            chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse, bf16=bf16, f32=f32),
+                       "int8_matmul": ext_int8_matmul(ext, bf16=bf16, f32=f32)}
             names |= {name: "ext" for name in _QUANT_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention

@@ -215,14 +215,15 @@ class Runtime:
             import torch
 
             from fastgate.assets.models import MODELS, resolve_device
-            from fastgate.assets.precision import DTYPES, expected_dtype
+            from fastgate.assets.precision import DTYPES, canonical_dtype, expected_dtype
             from fastgate.assets.quant import choose_weights
 
             device = resolve_device(self.device)
             dtype = expected_dtype(self.dtype, device)
             if dtype is not None:
                 return choose_weights("auto", device, DTYPES.get(dtype, torch.float16),
-                                      gguf_blocks=self.model in MODELS).weights
+                                      gguf_blocks=self.model in MODELS,
+                                      dtype_auto=canonical_dtype(self.dtype) == "auto").weights
         if self._engine is not None or self.weights == "auto":
             return getattr(self.engine.lm, "weights", "float")
         return self.weights
