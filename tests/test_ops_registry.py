@@ -37,13 +37,15 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert all(callable(getattr(o, name)) for name in OP_NAMES)
     # the extension is built by `make install`: on CPU it runs the eigenscore and the CPU ops
     assert o.backend == "ext" and o.device == torch.device("cpu")
-    # the C++ prefill attention and quantized products need AVX512-BF16
-    kernel = registry.import_ext().prefill_attention_bf16_supported()
+    # the C++ prefill attention needs AVX512-BF16; the quantized products that (bf16 rows) or AVX2 and FMA (float32)
+    ext = registry.import_ext()
+    kernel = ext.prefill_attention_bf16_supported()
+    quant = kernel or ext.quant_f32_kernels_supported()
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
-        "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if kernel else "torch",
-        "int8_matmul": "ext" if kernel else "torch", "align_words": "ext", "word_logprobs": "ext",
+        "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
+        "int8_matmul": "ext" if quant else "torch", "align_words": "ext", "word_logprobs": "ext",
         "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }

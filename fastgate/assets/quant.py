@@ -54,7 +54,9 @@ run up to :data:`DENSE_KERNEL_ROWS` rows, where they beat a dense bf16 product (
 1536: 1 row 26 µs against 64, 4 rows 43 against 79, 8 rows 128 against 96), and every larger product multiplies the
 kept copy: prefill and batched steps at the dense product's speed, the results those of de-quantizing every call.
 The price is memory (the codes beside the copy). ``auto`` (:func:`choose_weights`, the default of ``load`` and the
-CLI) picks it for an embedded model in bf16 on a CPU whose torch runs the kernels' AVX-512 code, ``float`` elsewhere.
+CLI) picks it for an embedded model in bf16 on a CPU whose torch runs the kernels' AVX-512 code, and in float32 where
+``auto`` chose float32 and the extension's float32 kernels run (AVX2 and FMA: :mod:`fastgate.ops.quant`), ``float``
+elsewhere.
 
 The codes are kept plain, two to a byte along ``K`` (``q [N, K / 2]``: rows can be split and joined, as
 :mod:`fastgate.engine.fused` does), and packed once for the kernel (``packed``, ``scale_zeros [K / 32, N, 2]`` in
@@ -76,7 +78,9 @@ The engine's fused pass multiplies a decode step's rows (up to a layer's ``kerne
 ``int4_matmul`` and ``int8_matmul`` (:mod:`fastgate.ops.quant`), not through these modules' forward: torch's kernels
 above, or, where the CPU has AVX512-BF16, C++ kernels over the plain codes ``q`` and float32 ``scale`` / ``zero``
 (torch's kernels round those to bf16), prefetching the weights they stream: 2x torch's int4 and int8 products on a
-Zen 4 core. The modules' own forward (HF's module tree, prefill) is unchanged.
+Zen 4 core; float32 rows, where the CPU has AVX2 and FMA, through float32 C++ kernels (the layers' own forward would
+de-quantize: torch's kernels run a scalar loop on float32 rows). The modules' own forward (HF's module tree, prefill)
+is unchanged.
 """
 
 from __future__ import annotations
