@@ -496,7 +496,8 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     :mod:`fastgate.assets.quant`; activations, embeddings and logits stay in the dtype), ``int4`` (groups of 32: an
     embedded model's own GGUF blocks where they are 4-bit, :func:`gguf_int4_codes`, int8 elsewhere; a local
     directory's weights quantized to int4 here), ``int4-dense`` (``int4`` with a de-quantized copy for products of
-    many rows) or ``auto`` (``int4-dense`` for an embedded model in bf16 on an AVX-512 CPU, else ``float``:
+    many rows) or ``auto`` (``int4-dense`` for an embedded model in bf16 on an AVX-512 CPU, or in float32 where
+    ``auto`` chose float32 and the extension's float32 kernels run; else ``float``:
     :func:`fastgate.assets.quant.choose_weights`, once, here).
 
     Raises:

@@ -104,7 +104,8 @@ class RuntimeConfig:
                                    "an embedded model's own 4-bit GGUF blocks, int8 where the GGUF holds a layer "
                                    "otherwise), int4-dense (int4 for decode steps of <= 4 rows, a de-quantized copy "
                                    "for larger products: prefill at float's speed, more memory) or auto (int4-dense "
-                                   "for an embedded model in bfloat16 on an AVX-512 CPU, else float); activations "
+                                   "for an embedded model in bfloat16 on an AVX-512 CPU or in float32 chosen by "
+                                   "--dtype auto on an AVX2 CPU, else float); activations "
                                    "stay in --dtype, logits float32; fastgate/assets/quant.py (default: %(default)s)",
                            choices=WEIGHTS)
     # None: the default corpus
