@@ -1837,8 +1837,8 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
       const __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
       for (int m = 0; m < MB; ++m) {
         const float* xb = xp + m * K + 32 * g;
-        // two short chains, not one of four: at one input row the sums' latency, not the issue rate, bounded a
-        // chain of five dependent multiply-adds a group
+        // two short chains, not one of five dependent multiply-adds a group (with eight rows a tile at one input
+        // row: 157 -> 139 us for 576 -> 3,072 on an AVX2-only EPYC core, within that machine's noise)
         const __m256 d0 = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(c0, _mm256_loadu_ps(xb)));
         const __m256 d1 = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), _mm256_mul_ps(c2, _mm256_loadu_ps(xb + 16)));
         acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(d0, d1), s, acc[r][m]);

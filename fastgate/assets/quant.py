@@ -86,6 +86,7 @@ is unchanged.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -155,9 +156,7 @@ class WeightsChoice:
 def float32_kernels() -> bool:
     """Whether the C++ extension is built and runs its float32 weight-only kernels here (AVX2 and FMA; the registry
     binds them as ``int4_matmul`` / ``int8_matmul`` for float32 rows, :mod:`fastgate.ops.quant`)."""
-    try:
-        import importlib
-
+    try:  # not fastgate.ops.registry.import_ext: the ops layer sits above the assets
         ext = importlib.import_module("fastgate._C")
     except ImportError:
         return False

@@ -185,6 +185,13 @@ class _Layer:
             1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
 
 
+def _op_takes(op, dtype: torch.dtype) -> bool:
+    """Whether the quantized product ``op`` has a kernel for CPU rows of ``dtype``: bf16 rows always (torch's or the
+    extension's), float32 rows where the op says so (``op.float32``: the registry's C++ op on an AVX2 CPU; torch's
+    kernels run a scalar loop on float32 rows)."""
+    return dtype is torch.bfloat16 or (dtype is torch.float32 and getattr(op, "float32", False))
+
+
 def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=torch_int8_matmul,
                   dtype: torch.dtype = torch.bfloat16) -> tuple[object | None, int, object | None]:
     """``linear``'s product of ``dtype`` CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at
@@ -198,9 +205,8 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
     bias = None if linear.bias is None else linear.bias.detach()
     if type(linear) in (Int4Linear, Int8Linear) and bias is not None:
         bias = bias.to(dtype)  # the layers add bias.to(y.dtype), y in the rows' dtype
-    f32 = dtype is torch.float32
     if (type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features
-            and (not f32 or getattr(int4_matmul, "float32", False))):
+            and _op_takes(int4_matmul, dtype)):
         dense = linear._kept(dtype)
         if linear.packed.device.type != "cpu":
             return None, 0, None
@@ -217,9 +223,8 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
         else:
             large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
         return small, linear.kernel_rows, large
-    if (type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu"
-            and (not f32 or getattr(int8_matmul, "float32", False))):
-        scale, dense = (linear.scale if f32 else linear.scale_bf16), linear._kept(dtype)
+    if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu" and _op_takes(int8_matmul, dtype):
+        scale, dense = (linear.scale if dtype is torch.float32 else linear.scale_bf16), linear._kept(dtype)
         if bias is None:
             small = lambda x: int8_matmul(x, linear)  # noqa: E731  [M, N]
             large = lambda x: F.linear(x, dense) * scale  # noqa: E731
@@ -299,9 +304,8 @@ class FusedForward:
         if self.n in wanted:
             outputs[self.n] = h[None]
         head = self.head
-        kernel_rows = h.dtype is torch.bfloat16 or (h.dtype is torch.float32 and getattr(matmuls[1], "float32", False))
-        if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok and kernel_rows
-                and keep.shape[0] <= head.kernel_rows):  # the rows Int8Linear gives its kernel
+        if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok
+                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= head.kernel_rows):  # as Int8Linear's kernel
             logits = matmuls[1](h[keep], head)  # [K, V]
         else:
             logits = head(h[keep])  # [K, V]

@@ -29,7 +29,7 @@ arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
 import torch
@@ -63,9 +63,21 @@ def torch_int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     return torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.q, layer.scale_bf16)
 
 
-def _rows_ok(x: torch.Tensor, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-    return (x.dtype is dtype and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
+def _rows_ok(x: torch.Tensor, k: int, kinds: Mapping[torch.dtype, Callable]) -> bool:
+    """Rows a kernel of ``kinds`` (row dtype -> kernel) takes: 2-D CPU rows of ``K``, unit stride along ``K``."""
+    return (x.dtype in kinds and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
             and x.stride(1) == 1 and x.stride(0) >= k)
+
+
+def _kernels(ext: ModuleType, bf16: bool, f32: bool, name: str) -> dict[torch.dtype, Callable]:
+    """The extension's kernels ``{name}_bf16`` (bf16 rows, AVX512-BF16) and ``{name}_f32`` (float32 rows, AVX2 and FMA)
+    by the row dtype they take, those asked for only."""
+    kernels = {}
+    if bf16:
+        kernels[torch.bfloat16] = getattr(ext, f"{name}_bf16")
+    if f32:
+        kernels[torch.float32] = getattr(ext, f"{name}_f32")
+    return kernels
 
 
 def _int4_layer_ok(layer: Int4Linear) -> bool:
@@ -84,16 +96,15 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
     FMA; the op then says so: ``float32`` True). ``fuse_norm``: the runner's ``rms_norm`` is the C++ one
     (``rms_norm_bf16``), so a layer bound here may also norm its bf16 rows in the same call with that loop
     (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
-    kinds = tuple(d for d, on in ((torch.bfloat16, bf16), (torch.float32, f32)) if on)
+    runs = _kernels(ext, bf16, f32, "int4_matmul")
 
     def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
         k, n = layer.in_features, layer.out_features
-        if not (x.dtype in kinds and _rows_ok(x, k, x.dtype) and _int4_layer_ok(layer)):
+        if not (_rows_ok(x, k, runs) and _int4_layer_ok(layer)):
             return torch_int4_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        run = ext.int4_matmul_bf16 if x.dtype is torch.bfloat16 else ext.int4_matmul_f32
-        run(x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(), layer.zero.data_ptr(),
-            out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        runs[x.dtype](x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(), layer.zero.data_ptr(),
+                      out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         return out
 
     def bind(layer: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -107,11 +118,9 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         k, n = layer.in_features, layer.out_features
         ptrs, empty, bf16_t, threads = ((q.data_ptr(), scale.data_ptr(), zero.data_ptr()), torch.empty,
                                         torch.bfloat16, torch.get_num_threads)
-        runs = {torch.bfloat16: getattr(ext, "int4_matmul_bf16", None) if bf16 else None,
-                torch.float32: getattr(ext, "int4_matmul_f32", None) if f32 else None}
 
         def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
-            return (runs.get(x.dtype) is not None and x.is_cpu and x.dim() == 2 and x.shape[1] == k
+            return (x.dtype in runs and x.is_cpu and x.dim() == 2 and x.shape[1] == k
                     and x.stride(1) == 1 and buffers["q"] is q and buffers["scale"] is scale
                     and buffers["zero"] is zero)
 
@@ -164,18 +173,17 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
                     f32: bool = False) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
     """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's.
     ``bf16`` / ``f32``: which rows run C++ (``int8_matmul_bf16``, AVX512-BF16; ``int8_matmul_f32``, AVX2 and FMA)."""
-    kinds = tuple(d for d, on in ((torch.bfloat16, bf16), (torch.float32, f32)) if on)
+    runs = _kernels(ext, bf16, f32, "int8_matmul")
 
     def int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
         q, scale = layer.q, layer.scale
         k, n = layer.in_features, layer.out_features
-        if not (x.dtype in kinds and _rows_ok(x, k, x.dtype) and q.device.type == "cpu" and q.is_contiguous()
-                and scale.is_contiguous() and scale.dtype is torch.float32):
+        if not (_rows_ok(x, k, runs) and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
+                and scale.dtype is torch.float32):
             return torch_int8_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        run = ext.int8_matmul_bf16 if x.dtype is torch.bfloat16 else ext.int8_matmul_f32
-        run(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], n, k,
-            torch.get_num_threads())
+        runs[x.dtype](x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], n, k,
+                      torch.get_num_threads())
         return out
 
     int8_matmul.float32 = f32  # type: ignore[attr-defined]
