@@ -717,6 +717,19 @@ FASTGATE_INLINE typename V::F load_bf16v(const uint16_t* src) {
   return f;
 }
 
+// A vector of V's floats from bf16 or float32 elements, and one element as float32: the loops below that read either
+// (a bf16 store or a float32 one, bf16 rows or float32 rows) are written once over the element type.
+template <class V>
+FASTGATE_INLINE typename V::F loadv(const uint16_t* src) { return load_bf16v<V>(src); }
+template <class V>
+FASTGATE_INLINE typename V::F loadv(const float* src) {
+  typename V::F f;
+  __builtin_memcpy(&f, src, sizeof f);  // unaligned
+  return f;
+}
+FASTGATE_INLINE float to_f32(uint16_t h) { return bf16_to_f32(h); }
+FASTGATE_INLINE float to_f32(float f) { return f; }
+
 // exp(x) for x <= 0 (scores less their maximum), a vector F (of floats; I: as many int32) at a time: 2^(x log2 e)
 // split into 2^floor (the exponent bits) times a degree-6 polynomial for 2^frac (relative error ~2e-7); below -87 it
 // flushes to ~0 as expf underflows. A scalar expf per score cost more than reading the keys.
@@ -772,29 +785,29 @@ void softmax_rows(float* scores, int64_t n, int64_t G) {
   }
 }
 
-FASTGATE_CLONES
-void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G,
+template <class T>
+FASTGATE_INLINE void attend_head_t(const float* q, const T* k, const T* v, int64_t stride, int64_t n, int64_t G,
                  int64_t D, float* scores, float* out) {
   const int64_t dv = D / 8 * 8;
   for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
-    const uint16_t* kw = k + w * stride;
+    const T* kw = k + w * stride;
     f32x8 kv[kMaxD / 8];
-    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = load_bf16v<Vec8>(kw + j);
+    for (int64_t j = 0; j < dv; j += 8) kv[j / 8] = loadv<Vec8>(kw + j);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       f32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t j = 0; j < dv; j += 8) acc += load8(qg + j) * kv[j / 8];
       float s = hsum8(acc);
-      for (int64_t j = dv; j < D; ++j) s += qg[j] * bf16_to_f32(kw[j]);
+      for (int64_t j = dv; j < D; ++j) s += qg[j] * to_f32(kw[j]);
       scores[g * n + w] = s;
     }
   }
   softmax_rows(scores, n, G);
   for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
   for (int64_t w = 0; w < n; ++w) {  // out: each value row read once for the G heads
-    const uint16_t* vw = v + w * stride;
+    const T* vw = v + w * stride;
     f32x8 vv[kMaxD / 8];
-    for (int64_t j = 0; j < dv; j += 8) vv[j / 8] = load_bf16v<Vec8>(vw + j);
+    for (int64_t j = 0; j < dv; j += 8) vv[j / 8] = loadv<Vec8>(vw + j);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + w];
       float* og = out + g * D;
@@ -802,9 +815,22 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
         f32x8 o = load8(og + j) + p * vv[j / 8];
         __builtin_memcpy(og + j, &o, sizeof o);
       }
-      for (int64_t j = dv; j < D; ++j) og[j] += p * bf16_to_f32(vw[j]);
+      for (int64_t j = dv; j < D; ++j) og[j] += p * to_f32(vw[j]);
     }
   }
+}
+
+// over a bf16 store (attend picks this or the AVX-512 form) and over a float32 one
+FASTGATE_CLONES
+void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t G,
+                 int64_t D, float* scores, float* out) {
+  attend_head_t(q, k, v, stride, n, G, D, scores, out);
+}
+
+FASTGATE_CLONES
+void attend_head_f32(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t G, int64_t D,
+                     float* scores, float* out) {
+  attend_head_t(q, k, v, stride, n, G, D, scores, out);
 }
 
 // attend_head, or its AVX-512 form where the CPU has it and the shapes suit (defined with the AVX-512 code below)
@@ -954,9 +980,11 @@ FASTGATE_INLINE typename V::F round_bf16v(typename V::F f) {
 // registers its sum kernel without an AVX-512 build, so 8 on AVX2 and AVX-512 CPUs alike): vectors 4i + k summed
 // per k in a cascade of levels 16 steps long (multi_row_sum), the leftover vectors into k = 0, the four partials in
 // order, then the scalar tail and the 8 lanes one by one. The squares of bf16 values are exact in float32, so this
-// is torch's h.pow(2).mean(-1) bit for bit. (torch lengthens the levels only past 2^19 steps.)
-template <class V>
-FASTGATE_INLINE float torch_sum_squares(const uint16_t* xr, int64_t d) {
+// is torch's h.pow(2).mean(-1) bit for bit. (torch lengthens the levels only past 2^19 steps.) float32 rows: the same
+// order, each square rounded to float32 before it is added (torch's pow makes a tensor of them): the caller compiles
+// without contracting a product and a sum into one FMA (FASTGATE_F32_EXACT).
+template <class V, class T>
+FASTGATE_INLINE float torch_sum_squares(const T* xr, int64_t d) {
   typedef typename V::F F;
   constexpr int N = V::N;
   const int64_t vecs = d / N, steps = vecs / 4;
@@ -965,7 +993,7 @@ FASTGATE_INLINE float torch_sum_squares(const uint16_t* xr, int64_t d) {
   for (; i + 16 <= steps;) {
     for (int j = 0; j < 16; ++j, ++i)
       for (int k = 0; k < 4; ++k) {
-        const F v = load_bf16v<V>(xr + (4 * i + k) * N);
+        const F v = loadv<V>(xr + (4 * i + k) * N);
         acc[0][k] += v * v;
       }
     for (int j = 1; j < 4; ++j) {
@@ -978,20 +1006,20 @@ FASTGATE_INLINE float torch_sum_squares(const uint16_t* xr, int64_t d) {
   }
   for (; i < steps; ++i)
     for (int k = 0; k < 4; ++k) {
-      const F v = load_bf16v<V>(xr + (4 * i + k) * N);
+      const F v = loadv<V>(xr + (4 * i + k) * N);
       acc[0][k] += v * v;
     }
   for (int j = 1; j < 4; ++j)
     for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
   F part = acc[0][0];
   for (int64_t v = steps * 4; v < vecs; ++v) {
-    const F x = load_bf16v<V>(xr + v * N);
+    const F x = loadv<V>(xr + v * N);
     part += x * x;
   }
   for (int k = 1; k < 4; ++k) part += acc[0][k];
   float sum = 0.0f;
   for (int64_t j = vecs * N; j < d; ++j) {
-    const float v = bf16_to_f32(xr[j]);
+    const float v = to_f32(xr[j]);
     sum += v * v;
   }
   for (int k = 0; k < N; ++k) sum += part[k];
@@ -1910,13 +1938,52 @@ FASTGATE_AVX2_TARGET void int8_rows_f32(const float* x, int64_t x_stride, const 
   for (; n + kQuantRows <= n1; n += kQuantRows) int8_tile_f32<kQuantRows, MB>(x, x_stride, q, scale, K, n, N, y);
   for (; n < n1; ++n) int8_tile_f32<1, MB>(x, x_stride, q, scale, K, n, N, y);
 }
+
+// The fused pass's float32 layer ops (rms_norm_f32, rope_f32, decode_attention_step_f32): the bf16 ones' loops for a
+// float32 model, where a batch-1 step of SmolLM2 spent ~10 of ~30 ms in the norms, rotary embeddings and attention as
+// torch operations (an AVX2-only EPYC). The norm and the rotary embedding are torch's float32 arithmetic bit for bit:
+// every product rounded before a sum, as torch's elementwise kernels round it, so these are compiled without
+// contracting a product and a sum into one FMA (GCC does so by default where the target has FMA).
+#define FASTGATE_F32_EXACT __attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+
+// One row of rms_norm_f32: weight * (x * rsqrt(mean(x^2) + eps)), the sum of squares in torch's order.
+FASTGATE_F32_EXACT void rms_norm_row_f32(const float* xr, const float* w, float* o, int64_t d, float e) {
+  const float inv = 1.0f / std::sqrt(torch_sum_squares<Vec8>(xr, d) / static_cast<float>(d) + e);
+  const __m256 iv = _mm256_set1_ps(inv);
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8)
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), iv)));
+  for (; j < d; ++j) o[j] = w[j] * (xr[j] * inv);
+}
+
+// One head of rope_f32: out[i] = x[i] cos[i] + rot[i] sin[i], each product rounded (rot as in rope_head_t).
+FASTGATE_F32_EXACT void rope_head_f32(const float* xr, const float* c, const float* s, float* o, int64_t half) {
+  for (int side = 0; side < 2; ++side) {
+    const int64_t lo = side * half, other = side ? -half : half;
+    const float sign = side ? 1.0f : -1.0f;
+    const __m256 sg = _mm256_set1_ps(sign);
+    int64_t i = lo;
+    for (; i + 8 <= lo + half; i += 8) {
+      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(c + i));
+      const __m256 b = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i + other), sg), _mm256_loadu_ps(s + i));
+      _mm256_storeu_ps(o + i, _mm256_add_ps(a, b));
+    }
+    for (; i < lo + half; ++i) {
+      const float a = xr[i] * c[i];
+      const float b = (sign * xr[i + other]) * s[i];
+      o[i] = a + b;
+    }
+  }
+}
 #endif
 
 // x [M, K] float32 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
 // float32, all contiguous; out [M, N] float32 contiguous; K a multiple of 32. res_ptr (0: none): a residual [M, N]
-// float32 contiguous, out = res + product (torch's h + y, one float32 addition each).
+// float32 contiguous, out = res + product (torch's h + y, one float32 addition each). w_ptr (0: none): a norm weight
+// [K] float32, the product of rms_norm_f32(x, w, eps) instead (the same loop, bitwise the two calls).
 void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
-                     uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr) {
+                     uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
+                     uintptr_t w_ptr, double eps) {
 #ifdef FASTGATE_AVX2_KERNEL
   if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
@@ -1930,10 +1997,15 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
   float* y = reinterpret_cast<float*>(out_ptr);
   const int64_t G = K / 32;
   py::gil_scoped_release release;
+  std::vector<float> normed(w_ptr ? K : 0);  // one row normed at a time, then permuted as x's rows are
   // per input row: each group's sum S_g, and the row permuted: per 16 codes, the even inputs, then the odd ones
   std::vector<float> S(M * G), xp(M * K);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * x_stride;
+    if (w_ptr) {
+      rms_norm_row_f32(xm, reinterpret_cast<const float*>(w_ptr), normed.data(), K, static_cast<float>(eps));
+      xm = normed.data();
+    }
     float* pm = xp.data() + m * K;
     for (int64_t c = 0; c < K; c += 16)
       for (int j = 0; j < 8; ++j) {
@@ -1956,7 +2028,7 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
   }, kF32Inputs);
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
-  (void)threads, (void)res_ptr;
+  (void)threads, (void)res_ptr, (void)w_ptr, (void)eps;
   throw std::invalid_argument("int4_matmul_f32: not built for this platform");
 #endif
 }
@@ -1983,6 +2055,117 @@ void int8_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
   throw std::invalid_argument("int8_matmul_f32: not built for this platform");
+#endif
+}
+
+
+// x: [rows, d] float32, rows `x_stride` elements apart, unit stride along d; weight: [d] float32; out: [rows, d]
+// float32 contiguous. out = weight * (x * rsqrt(mean(x^2) + eps)): torch's float32 arithmetic (LlamaRMSNorm of float32
+// rows) bit for bit, for d >= 8 (shorter rows torch sums in another order: the caller's reference takes them).
+void rms_norm_f32(uintptr_t x_ptr, uintptr_t w_ptr, uintptr_t out_ptr, int64_t rows, int64_t d, int64_t x_stride,
+                  double eps, int64_t threads) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported()) throw std::invalid_argument("rms_norm_f32: this CPU has no AVX2 and FMA");
+  if (rows < 0 || d <= 0 || x_stride < d) throw std::invalid_argument("rms_norm_f32: bad shape");
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  const float* w = reinterpret_cast<const float*>(w_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  const float e = static_cast<float>(eps);
+  py::gil_scoped_release release;
+  split_rows(rows, rows * d * 4, 1 << 20, [&](int64_t first, int64_t step) {
+    for (int64_t r = first; r < rows; r += step) rms_norm_row_f32(x + r * x_stride, w, out + r * d, d, e);
+    return true;
+  }, threads);
+#else
+  (void)x_ptr, (void)w_ptr, (void)out_ptr, (void)rows, (void)d, (void)x_stride, (void)eps, (void)threads;
+  throw std::invalid_argument("rms_norm_f32: not built for this platform");
+#endif
+}
+
+// x: [T, H, D] float32 with element strides (token, head), unit along D; cos / sin: [T, D] float32 rows `c_stride`
+// apart; out: [T, H, D] float32 contiguous. out = x * cos + rotate_half(x) * sin, torch's float32 arithmetic bit for
+// bit (HF's apply_rotary_pos_emb).
+void rope_f32(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t out_ptr, int64_t T, int64_t H, int64_t D,
+              int64_t s_tok, int64_t s_head, int64_t c_stride, int64_t threads) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported()) throw std::invalid_argument("rope_f32: this CPU has no AVX2 and FMA");
+  if (T < 0 || H <= 0 || D <= 0 || D % 2) throw std::invalid_argument("rope_f32: bad shape (D even)");
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  const float* cs = reinterpret_cast<const float*>(cos_ptr);
+  const float* sn = reinterpret_cast<const float*>(sin_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  py::gil_scoped_release release;
+  split_rows(T, T * H * D * 4, 1 << 20, [&](int64_t first, int64_t step) {
+    for (int64_t t = first; t < T; t += step)
+      for (int64_t h = 0; h < H; ++h)
+        rope_head_f32(x + t * s_tok + h * s_head, cs + t * c_stride, sn + t * c_stride, out + (t * H + h) * D, D / 2);
+    return true;
+  }, threads);
+#else
+  (void)x_ptr, (void)cos_ptr, (void)sin_ptr, (void)out_ptr, (void)T, (void)H, (void)D, (void)s_tok, (void)s_head;
+  (void)c_stride, (void)threads;
+  throw std::invalid_argument("rope_f32: not built for this platform");
+#endif
+}
+
+// decode_attention_step_bf16 over a float32 store, float32 in and out (a float32 model): row r's new key and value
+// (k_new / v_new [m, Hkv, D], strided views of the layer's product; k_new rotated first where cos / sin are given, by
+// rope_f32's loop) written at column pos[r] of its store row, then its query heads (q [m, H, D], strided; rotated
+// likewise) attend columns 0 .. pos[r] (attend_head's float32 arithmetic, the scores' softmax with its exp); out
+// [m, H, D] float32 contiguous.
+void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
+                               int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
+                               uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col, double scale,
+                               int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported())
+    throw std::invalid_argument("decode_attention_step_f32: this CPU has no AVX2 and FMA");
+  check_decode_shape("decode_attention_step_f32", m, H, Hkv, D);
+  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_f32: the rotary embedding needs D even");
+  const float* cs = reinterpret_cast<const float*>(cos_ptr);
+  const float* sn = reinterpret_cast<const float*>(sin_ptr);
+  const float* q = reinterpret_cast<const float*>(q_ptr);
+  const float* kn = reinterpret_cast<const float*>(kn_ptr);
+  const float* vn = reinterpret_cast<const float*>(vn_ptr);
+  float* k = reinterpret_cast<float*>(k_ptr);
+  float* v = reinterpret_cast<float*>(v_ptr);
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  const int64_t G = H / Hkv;
+  const int64_t widest = attended_width(pos, m, cols);
+  const float sc = static_cast<float>(scale);
+  py::gil_scoped_release release;
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
+    std::vector<float> qs(G * D), scores(G * widest), qrot(cs ? D : 0);  // per thread
+    for (int64_t item = first; item < m * Hkv; item += step) {
+      const int64_t r = item / Hkv, h = item % Hkv;
+      float* kc = k + r * s_row + h * s_head + pos[r] * s_col;  // this row's new column
+      float* vc = v + r * s_row + h * s_head + pos[r] * s_col;
+      if (cs)
+        rope_head_f32(kn + r * kn_row + h * kn_head, cs + r * c_stride, sn + r * c_stride, kc, D / 2);
+      else
+        __builtin_memcpy(kc, kn + r * kn_row + h * kn_head, D * sizeof(float));
+      __builtin_memcpy(vc, vn + r * vn_row + h * vn_head, D * sizeof(float));
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qr = q + r * q_row + (h * G + g) * q_head;
+        if (cs) {
+          rope_head_f32(qr, cs + r * c_stride, sn + r * c_stride, qrot.data(), D / 2);
+          qr = qrot.data();
+        }
+        for (int64_t i = 0; i < D; ++i) qs[g * D + i] = qr[i] * sc;
+      }
+      attend_head_f32(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
+                      scores.data(), out + (r * H + h * G) * D);
+    }
+    return true;
+  }, threads);
+#else
+  (void)q_ptr, (void)q_row, (void)q_head, (void)kn_ptr, (void)kn_row, (void)kn_head, (void)vn_ptr, (void)vn_row;
+  (void)vn_head, (void)k_ptr, (void)v_ptr, (void)pos_ptr, (void)out_ptr, (void)m, (void)H, (void)Hkv, (void)D;
+  (void)cols, (void)s_row, (void)s_head, (void)s_col, (void)scale, (void)threads, (void)cos_ptr, (void)sin_ptr;
+  (void)c_stride;
+  throw std::invalid_argument("decode_attention_step_f32: not built for this platform");
 #endif
 }
 
@@ -2039,8 +2222,23 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("int4_matmul_f32", &int4_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
-        py::arg("residual") = 0,
-        "The int4 weight-only product of float32 rows (AVX2 + FMA; csrc/ops.cpp has the layout)");
+        py::arg("residual") = 0, py::arg("norm_weight") = 0, py::arg("eps") = 1e-6,
+        "The int4 weight-only product of float32 rows (AVX2 + FMA; csrc/ops.cpp has the layout); with norm_weight, of "
+        "rms_norm_f32(x, norm_weight, eps)");
+  m.def("rms_norm_f32", &rms_norm_f32, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("d"),
+        py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
+        "LlamaRMSNorm of float32 rows, torch's float32 arithmetic bit for bit (AVX2 + FMA; checked pointers).");
+  m.def("rope_f32", &rope_f32, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("tokens"),
+        py::arg("heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("cos_stride"),
+        py::arg("threads") = 0, "HF's rotary embedding of float32 rows, bit for bit (AVX2 + FMA; checked pointers).");
+  m.def("decode_attention_step_f32", &decode_attention_step_f32, py::arg("q"), py::arg("q_row"), py::arg("q_head"),
+        py::arg("k_new"), py::arg("k_new_row"), py::arg("k_new_head"), py::arg("v_new"), py::arg("v_new_row"),
+        py::arg("v_new_head"), py::arg("keys"), py::arg("values"), py::arg("pos"), py::arg("out"), py::arg("m"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("cols"), py::arg("row_stride"),
+        py::arg("head_stride"), py::arg("col_stride"), py::arg("scale"), py::arg("threads") = 0,
+        py::arg("cos") = 0, py::arg("sin") = 0, py::arg("cos_stride") = 0,
+        "A decode-only pass's store writes and attention over a float32 store, float32 in and out (AVX2 + FMA; "
+        "checked pointers); with cos / sin, q and k_new rotated first.");
   m.def("int8_matmul_f32", &int8_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
         "The int8 weight-only product of float32 rows (AVX2 + FMA)");

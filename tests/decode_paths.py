@@ -7,10 +7,10 @@ import dataclasses
 
 
 def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
-    """Generate each list of prompts in ``prompt_sets`` on a bf16 ``lm`` with the C++ ops, once with the decode-only
-    path (the runner's ``decode_attention_step``, with the rotary embedding in its call where the op binds that, and
-    the products' fused forms: the norm before, the residual sum after) and once without it (None: every pass the
-    general way).
+    """Generate each list of prompts in ``prompt_sets`` on ``lm`` (bf16, or float32 of quantized weights) with the
+    C++ ops, once with the decode-only path (the runner's ``decode_attention_step``, with the rotary embedding in its
+    call where the op binds that, and the products' fused forms: the norm before, the residual sum after) and once
+    without it (None: every pass the general way).
 
     Returns ``(out, calls)``: ``out[fast][i]`` the (token ids, log-probs, running sum) of set ``i``'s prompts, and the
     rows of each decode-only call (``fast=True`` only).
@@ -29,6 +29,7 @@ def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
                 calls.append(a[0].shape[0])
                 return inner(*a)
 
+            step.float32 = getattr(inner, "float32", False)  # float32 rows run it too (AVX2 and FMA)
             roped = getattr(inner, "roped", None)
             if roped is not None:
                 step.roped = lambda qkv, *a, roped=roped: calls.append(qkv.shape[0]) or roped(qkv, *a)

@@ -178,11 +178,16 @@ class _Layer:
         # the four products as bare calls for the rows of a bf16 decode step on a CPU, each (small, rows, large):
         # up to rows, and beyond (None: none); products None where one has no bare call. Bound here to torch's
         # quantized products; FusedForward binds them to the runner's ops (the same rows)
-        products = [_row_products(m) for m in self.linears]
-        # rows every product takes as a bare call: any where each has its many-rows call, else its kernels' least
-        # (0: some product has no bare call)
-        self.product_rows = 0 if any(p is None for p, _, _ in products) else (
-            1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products))
+        self.product_rows = _bare_rows([_row_products(m) for m in self.linears])
+        self.quantized = any(type(m) in (Int4Linear, Int8Linear) for m in self.linears)
+
+
+def _bare_rows(products: list[tuple]) -> int:
+    """Rows every product of ``products`` (:func:`_row_products`' triples) takes as a bare call: any where each has
+    its many-rows call, else its kernels' least (0: some product has no bare call)."""
+    if any(p is None for p, _, _ in products):
+        return 0
+    return 1 << 30 if all(large is not None for _, _, large in products) else min(r for _, r, _ in products)
 
 
 def _op_takes(op, dtype: torch.dtype) -> bool:
@@ -259,10 +264,11 @@ class FusedForward:
         # the most rows _decode_layers takes: any where every layer has bare products for many rows, else within
         # every layer's kernels (0: some layer has no bare product)
         self._row_limit = min(layer.product_rows for layer in self.layers)
+        self._f32_limits: dict[tuple, int] = {}  # matmuls -> the same for float32 rows (_float32_rows)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
         self._bound: dict[tuple, list[list[tuple]]] = {}
-        self._selections: dict[tuple, list[tuple]] = {}  # (matmuls, rows) -> each layer's calls (_selected)
+        self._selections: dict[tuple, list[tuple]] = {}  # (matmuls, rows, dtype) -> each layer's calls (_selected)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[T, D]`` at ``positions [T]`` (rows of a table the model's rotary module computed)."""
@@ -294,8 +300,12 @@ class FusedForward:
             outputs[0] = h[None]
         cos, sin = self.rope(positions, h)  # [T, D]
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
-        decode = (attention_step is not None and plan.attend is not None and not plan.segs and plan.m == t
-                  and h.dtype is torch.bfloat16 and h.device.type == "cpu" and t <= self._row_limit)
+        # bf16 rows over a store whose attention runs in C++ (plan.attend), float32 rows where the step op runs them
+        # in C++ (AVX2 and FMA: float32 set on it)
+        decode = (attention_step is not None and not plan.segs and plan.m == t and h.device.type == "cpu"
+                  and (plan.attend is not None and t <= self._row_limit if h.dtype is torch.bfloat16
+                       else h.dtype is torch.float32 and getattr(attention_step, "float32", False)
+                       and t <= self._float32_rows(matmuls)))
         if decode:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
         else:
@@ -341,16 +351,28 @@ class FusedForward:
                 outputs[i + 1] = h[None]
         return h
 
-    def _selected(self, matmuls: tuple, t: int) -> list[tuple]:
-        """Each layer's calls for a decode pass of ``t`` rows (kept a ``(matmuls, t)``): ``(qkv, qkv_normed, o,
-        o_added, gate_up, gate_up_normed, down, down_added)``, each product as its layer runs ``t`` rows (the
+    def _float32_rows(self, matmuls: tuple) -> int:
+        """The most float32 rows :meth:`_decode_layers` takes with the products of ``matmuls``: as ``_row_limit``
+        for bf16 rows, and 0 where a layer has no quantized product: a float32 model of float weights keeps torch's
+        attention (its SDPA; the C++ loop sums in another order), the arithmetic its recorded answers were made with."""
+        rows = self._f32_limits.get(matmuls)
+        if rows is None:
+            rows = self._f32_limits[matmuls] = min(
+                _bare_rows(products) if layer.quantized else 0
+                for layer, products in zip(self.layers, self._products(matmuls, torch.float32)))
+        return rows
+
+    def _selected(self, matmuls: tuple, t: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
+        """Each layer's calls for a decode pass of ``t`` rows of ``dtype`` (kept a ``(matmuls, t, dtype)``):
+        ``(qkv, qkv_normed, o, o_added, gate_up, gate_up_normed, down, down_added)``, each product as its layer runs
+        ``t`` rows (the
         kernel up to its rows, the kept copy beyond), the fused forms (the norm before, the residual sum after, in the
         kernel's call) where the kernel takes the rows and the op binds them, else None."""
-        key = (matmuls, t)
+        key = (matmuls, t, dtype)
         selected = self._selections.get(key)
         if selected is None:
             selected = []
-            for products in self._products(matmuls):
+            for products in self._products(matmuls, dtype):
                 (qkv, qkv_rows, qkv_large), (o, o_rows, o_large), (gu, gu_rows, gu_large), (dn, dn_rows, dn_large) = \
                     products
                 selected.append((
@@ -381,7 +403,7 @@ class FusedForward:
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         store, pos = plan.store, plan.pos
         roped = getattr(attention_step, "roped", None)
-        for i, (layer, calls) in enumerate(zip(self.layers, self._selected(matmuls, t))):
+        for i, (layer, calls) in enumerate(zip(self.layers, self._selected(matmuls, t, h.dtype))):
             qkv_p, qkv_n, o_p, o_a, gate_up_p, gate_up_n, down_p, down_a = calls
             # the norm and the product after it in one call where the kernel takes these rows (bitwise the two)
             if qkv_n is not None:

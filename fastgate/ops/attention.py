@@ -58,19 +58,29 @@ def ext_decode_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
     return decode_attention
 
 
-def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Callable[..., torch.Tensor]:
-    """The C++ store writes and attention of a decode-only pass (bf16 in and out, ``decode_attention_step_bf16``) with
-    the reference's signature; inputs it cannot run go to the reference.
+def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False,
+                              f32: bool = False) -> Callable[..., torch.Tensor]:
+    """The C++ store writes and attention of a decode-only pass with the reference's signature: bf16 in and out
+    (``decode_attention_step_bf16``), and float32 in and out over a float32 store where ``f32``
+    (``decode_attention_step_f32``: AVX2 and FMA; the op then says so: ``float32`` True); inputs it cannot run go to
+    the reference.
 
-    ``fuse_rope``: the runner's ``rope`` is the C++ one for any rows (``rope_bf16``), so the op also offers
-    ``roped(qkv, heads, cos, sin, keys, values, pos, scale, rope)`` (``qkv [m, H + 2 Hkv, D]``: the q, k_new and v_new
-    heads side by side): the rotary embedding of q and k_new in the same call with that loop, bitwise
-    ``decode_attention_step(rope(q), rope(k_new), v_new, ...)`` (one Python call a layer less: each costs ~5 us
-    beside a batch-1 step's ~180 us a layer)."""
+    The op also offers ``roped(qkv, heads, cos, sin, keys, values, pos, scale, rope)`` (``qkv [m, H + 2 Hkv, D]``: the
+    q, k_new and v_new heads side by side): the rotary embedding of q and k_new in the same call with the runner's
+    rotary loop (``rope_bf16`` / ``rope_f32``), bitwise ``decode_attention_step(rope(q), rope(k_new), v_new, ...)``
+    (one Python call a layer less: each costs ~5 us beside a batch-1 step's ~180 us a layer). bf16 rows take it where
+    ``fuse_rope`` (the runner's ``rope`` is the C++ one for any rows: AVX-512), float32 rows wherever ``f32``."""
+    kernels = {torch.bfloat16: ext.decode_attention_step_bf16}
+    if f32:
+        kernels[torch.float32] = ext.decode_attention_step_f32
+    fused = {torch.float32} if f32 else set()
+    if fuse_rope:
+        fused.add(torch.bfloat16)
 
     def runs(q, k_new, v_new, keys, values, pos) -> bool:
-        return (keys.dtype is torch.bfloat16 and values.dtype is torch.bfloat16 and q.dtype is torch.bfloat16
-                and k_new.dtype is torch.bfloat16 and v_new.dtype is torch.bfloat16 and keys.device.type == "cpu"
+        dtype = keys.dtype
+        return (dtype in kernels and values.dtype is dtype and q.dtype is dtype and k_new.dtype is dtype
+                and v_new.dtype is dtype and keys.device.type == "cpu"
                 and q.device.type == "cpu" and pos.device.type == "cpu" and pos.dtype is torch.int64
                 and keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.shape[-1] <= _MAX_HEAD_DIM
                 and q.stride(-1) == 1 and k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and pos.is_contiguous()
@@ -79,12 +89,13 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
     def launch(q: tuple, k_new: tuple, v_new: tuple, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                m: int, heads: int, dim: int, scale: float | None, rotary: tuple = (0, 0, 0)) -> torch.Tensor:
         """The kernel's call, checked by the caller: ``q``, ``k_new``, ``v_new`` as ``(pointer, row stride, head
-        stride)``, ``rotary`` as ``(cos pointer, sin pointer, row stride)`` (0s: none); the output ``[m, H, D]``."""
-        out = torch.empty((m, heads, dim), dtype=torch.bfloat16)  # [m, H, D]
+        stride)``, ``rotary`` as ``(cos pointer, sin pointer, row stride)`` (0s: none); the output ``[m, H, D]`` in
+        the store's dtype."""
+        out = torch.empty((m, heads, dim), dtype=keys.dtype)  # [m, H, D]
         if m:
             ks, kst = keys.shape, keys.stride()
             try:
-                ext.decode_attention_step_bf16(
+                kernels[keys.dtype](
                     *q, *k_new, *v_new, keys.data_ptr(), values.data_ptr(), pos.data_ptr(), out.data_ptr(), m, heads,
                     ks[1], dim, ks[2], kst[0], kst[1], kst[2], dim ** -0.5 if scale is None else float(scale),
                     torch.get_num_threads(), *rotary)
@@ -101,7 +112,7 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
         return launch((q.data_ptr(), q.stride(0), q.stride(1)), (k_new.data_ptr(), k_new.stride(0), k_new.stride(1)),
                       (v_new.data_ptr(), v_new.stride(0), v_new.stride(1)), keys, values, pos, m, heads, dim, scale)
 
-    bf16, int64 = torch.bfloat16, torch.int64
+    int64 = torch.int64
 
     def roped(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor, pos: torch.Tensor, scale: float | None,
@@ -112,8 +123,9 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
         qs, ks, cs = qkv.shape, keys.shape, cos.shape
         qst, kst, cst = qkv.stride(), keys.stride(), cos.stride()
         m, dim, kv_heads = qs[0], qs[2], ks[1] if len(ks) == 4 else 0
-        if not (qkv.dtype is bf16 and keys.dtype is bf16 and values.dtype is bf16 and cos.dtype is bf16
-                and sin.dtype is bf16 and pos.dtype is int64 and qkv.is_cpu and keys.is_cpu and cos.is_cpu
+        dtype = qkv.dtype
+        if not (dtype in fused and keys.dtype is dtype and values.dtype is dtype and cos.dtype is dtype
+                and sin.dtype is dtype and pos.dtype is int64 and qkv.is_cpu and keys.is_cpu and cos.is_cpu
                 and pos.is_cpu and len(qs) == 3 and len(ks) == 4 and qs[1] == heads + 2 * kv_heads
                 and heads % kv_heads == 0 and ks[3] == dim and dim <= _MAX_HEAD_DIM and dim % 2 == 0
                 and m <= ks[0] and values.shape == ks and values.stride() == kst and kst[3] == 1 and qst[2] == 1
@@ -122,11 +134,12 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False) -> Calla
             k_new, v_new = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
             return decode_attention_step(rope(qkv[:, :heads], cos, sin), rope(k_new, cos, sin), v_new, keys, values,
                                          pos, scale)
-        base, head_bytes = qkv.data_ptr(), qst[1] * 2  # bf16: 2 bytes an element
+        base, head_bytes = qkv.data_ptr(), qst[1] * qkv.element_size()
         return launch((base, qst[0], qst[1]), (base + heads * head_bytes, qst[0], qst[1]),
                       (base + (heads + kv_heads) * head_bytes, qst[0], qst[1]), keys, values, pos, m, heads, dim,
                       scale, (cos.data_ptr(), sin.data_ptr(), cst[0]))
 
-    if fuse_rope:
+    if fused:
         decode_attention_step.roped = roped  # type: ignore[attr-defined]
+    decode_attention_step.float32 = f32  # type: ignore[attr-defined]  (float32 rows run C++: fastgate.engine.fused)
     return decode_attention_step

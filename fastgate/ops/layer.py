@@ -41,36 +41,48 @@ def row_limits(wide: bool) -> dict[str, int]:
     return {"rms_norm": UNLIMITED, "rope": UNLIMITED if wide else 16}
 
 
-def ext_rms_norm(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
-    """The C++ RMS norm with the reference's signature ``(x [..., d], weight [d], eps) -> [..., d]``."""
+def ext_rms_norm(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[..., torch.Tensor]:
+    """The C++ RMS norm with the reference's signature ``(x [..., d], weight [d], eps) -> [..., d]``: bf16 rows
+    (``rms_norm_bf16``), and float32 rows where ``f32`` (``rms_norm_f32``: AVX2 and FMA), each bitwise the
+    reference."""
+    kernels = {torch.bfloat16: ext.rms_norm_bf16}
+    if f32:
+        kernels[torch.float32] = ext.rms_norm_f32
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
+        dtype = x.dtype
+        if (dtype not in kernels or weight.dtype is not dtype or x.device.type != "cpu"
                 or x.shape[0] > max_rows or x.shape[-1] < 8  # under 8 features torch sums in another order
                 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1] or not weight.is_contiguous()
                 or weight.shape != x.shape[1:]):
             return reference.rms_norm(x, weight, eps)
-        out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, d]
-        ext.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                          float(eps), torch.get_num_threads())
+        out = torch.empty(x.shape, dtype=dtype)  # [T, d]
+        kernels[dtype](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                       float(eps), torch.get_num_threads())
         return out
 
     return rms_norm
 
 
-def ext_rope(ext: ModuleType, max_rows: int) -> Callable[..., torch.Tensor]:
-    """The C++ rotary embedding with the reference's signature ``(x [T, H, D], cos, sin [T, 1, D]) -> [T, H, D]``."""
+def ext_rope(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[..., torch.Tensor]:
+    """The C++ rotary embedding with the reference's signature ``(x [T, H, D], cos, sin [T, 1, D]) -> [T, H, D]``:
+    bf16 rows (``rope_bf16``), and float32 rows where ``f32`` (``rope_f32``: AVX2 and FMA), each bitwise the
+    reference."""
+    kernels = {torch.bfloat16: ext.rope_bf16}
+    if f32:
+        kernels[torch.float32] = ext.rope_f32
 
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is not torch.bfloat16 or cos.dtype is not torch.bfloat16 or sin.dtype is not torch.bfloat16
+        dtype = x.dtype
+        if (dtype not in kernels or cos.dtype is not dtype or sin.dtype is not dtype
                 or x.device.type != "cpu" or x.shape[0] > max_rows or x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2
                 or cos.shape != (x.shape[0], 1, x.shape[2]) or sin.shape != cos.shape or cos.stride(2) != 1
                 or sin.stride() != cos.stride()):
             return reference.rope(x, cos, sin)
         t, h, d = x.shape
-        out = torch.empty((t, h, d), dtype=torch.bfloat16)  # [T, H, D]
-        ext.rope_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0), x.stride(1),
-                      cos.stride(0), torch.get_num_threads())
+        out = torch.empty((t, h, d), dtype=dtype)  # [T, H, D]
+        kernels[dtype](x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0),
+                       x.stride(1), cos.stride(0), torch.get_num_threads())
         return out
 
     return rope

@@ -88,15 +88,19 @@ def _int4_layer_ok(layer: Int4Linear) -> bool:
             and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32)
 
 
-def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = True,
-                    f32: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
+def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = True, f32: bool = False,
+                    fuse_norm_f32: bool = False) -> Callable[[torch.Tensor, Int4Linear], torch.Tensor]:
     """The C++ int4 product with :func:`torch_int4_matmul`'s signature; inputs it cannot take go to torch's.
 
     ``bf16``: bf16 rows run ``int4_matmul_bf16`` (AVX512-BF16); ``f32``: float32 rows run ``int4_matmul_f32`` (AVX2 and
     FMA; the op then says so: ``float32`` True). ``fuse_norm``: the runner's ``rms_norm`` is the C++ one
     (``rms_norm_bf16``), so a layer bound here may also norm its bf16 rows in the same call with that loop
-    (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``."""
+    (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``; ``fuse_norm_f32``: likewise float32 rows
+    (``rms_norm_f32``'s loop in ``int4_matmul_f32``'s call; with ``f32``)."""
     runs = _kernels(ext, bf16, f32, "int4_matmul")
+    # the row dtypes whose kernel norms the rows in its call (bitwise the C++ norm, which is bitwise the reference)
+    normable = {dtype for dtype, asked in ((torch.bfloat16, fuse_norm and bf16), (torch.float32, fuse_norm_f32 and f32))
+                if asked}
 
     def int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
         k, n = layer.in_features, layer.out_features
@@ -133,15 +137,20 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
             return out
 
         def normed(x: torch.Tensor, weight: torch.Tensor, eps: float, rms_norm: Callable) -> torch.Tensor:
-            """``product(rms_norm(x, weight, eps))`` in one call for bf16 rows (the norm's C++ loop in the kernel's
-            call)."""
-            if not (x.dtype is bf16_t and takes(x) and weight.dtype is bf16_t and weight.is_contiguous()
+            """``product(rms_norm(x, weight, eps))`` in one call for rows of a dtype in ``normable`` (the norm's C++
+            loop in the kernel's call)."""
+            dtype = x.dtype
+            if not (dtype in normable and takes(x) and weight.dtype is dtype and weight.is_contiguous()
                     and weight.shape == (k,)):
                 return product(rms_norm(x, weight, eps))
             m = x.shape[0]
-            out = empty((m, n), dtype=bf16_t)  # [M, N]
-            runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(),
-                         float(eps))
+            out = empty((m, n), dtype=dtype)  # [M, N]
+            if dtype is bf16_t:
+                runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(),
+                             float(eps))
+            else:  # float32: the residual (none) comes first in its kernel's arguments
+                runs[dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0,
+                            weight.data_ptr(), float(eps))
             return out
 
         def added(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -160,7 +169,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
             return out
 
         product.added = added  # type: ignore[attr-defined]
-        if fuse_norm and bf16:
+        if normable:
             product.normed = normed  # type: ignore[attr-defined]
         return product
 

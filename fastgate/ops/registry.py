@@ -70,7 +70,7 @@ GateBackend = Literal["triton", "ext", "torch"]
 GATE_OPS: tuple[str, ...] = ("accumulate", "probe_logits", "eigenscore")
 CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs_batch", "ais_scores",
                             "ais_scores_batch", "ais_topk_batch")
-_LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's, CPU bf16 in C++
+_LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's: C++ on a CPU
 _QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
 OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, *CPU_OPS)
 
@@ -280,23 +280,27 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
 
         # the rows each loop pays for at this CPU's vector width (an extension built before the widths: 8 wide)
         limits = row_limits(getattr(ext, "cpu_has_avx512", lambda: False)())
-        chosen |= {"decode_attention": ext_decode_attention(ext), "rms_norm": ext_rms_norm(ext, limits["rms_norm"]),
-                   "rope": ext_rope(ext, limits["rope"]),
-                   # bf16 rows; others: the references. The rotary embedding in the same call where rope is C++ for
-                   # any rows (AVX-512)
-                   "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] == UNLIMITED)}
-        names |= {name: "ext" for name in _LAYER_OPS}
-        # bf16 rows where the CPU has AVX512-BF16, float32 rows where it has AVX2 and FMA (an older extension:
-        # torch's for both)
+        # bf16 products where the CPU has AVX512-BF16; float32 products, norm, rotary embedding and decode attention
+        # where it has AVX2 and FMA (an older extension: torch's for both)
         bf16 = bool(getattr(ext, "quant_kernels_supported", lambda: False)())
         f32 = bool(getattr(ext, "quant_f32_kernels_supported", lambda: False)())
+        f32_layers = f32 and hasattr(ext, "rms_norm_f32")  # built with the float32 layer ops
+        chosen |= {"decode_attention": ext_decode_attention(ext),
+                   "rms_norm": ext_rms_norm(ext, limits["rms_norm"], f32=f32_layers),
+                   "rope": ext_rope(ext, limits["rope"], f32=f32_layers),
+                   # bf16 rows (float32 rows too where f32_layers); others: the references. The rotary embedding in
+                   # the same call where rope is C++ for any rows (AVX-512), and for float32 rows
+                   "decode_attention_step": ext_decode_attention_step(ext, fuse_rope=limits["rope"] == UNLIMITED,
+                                                                      f32=f32_layers)}
+        names |= {name: "ext" for name in _LAYER_OPS}
         if bf16 or f32:
             from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul
 
             # the C++ norm above is bound for every bf16 row here (AVX512-BF16 CPUs have AVX-512): int4 products
             # may norm their rows in the same call with it
             fuse = names["rms_norm"] == "ext" and limits["rms_norm"] == UNLIMITED
-            chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse, bf16=bf16, f32=f32),
+            chosen |= {"int4_matmul": ext_int4_matmul(ext, fuse_norm=fuse, bf16=bf16, f32=f32,
+                                                      fuse_norm_f32=f32_layers),
                        "int8_matmul": ext_int8_matmul(ext, bf16=bf16, f32=f32)}
             names |= {name: "ext" for name in _QUANT_OPS}
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
