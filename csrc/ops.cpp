@@ -8,11 +8,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -274,10 +280,110 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
   return out;
 }
 
+// The threads split_rows hands work to: started once (one per core but the caller's), kept, and woken per call. A
+// thread started per call cost ~30 us (start and join), so a product of a batch-1 decode step (10-150 us of work)
+// stayed on one thread, though two threads read ~1.7x one's bandwidth on the EPYCs here. A waiting worker spins for
+// kSpinMicros before it sleeps on a condition variable: the products of a decode step come ~10-30 us apart, the
+// steps ~1 ms. Why not torch's pool (at::parallel_for): the extension does not link against torch. One caller at a
+// time: a second (another Python thread, the GIL released) starts threads of its own as before. A fork's child gets
+// a pool of its own (a forked process has only the forking thread).
+class WorkerPool {
+ public:
+  typedef void (*Task)(void* ctx, int64_t t);
+
+  // The process's pool (never destroyed: detached workers may still be waiting at exit); nullptr on a one-core
+  // machine.
+  static WorkerPool* get() {
+    static std::atomic<WorkerPool*> pool{nullptr};
+    static std::mutex made;
+    WorkerPool* p = pool.load(std::memory_order_acquire);
+    if (p != nullptr && p->pid_ == getpid()) return p;
+    std::lock_guard<std::mutex> lock(made);
+    p = pool.load(std::memory_order_acquire);
+    if (p == nullptr || p->pid_ != getpid()) {  // the first call, or the first in a fork's child (the old one leaks)
+      const int64_t cores = static_cast<int64_t>(std::thread::hardware_concurrency());
+      p = cores > 1 ? new WorkerPool(cores - 1) : nullptr;
+      pool.store(p, std::memory_order_release);
+    }
+    return p;
+  }
+
+  // task(ctx, t) for t = 0 .. n - 1, t = 0 on the caller's thread, each other t on a worker; false (nothing run) when
+  // another caller holds the pool or n - 1 exceeds its workers.
+  bool run(int64_t n, Task task, void* ctx) {
+    if (n - 1 > workers_ || busy_.exchange(true, std::memory_order_acquire)) return false;
+    task_ = task;
+    ctx_ = ctx;
+    remaining_.store(n - 1, std::memory_order_relaxed);
+    // a ticket to each worker taking part (the task's fields are written first; a worker reads them after its
+    // ticket moves, and no field changes until every such worker is done, so none runs a task twice or late)
+    for (int64_t i = 1; i < n; ++i) slots_[i].ticket.fetch_add(1, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lock(mutex_); }
+      wake_.notify_all();
+    }
+    task(ctx, 0);
+    while (remaining_.load(std::memory_order_acquire) > 0) pause();
+    busy_.store(false, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  static constexpr int64_t kSpinMicros = 200;
+
+  explicit WorkerPool(int64_t workers) : workers_(workers), pid_(getpid()), slots_(new Slot[workers + 1]) {
+    for (int64_t i = 1; i <= workers; ++i) std::thread([this, i] { loop(i); }).detach();
+  }
+
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  void loop(int64_t index) {
+    std::atomic<uint64_t>& ticket = slots_[index].ticket;
+    uint64_t seen = 0;  // the tickets' start: a first call may come before this thread runs
+    for (;;) {
+      // spin a while, then sleep until the next ticket
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+      for (int i = 0; ticket.load(std::memory_order_acquire) == seen; ++i) {
+        pause();
+        if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
+      }
+      if (ticket.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        sleeping_.fetch_add(1, std::memory_order_seq_cst);
+        while (ticket.load(std::memory_order_seq_cst) == seen) wake_.wait(lock);
+        sleeping_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      seen = ticket.load(std::memory_order_acquire);
+      task_(ctx_, index);
+      remaining_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  struct alignas(64) Slot {  // a cache line each: a worker spins on its own
+    std::atomic<uint64_t> ticket{0};
+  };
+
+  const int64_t workers_;
+  const pid_t pid_;
+  std::unique_ptr<Slot[]> slots_;  // [1 .. workers]
+  std::atomic<bool> busy_{false};
+  std::atomic<int64_t> remaining_{0};
+  std::atomic<int64_t> sleeping_{0};
+  Task task_ = nullptr;
+  void* ctx_ = nullptr;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
 // Runs worker(first, step) on up to one thread per core, the caller's thread included: thread t takes the rows
-// t, t + step, ... of B independent rows. Threads start only when `work` (a rough count of multiply-adds) pays for
-// them, one per `grain`, and at most `max_threads` (0: one per core). Returns whether every worker returned true.
-// Call with the GIL released.
+// t, t + step, ... of B independent rows. Threads join only when `work` (a rough count of multiply-adds) pays for
+// them, one per `grain`, and at most `max_threads` (0: one per core); they come from the WorkerPool (threads started
+// for the call where another caller holds it). Returns whether every worker returned true. Call with the GIL
+// released.
 template <class Worker>
 bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
   // read once: hardware_concurrency() parses /sys on every call (~5 us, more than a batch-1 op's own work)
@@ -285,12 +391,17 @@ bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t m
   int64_t hw = cores;
   if (max_threads > 0) hw = std::min(hw, max_threads);
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>({hw, B, work / grain}));
+  if (n_threads == 1) return worker(0, 1);
   std::vector<char> ok(n_threads, 1);
   auto run = [&](int64_t t) { ok[t] = worker(t, n_threads) ? 1 : 0; };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < n_threads; ++t) pool.emplace_back(run, t);
-  run(0);
-  for (auto& th : pool) th.join();
+  WorkerPool* pool = WorkerPool::get();
+  const WorkerPool::Task task = [](void* ctx, int64_t t) { (*static_cast<decltype(run)*>(ctx))(t); };
+  if (pool == nullptr || !pool->run(n_threads, task, &run)) {
+    std::vector<std::thread> threads;
+    for (int64_t t = 1; t < n_threads; ++t) threads.emplace_back(run, t);
+    run(0);
+    for (auto& th : threads) th.join();
+  }
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
 }
 
@@ -1483,14 +1594,21 @@ constexpr int kQuantInputs = 4;  // input rows a tile (M > 4: tiles of 4 in turn
 // alone left the int4 kernel at ~16 GB/s on a Zen 4 EPYC; 2 / 4 / 8 KB ahead: 4.9 / 3.7 / 3.4 ms for SmolLM2's 120)
 constexpr int64_t kPrefetchBytes = 8192;
 
+// The multiply-adds a thread of a quantized product takes at least (a bench hook sets it: set_quant_grain)
+std::atomic<int64_t> g_quant_grain{1 << 17};
+
+void set_quant_grain(int64_t grain) {
+  if (grain < 1) throw std::invalid_argument("set_quant_grain: grain >= 1");
+  g_quant_grain.store(grain, std::memory_order_relaxed);
+}
+
 // Splits N weight rows into blocks of 64 over the threads (each thread every step-th block), and the M input rows
 // into tiles of `inputs`, calling rows(m0, mb, n0, n1) for each.
 template <class Rows>
 void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows, int64_t inputs = kQuantInputs) {
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  // a thread starts only for ~4M multiply-adds of its own: a thread's start costs ~30 us
-  split_rows(blocks, M * N * K, 1 << 22, [&](int64_t first, int64_t step) {
+  split_rows(blocks, M * N * K, g_quant_grain.load(std::memory_order_relaxed), [&](int64_t first, int64_t step) {
     for (int64_t b = first; b < blocks; b += step) {
       const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
       for (int64_t m0 = 0; m0 < M; m0 += inputs) rows(m0, std::min<int64_t>(inputs, M - m0), n0, n1);
@@ -2198,6 +2316,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
         py::arg("d"), py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
         "LlamaRMSNorm of bf16 rows, float32 statistics, HF's roundings (pointers to checked torch tensors).");
+  m.def("set_quant_grain", &set_quant_grain, py::arg("grain"),
+        "Bench hook: the multiply-adds a thread of a quantized product takes at least (default 2^17).");
   m.def("set_max_vector_width", &set_max_vector_width, py::arg("width"),
         "Test hook: 8 runs the elementwise layer ops 8 wide on an AVX-512 CPU too; 16 (the default) restores them.");
   m.def("cpu_has_avx512", &cpu_has_avx512,

@@ -10,9 +10,12 @@ host's share was ~9 ms of a 20.6 ms step with int8 weights. :class:`FusedForward
 * RoPE from a table of ``cos`` / ``sin`` per position computed once by the model's own rotary module (rows gathered
   by position: HF recomputes them every pass), applied to ``q`` and ``k`` in one go;
 * the norm and the rotary embedding as the runner's ops ``rms_norm`` and ``rope`` (:mod:`fastgate.ops.layer`: one
-  C++ call each for bf16 rows on a CPU where the extension is built, the torch references otherwise);
+  C++ call each for bf16 rows on a CPU where the extension is built, and float32 rows where it has AVX2 and FMA,
+  bitwise; the torch references otherwise);
 * the packed attention function itself (:func:`fastgate.engine.packed._packed_attention`), so the slot store, the
-  prefill buffers and the float32 attention of bf16 caches are the very same;
+  prefill buffers and the float32 attention of bf16 caches are the very same; a pass of decode rows only on a CPU
+  (bf16, or float32 with quantized weights) writes the store and attends in one C++ call a layer instead
+  (:meth:`FusedForward._decode_layers`, op ``decode_attention_step``), the norms inside the products' calls;
 * the taps written directly (no forward hooks): layer 0 the embeddings, layer ``i`` decoder layer ``i - 1``'s output,
   layer ``n`` the final norm's, as :class:`fastgate.engine.model_runner.Taps` keeps them.
 
@@ -396,7 +399,8 @@ class FusedForward:
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,
                        matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
-        ``plan.pos[r]``), bf16 on a CPU: the products as bare calls (:func:`_row_products`: the kernels up to their
+        ``plan.pos[r]``), bf16 on a CPU (or float32 of quantized weights, where the step op takes float32 rows:
+        :meth:`_float32_rows`): the products as bare calls (:func:`_row_products`: the kernels up to their
         rows, the kept de-quantized or float weights beyond) and each layer's store writes and attention as one call
         of ``attention_step``. The operations and their order are :meth:`_layers`'; only the host's share shrinks."""
         t = h.shape[0]

@@ -1,5 +1,5 @@
-"""The fused pass's RMS norm and rotary embedding over bf16 rows on a CPU, in one C++ call each (ops ``rms_norm``,
-``rope``; docs/ARCHITECTURE.md).
+"""The fused pass's RMS norm and rotary embedding over bf16 (and float32) rows on a CPU, in one C++ call each (ops
+``rms_norm``, ``rope``; docs/ARCHITECTURE.md).
 
 As torch operations the norm is nine dispatches (cast, square, sum, divide, add, rsqrt, product, cast, product) and the
 rotary embedding seven (two slices, a negation, a join, two products, a sum): about 700 of a batch-1 decode step of
@@ -11,14 +11,17 @@ reference's, and so is the norm for rows of at least 8 features (its float32 sum
 at::native's cascade over vectors of 8 floats: torch registers its sum kernel without an AVX-512 build; shorter rows,
 which torch sums otherwise, go to the reference).
 
-Every input they cannot take (float32 or another dtype, another device, a last dimension with a stride, an odd head
-dim) goes to the reference: a float32 model keeps torch's arithmetic exactly. So do more rows than an op's limit
-(:func:`row_limits`), chosen once at construction by the vector width the CPU gives the loops: 16 floats with
-AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm
-(576 wide) 14 / 17 / 26 / 2,300 against 0.8 / 3.7 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 16 / 36 /
-450 against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows. (A C++ SwiGLU activation,
-``silu(gate) * up``, was tried and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and its
-polynomial exp was not torch's Sleef exp bit for bit.)
+float32 rows have loops of their own where the CPU has AVX2 and FMA (``rms_norm_f32``, ``rope_f32``; the registry's
+``f32``): bitwise torch's float32 arithmetic, every product rounded before a sum (compiled without FMA contraction), the
+sum of squares in torch's order. A batch-1 step of SmolLM2 in float32 spent ~5 ms of ~28 in these as torch operations
+(an AVX2-only EPYC). Every input they cannot take (another dtype, another device, a last dimension with a stride, an odd
+head dim) goes to the reference: a float32 model keeps torch's arithmetic exactly either way. So do more rows than an
+op's limit (:func:`row_limits`), chosen once at construction by the vector width the CPU gives the loops: 16 floats with
+AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm (576
+wide) 14 / 17 / 26 / 2,300 against 0.8 / 3.7 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 16 / 36 / 450
+against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows. (A C++ SwiGLU activation, ``silu(gate)
+* up``, was tried and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and its polynomial exp
+was not torch's Sleef exp bit for bit.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   eigenscore when the extension ``fastgate._C`` is built (accumulate and prober stay torch, where they cost ~nothing);
   the CPU ops (align_words, word_logprobs, AIS) run in the extension when it is built, in numpy otherwise, and so
   does the decode rows' attention over a bf16 store on a CPU (``decode_attention``; torch's SDPA otherwise) and the
-  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise). A
+  fused pass's norm and rotary embedding of bf16 rows (``rms_norm``, ``rope``; torch operations otherwise), and of
+  float32 rows where the CPU has AVX2 and FMA (so does the decode-only pass's ``decode_attention_step``). A
   prompt chunk's attention over bf16 keys on a CPU (``prefill_attention``, :mod:`fastgate.ops.prefill`) runs in the
   extension where the CPU has AVX512-BF16 (``ext``), else in query blocks of torch's batched products (``blocked``,
   no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
