@@ -868,6 +868,11 @@ FASTGATE_INLINE F exp_nonpositive(F x) {
 
 inline f32x8 exp8_nonpositive(f32x8 x) { return exp_nonpositive<f32x8, i32x8>(x); }
 
+// The multiply-adds a thread of the decode rows' attention takes at least: ~20 us of work, where a WorkerPool thread
+// joins for a few us (a thread started per call needed ~1M: SmolLM2's batch-1 step kept its 3 key / value heads on one
+// thread up to ~1,800 columns)
+constexpr int64_t kAttentionGrain = 1 << 18;
+
 // One row's key / value head: q [G, D] float32 (already scaled), k / v [n, D] bf16 rows `stride` apart; scores
 // [G, n] scratch; out [G, D] float32. D <= kMaxD.
 constexpr int64_t kMaxD = 256;
@@ -984,8 +989,8 @@ void decode_attention_bf16(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, ui
   const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  // a thread pays for itself from ~1M multiply-adds (~100 us): a batch-1 step stays on the caller's thread
-  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
+  // threads from kAttentionGrain multiply-adds each (WorkerPool)
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, kAttentionGrain, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest);  // per thread
     for (int64_t item = first; item < m * Hkv; item += step) {
       const int64_t r = item / Hkv, h = item % Hkv;
@@ -1242,7 +1247,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
   const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, kAttentionGrain, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest), o(G * D);  // per thread
     std::vector<uint16_t> qrot(cs ? D : 0);
     for (int64_t item = first; item < m * Hkv; item += step) {
@@ -2257,7 +2262,7 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
   const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, 1 << 20, [&](int64_t first, int64_t step) {
+  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, kAttentionGrain, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest), qrot(cs ? D : 0);  // per thread
     for (int64_t item = first; item < m * Hkv; item += step) {
       const int64_t r = item / Hkv, h = item % Hkv;
