@@ -872,38 +872,54 @@ inline f32x8 exp8_nonpositive(f32x8 x) { return exp_nonpositive<f32x8, i32x8>(x)
 // joins for a few us (a thread started per call needed ~1M: SmolLM2's batch-1 step kept its 3 key / value heads on one
 // thread up to ~1,800 columns)
 constexpr int64_t kAttentionGrain = 1 << 18;
+constexpr int64_t kPartColumns = 128;  // the fewest columns a part of a head's attention takes
 
 // One row's key / value head: q [G, D] float32 (already scaled), k / v [n, D] bf16 rows `stride` apart; scores
 // [G, n] scratch; out [G, D] float32. D <= kMaxD.
 constexpr int64_t kMaxD = 256;
 
-// Each of G rows of n scores (G x n, contiguous) becomes its softmax, in float32 (exp of non-positive numbers).
+// One row of n scores becomes exp(score - max) in place (exp of non-positive numbers, in float32); returns the max
+// and the exps' sum.
+FASTGATE_INLINE std::pair<float, float> exp_row(float* sg, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t w = 0; w < n; ++w) mx = std::max(mx, sg[w]);
+  const int64_t nv = n / 8 * 8;
+  f32x8 vsum = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t w = 0; w < nv; w += 8) {
+    f32x8 e = exp8_nonpositive(load8(sg + w) - mx);
+    __builtin_memcpy(sg + w, &e, sizeof e);
+    vsum += e;
+  }
+  float sum = hsum8(vsum);
+  for (int64_t w = nv; w < n; ++w) {
+    sg[w] = std::exp(sg[w] - mx);
+    sum += sg[w];
+  }
+  return {mx, sum};
+}
+
+// Each of G rows of n scores (G x n, contiguous) becomes its softmax, in float32 (exp of non-positive numbers); with
+// mx / sum given (G each), its exps instead, unnormalised, their max and sum there (a part of a row's columns, merged
+// by the caller: merge_parts).
 FASTGATE_CLONES
-void softmax_rows(float* scores, int64_t n, int64_t G) {
-  for (int64_t g = 0; g < G; ++g) {  // softmax per query head, in float32 (exp of non-positive numbers)
+void softmax_rows(float* scores, int64_t n, int64_t G, float* mx = nullptr, float* sum = nullptr) {
+  for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t w = 0; w < n; ++w) mx = std::max(mx, sg[w]);
-    const int64_t nv = n / 8 * 8;
-    f32x8 vsum = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t w = 0; w < nv; w += 8) {
-      f32x8 e = exp8_nonpositive(load8(sg + w) - mx);
-      __builtin_memcpy(sg + w, &e, sizeof e);
-      vsum += e;
+    const std::pair<float, float> ms = exp_row(sg, n);
+    if (mx != nullptr) {
+      mx[g] = ms.first;
+      sum[g] = ms.second;
+      continue;
     }
-    float sum = hsum8(vsum);
-    for (int64_t w = nv; w < n; ++w) {
-      sg[w] = std::exp(sg[w] - mx);
-      sum += sg[w];
-    }
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / ms.second;
     for (int64_t w = 0; w < n; ++w) sg[w] *= inv;
   }
 }
 
+// mx / sum (G each; nullptr: none): the scores' exps unnormalised, their max and sum there (softmax_rows)
 template <class T>
 FASTGATE_INLINE void attend_head_t(const float* q, const T* k, const T* v, int64_t stride, int64_t n, int64_t G,
-                 int64_t D, float* scores, float* out) {
+                                   int64_t D, float* scores, float* out, float* mx = nullptr, float* sum = nullptr) {
   const int64_t dv = D / 8 * 8;
   for (int64_t w = 0; w < n; ++w) {  // scores: each key row read once for the G heads
     const T* kw = k + w * stride;
@@ -918,7 +934,7 @@ FASTGATE_INLINE void attend_head_t(const float* q, const T* k, const T* v, int64
       scores[g * n + w] = s;
     }
   }
-  softmax_rows(scores, n, G);
+  softmax_rows(scores, n, G, mx, sum);
   for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
   for (int64_t w = 0; w < n; ++w) {  // out: each value row read once for the G heads
     const T* vw = v + w * stride;
@@ -945,8 +961,28 @@ void attend_head(const float* q, const uint16_t* k, const uint16_t* v, int64_t s
 
 FASTGATE_CLONES
 void attend_head_f32(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t G, int64_t D,
-                     float* scores, float* out) {
-  attend_head_t(q, k, v, stride, n, G, D, scores, out);
+                     float* scores, float* out, float* mx = nullptr, float* sum = nullptr) {
+  attend_head_t(q, k, v, stride, n, G, D, scores, out, mx, sum);
+}
+
+// The parts of a head's columns (attend_head_f32 with mx / sum) as its attention: o [parts][G][D] unnormalised,
+// mx / sum [parts][G] -> out [G][D], each part's output and sum weighted by exp(its max - the max).
+void merge_parts(const float* o, const float* mx, const float* sum, int64_t parts, int64_t G, int64_t D, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, mx[p * G + g]);
+    float den = 0.0f;
+    float* og = out + g * D;
+    for (int64_t i = 0; i < D; ++i) og[i] = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float w = std::exp(mx[p * G + g] - top);
+      den += w * sum[p * G + g];
+      const float* op = o + (p * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) og[i] += w * op[i];
+    }
+    const float inv = 1.0f / den;
+    for (int64_t i = 0; i < D; ++i) og[i] *= inv;
+  }
 }
 
 // attend_head, or its AVX-512 form where the CPU has it and the shapes suit (defined with the AVX-512 code below)
@@ -2262,10 +2298,10 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
   const int64_t widest = attended_width(pos, m, cols);
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  split_rows(m * Hkv, m * Hkv * widest * D * G * 2, kAttentionGrain, [&](int64_t first, int64_t step) {
-    std::vector<float> qs(G * D), scores(G * widest), qrot(cs ? D : 0);  // per thread
-    for (int64_t item = first; item < m * Hkv; item += step) {
-      const int64_t r = item / Hkv, h = item % Hkv;
+  // first the new keys and values into the store and the queries rotated and scaled (m Hkv D copies: serial)
+  std::vector<float> qs(m * H * D), qrot(cs ? D : 0);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t h = 0; h < Hkv; ++h) {
       float* kc = k + r * s_row + h * s_head + pos[r] * s_col;  // this row's new column
       float* vc = v + r * s_row + h * s_head + pos[r] * s_col;
       if (cs)
@@ -2279,13 +2315,42 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
           rope_head_f32(qr, cs + r * c_stride, sn + r * c_stride, qrot.data(), D / 2);
           qr = qrot.data();
         }
-        for (int64_t i = 0; i < D; ++i) qs[g * D + i] = qr[i] * sc;
+        float* qd = qs.data() + (r * H + h * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) qd[i] = qr[i] * sc;
       }
-      attend_head_f32(qs.data(), k + r * s_row + h * s_head, v + r * s_row + h * s_head, s_col, pos[r] + 1, G, D,
-                      scores.data(), out + (r * H + h * G) * D);
+    }
+  // then each (row, key / value head) attends; fewer of them than threads (a batch-1 step: SmolLM2's 3 heads on 2
+  // cores ran 2 : 1) split their columns into parts of at least kPartColumns, merged after
+  const int64_t items = m * Hkv, work = items * widest * D * G * 2;
+  const int64_t hw = std::max<int64_t>(1, std::min<int64_t>(threads > 0 ? threads : 1 << 30,
+                                                            std::thread::hardware_concurrency()));
+  const int64_t parts = items < 4 * hw && work >= 2 * kAttentionGrain
+                            ? std::max<int64_t>(1, std::min<int64_t>(hw, widest / kPartColumns)) : 1;
+  const int64_t units = items * parts;
+  std::vector<float> po(parts > 1 ? units * G * D : 0), pm(parts > 1 ? units * G : 0), ps(pm.size());
+  split_rows(units, work, kAttentionGrain, [&](int64_t first, int64_t step) {
+    std::vector<float> scores(G * widest);  // per thread
+    for (int64_t u = first; u < units; u += step) {
+      const int64_t item = u / parts, p = u % parts, r = item / Hkv, h = item % Hkv;
+      const int64_t n = pos[r] + 1, c0 = p * n / parts, c1 = (p + 1) * n / parts;
+      const float* qh = qs.data() + (r * H + h * G) * D;
+      const int64_t at = r * s_row + h * s_head + c0 * s_col;
+      if (parts == 1)
+        attend_head_f32(qh, k + at, v + at, s_col, n, G, D, scores.data(), out + (r * H + h * G) * D);
+      else if (c1 > c0)
+        attend_head_f32(qh, k + at, v + at, s_col, c1 - c0, G, D, scores.data(), po.data() + u * G * D,
+                        pm.data() + u * G, ps.data() + u * G);
+      else  // an empty part (fewer columns than parts): nothing to weigh
+        for (int64_t g = 0; g < G; ++g) pm[u * G + g] = -std::numeric_limits<float>::infinity(), ps[u * G + g] = 0;
     }
     return true;
   }, threads);
+  if (parts > 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t r = item / Hkv, h = item % Hkv;
+      merge_parts(po.data() + item * parts * G * D, pm.data() + item * parts * G, ps.data() + item * parts * G, parts,
+                  G, D, out + (r * H + h * G) * D);
+    }
 #else
   (void)q_ptr, (void)q_row, (void)q_head, (void)kn_ptr, (void)kn_row, (void)kn_head, (void)vn_ptr, (void)vn_row;
   (void)vn_head, (void)k_ptr, (void)v_ptr, (void)pos_ptr, (void)out_ptr, (void)m, (void)H, (void)Hkv, (void)D;

@@ -69,8 +69,10 @@ def test_the_registry_binds_float32_rows_to_the_loops():
     assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
 
 
+# the last three: fewer (row, head) pairs than threads, enough columns: their columns split into parts, merged
 SHAPES = [(1, 1, 1, 1, 2, 1), (3, 6, 2, 17, 14, 5), (16, 9, 3, 640, 64, 16), (7, 14, 2, 769, 128, 9),
-          (2, 16, 1, 50, 64, 2), (1, 9, 3, 31, 64, 1)]
+          (2, 16, 1, 50, 64, 2), (1, 9, 3, 31, 64, 1), (1, 9, 3, 769, 64, 1), (2, 4, 1, 1501, 32, 3),
+          (1, 2, 1, 4099, 13, 1)]
 
 
 @needs_f32
