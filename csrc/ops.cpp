@@ -1,5 +1,6 @@
 // fastgate._C: CPU hot paths (docs/ARCHITECTURE.md, Ops): the gates' AIS and word alignment (ops 3 and 4) and
-// eigenscore (op 2), and the engine's layer ops over bf16 (ops 6 to 8: decode and prefill attention, norm, rotary).
+// eigenscore (op 2), the engine's layer ops over bf16 and float32 (ops 6 to 8: decode and prefill attention, norm,
+// rotary) and its quantized products (op 9), their rows split over one pool of threads (WorkerPool).
 //
 // Every function here has a reference that must give the same result: the CPU ops a pure-Python twin in
 // fastgate/ops/_python.py (tests/test_ops_parity.py), the tensor ops a torch one in fastgate/ops/reference.py

@@ -1,0 +1,80 @@
+"""Batch-1 decode against llama.cpp with the two interleaved: each round times fastgate's packed step, then llama.cpp's
+step on the same GGUF, at every context, so that a machine's drift (this project's shared 2-core VMs move ±30% within
+minutes) falls on both alike. bench_engine.py times every fastgate design first and llama.cpp last, minutes apart.
+
+Reports per context the median of each over the rounds and the median of the per-round ratios (fastgate / llama.cpp),
+rows in ``bench/results/b1_llama.csv`` (written as measured).
+
+Run: python bench/bench_b1_llama.py [--model smollm2-135m] [--dtype auto] [--weights auto] [--contexts 30,600]
+[--rounds 7] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from _common import append_rows, print_table  # noqa: E402
+from bench_engine import (  # noqa: E402
+    build_model,
+    cpu_name,
+    gguf_type,
+    llama_cpp_prompt,
+    llama_cpp_step,
+    loop_step,
+    open_llama_cpp,
+    prompt_ids,
+)
+
+from fastgate.engine.local import Engine  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weights", default="auto")
+    parser.add_argument("--contexts", default="30,600")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--no-save", action="store_true", help="print the rows only")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    threads = torch.get_num_threads()
+    llm, path, note = open_llama_cpp(args.model, max(contexts) + args.steps + 16, threads)
+    if llm is None:
+        sys.exit(f"llama.cpp: {note}")
+    lm = build_model(args.model, "cpu", args.dtype, args.weights)
+    engine = Engine(lm, prefix_cache=0, step="eager")
+    ours = {c: prompt_ids(engine, 1, c) for c in contexts}
+    theirs = {c: llama_cpp_prompt(llm, c) for c in contexts}
+    times: dict[tuple[str, int], list[float]] = {}
+    for rnd in range(args.rounds):
+        for c in contexts:
+            a = loop_step(engine, ours[c], args.steps, "packed")[0]
+            b = llama_cpp_step(llm, theirs[c], args.steps)[0]
+            times.setdefault(("fastgate", c), []).append(a)
+            times.setdefault(("llama.cpp", c), []).append(b)
+            print(f"round {rnd} context {c}: fastgate {a * 1e3:.2f} ms, llama.cpp {b * 1e3:.2f} ms, {a / b:.2f}x",
+                  file=sys.stderr)
+    rows = []
+    for c in contexts:
+        a, b = times[("fastgate", c)], times[("llama.cpp", c)]
+        rows.append({"context": c, "fastgate_ms": statistics.median(a) * 1e3,
+                     "llama_cpp_ms": statistics.median(b) * 1e3,
+                     "ratio": statistics.median(x / y for x, y in zip(a, b)),
+                     "ratio_min": min(x / y for x, y in zip(a, b)), "ratio_max": max(x / y for x, y in zip(a, b)),
+                     "rounds": args.rounds, "dtype": engine.dtype_name, "weights": lm.weights, "gguf": gguf_type(path),
+                     "llama_cpp": note, "threads": threads, "model": args.model, "cpu": cpu_name(),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+    print_table(rows, ["context", "fastgate_ms", "llama_cpp_ms", "ratio", "ratio_min", "ratio_max", "dtype", "weights"])
+    if not args.no_save:
+        append_rows("b1_llama", rows)
+
+
+if __name__ == "__main__":
+    main()
