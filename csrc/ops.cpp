@@ -387,12 +387,16 @@ class WorkerPool {
 // them, one per `grain`, and at most `max_threads` (0: one per core); they come from the WorkerPool (threads started
 // for the call where another caller holds it). Returns whether every worker returned true. Call with the GIL
 // released.
-template <class Worker>
-bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
+// The threads split_rows may use for a call allowed max_threads (0: one per core).
+inline int64_t usable_threads(int64_t max_threads) {
   // read once: hardware_concurrency() parses /sys on every call (~5 us, more than a batch-1 op's own work)
   static const int64_t cores = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
-  int64_t hw = cores;
-  if (max_threads > 0) hw = std::min(hw, max_threads);
+  return max_threads > 0 ? std::min(cores, max_threads) : cores;
+}
+
+template <class Worker>
+bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
+  const int64_t hw = usable_threads(max_threads);
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>({hw, B, work / grain}));
   if (n_threads == 1) return worker(0, 1);
   std::vector<char> ok(n_threads, 1);
@@ -2325,8 +2329,7 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
   // then each (row, key / value head) attends; fewer of them than threads (a batch-1 step: SmolLM2's 3 heads on 2
   // cores ran 2 : 1) split their columns into parts of at least kPartColumns, merged after
   const int64_t items = m * Hkv, work = items * widest * D * G * 2;
-  const int64_t hw = std::max<int64_t>(1, std::min<int64_t>(threads > 0 ? threads : 1 << 30,
-                                                            std::thread::hardware_concurrency()));
+  const int64_t hw = usable_threads(threads);
   const int64_t parts = items < 4 * hw && work >= 2 * kAttentionGrain
                             ? std::max<int64_t>(1, std::min<int64_t>(hw, widest / kPartColumns)) : 1;
   const int64_t units = items * parts;
