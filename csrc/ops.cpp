@@ -382,11 +382,6 @@ class WorkerPool {
   std::condition_variable wake_;
 };
 
-// Runs worker(first, step) on up to one thread per core, the caller's thread included: thread t takes the rows
-// t, t + step, ... of B independent rows. Threads join only when `work` (a rough count of multiply-adds) pays for
-// them, one per `grain`, and at most `max_threads` (0: one per core); they come from the WorkerPool (threads started
-// for the call where another caller holds it). Returns whether every worker returned true. Call with the GIL
-// released.
 // The threads split_rows may use for a call allowed max_threads (0: one per core).
 inline int64_t usable_threads(int64_t max_threads) {
   // read once: hardware_concurrency() parses /sys on every call (~5 us, more than a batch-1 op's own work)
@@ -394,6 +389,11 @@ inline int64_t usable_threads(int64_t max_threads) {
   return max_threads > 0 ? std::min(cores, max_threads) : cores;
 }
 
+// Runs worker(first, step) on up to one thread per core, the caller's thread included: thread t takes the rows
+// t, t + step, ... of B independent rows. Threads join only when `work` (a rough count of multiply-adds) pays for
+// them, one per `grain`, and at most `max_threads` (0: one per core); they come from the WorkerPool (threads started
+// for the call where another caller holds it). Returns whether every worker returned true. Call with the GIL
+// released.
 template <class Worker>
 bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t max_threads = 0) {
   const int64_t hw = usable_threads(max_threads);

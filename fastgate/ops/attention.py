@@ -25,6 +25,7 @@ import torch
 
 from fastgate.errors import ShapeError
 from fastgate.ops import reference
+from fastgate.ops.layer import ext_kernels
 
 __all__ = ["ext_decode_attention", "ext_decode_attention_step"]
 
@@ -74,9 +75,7 @@ def ext_decode_attention_step(ext: ModuleType, fuse_rope: bool = False,
     rotary loop (``rope_bf16`` / ``rope_f32``), bitwise ``decode_attention_step(rope(q), rope(k_new), v_new, ...)``
     (one Python call a layer less: each costs ~5 us beside a batch-1 step's ~180 us a layer). bf16 rows take it where
     ``fuse_rope`` (the runner's ``rope`` is the C++ one for any rows: AVX-512), float32 rows wherever ``f32``."""
-    kernels = {torch.bfloat16: ext.decode_attention_step_bf16}
-    if f32:
-        kernels[torch.float32] = ext.decode_attention_step_f32
+    kernels = ext_kernels(ext, "decode_attention_step", f32=f32)
     fused = {torch.float32} if f32 else set()
     if fuse_rope:
         fused.add(torch.bfloat16)

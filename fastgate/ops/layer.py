@@ -33,7 +33,7 @@ import torch
 
 from fastgate.ops import reference
 
-__all__ = ["UNLIMITED", "ext_rms_norm", "ext_rope", "row_limits"]
+__all__ = ["UNLIMITED", "ext_kernels", "ext_rms_norm", "ext_rope", "row_limits"]
 
 UNLIMITED = 1 << 62  # a row limit that never binds: the C++ loop for any rows
 
@@ -44,13 +44,22 @@ def row_limits(wide: bool) -> dict[str, int]:
     return {"rms_norm": UNLIMITED, "rope": UNLIMITED if wide else 16}
 
 
+def ext_kernels(ext: ModuleType, name: str, *, bf16: bool = True, f32: bool = False) -> dict[torch.dtype, Callable]:
+    """The extension's kernels ``{name}_bf16`` (bf16 rows) and ``{name}_f32`` (float32 rows, AVX2 and FMA) by the row
+    dtype they take, those asked for only: every C++ op of this package picks its kernel by the rows' dtype here."""
+    kernels = {}
+    if bf16:
+        kernels[torch.bfloat16] = getattr(ext, f"{name}_bf16")
+    if f32:
+        kernels[torch.float32] = getattr(ext, f"{name}_f32")
+    return kernels
+
+
 def ext_rms_norm(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[..., torch.Tensor]:
     """The C++ RMS norm with the reference's signature ``(x [..., d], weight [d], eps) -> [..., d]``: bf16 rows
     (``rms_norm_bf16``), and float32 rows where ``f32`` (``rms_norm_f32``: AVX2 and FMA), each bitwise the
     reference."""
-    kernels = {torch.bfloat16: ext.rms_norm_bf16}
-    if f32:
-        kernels[torch.float32] = ext.rms_norm_f32
+    kernels = ext_kernels(ext, "rms_norm", f32=f32)
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
@@ -71,9 +80,7 @@ def ext_rope(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[...,
     """The C++ rotary embedding with the reference's signature ``(x [T, H, D], cos, sin [T, 1, D]) -> [T, H, D]``:
     bf16 rows (``rope_bf16``), and float32 rows where ``f32`` (``rope_f32``: AVX2 and FMA), each bitwise the
     reference."""
-    kernels = {torch.bfloat16: ext.rope_bf16}
-    if f32:
-        kernels[torch.float32] = ext.rope_f32
+    kernels = ext_kernels(ext, "rope", f32=f32)
 
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

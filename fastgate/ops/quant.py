@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
+from fastgate.ops.layer import ext_kernels
 
 __all__ = ["ext_int4_matmul", "ext_int8_matmul", "torch_int4_matmul", "torch_int8_matmul"]
 
@@ -69,17 +70,6 @@ def _rows_ok(x: torch.Tensor, k: int, kinds: Mapping[torch.dtype, Callable]) -> 
             and x.stride(1) == 1 and x.stride(0) >= k)
 
 
-def _kernels(ext: ModuleType, bf16: bool, f32: bool, name: str) -> dict[torch.dtype, Callable]:
-    """The extension's kernels ``{name}_bf16`` (bf16 rows, AVX512-BF16) and ``{name}_f32`` (float32 rows, AVX2 and FMA)
-    by the row dtype they take, those asked for only."""
-    kernels = {}
-    if bf16:
-        kernels[torch.bfloat16] = getattr(ext, f"{name}_bf16")
-    if f32:
-        kernels[torch.float32] = getattr(ext, f"{name}_f32")
-    return kernels
-
-
 def _int4_layer_ok(layer: Int4Linear) -> bool:
     """Whether the C++ kernel takes ``layer``'s buffers: plain codes on a CPU, float32 scales and zeros, contiguous,
     ``K`` within the kernel's bound."""
@@ -97,7 +87,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
     (``rms_norm_bf16``), so a layer bound here may also norm its bf16 rows in the same call with that loop
     (``bind(layer).normed``), bitwise ``product(rms_norm(x, w, eps))``; ``fuse_norm_f32``: likewise float32 rows
     (``rms_norm_f32``'s loop in ``int4_matmul_f32``'s call; with ``f32``)."""
-    runs = _kernels(ext, bf16, f32, "int4_matmul")
+    runs = ext_kernels(ext, "int4_matmul", bf16=bf16, f32=f32)
     # the row dtypes whose kernel norms the rows in its call (bitwise the C++ norm, which is bitwise the reference)
     normable = {dtype for dtype, asked in ((torch.bfloat16, fuse_norm and bf16), (torch.float32, fuse_norm_f32 and f32))
                 if asked}
@@ -182,7 +172,7 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
                     f32: bool = False) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
     """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's.
     ``bf16`` / ``f32``: which rows run C++ (``int8_matmul_bf16``, AVX512-BF16; ``int8_matmul_f32``, AVX2 and FMA)."""
-    runs = _kernels(ext, bf16, f32, "int8_matmul")
+    runs = ext_kernels(ext, "int8_matmul", bf16=bf16, f32=f32)
 
     def int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
         q, scale = layer.q, layer.scale
