@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -2150,29 +2151,18 @@ FASTGATE_F32_EXACT void rope_head_f32(const float* xr, const float* c, const flo
 // float32, all contiguous; out [M, N] float32 contiguous; K a multiple of 32. res_ptr (0: none): a residual [M, N]
 // float32 contiguous, out = res + product (torch's h + y, one float32 addition each). w_ptr (0: none): a norm weight
 // [K] float32, the product of rms_norm_f32(x, w, eps) instead (the same loop, bitwise the two calls).
-void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
-                     uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
-                     uintptr_t w_ptr, double eps) {
 #ifdef FASTGATE_AVX2_KERNEL
-  if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
-  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
-    throw std::invalid_argument("int4_matmul_f32: bad shape (K a multiple of 32, x_stride >= K)");
-  if (M == 0) return;
-  const float* x = reinterpret_cast<const float*>(x_ptr);
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(q_ptr);
-  const float* scale = reinterpret_cast<const float*>(scale_ptr);
-  const float* zero = reinterpret_cast<const float*>(zero_ptr);
-  const float* res = reinterpret_cast<const float*>(res_ptr);
-  float* y = reinterpret_cast<float*>(out_ptr);
+// int4_matmul_f32's work, its inputs checked and the GIL released by the caller (decode_layers_f32 calls it too).
+void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const float* scale, const float* zero, float* y,
+              int64_t M, int64_t N, int64_t K, int64_t threads, const float* res, const float* w, float eps) {
   const int64_t G = K / 32;
-  py::gil_scoped_release release;
-  std::vector<float> normed(w_ptr ? K : 0);  // one row normed at a time, then permuted as x's rows are
+  std::vector<float> normed(w ? K : 0);  // one row normed at a time, then permuted as x's rows are
   // per input row: each group's sum S_g, and the row permuted: per 16 codes, the even inputs, then the odd ones
   std::vector<float> S(M * G), xp(M * K);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * x_stride;
-    if (w_ptr) {
-      rms_norm_row_f32(xm, reinterpret_cast<const float*>(w_ptr), normed.data(), K, static_cast<float>(eps));
+    if (w) {
+      rms_norm_row_f32(xm, w, normed.data(), K, eps);
       xm = normed.data();
     }
     float* pm = xp.data() + m * K;
@@ -2195,6 +2185,22 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
     if (mb == 1) int4_rows_f32<1>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
     else int4_rows_f32<2>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
   }, kF32Inputs);
+}
+#endif
+
+void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
+                     uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
+                     uintptr_t w_ptr, double eps) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
+  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
+    throw std::invalid_argument("int4_matmul_f32: bad shape (K a multiple of 32, x_stride >= K)");
+  if (M == 0) return;
+  py::gil_scoped_release release;
+  int4_f32(reinterpret_cast<const float*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(q_ptr),
+           reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(zero_ptr),
+           reinterpret_cast<float*>(out_ptr), M, N, K, threads, reinterpret_cast<const float*>(res_ptr),
+           reinterpret_cast<const float*>(w_ptr), static_cast<float>(eps));
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
   (void)threads, (void)res_ptr, (void)w_ptr, (void)eps;
@@ -2282,29 +2288,16 @@ void rope_f32(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t o
 // rope_f32's loop) written at column pos[r] of its store row, then its query heads (q [m, H, D], strided; rotated
 // likewise) attend columns 0 .. pos[r] (attend_head's float32 arithmetic, the scores' softmax with its exp); out
 // [m, H, D] float32 contiguous.
-void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
-                               int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
-                               uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H, int64_t Hkv,
-                               int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col, double scale,
-                               int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride) {
 #ifdef FASTGATE_AVX2_KERNEL
-  if (!quant_f32_kernels_supported())
-    throw std::invalid_argument("decode_attention_step_f32: this CPU has no AVX2 and FMA");
-  check_decode_shape("decode_attention_step_f32", m, H, Hkv, D);
-  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_f32: the rotary embedding needs D even");
-  const float* cs = reinterpret_cast<const float*>(cos_ptr);
-  const float* sn = reinterpret_cast<const float*>(sin_ptr);
-  const float* q = reinterpret_cast<const float*>(q_ptr);
-  const float* kn = reinterpret_cast<const float*>(kn_ptr);
-  const float* vn = reinterpret_cast<const float*>(vn_ptr);
-  float* k = reinterpret_cast<float*>(k_ptr);
-  float* v = reinterpret_cast<float*>(v_ptr);
-  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
-  float* out = reinterpret_cast<float*>(out_ptr);
+// decode_attention_step_f32's work, its inputs checked and the GIL released by the caller (decode_layers_f32 calls it
+// too).
+void attention_step_f32(const float* q, int64_t q_row, int64_t q_head, const float* kn, int64_t kn_row,
+                        int64_t kn_head, const float* vn, int64_t vn_row, int64_t vn_head, float* k, float* v,
+                        const int64_t* pos, float* out, int64_t m, int64_t H, int64_t Hkv, int64_t D, int64_t cols,
+                        int64_t s_row, int64_t s_head, int64_t s_col, float sc, int64_t threads, const float* cs,
+                        const float* sn, int64_t c_stride) {
   const int64_t G = H / Hkv;
   const int64_t widest = attended_width(pos, m, cols);
-  const float sc = static_cast<float>(scale);
-  py::gil_scoped_release release;
   // first the new keys and values into the store and the queries rotated and scaled (m Hkv D copies: serial)
   std::vector<float> qs(m * H * D), qrot(cs ? D : 0);
   for (int64_t r = 0; r < m; ++r)
@@ -2357,12 +2350,162 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
       merge_parts(po.data() + item * parts * G * D, pm.data() + item * parts * G, ps.data() + item * parts * G, parts,
                   G, D, out + (r * H + h * G) * D);
     }
+}
+#endif
+
+void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
+                               int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
+                               uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col, double scale,
+                               int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride) {
+#ifdef FASTGATE_AVX2_KERNEL
+  if (!quant_f32_kernels_supported())
+    throw std::invalid_argument("decode_attention_step_f32: this CPU has no AVX2 and FMA");
+  check_decode_shape("decode_attention_step_f32", m, H, Hkv, D);
+  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_f32: the rotary embedding needs D even");
+  py::gil_scoped_release release;
+  attention_step_f32(reinterpret_cast<const float*>(q_ptr), q_row, q_head, reinterpret_cast<const float*>(kn_ptr),
+                     kn_row, kn_head, reinterpret_cast<const float*>(vn_ptr), vn_row, vn_head,
+                     reinterpret_cast<float*>(k_ptr), reinterpret_cast<float*>(v_ptr),
+                     reinterpret_cast<const int64_t*>(pos_ptr), reinterpret_cast<float*>(out_ptr), m, H, Hkv, D, cols,
+                     s_row, s_head, s_col, static_cast<float>(scale), threads, reinterpret_cast<const float*>(cos_ptr),
+                     reinterpret_cast<const float*>(sin_ptr), c_stride);
 #else
   (void)q_ptr, (void)q_row, (void)q_head, (void)kn_ptr, (void)kn_row, (void)kn_head, (void)vn_ptr, (void)vn_row;
   (void)vn_head, (void)k_ptr, (void)v_ptr, (void)pos_ptr, (void)out_ptr, (void)m, (void)H, (void)Hkv, (void)D;
   (void)cols, (void)s_row, (void)s_head, (void)s_col, (void)scale, (void)threads, (void)cos_ptr, (void)sin_ptr;
   (void)c_stride;
   throw std::invalid_argument("decode_attention_step_f32: not built for this platform");
+#endif
+}
+
+// The SwiGLU of a float32 decode step with torch's own exponential: the fused pass multiplies silu(gate) by up as
+// torch computes them (x / (1 + exp(-x)), exp by the SLEEF routine torch's vectorized float kernels call), so that
+// decode_layers_f32 is bitwise the per-op path. libtorch_cpu exports that routine; it is looked up where torch is
+// loaded (the registry asks torch_exp_found first, and probes the loop against torch's silu once).
+#ifdef FASTGATE_AVX2_KERNEL
+using Exp8 = __m256 (*)(__m256);
+
+Exp8 torch_exp8() {
+  static std::atomic<void*> found{nullptr};  // a plain pointer: an atomic of Exp8 drops the vector's attributes
+  if (void* seen = found.load(std::memory_order_acquire)) return reinterpret_cast<Exp8>(seen);
+  void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+  if (!lib) return nullptr;
+  void* fn = dlsym(lib, "Sleef_expf8_u10");
+  dlclose(lib);  // NOLOAD took a reference of its own: torch keeps it loaded
+  if (fn) found.store(fn, std::memory_order_release);
+  return reinterpret_cast<Exp8>(fn);
+}
+#endif
+
+bool torch_exp_found() {
+#ifdef FASTGATE_AVX2_KERNEL
+  return quant_f32_kernels_supported() && torch_exp8() != nullptr;
+#else
+  return false;
+#endif
+}
+
+#ifdef FASTGATE_AVX2_KERNEL
+FASTGATE_F32_EXACT inline __m256 silu8(__m256 x, Exp8 exp8) {  // torch's x / (1 + exp(-x)) of a vector
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)))));
+}
+
+// o[i] = silu(g[i]) * u[i] for i < n, as torch's loop over a row computes and rounds them: 16 at a time as two
+// vectors, the last n % 16 one by one with the C library's exp (torch's scalar silu)
+FASTGATE_F32_EXACT void silu_mul_row_f32(const float* g, const float* u, float* o, int64_t n, Exp8 exp8) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int64_t j = i; j < i + 16; j += 8)
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j), exp8), _mm256_loadu_ps(u + j)));
+  for (; i < n; ++i) {
+    const float x = g[i];
+    const float s = x / (1.0f + std::exp(-x));
+    o[i] = s * u[i];
+  }
+}
+#endif
+
+// gu [m, 2 I] float32 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:] (the gated MLP's product, torch's
+// arithmetic bit for bit where torch_exp_found).
+void silu_mul_f32(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
+#ifdef FASTGATE_AVX2_KERNEL
+  const Exp8 exp8 = torch_exp_found() ? torch_exp8() : nullptr;
+  if (!exp8) throw std::invalid_argument("silu_mul_f32: needs AVX2, FMA and torch's exp (libtorch_cpu loaded)");
+  if (m < 0 || I <= 0) throw std::invalid_argument("silu_mul_f32: bad shape");
+  const float* gu = reinterpret_cast<const float*>(gu_ptr);
+  float* out = reinterpret_cast<float*>(out_ptr);
+  py::gil_scoped_release release;
+  for (int64_t r = 0; r < m; ++r) silu_mul_row_f32(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+#else
+  (void)gu_ptr, (void)out_ptr, (void)m, (void)I;
+  throw std::invalid_argument("silu_mul_f32: not built for this platform");
+#endif
+}
+
+// The decoder layers first .. last - 1 of a float32 model whose four products a layer are int4 (Llama / Qwen2 /
+// Mistral: norm, q/k/v, rotary embedding, attention, o + residual, norm, gate/up, SwiGLU, down + residual) for m
+// decode rows, in one call: the fused pass's per-op path (int4_matmul_f32 with its norm, the bias, decode_attention_
+// step_f32 with its rotary embedding, int4_matmul_f32 with its residual, silu_mul_f32) step for step, so bitwise the
+// same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~4 ms of host time in ~13 ms).
+//   h [m, d] float32 contiguous (not written); out [m, d] float32 contiguous: the last layer's output
+//   table [L, 15] int64: a layer's pointers: qkv codes, scales, zeros, bias (0: none); o's, gate_up's, down's codes,
+//     scales, zeros; the two norms' weights (layers indexed by their row; codes [N, K / 2] uint8, scales / zeros
+//     [N, K / 32] float32, contiguous, N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I)
+//   floats [L, 3] float64: the norms' eps, the attention's scaling
+//   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] float32 (strides s_row, s_head, s_col, 1 alike)
+//   cos / sin [m, D] float32, rows c_stride apart; pos [m] int64: row r's new column
+void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d, uintptr_t table_ptr,
+                       uintptr_t floats_ptr, uintptr_t kv_ptr, int64_t first, int64_t last, int64_t H, int64_t Hkv,
+                       int64_t D, int64_t I, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride,
+                       uintptr_t pos_ptr, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
+                       int64_t threads) {
+#ifdef FASTGATE_AVX2_KERNEL
+  const Exp8 exp8 = torch_exp_found() ? torch_exp8() : nullptr;
+  if (!exp8) throw std::invalid_argument("decode_layers_f32: needs AVX2, FMA and torch's exp (libtorch_cpu loaded)");
+  check_decode_shape("decode_layers_f32", m, H, Hkv, D);
+  if (d <= 0 || d % 32 || (H * D) % 32 || I <= 0 || I % 32 || D % 2 || first < 0 || last < first || c_stride < D)
+    throw std::invalid_argument("decode_layers_f32: bad shape (d, H D and I multiples of 32, D even)");
+  if (m == 0 || first == last) return;
+  const int64_t* table = reinterpret_cast<const int64_t*>(table_ptr);
+  const double* floats = reinterpret_cast<const double*>(floats_ptr);
+  const int64_t* kv = reinterpret_cast<const int64_t*>(kv_ptr);
+  const float* cs = reinterpret_cast<const float*>(cos_ptr);
+  const float* sn = reinterpret_cast<const float*>(sin_ptr);
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
+  attended_width(pos, m, cols);  // the positions checked before any layer writes the store
+  const int64_t width = (H + 2 * Hkv) * D;
+  auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
+  auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
+  py::gil_scoped_release release;
+  std::vector<float> qkv(m * width), attn(m * H * D), gu(m * 2 * I), act(m * I), h2(m * d), h3(m * d);
+  const float* hin = reinterpret_cast<const float*>(h_ptr);
+  for (int64_t l = first; l < last; ++l) {
+    const int64_t* t = table + l * 15;
+    const double* e = floats + l * 3;
+    float* hout = l + 1 == last ? reinterpret_cast<float*>(out_ptr) : h3.data();
+    int4_f32(hin, d, u8(t[0]), f(t[1]), f(t[2]), qkv.data(), m, width, d, threads, nullptr, f(t[13]),
+             static_cast<float>(e[0]));
+    if (t[3])
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < width; ++j) qkv[r * width + j] += f(t[3])[j];
+    attention_step_f32(qkv.data(), width, D, qkv.data() + H * D, width, D, qkv.data() + (H + Hkv) * D, width, D,
+                       reinterpret_cast<float*>(kv[2 * l]), reinterpret_cast<float*>(kv[2 * l + 1]), pos,
+                       attn.data(), m, H, Hkv, D, cols, s_row, s_head, s_col, static_cast<float>(e[2]), threads, cs,
+                       sn, c_stride);
+    int4_f32(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, hin, nullptr, 0.0f);
+    int4_f32(h2.data(), d, u8(t[7]), f(t[8]), f(t[9]), gu.data(), m, 2 * I, d, threads, nullptr, f(t[14]),
+             static_cast<float>(e[1]));
+    for (int64_t r = 0; r < m; ++r)
+      silu_mul_row_f32(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, act.data() + r * I, I, exp8);
+    int4_f32(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, h2.data(), nullptr, 0.0f);
+    hin = hout;
+  }
+#else
+  (void)h_ptr, (void)out_ptr, (void)m, (void)d, (void)table_ptr, (void)floats_ptr, (void)kv_ptr, (void)first;
+  (void)last, (void)H, (void)Hkv, (void)D, (void)I, (void)cos_ptr, (void)sin_ptr, (void)c_stride, (void)pos_ptr;
+  (void)cols, (void)s_row, (void)s_head, (void)s_col, (void)threads;
+  throw std::invalid_argument("decode_layers_f32: not built for this platform");
 #endif
 }
 
@@ -2443,6 +2586,15 @@ PYBIND11_MODULE(_C, m) {
         "The int8 weight-only product of float32 rows (AVX2 + FMA)");
   m.def("quant_f32_kernels_supported", &quant_f32_kernels_supported,
         "Whether int4_matmul_f32 / int8_matmul_f32 run here (built for x86-64 and the CPU has AVX2 and FMA)");
+  m.def("torch_exp_found", &torch_exp_found,
+        "Whether silu_mul_f32 and decode_layers_f32 run here (AVX2, FMA and torch's SLEEF exp found)");
+  m.def("silu_mul_f32", &silu_mul_f32, py::arg("gu"), py::arg("out"), py::arg("rows"), py::arg("inter"),
+        "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of float32 rows, torch's arithmetic");
+  m.def("decode_layers_f32", &decode_layers_f32, py::arg("h"), py::arg("out"), py::arg("rows"), py::arg("d"),
+        py::arg("table"), py::arg("floats"), py::arg("kv"), py::arg("first"), py::arg("last"), py::arg("heads"),
+        py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("cos"), py::arg("sin"),
+        py::arg("c_stride"), py::arg("pos"), py::arg("cols"), py::arg("s_row"), py::arg("s_head"), py::arg("s_col"),
+        py::arg("threads"), "A float32 model's int4 decoder layers first .. last - 1 for decode rows, in one call");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

@@ -37,6 +37,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
+from fastgate.ops.decoder import DecoderLayerWeights
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 
 __all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
@@ -277,6 +278,7 @@ class FusedForward:
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
         self._bound: dict[tuple, list[list[tuple]]] = {}
         self._selections: dict[tuple, list[tuple]] = {}  # (matmuls, rows, dtype) -> each layer's calls (_selected)
+        self._stacks: dict[object, object] = {}  # a decode_layers op -> its stack of these layers (None: none)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[T, D]`` at ``positions [T]`` (rows of a table the model's rotary module computed)."""
@@ -290,7 +292,8 @@ class FusedForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope, attention_step=None,
-                 matmuls=(torch_int4_matmul, torch_int8_matmul)) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 matmuls=(torch_int4_matmul, torch_int8_matmul),
+                 decode_layers=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
         function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
         of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them).
@@ -299,7 +302,9 @@ class FusedForward:
         ``int8_matmul`` (torch's kernels by default, the layers' own). A pass of decode rows only over a bf16 store
         whose attention runs in C++ (``plan.attend``), of rows few enough for the layers' kernels, goes through
         :meth:`_decode_layers` (its products, and an int8 head's for as many rows, through ``matmuls``): the same
-        arithmetic in fewer host operations."""
+        arithmetic in fewer host operations. ``decode_layers``: the runner's op of that name (None: none); where it
+        binds this model's layers (:mod:`fastgate.ops.decoder`: float32 rows of int4 weights) such a pass runs its
+        layers in one call of it, between the taps, bitwise the same."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
         t = ids.shape[0]
@@ -314,7 +319,10 @@ class FusedForward:
                   and (plan.attend is not None and t <= self._row_limit if h.dtype is torch.bfloat16
                        else h.dtype is torch.float32 and getattr(attention_step, "float32", False)
                        and t <= self._float32_rows(matmuls)))
-        if decode:
+        stack = self._stack(decode_layers) if decode and h.dtype is torch.float32 else None
+        if stack is not None and stack.takes(h):
+            h = self._stacked_layers(stack, h, cos, sin, plan, wanted, outputs)
+        elif decode:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
         else:
             h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls)
@@ -402,6 +410,28 @@ class FusedForward:
             bound = self._bound[key] = [[_row_products(m, *matmuls, dtype) for m in layer.linears]
                                         for layer in self.layers]
         return bound
+
+    def _stack(self, decode_layers):
+        """The op ``decode_layers``' stack of this model's layers (built once an op; None: the op takes none)."""
+        if decode_layers is None:
+            return None
+        stack = self._stacks.get(decode_layers, False)
+        if stack is False:
+            weights = [DecoderLayerWeights(layer.qkv, layer.o, layer.gate_up, layer.down, layer.ln1, layer.eps1,
+                                           layer.ln2, layer.eps2, layer.scaling, layer.act) for layer in self.layers]
+            stack = self._stacks[decode_layers] = decode_layers(weights, self.heads, self.kv_heads, self.head_dim)
+        return stack
+
+    def _stacked_layers(self, stack, h, cos, sin, plan, wanted, outputs) -> torch.Tensor:
+        """:meth:`_decode_layers` through ``stack`` (one call from one tapped layer to the next): bitwise the same."""
+        store = plan.store
+        first = 0
+        for end in sorted({i for i in wanted if 0 < i < self.n} | {self.n}):
+            h = stack(h, cos, sin, store.keys, store.values, plan.pos, first, end)  # [T, d]
+            if end < self.n:
+                outputs[end] = h[None]
+            first = end
+        return h
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,
                        matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 from fastgate.errors import BackendUnavailableError, InputError
 from fastgate.ops import _python, reference
 from fastgate.ops._cpu import CpuOps
+from fastgate.ops.decoder import no_decode_layers
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 
 __all__ = [
@@ -73,7 +74,8 @@ CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's: C++ on a CPU
 _QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, *CPU_OPS)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, "decode_layers",
+                             *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -143,6 +145,9 @@ class Ops:
     prefill_attention: Callable[..., torch.Tensor]
     int4_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int4Linear) -> [M,N] bf16: a decode step's product
     int8_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int8Linear) -> [M,N] bf16
+    # (layers [DecoderLayerWeights], heads, kv_heads, head_dim) -> DecodeStack | None: a float32 int4 model's decoder
+    # layers for decode rows in one call (fastgate.ops.decoder); None: the fused pass's per-op path
+    decode_layers: Callable[..., object]
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -270,9 +275,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "prefill_attention": reference.prefill_attention,
         "int4_matmul": torch_int4_matmul,
         "int8_matmul": torch_int8_matmul,
+        "decode_layers": no_decode_layers,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS)}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS,
+                                        "decode_layers")}
     names |= {name: cpu for name in CPU_OPS}
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
@@ -304,6 +311,12 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                                                       fuse_norm_f32=f32_layers),
                        "int8_matmul": ext_int8_matmul(ext, bf16=bf16, f32=f32)}
             names |= {name: "ext" for name in _QUANT_OPS}
+            if f32_layers:  # the whole layers of float32 rows where the extension's SwiGLU is torch's here
+                from fastgate.ops.decoder import ext_decode_layers
+
+                chosen["decode_layers"] = ext_decode_layers(ext)
+                if chosen["decode_layers"] is not no_decode_layers:
+                    names["decode_layers"] = "ext"
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 

@@ -1,0 +1,195 @@
+"""A float32 model's int4 decoder layers for a pass of decode rows in one C++ call (op ``decode_layers``;
+docs/ARCHITECTURE.md, Ops).
+
+The fused pass's decode-only path (:meth:`fastgate.engine.fused.FusedForward._decode_layers`) already runs every
+layer's arithmetic in C++ where the CPU has AVX2 and FMA: the norm inside the q/k/v product's call, the rotary
+embedding, store writes and attention in one call, the residual sums inside the o and down products' calls. What was
+left was the host: ~7 Python calls, tensor allocations and torch operations a layer (the SwiGLU), ~4 ms of a ~13 ms
+batch-1 step of SmolLM2 on an AVX2-only EPYC. ``fastgate._C.decode_layers_f32`` runs layers ``first .. last - 1`` in
+one call, the same kernels in the same order, and the SwiGLU as torch computes it (``x / (1 + exp(-x))`` with the
+SLEEF exp torch's vectorized float loops call, found in the loaded ``libtorch_cpu``; the last ``I % 16`` of a row with
+the C library's exp, as torch's loop takes a row's tail): bitwise the per-op path, so an answer does not depend on
+which of the two ran (``tests/test_decode_layers.py``). Why written here: torch has no whole-layer CPU call, and
+``torch.compile`` of the step was a wash on a CPU (42-220 s of compiling, 1.3x at batch 1 on an older EPYC).
+
+:func:`ext_decode_layers` is the op: given a model's layers (:class:`DecoderLayerWeights`) it returns a
+:class:`DecodeStack` for them, or None where it cannot take them (another weight form, a bias beyond q/k/v, another
+activation, a CPU without AVX2 and FMA, a SwiGLU of more than 32,768 values, which torch would split across threads
+with other tails): the caller then runs the per-op path, with the same results. The reference
+(:func:`no_decode_layers`) takes no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from fastgate.assets.quant import Int4Linear
+from fastgate.errors import ShapeError
+
+__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers"]
+
+_SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
+_TABLE = 15  # pointers a layer in the extension's table (decode_layers_f32 in csrc/ops.cpp)
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One decoder layer as the fused pass holds it: the joined q/k/v and gate/up products, o and down, the two RMS
+    norms (weight, eps), the attention's scaling and the MLP's activation module."""
+
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    ln1: torch.Tensor
+    eps1: float
+    ln2: torch.Tensor
+    eps2: float
+    scaling: float
+    act: nn.Module
+
+
+def no_decode_layers(layers: Sequence[DecoderLayerWeights], heads: int, kv_heads: int,
+                     head_dim: int) -> DecodeStack | None:
+    """The reference: no whole-layer call (the fused pass runs its per-op path)."""
+    return None
+
+
+def _is_silu(act: nn.Module) -> bool:
+    # HF's ACT2FN["silu"] is nn.SiLU (older releases: SiLUActivation)
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _int4_ok(linear: nn.Module, n: int, k: int, bias: bool) -> bool:
+    """An Int4Linear of ``n`` outputs and ``k`` inputs the kernel takes as the per-op path gives it: plain codes on a
+    CPU, float32 scales and zeros, contiguous; a float32 bias only where ``bias`` allows one."""
+    if (type(linear) is not Int4Linear or (linear.out_features, linear.in_features) != (n, k) or k % 32
+            or linear.scale_zeros.shape[1] != n):  # the per-op path's condition for its kernel (fused._row_products)
+        return False
+    q, scale, zero, b = linear.q, linear.scale, linear.zero, linear.bias
+    if b is not None and not (bias and b.dtype is torch.float32 and b.is_contiguous() and b.shape == (n,)):
+        return False
+    return (q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+            and scale.dtype is torch.float32 and zero.dtype is torch.float32 and k <= 16384)
+
+
+class DecodeStack:
+    """A model's int4 decoder layers bound to ``decode_layers_f32``: :meth:`__call__` runs layers ``first .. last -
+    1`` for the float32 decode rows ``h``. Holds the layers' tensors (the table's pointers stay valid while it
+    lives) and checks each call's inputs."""
+
+    def __init__(self, ext: ModuleType, layers: Sequence[DecoderLayerWeights], heads: int, kv_heads: int,
+                 head_dim: int, inter: int, kernel_rows: int) -> None:
+        self._run = ext.decode_layers_f32
+        self.heads, self.kv_heads, self.head_dim, self.inter = heads, kv_heads, head_dim, inter
+        self.d = layers[0].ln1.shape[0]
+        self.n = len(layers)
+        # the most rows: every product's kernel rows (more take the kept dense copy), and torch's SwiGLU on one thread
+        self.max_rows = min(kernel_rows, (_SERIAL_SILU - 1) // inter)
+        self._layers = layers  # keeps every pointer below alive
+        rows = []
+        for w in layers:
+            qkv, o, gu, dn = w.qkv, w.o, w.gate_up, w.down
+            rows.append([qkv.q.data_ptr(), qkv.scale.data_ptr(), qkv.zero.data_ptr(),
+                         0 if qkv.bias is None else qkv.bias.data_ptr(),
+                         o.q.data_ptr(), o.scale.data_ptr(), o.zero.data_ptr(),
+                         gu.q.data_ptr(), gu.scale.data_ptr(), gu.zero.data_ptr(),
+                         dn.q.data_ptr(), dn.scale.data_ptr(), dn.zero.data_ptr(),
+                         w.ln1.data_ptr(), w.ln2.data_ptr()])
+        # each product's buffers and codes: a layer whose codes are replaced (Int4Linear.refresh of new codes, a join)
+        # no longer runs here
+        self._codes = [(m._buffers, m.q) for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)]
+        self._table = torch.tensor(rows, dtype=torch.int64)  # [L, 15]
+        self._floats = torch.tensor([[w.eps1, w.eps2, w.scaling] for w in layers], dtype=torch.float64)  # [L, 3]
+        self._store: tuple | None = None  # (keys list, values list, [L, 2] pointers, shape, strides)
+
+    def current(self) -> bool:
+        """Whether the layers still hold the codes bound here (a layer whose codes were replaced: no longer)."""
+        return all(buffers["q"] is q for buffers, q in self._codes)
+
+    def _kv(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple:
+        """The store's per-layer pointers, made again when the store's lists are replaced (it grew)."""
+        store = self._store
+        if store is not None and store[0] is keys and store[1] is values:
+            return store
+        k0 = keys[0]
+        shape, strides = k0.shape, k0.stride()
+        if (len(keys) != self.n or len(values) != self.n or k0.dim() != 4 or shape[1] != self.kv_heads
+                or shape[3] != self.head_dim or strides[3] != 1
+                or any(t.dtype is not torch.float32 or not t.is_cpu or t.shape != shape or t.stride() != strides
+                       for t in (*keys, *values))):
+            raise ShapeError("decode_layers: the key / value store is not float32 [R, Hkv, C, D] alike in every layer")
+        ptrs = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)], dtype=torch.int64)  # [L, 2]
+        self._store = (keys, values, ptrs, shape, strides)
+        return self._store
+
+    def takes(self, h: torch.Tensor) -> bool:
+        """Whether a call with the rows ``h`` runs here: float32 CPU rows ``[m, d]``, contiguous, m within
+        :attr:`max_rows`, the layers' codes unchanged."""
+        return (h.dtype is torch.float32 and h.is_cpu and h.dim() == 2 and h.shape[1] == self.d
+                and 0 < h.shape[0] <= self.max_rows and h.is_contiguous() and self.current())
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor], pos: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """Layers ``first .. last - 1`` over ``h [m, d]`` (:meth:`takes` it): row ``r`` is store row ``r``, its token
+        at column ``pos[r]`` (``[m]`` int64), ``cos`` / ``sin`` ``[m, D]`` float32 (rows of their table, unit stride
+        along D; a ``[m, 1, D]`` view too). Writes each layer's new keys and values; returns the output ``[m, d]``."""
+        m = h.shape[0]
+        _, _, ptrs, shape, strides = self._kv(keys, values)
+        cst = cos.stride()
+        if not (pos.dtype is torch.int64 and pos.is_contiguous() and pos.shape == (m,) and cos.dtype is torch.float32
+                and sin.dtype is torch.float32 and cos.shape[0] == m and cos.shape[-1] == self.head_dim
+                and cst[-1] == 1 and sin.stride() == cst and sin.shape == cos.shape and m <= shape[0]):
+            raise ShapeError("decode_layers: rows, positions and rotary tables disagree")
+        out = torch.empty((m, self.d), dtype=torch.float32)  # [m, d]
+        try:
+            self._run(h.data_ptr(), out.data_ptr(), m, self.d, self._table.data_ptr(), self._floats.data_ptr(),
+                      ptrs.data_ptr(), first, last, self.heads, self.kv_heads, self.head_dim, self.inter,
+                      cos.data_ptr(), sin.data_ptr(), cst[0], pos.data_ptr(), shape[2], strides[0], strides[1],
+                      strides[2], torch.get_num_threads())
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return out
+
+
+def _silu_agrees(ext: ModuleType) -> bool:
+    """Whether the extension's SwiGLU is torch's bit for bit here (a probe of 4,112 values over silu's range, a row's
+    tail included): the bound loop must be, or the per-op path runs."""
+    gate = torch.linspace(-30.0, 30.0, 4112)  # [I]
+    gu = torch.cat([gate, torch.linspace(-2.0, 2.0, 4112)])[None]  # [1, 2 I]
+    out = torch.empty((1, 4112), dtype=torch.float32)
+    ext.silu_mul_f32(gu.data_ptr(), out.data_ptr(), 1, 4112)
+    return torch.equal(out, torch.nn.functional.silu(gu[:, :4112]) * gu[:, 4112:])
+
+
+def ext_decode_layers(ext: ModuleType) -> Callable[..., DecodeStack | None]:
+    """The op ``decode_layers`` over the extension: ``(layers, heads, kv_heads, head_dim) -> DecodeStack | None``
+    (module docstring). The reference where the extension cannot run it here (no AVX2 and FMA, torch's exp not found,
+    or its SwiGLU not torch's bit for bit)."""
+    if not (hasattr(ext, "decode_layers_f32") and ext.torch_exp_found() and _silu_agrees(ext)):
+        return no_decode_layers
+
+    def decode_layers(layers: Sequence[DecoderLayerWeights], heads: int, kv_heads: int,
+                      head_dim: int) -> DecodeStack | None:
+        if not layers:
+            return None
+        d = layers[0].ln1.shape[0]
+        width = (heads + 2 * kv_heads) * head_dim
+        inter = layers[0].gate_up.out_features // 2 if type(layers[0].gate_up) is Int4Linear else 0
+        if not inter or d % 32 or (heads * head_dim) % 32 or head_dim % 2 or heads % kv_heads:
+            return None
+        for w in layers:
+            if not (_int4_ok(w.qkv, width, d, True) and _int4_ok(w.o, d, heads * head_dim, False)
+                    and _int4_ok(w.gate_up, 2 * inter, d, False) and _int4_ok(w.down, d, inter, False)
+                    and _is_silu(w.act) and all(t.dtype is torch.float32 and t.is_contiguous() and t.shape == (d,)
+                                                for t in (w.ln1, w.ln2))):
+                return None
+        rows = min(m.kernel_rows for w in layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        return DecodeStack(ext, layers, heads, kv_heads, head_dim, inter, rows) if rows > 0 else None
+
+    return decode_layers
