@@ -18,6 +18,7 @@ def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
     from fastgate.config import TapSpec
     from fastgate.engine.model_runner import ModelRunner
     from fastgate.engine.packed import PackedLoop
+    from fastgate.ops.decoder import no_decode_layers
 
     out, calls = {}, []
     for fast in (True, False):
@@ -33,7 +34,8 @@ def decode_path_runs(lm, prompt_sets, cfg, layers, mid, budget=None):
             roped = getattr(inner, "roped", None)
             if roped is not None:
                 step.roped = lambda qkv, *a, roped=roped: calls.append(qkv.shape[0]) or roped(qkv, *a)
-        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=step)
+        # the per-op decode path (its whole layers in one call: tests/test_decode_layers.py)
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=step, decode_layers=no_decode_layers)
         out[fast] = []
         for prompts in prompt_sets:
             loop = PackedLoop(runner, mid=mid)

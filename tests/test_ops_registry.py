@@ -41,11 +41,13 @@ def test_ops_hold_every_op_and_record_each_choice():
     ext = registry.import_ext()
     kernel = ext.prefill_attention_bf16_supported()
     quant = kernel or ext.quant_f32_kernels_supported()
+    layers = ext.torch_exp_found()  # the float32 decoder layers in one call: AVX2, FMA and torch's exp
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
         "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
-        "int8_matmul": "ext" if quant else "torch", "align_words": "ext", "word_logprobs": "ext",
+        "int8_matmul": "ext" if quant else "torch", "decode_layers": "ext" if layers else "torch",
+        "align_words": "ext", "word_logprobs": "ext",
         "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
     }

@@ -226,6 +226,9 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
             return None, 0, None
         bind = getattr(int4_matmul, "bind", None)  # the op for this one layer, its checks made once
         product = bind(linear) if bind is not None else (lambda x: int4_matmul(x, linear))
+        rows = linear.kernel_rows
+        if dtype is torch.float32 and dense is not None:  # the op's float32 kernel against the kept float32 copy
+            rows = max(rows, getattr(int4_matmul, "float32_rows", 0))
         if bias is None:
             small = product  # [M, N]
         else:
@@ -236,7 +239,7 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
             large = lambda x: F.linear(x, dense)  # noqa: E731
         else:
             large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
-        return small, linear.kernel_rows, large
+        return small, rows, large
     if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu" and _op_takes(int8_matmul, dtype):
         scale, dense = (linear.scale if dtype is torch.float32 else linear.scale_bf16), linear._kept(dtype)
         if bias is None:

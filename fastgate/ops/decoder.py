@@ -84,13 +84,14 @@ class DecodeStack:
     lives) and checks each call's inputs."""
 
     def __init__(self, ext: ModuleType, layers: Sequence[DecoderLayerWeights], heads: int, kv_heads: int,
-                 head_dim: int, inter: int, kernel_rows: int) -> None:
+                 head_dim: int, inter: int) -> None:
         self._run = ext.decode_layers_f32
         self.heads, self.kv_heads, self.head_dim, self.inter = heads, kv_heads, head_dim, inter
         self.d = layers[0].ln1.shape[0]
         self.n = len(layers)
-        # the most rows: every product's kernel rows (more take the kept dense copy), and torch's SwiGLU on one thread
-        self.max_rows = min(kernel_rows, (_SERIAL_SILU - 1) // inter)
+        # the most rows: torch's SwiGLU of them on one thread (the caller passes only rows its products take through
+        # the int4 kernels: fastgate.engine.fused's decode condition)
+        self.max_rows = (_SERIAL_SILU - 1) // inter
         self._layers = layers  # keeps every pointer below alive
         rows = []
         for w in layers:
@@ -189,7 +190,6 @@ def ext_decode_layers(ext: ModuleType) -> Callable[..., DecodeStack | None]:
                     and _is_silu(w.act) and all(t.dtype is torch.float32 and t.is_contiguous() and t.shape == (d,)
                                                 for t in (w.ln1, w.ln2))):
                 return None
-        rows = min(m.kernel_rows for w in layers for m in (w.qkv, w.o, w.gate_up, w.down))
-        return DecodeStack(ext, layers, heads, kv_heads, head_dim, inter, rows) if rows > 0 else None
+        return DecodeStack(ext, layers, heads, kv_heads, head_dim, inter)
 
     return decode_layers

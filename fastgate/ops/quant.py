@@ -41,6 +41,11 @@ from fastgate.ops.layer import ext_kernels
 __all__ = ["ext_int4_matmul", "ext_int8_matmul", "torch_int4_matmul", "torch_int8_matmul"]
 
 _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its stack (csrc/ops.cpp)
+# float32 rows up to which int4_matmul_f32 beats the kept de-quantized float32 copy (int4-dense, whose own crossover,
+# DENSE_KERNEL_ROWS, is bf16's): a dense float32 product of 16 rows streamed its weights at 4.6 GB/s, 7x the bytes of
+# the codes; SmolLM2's batch-16 step at 600 tokens took 132 ms through the kernel against 184 through the copy (an
+# AVX2-only EPYC, 2 threads)
+F32_KERNEL_ROWS = 16
 
 
 def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
@@ -165,6 +170,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
 
     int4_matmul.bind = bind  # type: ignore[attr-defined]
     int4_matmul.float32 = f32  # type: ignore[attr-defined]  (float32 rows have a kernel: fastgate.engine.fused)
+    int4_matmul.float32_rows = F32_KERNEL_ROWS if f32 else 0  # type: ignore[attr-defined]  (and up to these rows)
     return int4_matmul
 
 

@@ -1,0 +1,165 @@
+"""The op ``decode_layers`` (fastgate.ops.decoder): a float32 int4 model's decoder layers for decode rows in one C++
+call, bitwise the fused pass's per-op path; its SwiGLU bitwise torch's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastgate.ops.registry import import_ext
+
+
+def _ext():
+    ext = import_ext()
+    return ext if ext is not None and hasattr(ext, "decode_layers_f32") and ext.torch_exp_found() else None
+
+
+needs_layers = pytest.mark.skipif(_ext() is None, reason="no C++ extension with decode_layers_f32 (AVX2, FMA, torch's exp)")
+
+
+@needs_layers
+@pytest.mark.parametrize("rows, inter", [(1, 1), (1, 7), (3, 13), (2, 16), (1, 31), (4, 769), (2, 1536), (1, 4864)])
+def test_silu_mul_is_torchs_bit_for_bit(rows, inter):
+    """silu(gate) * up of float32 rows as torch computes it: 16 at a time with its SLEEF exp, a row's tail with the C
+    library's (odd widths put values in both), extreme and special values included."""
+    ext = _ext()
+    gen = torch.Generator().manual_seed(inter)
+    gu = torch.randn((rows, 2 * inter), generator=gen) * 8  # [m, 2 I]
+    special = torch.tensor([0.0, -0.0, 88.0, -104.0, 1e-30, -1e-30, 20.5, -87.3])
+    gu[0, :min(inter, 8)] = special[:min(inter, 8)]
+    gu = gu[:, :].contiguous()
+    out = torch.empty((rows, inter))
+    ext.silu_mul_f32(gu.data_ptr(), out.data_ptr(), rows, inter)
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    assert torch.equal(out, ref)
+
+
+def _runs(lm, prompts, stacked: bool, max_new: int = 7, layers=(0, 2, 4), budget=None, counter=None):
+    """(token ids, log-probs, running sums) of ``prompts`` on ``lm`` with the C++ ops, the decoder layers in one call
+    (``stacked``) or op by op."""
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.ops.decoder import no_decode_layers
+
+    runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+    op = runner.ops.decode_layers
+    if not stacked:
+        op = no_decode_layers
+    elif counter is not None:  # count the stack's calls (their rows)
+        def op(layers, *a, inner=op):
+            stack = inner(layers, *a)
+            if stack is None:
+                return None
+            run = stack.__call__
+
+            class Counted:
+                takes = stack.takes
+
+                def __call__(self, h, *b):
+                    counter.append(h.shape[0])
+                    return run(h, *b)
+
+            return Counted()
+    runner.ops = dataclasses.replace(runner.ops, decode_layers=op)
+    cfg = GenerationConfig(max_new_tokens=max_new, stop_at_eos=False)
+    loop = PackedLoop(runner, mid=2)
+    tickets = loop.admit([(p, cfg, TapSpec(layers=layers, eos_state=True), 1, None) for p in prompts])
+    while loop.busy:
+        loop.step(budget)
+    return [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
+             t.result.running_sum, t.result.eos_state) for t in tickets]
+
+
+PROMPTS = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "The river rises in the hills",
+           "one two three four five six seven", "Z"]
+
+
+@needs_layers
+@pytest.mark.parametrize("weights, bias, n", [("int4", False, 1), ("int4", False, 5), ("int4-dense", False, 3),
+                                             ("int4", True, 6)])
+def test_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
+    """Tokens, log-probs, tapped running sums and EOS states equal the per-op decode path's exactly, for one row, a
+    prime number of rows, the kept dense copy's form, and q/k/v biases (Qwen2's); the stack did run (its calls
+    counted), in segments between the tapped layers."""
+    from fastgate.assets.quant import quantize_model
+    from fastgate.testing import tiny_model
+
+    models = []
+    for _ in range(2):
+        lm = tiny_model(dtype=torch.float32, attention_bias=bias)
+        if bias:  # Qwen2: q/k/v biases (drawn: HF's init zeroes them), none on o
+            gen = torch.Generator().manual_seed(5)
+            for layer in lm.model.model.layers:
+                attn = layer.self_attn
+                attn.o_proj.bias = None
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.data.copy_(torch.randn(proj.bias.shape, generator=gen) * 0.5)
+        quantize_model(lm.model, weights)
+        models.append(lm)
+    calls: list[int] = []
+    a = _runs(models[0], PROMPTS[:n], True, counter=calls, budget=9)
+    b = _runs(models[1], PROMPTS[:n], False, budget=9)
+    assert calls and max(calls) <= n
+    assert len(calls) % 2 == 0  # two calls a pass: layers 0-1 and 2-3 (the taps: 0 the embeddings, 2, 4 the norm)
+    for x, y in zip(a, b, strict=True):
+        assert x[0] == y[0] and x[1] == y[1]
+        assert torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
+
+
+@needs_layers
+def test_models_the_stack_does_not_take_keep_the_per_op_path():
+    """An o bias (Llama's attention_bias), int8 weights, float weights or bf16 rows: the op binds nothing or the pass
+    does not use it, and generation still works."""
+    from fastgate.assets.quant import quantize_model
+    from fastgate.engine.fused import fused_forward
+    from fastgate.testing import tiny_model
+
+    ext = _ext()
+    from fastgate.ops.decoder import ext_decode_layers
+
+    op = ext_decode_layers(ext)
+    for weights, bias in (("int4", True), ("int8", False), (None, False)):
+        lm = tiny_model(dtype=torch.float32, attention_bias=bias)
+        if weights:
+            quantize_model(lm.model, weights)
+        fused = fused_forward(lm.model)
+        assert fused._stack(op) is None
+        calls: list[int] = []
+        out = _runs(lm, PROMPTS[:2], True, counter=calls)
+        assert not calls and all(len(o[0]) == 7 for o in out)
+
+
+@needs_layers
+def test_stack_rejects_bad_inputs_before_writing():
+    """Positions outside the store, a store of another dtype, rows the stack does not take: a clear error or
+    ``takes`` False, and the store unwritten."""
+    from fastgate.assets.quant import quantize_model
+    from fastgate.engine.fused import fused_forward
+    from fastgate.errors import ShapeError
+    from fastgate.ops.decoder import ext_decode_layers
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.float32)
+    quantize_model(lm.model, "int4")
+    fused = fused_forward(lm.model)
+    stack = fused._stack(ext_decode_layers(_ext()))
+    assert stack is not None
+    n, cols = fused.n, 8
+    keys = [torch.zeros((2, fused.kv_heads, cols, fused.head_dim)) for _ in range(n)]
+    values = [torch.zeros_like(k) for k in keys]
+    h = torch.randn(2, stack.d)
+    cos, sin = torch.ones(2, fused.head_dim), torch.zeros(2, fused.head_dim)
+    with pytest.raises(ShapeError, match="positions"):
+        stack(h, cos, sin, keys, values, torch.tensor([3, cols]), 0, n)
+    assert all(not k.any() for k in keys) and all(not v.any() for v in values)
+    with pytest.raises(ShapeError, match="store"):
+        stack(h, cos, sin, [k.to(torch.bfloat16) for k in keys], values, torch.tensor([0, 1]), 0, n)
+    with pytest.raises(ShapeError):
+        stack(h, cos, sin, keys, values, torch.tensor([0, 1], dtype=torch.int32), 0, n)
+    assert not stack.takes(h.to(torch.bfloat16)) and not stack.takes(h.t().contiguous().t()[:, :5])
+    assert not stack.takes(torch.randn(stack.max_rows + 1, stack.d))
+    out = stack(h, cos, sin, keys, values, torch.tensor([0, 5]), 0, n)  # [2, d]
+    assert out.shape == (2, stack.d) and torch.isfinite(out).all() and keys[0][1, :, 5].any()
