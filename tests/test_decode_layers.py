@@ -16,7 +16,8 @@ def _ext():
     return ext if ext is not None and hasattr(ext, "decode_layers_f32") and ext.torch_exp_found() else None
 
 
-needs_layers = pytest.mark.skipif(_ext() is None, reason="no C++ extension with decode_layers_f32 (AVX2, FMA, torch's exp)")
+needs_layers = pytest.mark.skipif(_ext() is None,
+                                  reason="no C++ extension with decode_layers_f32 (AVX2, FMA, torch's exp)")
 
 
 @needs_layers
