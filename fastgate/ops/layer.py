@@ -20,8 +20,9 @@ op's limit (:func:`row_limits`), chosen once at construction by the vector width
 AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm (576
 wide) 14 / 17 / 26 / 2,300 against 0.8 / 3.7 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 16 / 36 / 450
 against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows. (A C++ SwiGLU activation, ``silu(gate)
-* up``, was tried and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and its polynomial exp
-was not torch's Sleef exp bit for bit.)
+* up``, was tried as an op of its own and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and
+its polynomial exp was not torch's Sleef exp bit for bit. The float32 one inside the whole-layer call,
+:mod:`fastgate.ops.decoder`, calls torch's own exp and is bitwise torch's.)
 """
 
 from __future__ import annotations
