@@ -15,7 +15,9 @@ host's share was ~9 ms of a 20.6 ms step with int8 weights. :class:`FusedForward
 * the packed attention function itself (:func:`fastgate.engine.packed._packed_attention`), so the slot store, the
   prefill buffers and the float32 attention of bf16 caches are the very same; a pass of decode rows only on a CPU
   (bf16, or float32 with quantized weights) writes the store and attends in one C++ call a layer instead
-  (:meth:`FusedForward._decode_layers`, op ``decode_attention_step``), the norms inside the products' calls;
+  (:meth:`FusedForward._decode_layers`, op ``decode_attention_step``), the norms inside the products' calls; with
+  float32 rows of int4 weights, all its layers between two taps in one call (op ``decode_layers``,
+  :mod:`fastgate.ops.decoder`: bitwise the same);
 * the taps written directly (no forward hooks): layer 0 the embeddings, layer ``i`` decoder layer ``i - 1``'s output,
   layer ``n`` the final norm's, as :class:`fastgate.engine.model_runner.Taps` keeps them.
 
