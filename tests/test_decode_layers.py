@@ -164,3 +164,40 @@ def test_stack_rejects_bad_inputs_before_writing():
     assert not stack.takes(torch.randn(stack.max_rows + 1, stack.d))
     out = stack(h, cos, sin, keys, values, torch.tensor([0, 5]), 0, n)  # [2, d]
     assert out.shape == (2, stack.d) and torch.isfinite(out).all() and keys[0][1, :, 5].any()
+
+
+@needs_layers
+@pytest.mark.parametrize("n", [1, 6])
+def test_fp16_scales_are_the_float32_scales_results(monkeypatch, n):
+    """A layer whose scales and zeros are fp16 values (a GGUF's Q4_1 blocks) keeps fp16 copies that the float32
+    kernels read (a sixth fewer bytes): the same tokens, log-probs and taps as the float32 copies, through the stack
+    and the per-op path; a layer whose values are not fp16 keeps none."""
+    from fastgate.assets.quant import Int4Linear, quantize_int4, quantize_model
+    from fastgate.testing import tiny_model
+
+    def model():
+        lm = tiny_model(dtype=torch.float32)
+        quantize_model(lm.model, "int4")
+        for m in lm.model.modules():
+            if type(m) is Int4Linear:  # the values a GGUF's fp16 fields hold
+                m.scale.copy_(m.scale.half().float())
+                m.zero.copy_(m.zero.half().float())
+                m.refresh()
+        return lm
+
+    halves = model()
+    assert all(m.scale16 is not None for m in halves.model.modules() if type(m) is Int4Linear)
+    a = _runs(halves, PROMPTS[:n], True, budget=9)
+    b = _runs(model(), PROMPTS[:n], False, budget=9)
+    monkeypatch.setattr(Int4Linear, "half_scales", False)
+    plain = model()
+    assert all(m.scale16 is None for m in plain.model.modules() if type(m) is Int4Linear)
+    c = _runs(plain, PROMPTS[:n], True, budget=9)
+    for x, y, z in zip(a, b, c, strict=True):
+        assert x[0] == y[0] == z[0]
+        assert x[1] == y[1], "stack vs per-op"
+        assert x[1] == z[1], "fp16 vs float32"
+        assert torch.equal(x[2], y[2]) and torch.equal(x[2], z[2])
+    monkeypatch.undo()
+    q, s, z = quantize_int4(torch.randn(64, 96) * 0.05)
+    assert Int4Linear(q, s, z).scale16 is None  # float32 values fp16 cannot hold
