@@ -1982,7 +1982,7 @@ void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintpt
 // never load past a row (every load is whole: a group is 16 bytes, an int8 row's tail goes scalar).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FASTGATE_AVX2_KERNEL 1
-#define FASTGATE_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define FASTGATE_AVX2_TARGET __attribute__((target("avx2,fma")))
 #include <immintrin.h>
 #endif
 
@@ -1990,7 +1990,7 @@ bool quant_f32_kernels_supported() {
 #ifdef FASTGATE_AVX2_KERNEL
   static const bool ok = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
   return ok;
 #else
@@ -2009,18 +2009,9 @@ FASTGATE_AVX2_TARGET inline float hsum8_avx(__m256 v) {
 
 // rows n .. n + R of the int4 product for MB input rows (xp [MB][K] permuted, S [MB][G] group sums, both K and G
 // apart) -> y [MB][N] float32 (+ res [MB][N] where given: y = res + product, one float32 addition)
-// A layer's scales and zeros as float32 or as fp16 (SZ uint16_t: a GGUF's Q4_1 blocks hold them so, exactly: a sixth of
-// the bytes a product reads saved, the same values): one as float32, and eight side by side
-FASTGATE_AVX2_TARGET inline float sz1(const float* p) { return *p; }
-FASTGATE_AVX2_TARGET inline float sz1(const uint16_t* p) { return _cvtsh_ss(*p); }
-FASTGATE_AVX2_TARGET inline __m256 sz8(const float* p) { return _mm256_loadu_ps(p); }
-FASTGATE_AVX2_TARGET inline __m256 sz8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-template <int R, int MB, class SZ = float>
-FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* q, const SZ* scale,
-                                               const SZ* zero, int64_t K, int64_t n, int64_t N, float* y,
+template <int R, int MB>
+FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
+                                               const float* zero, int64_t K, int64_t n, int64_t N, float* y,
                                                const float* res) {
   const int64_t G = K / 32, row_bytes = K / 2;
   const __m256i low = _mm256_set1_epi32(15);
@@ -2041,7 +2032,7 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
       const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));  // codes 1, 3, .. 15
       const __m256 c2 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));  // codes 16, 18, .. 30
       const __m256 c3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));  // codes 17, 19, .. 31
-      const __m256 s = _mm256_set1_ps(sz1(scale + (n + r) * G + g));
+      const __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
       for (int m = 0; m < MB; ++m) {
         const float* xb = xp + m * K + 32 * g;
         // two short chains, not one of five dependent multiply-adds a group (with eight rows a tile at one input
@@ -2053,19 +2044,18 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
     }
   }
   for (int r = 0; r < R; ++r) {
-    const SZ* sr = scale + (n + r) * G;
-    const SZ* zr = zero + (n + r) * G;
+    const float* sr = scale + (n + r) * G;
+    const float* zr = zero + (n + r) * G;
     for (int m = 0; m < MB; ++m) {
       // the offsets' part: sum_g (zero_g - 8 scale_g) S_g, 8 groups a vector, the rest one by one
       const float* Sm = S + m * G;
       __m256 c = _mm256_setzero_ps();
       int64_t g = 0;
       for (; g + 8 <= G; g += 8)
-        c = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sz8(sr + g), sz8(zr + g)), _mm256_loadu_ps(Sm + g),
-                            c);
+        c = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(sr + g), _mm256_loadu_ps(zr + g)),
+                            _mm256_loadu_ps(Sm + g), c);
       float tail = 0.0f;
-      // contracted explicitly: the compiler contracted the float32 form's expression, and not always the fp16 one's
-      for (; g < G; ++g) tail = std::fma(std::fma(-8.0f, sz1(sr + g), sz1(zr + g)), Sm[g], tail);
+      for (; g < G; ++g) tail += (zr[g] - 8.0f * sr[g]) * Sm[g];
       const float sum = hsum8_avx(acc[r][m]) + (hsum8_avx(c) + tail);
       const int64_t i = m * N + n + r;
       y[i] = res ? res[i] + sum : sum;
@@ -2073,17 +2063,16 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
   }
 }
 
-template <int MB, class SZ>
-FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* q, const SZ* scale,
-                                        const SZ* zero, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
+template <int MB>
+FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
+                                        const float* zero, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
                                         const float* res) {
   int64_t n = n0;
   if constexpr (MB == 1)  // one input row: eight weight rows a tile, eight independent sums in flight
     for (; n + 2 * kQuantRows <= n1; n += 2 * kQuantRows)
-      int4_tile_f32<2 * kQuantRows, 1, SZ>(xp, S, q, scale, zero, K, n, N, y, res);
-  for (; n + kQuantRows <= n1; n += kQuantRows)
-    int4_tile_f32<kQuantRows, MB, SZ>(xp, S, q, scale, zero, K, n, N, y, res);
-  for (; n < n1; ++n) int4_tile_f32<1, MB, SZ>(xp, S, q, scale, zero, K, n, N, y, res);
+      int4_tile_f32<2 * kQuantRows, 1>(xp, S, q, scale, zero, K, n, N, y, res);
+  for (; n + kQuantRows <= n1; n += kQuantRows) int4_tile_f32<kQuantRows, MB>(xp, S, q, scale, zero, K, n, N, y, res);
+  for (; n < n1; ++n) int4_tile_f32<1, MB>(xp, S, q, scale, zero, K, n, N, y, res);
 }
 
 // rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows x_stride apart) -> y [MB][N] float32
@@ -2164,10 +2153,8 @@ FASTGATE_F32_EXACT void rope_head_f32(const float* xr, const float* c, const flo
 // [K] float32, the product of rms_norm_f32(x, w, eps) instead (the same loop, bitwise the two calls).
 #ifdef FASTGATE_AVX2_KERNEL
 // int4_matmul_f32's work, its inputs checked and the GIL released by the caller (decode_layers_f32 calls it too).
-// scale / zero: float32, or fp16 where `half` (the same values: a layer whose GGUF blocks hold them exactly so)
-void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const void* scale, const void* zero, float* y,
-              int64_t M, int64_t N, int64_t K, int64_t threads, const float* res, const float* w, float eps,
-              bool half = false) {
+void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const float* scale, const float* zero, float* y,
+              int64_t M, int64_t N, int64_t K, int64_t threads, const float* res, const float* w, float eps) {
   const int64_t G = K / 32;
   std::vector<float> normed(w ? K : 0);  // one row normed at a time, then permuted as x's rows are
   // per input row: each group's sum S_g, and the row permuted: per 16 codes, the even inputs, then the odd ones
@@ -2195,21 +2182,15 @@ void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const void* sc
     const float* Sm = S.data() + m0 * G;
     float* ym = y + m0 * N;
     const float* rm = res ? res + m0 * N : nullptr;
-    const auto* s16 = static_cast<const uint16_t*>(scale);
-    const auto* z16 = static_cast<const uint16_t*>(zero);
-    const auto* s32 = static_cast<const float*>(scale);
-    const auto* z32 = static_cast<const float*>(zero);
-    if (half && mb == 1) int4_rows_f32<1>(xm, Sm, q, s16, z16, K, n0, n1, N, ym, rm);
-    else if (half) int4_rows_f32<2>(xm, Sm, q, s16, z16, K, n0, n1, N, ym, rm);
-    else if (mb == 1) int4_rows_f32<1>(xm, Sm, q, s32, z32, K, n0, n1, N, ym, rm);
-    else int4_rows_f32<2>(xm, Sm, q, s32, z32, K, n0, n1, N, ym, rm);
+    if (mb == 1) int4_rows_f32<1>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
+    else int4_rows_f32<2>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm);
   }, kF32Inputs);
 }
 #endif
 
 void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
-                     uintptr_t w_ptr, double eps, bool half) {
+                     uintptr_t w_ptr, double eps) {
 #ifdef FASTGATE_AVX2_KERNEL
   if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
@@ -2217,12 +2198,12 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
   if (M == 0) return;
   py::gil_scoped_release release;
   int4_f32(reinterpret_cast<const float*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(q_ptr),
-           reinterpret_cast<const void*>(scale_ptr), reinterpret_cast<const void*>(zero_ptr),
+           reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(zero_ptr),
            reinterpret_cast<float*>(out_ptr), M, N, K, threads, reinterpret_cast<const float*>(res_ptr),
-           reinterpret_cast<const float*>(w_ptr), static_cast<float>(eps), half);
+           reinterpret_cast<const float*>(w_ptr), static_cast<float>(eps));
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
-  (void)threads, (void)res_ptr, (void)w_ptr, (void)eps, (void)half;
+  (void)threads, (void)res_ptr, (void)w_ptr, (void)eps;
   throw std::invalid_argument("int4_matmul_f32: not built for this platform");
 #endif
 }
@@ -2530,10 +2511,9 @@ void silu_mul_f32(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
 // step_f32 with its rotary embedding, int4_matmul_f32 with its residual, silu_mul_f32) step for step, so bitwise the
 // same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~4 ms of host time in ~13 ms).
 //   h [m, d] float32 contiguous (not written); out [m, d] float32 contiguous: the last layer's output
-//   table [L, 19] int64: a layer's pointers: qkv codes, scales, zeros, bias (0: none); o's, gate_up's, down's codes,
-//     scales, zeros; the two norms' weights; then per product (qkv, o, gate_up, down) 1 where its scales and zeros
-//     are fp16 (layers indexed by their row; codes [N, K / 2] uint8, scales / zeros [N, K / 32] float32 or fp16,
-//     contiguous, N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I)
+//   table [L, 15] int64: a layer's pointers: qkv codes, scales, zeros, bias (0: none); o's, gate_up's, down's codes,
+//     scales, zeros; the two norms' weights (layers indexed by their row; codes [N, K / 2] uint8, scales / zeros
+//     [N, K / 32] float32, contiguous, N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I)
 //   floats [L, 3] float64: the norms' eps, the attention's scaling
 //   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] float32 (strides s_row, s_head, s_col, 1 alike)
 //   cos / sin [m, D] float32, rows c_stride apart; pos [m] int64: row r's new column
@@ -2563,11 +2543,11 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
   std::vector<float> qkv(m * width), attn(m * H * D), gu(m * 2 * I), act(m * I), h2(m * d), h3(m * d);
   const float* hin = reinterpret_cast<const float*>(h_ptr);
   for (int64_t l = first; l < last; ++l) {
-    const int64_t* t = table + l * 19;
+    const int64_t* t = table + l * 15;
     const double* e = floats + l * 3;
     float* hout = l + 1 == last ? reinterpret_cast<float*>(out_ptr) : h3.data();
     int4_f32(hin, d, u8(t[0]), f(t[1]), f(t[2]), qkv.data(), m, width, d, threads, nullptr, f(t[13]),
-             static_cast<float>(e[0]), t[15]);
+             static_cast<float>(e[0]));
     if (t[3])
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < width; ++j) qkv[r * width + j] += f(t[3])[j];
@@ -2575,13 +2555,12 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
                        reinterpret_cast<float*>(kv[2 * l]), reinterpret_cast<float*>(kv[2 * l + 1]), pos,
                        attn.data(), m, H, Hkv, D, cols, s_row, s_head, s_col, static_cast<float>(e[2]), threads, cs,
                        sn, c_stride);
-    int4_f32(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, hin, nullptr, 0.0f,
-             t[16]);
+    int4_f32(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, hin, nullptr, 0.0f);
     int4_f32(h2.data(), d, u8(t[7]), f(t[8]), f(t[9]), gu.data(), m, 2 * I, d, threads, nullptr, f(t[14]),
-             static_cast<float>(e[1]), t[17]);
+             static_cast<float>(e[1]));
     for (int64_t r = 0; r < m; ++r)
       silu_mul_row_f32(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, act.data() + r * I, I, exp8);
-    int4_f32(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, h2.data(), nullptr, 0.0f, t[18]);
+    int4_f32(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, h2.data(), nullptr, 0.0f);
     hin = hout;
   }
 #else
@@ -2647,9 +2626,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("int4_matmul_f32", &int4_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
-        py::arg("residual") = 0, py::arg("norm_weight") = 0, py::arg("eps") = 1e-6, py::arg("half") = false,
+        py::arg("residual") = 0, py::arg("norm_weight") = 0, py::arg("eps") = 1e-6,
         "The int4 weight-only product of float32 rows (AVX2 + FMA; csrc/ops.cpp has the layout); with norm_weight, of "
-        "rms_norm_f32(x, norm_weight, eps); half: scale and zero are fp16");
+        "rms_norm_f32(x, norm_weight, eps)");
   m.def("rms_norm_f32", &rms_norm_f32, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("d"),
         py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,
         "LlamaRMSNorm of float32 rows, torch's float32 arithmetic bit for bit (AVX2 + FMA; checked pointers).");

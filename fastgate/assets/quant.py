@@ -441,8 +441,6 @@ class Int4Linear(_KeptCopy):
     ``q [N, K / 2]`` and float32 ``scale``, ``zero [N, K / 32]`` (buffers), and what the kernel reads, packed once
     (``packed``, ``scale_zeros``: buffers left out of the state dict). The output has ``x``'s dtype."""
 
-    half_scales = True  # keep fp16 copies of fp16-exact scales and zeros (refresh); False: float32 only (tests)
-
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  kernel_rows: int = INT4_KERNEL_ROWS, source: str = "quantized") -> None:
         super().__init__()
@@ -474,19 +472,6 @@ class Int4Linear(_KeptCopy):
                 self.register_buffer(name, value, persistent=False)
         # the kernel's output is the layer's own: no padded rows to drop, no bias to add
         self._exact = self.scale_zeros.shape[1] == self.out_features and self.bias is None
-        # fp16 copies of the scales and zeros where they are the same values (a GGUF's Q4_1 blocks hold them in fp16:
-        # 208 of SmolLM2's 210 int4 layers): the float32 rows' C++ kernel reads those, a sixth fewer of a product's
-        # bytes, with the same results (fastgate.ops.quant); None elsewhere
-        halves: tuple = (None, None)
-        if self.half_scales and self.scale.device.type == "cpu":
-            s16, z16 = self.scale.to(torch.float16), self.zero.to(torch.float16)
-            if torch.equal(s16.to(torch.float32), self.scale) and torch.equal(z16.to(torch.float32), self.zero):
-                halves = (s16, z16)
-        for name, value in zip(("scale16", "zero16"), halves):
-            if name in self._buffers:
-                setattr(self, name, value)
-            else:
-                self.register_buffer(name, value, persistent=False)
         self._follow_codes()
 
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:

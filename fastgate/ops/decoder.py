@@ -34,6 +34,7 @@ from fastgate.errors import ShapeError
 __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers"]
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
+_TABLE = 15  # pointers a layer in the extension's table (decode_layers_f32 in csrc/ops.cpp)
 
 
 @dataclass(frozen=True)
@@ -92,21 +93,19 @@ class DecodeStack:
         # the int4 kernels: fastgate.engine.fused's decode condition)
         self.max_rows = (_SERIAL_SILU - 1) // inter
         self._layers = layers  # keeps every pointer below alive
-        def sz(m: Int4Linear) -> tuple[int, int]:  # its scales' and zeros' pointers: the fp16 copies where it has them
-            return ((m.scale16.data_ptr(), m.zero16.data_ptr()) if m.scale16 is not None
-                    else (m.scale.data_ptr(), m.zero.data_ptr()))
-
         rows = []
         for w in layers:
             qkv, o, gu, dn = w.qkv, w.o, w.gate_up, w.down
-            rows.append([qkv.q.data_ptr(), *sz(qkv), 0 if qkv.bias is None else qkv.bias.data_ptr(),
-                         o.q.data_ptr(), *sz(o), gu.q.data_ptr(), *sz(gu), dn.q.data_ptr(), *sz(dn),
-                         w.ln1.data_ptr(), w.ln2.data_ptr(),
-                         *(int(m.scale16 is not None) for m in (qkv, o, gu, dn))])
+            rows.append([qkv.q.data_ptr(), qkv.scale.data_ptr(), qkv.zero.data_ptr(),
+                         0 if qkv.bias is None else qkv.bias.data_ptr(),
+                         o.q.data_ptr(), o.scale.data_ptr(), o.zero.data_ptr(),
+                         gu.q.data_ptr(), gu.scale.data_ptr(), gu.zero.data_ptr(),
+                         dn.q.data_ptr(), dn.scale.data_ptr(), dn.zero.data_ptr(),
+                         w.ln1.data_ptr(), w.ln2.data_ptr()])
         # each product's buffers and codes: a layer whose codes are replaced (Int4Linear.refresh of new codes, a join)
         # no longer runs here
         self._codes = [(m._buffers, m.q) for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)]
-        self._table = torch.tensor(rows, dtype=torch.int64)  # [L, 19]
+        self._table = torch.tensor(rows, dtype=torch.int64)  # [L, 15]
         self._floats = torch.tensor([[w.eps1, w.eps2, w.scaling] for w in layers], dtype=torch.float64)  # [L, 3]
         self._store: tuple | None = None  # (keys list, values list, [L, 2] pointers, shape, strides)
 

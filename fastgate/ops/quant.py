@@ -117,10 +117,6 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         k, n = layer.in_features, layer.out_features
         ptrs, empty, bf16_t, threads = ((q.data_ptr(), scale.data_ptr(), zero.data_ptr()), torch.empty,
                                         torch.bfloat16, torch.get_num_threads)
-        # float32 rows read the fp16 copies of the scales and zeros where the layer has them (the same values)
-        half = buffers.get("scale16") is not None
-        f32_ptrs = (q.data_ptr(), buffers["scale16"].data_ptr(), buffers["zero16"].data_ptr()) if half else ptrs
-        f32_t = torch.float32
 
         def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
             return (x.dtype in runs and x.is_cpu and x.dim() == 2 and x.shape[1] == k
@@ -132,10 +128,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
                 return int4_matmul(x, layer)
             m = x.shape[0]
             out = empty((m, n), dtype=x.dtype)  # [M, N]
-            if x.dtype is f32_t:
-                runs[f32_t](x.data_ptr(), x.stride(0), *f32_ptrs, out.data_ptr(), m, n, k, threads(), 0, 0, 1e-6, half)
-            else:
-                runs[x.dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
+            runs[x.dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads())
             return out
 
         def normed(x: torch.Tensor, weight: torch.Tensor, eps: float, rms_norm: Callable) -> torch.Tensor:
@@ -151,8 +144,8 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
                 runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), weight.data_ptr(),
                              float(eps))
             else:  # float32: the residual (none) comes first in its kernel's arguments
-                runs[dtype](x.data_ptr(), x.stride(0), *f32_ptrs, out.data_ptr(), m, n, k, threads(), 0,
-                            weight.data_ptr(), float(eps), half)
+                runs[dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0,
+                            weight.data_ptr(), float(eps))
             return out
 
         def added(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -166,8 +159,8 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
                 runs[bf16_t](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(), 0, 1e-6,
                              residual.data_ptr())
             else:
-                runs[x.dtype](x.data_ptr(), x.stride(0), *f32_ptrs, out.data_ptr(), m, n, k, threads(),
-                              residual.data_ptr(), 0, 1e-6, half)
+                runs[x.dtype](x.data_ptr(), x.stride(0), *ptrs, out.data_ptr(), m, n, k, threads(),
+                              residual.data_ptr())
             return out
 
         product.added = added  # type: ignore[attr-defined]
