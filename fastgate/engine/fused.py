@@ -374,10 +374,10 @@ class FusedForward:
 
     def _float32_rows(self, matmuls: tuple) -> int:
         """The most float32 rows :meth:`_decode_layers` takes with the products of ``matmuls``: the least of the
-        layers' kernel rows (more rows multiply the kept dense copy, and there :meth:`_layers` with torch's SDPA ran
-        faster: batch 16 at 600 tokens 196 against 238 ms on an AVX2-only EPYC, 8 rows 156 against 182; 4 rows 39
-        against 84), and 0 where a layer has no quantized product: a float32 model of float weights keeps torch's
-        attention (its SDPA; the C++ loop sums in another order), the arithmetic its recorded answers were made with."""
+        layers' kernel rows (for float32 rows the op's own, ``float32_rows``, where a dense copy is kept: 16 on an
+        AVX2 CPU; more rows multiply the kept copy through :meth:`_layers`), and 0 where a layer has no quantized
+        product: a float32 model of float weights keeps torch's attention (its SDPA; the C++ loop sums in another
+        order), the arithmetic its recorded answers were made with."""
         rows = self._f32_limits.get(matmuls)
         if rows is None:
             rows = self._f32_limits[matmuls] = min(
