@@ -24,6 +24,9 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   The decode step's quantized products (``int4_matmul``, ``int8_matmul``, :mod:`fastgate.ops.quant`) run in the
   extension for bf16 rows where the CPU has AVX512-BF16 and for float32 rows where it has AVX2 and FMA; torch's
   weight-only kernels (bf16 rows) and the de-quantized dense product (float32 rows) otherwise, and under ``torch``.
+  A float32 model's int4 decoder layers run a decode pass in one call (``decode_layers``, :mod:`fastgate.ops.decoder`)
+  where the CPU has AVX2 and FMA and the extension's SwiGLU is torch's bit for bit; elsewhere the reference binds
+  nothing and the fused pass runs the ops one by one, with the same results.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
