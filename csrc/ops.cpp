@@ -2301,6 +2301,13 @@ FASTGATE_AVX2_TARGET inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m2
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+// q . kw of 64 floats (q as 8 vectors), its 8 lanes' partial sums
+FASTGATE_AVX2_TARGET inline __m256 dot64_lanes(const __m256* qv, const float* kw) {
+  __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kw));
+  for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kw + 8 * i), acc);
+  return acc;
+}
+
 FASTGATE_AVX2_TARGET void attend_head_f32_64(const float* q, const float* k, const float* v, int64_t stride, int64_t n,
                                              int64_t G, float* scores, float* out, float* mx, float* sum) {
   constexpr int64_t D = 64;
@@ -2311,20 +2318,10 @@ FASTGATE_AVX2_TARGET void attend_head_f32_64(const float* q, const float* k, con
     int64_t w = 0;
     for (; w + 8 <= n; w += 8) {
       __m256 a[8];
-      for (int c = 0; c < 8; ++c) {
-        const float* kw = k + (w + c) * stride;
-        __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kw));
-        for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kw + 8 * i), acc);
-        a[c] = acc;
-      }
+      for (int c = 0; c < 8; ++c) a[c] = dot64_lanes(qv, k + (w + c) * stride);
       _mm256_storeu_ps(sg + w, hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
     }
-    for (; w < n; ++w) {
-      const float* kw = k + w * stride;
-      __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kw));
-      for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kw + 8 * i), acc);
-      sg[w] = hsum8_avx(acc);
-    }
+    for (; w < n; ++w) sg[w] = hsum8_avx(dot64_lanes(qv, k + w * stride));
   }
   softmax_rows(scores, n, G, mx, sum);
   for (int64_t g = 0; g < G; ++g) {
@@ -2348,9 +2345,7 @@ inline void attend_f32(const float* q, const float* k, const float* v, int64_t s
   else
     attend_head_f32(q, k, v, stride, n, G, D, scores, out, mx, sum);
 }
-#endif
 
-#ifdef FASTGATE_AVX2_KERNEL
 // decode_attention_step_f32's work, its inputs checked and the GIL released by the caller (decode_layers_f32 calls it
 // too).
 void attention_step_f32(const float* q, int64_t q_row, int64_t q_head, const float* kn, int64_t kn_row,
@@ -2399,8 +2394,8 @@ void attention_step_f32(const float* q, int64_t q_row, int64_t q_head, const flo
       if (parts == 1)
         attend_f32(qh, k + at, v + at, s_col, n, G, D, scores.data(), out + (r * H + h * G) * D);
       else if (c1 > c0)
-        attend_f32(qh, k + at, v + at, s_col, c1 - c0, G, D, scores.data(), po.data() + u * G * D,
-                        pm.data() + u * G, ps.data() + u * G);
+        attend_f32(qh, k + at, v + at, s_col, c1 - c0, G, D, scores.data(), po.data() + u * G * D, pm.data() + u * G,
+                   ps.data() + u * G);
       else  // an empty part (fewer columns than parts): nothing to weigh
         for (int64_t g = 0; g < G; ++g) pm[u * G + g] = -std::numeric_limits<float>::infinity(), ps[u * G + g] = 0;
     }
@@ -2486,19 +2481,28 @@ FASTGATE_F32_EXACT void silu_mul_row_f32(const float* g, const float* u, float* 
     o[i] = s * u[i];
   }
 }
+
+// gu [m, 2 I] float32 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:], row by row
+void silu_mul_rows_f32(const float* gu, float* out, int64_t m, int64_t I, Exp8 exp8) {
+  for (int64_t r = 0; r < m; ++r) silu_mul_row_f32(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+}
+
+// torch's exp for the entry point `name`, or a clear error where it does not run here
+Exp8 checked_exp8(const char* name) {
+  if (!torch_exp_found())
+    throw std::invalid_argument(std::string(name) + ": needs AVX2, FMA and torch's exp (libtorch_cpu loaded)");
+  return torch_exp8();
+}
 #endif
 
 // gu [m, 2 I] float32 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:] (the gated MLP's product, torch's
 // arithmetic bit for bit where torch_exp_found).
 void silu_mul_f32(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
 #ifdef FASTGATE_AVX2_KERNEL
-  const Exp8 exp8 = torch_exp_found() ? torch_exp8() : nullptr;
-  if (!exp8) throw std::invalid_argument("silu_mul_f32: needs AVX2, FMA and torch's exp (libtorch_cpu loaded)");
+  const Exp8 exp8 = checked_exp8("silu_mul_f32");
   if (m < 0 || I <= 0) throw std::invalid_argument("silu_mul_f32: bad shape");
-  const float* gu = reinterpret_cast<const float*>(gu_ptr);
-  float* out = reinterpret_cast<float*>(out_ptr);
   py::gil_scoped_release release;
-  for (int64_t r = 0; r < m; ++r) silu_mul_row_f32(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+  silu_mul_rows_f32(reinterpret_cast<const float*>(gu_ptr), reinterpret_cast<float*>(out_ptr), m, I, exp8);
 #else
   (void)gu_ptr, (void)out_ptr, (void)m, (void)I;
   throw std::invalid_argument("silu_mul_f32: not built for this platform");
@@ -2523,8 +2527,7 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
                        uintptr_t pos_ptr, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
                        int64_t threads) {
 #ifdef FASTGATE_AVX2_KERNEL
-  const Exp8 exp8 = torch_exp_found() ? torch_exp8() : nullptr;
-  if (!exp8) throw std::invalid_argument("decode_layers_f32: needs AVX2, FMA and torch's exp (libtorch_cpu loaded)");
+  const Exp8 exp8 = checked_exp8("decode_layers_f32");
   check_decode_shape("decode_layers_f32", m, H, Hkv, D);
   if (d <= 0 || d % 32 || (H * D) % 32 || I <= 0 || I % 32 || D % 2 || first < 0 || last < first || c_stride < D)
     throw std::invalid_argument("decode_layers_f32: bad shape (d, H D and I multiples of 32, D even)");
@@ -2558,8 +2561,7 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
     int4_f32(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, hin, nullptr, 0.0f);
     int4_f32(h2.data(), d, u8(t[7]), f(t[8]), f(t[9]), gu.data(), m, 2 * I, d, threads, nullptr, f(t[14]),
              static_cast<float>(e[1]));
-    for (int64_t r = 0; r < m; ++r)
-      silu_mul_row_f32(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, act.data() + r * I, I, exp8);
+    silu_mul_rows_f32(gu.data(), act.data(), m, I, exp8);
     int4_f32(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, h2.data(), nullptr, 0.0f);
     hin = hout;
   }

@@ -30,6 +30,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
+from fastgate.ops.quant import _int4_layer_ok
 
 __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers"]
 
@@ -71,11 +72,10 @@ def _int4_ok(linear: nn.Module, n: int, k: int, bias: bool) -> bool:
     if (type(linear) is not Int4Linear or (linear.out_features, linear.in_features) != (n, k) or k % 32
             or linear.scale_zeros.shape[1] != n):  # the per-op path's condition for its kernel (fused._row_products)
         return False
-    q, scale, zero, b = linear.q, linear.scale, linear.zero, linear.bias
+    b = linear.bias
     if b is not None and not (bias and b.dtype is torch.float32 and b.is_contiguous() and b.shape == (n,)):
         return False
-    return (q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
-            and scale.dtype is torch.float32 and zero.dtype is torch.float32 and k <= 16384)
+    return _int4_layer_ok(linear)  # the buffers the C++ kernel takes (the per-op path's own check)
 
 
 class DecodeStack:
