@@ -61,12 +61,33 @@ def _ref8(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("n", [1, 7, 769, 1031])
 @pytest.mark.parametrize("k", [32, 64, 96, 160, 576, 608, 1536])  # groups: 1, 2, 3, 5, 18, 19, 48
-@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 13, 16])  # tiles of up to 6 input rows: 6, 6 + 1, 6 + 6 + 4 too
 def test_int4_f32_kernel_is_the_definition(n, k, m):
     op, _ = _ops(_ext())
     layer = _int4(n, k, seed=n * k + m)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m))
     _close(op(x, layer), _ref4(x, layer))
+
+
+@pytest.mark.parametrize("m", [2, 4, 6, 7, 16, 17])
+def test_int4_f32_kernel_rows_are_bitwise_alike_in_any_tile(m):
+    """An output's arithmetic does not depend on the tile that computed it: each row of an m-row product (tiles of up
+    to six input rows by one weight row) is bitwise that row's one-row product (tiles of eight and four weight rows),
+    on one thread and on two."""
+    op, _ = _ops(_ext())
+    layer = _int4(203, 608, seed=m)
+    x = torch.randn((m, 608), generator=torch.Generator().manual_seed(m))
+    for threads in (1, 2):
+        with torch.inference_mode():
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                y = op(x, layer)
+                rows = [op(x[i:i + 1], layer) for i in range(m)]
+            finally:
+                torch.set_num_threads(prev)
+        for i in range(m):
+            assert torch.equal(y[i:i + 1], rows[i]), f"row {i} of {m} differs from its one-row product"
 
 
 def test_int4_f32_kernel_of_strided_rows_of_a_view_of_joined_rows_and_extreme_inputs():
