@@ -215,3 +215,26 @@ def test_auto_weights_of_a_float32_model_follow_the_kernels_and_who_chose_float3
     assert choose_weights("auto", cpu, torch.float32, gguf_blocks=False, dtype_auto=True,
                           f32_kernels=True).weights == "float"  # a local model: not re-quantized unasked
     assert choose_weights("int4", cpu, torch.float32, gguf_blocks=False).weights == "int4"
+
+
+def test_the_fused_head_takes_float32_rows_through_the_int8_kernel_up_to_its_rows():
+    """An int4-dense float32 model's int8 head multiplies up to ``float32_rows`` (64) float32 rows through the op's
+    kernel, not its kept float32 copy (whose 4-row crossover is bf16's): at 16 rows the copy cost a batch-16 step of
+    SmolLM2 28 of its 106 ms. bf16 rows, and an op without float32 kernels, keep the head's own rows."""
+    from fastgate.assets.quant import quantize_model
+    from fastgate.engine.fused import fused_forward
+    from fastgate.ops.quant import F32_INT8_ROWS
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.float32, n_layers=2)
+    quantize_model(lm.model, "int4-dense", codes={})  # no 4-bit codes named: every layer int8 (SmolLM2's head is)
+    fused = fused_forward(lm.model)
+    head = fused.head
+    assert isinstance(head, Int8Linear) and head._kept(torch.float32) is not None
+    assert head.kernel_rows < F32_INT8_ROWS
+    _, int8 = _ops(_ext())
+    assert fused._head_rows(int8, torch.float32) == F32_INT8_ROWS
+    assert fused._head_rows(int8, torch.bfloat16) == head.kernel_rows
+    assert fused._head_rows(ext_int8_matmul(_ext(), bf16=True, f32=False), torch.float32) == head.kernel_rows
+    x = torch.randn((F32_INT8_ROWS, head.in_features))
+    _close(int8(x, head), _ref8(x, head))

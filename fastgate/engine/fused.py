@@ -336,7 +336,7 @@ class FusedForward:
             outputs[self.n] = h[None]
         head = self.head
         if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok
-                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= head.kernel_rows):  # as Int8Linear's kernel
+                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= self._head_rows(matmuls[1], h.dtype)):
             logits = matmuls[1](h[keep], head)  # [K, V]
         else:
             logits = head(h[keep])  # [K, V]
@@ -371,6 +371,15 @@ class FusedForward:
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h
+
+    def _head_rows(self, int8_matmul, dtype: torch.dtype) -> int:
+        """The most rows an int8 head multiplies through the op (as Int8Linear's kernel rows), float32 rows up to the
+        op's own ``float32_rows`` where the head keeps a float32 copy (int4-dense): the kernel beats streaming the
+        copy at up to 64 rows on an AVX2 CPU (fastgate.ops.quant.F32_INT8_ROWS)."""
+        rows = self.head.kernel_rows
+        if dtype is torch.float32 and self.head._kept(torch.float32) is not None:
+            rows = max(rows, getattr(int8_matmul, "float32_rows", 0))
+        return rows
 
     def _float32_rows(self, matmuls: tuple) -> int:
         """The most float32 rows :meth:`_decode_layers` takes with the products of ``matmuls``: the least of the

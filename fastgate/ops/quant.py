@@ -46,6 +46,10 @@ _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its st
 # the codes; SmolLM2's batch-16 step at 600 tokens took 132 ms through the kernel against 184 through the copy (an
 # AVX2-only EPYC, 2 threads)
 F32_KERNEL_ROWS = 16
+# float32 rows up to which int8_matmul_f32 beats the kept float32 copy of an int8 layer (an LM head: SmolLM2's 49,152 x
+# 576): 3.7 against 26 ms at 4 rows, 12 against 30 at 16, 56 against 72 at 64 (the copy's 113 MB stream from memory;
+# an AVX2-only EPYC, 2 threads), so a batch-16 step took its head through the copy, 28 of its 106 ms
+F32_INT8_ROWS = 64
 
 
 def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
@@ -192,4 +196,5 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
         return out
 
     int8_matmul.float32 = f32  # type: ignore[attr-defined]
+    int8_matmul.float32_rows = F32_INT8_ROWS if f32 else 0  # type: ignore[attr-defined]  (and up to these rows)
     return int8_matmul
