@@ -2068,11 +2068,12 @@ template <int MB>
 FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
                                         const float* zero, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
                                         const float* res) {
-  // Tiles whose sums stay in registers (16 ymm): one input row takes four weight rows a tile (4 sums, the input's 4
-  // vectors, a row's 4 codes, its scale, the mask, 2 partial sums); several input rows take one weight row at a time,
-  // its codes decoded once for all of them (MB sums, 4 codes, ...: the input read from memory). Eight rows by one
-  // input, or four by two, kept their sums on the stack (a load and two stores each a group): 576 -> 3,072 at 16 rows
-  // ran at ~18 G multiply-adds a second on an AVX2-only EPYC. Every output's arithmetic is the same in any tile.
+  // Several input rows take one weight row at a time, its codes decoded once for all of them, their sums in registers
+  // (16 ymm: up to 6 sums, the row's 4 codes, its scale, the mask, 2 partial sums; the inputs read from memory). Tiles
+  // of four weight rows by two inputs kept their 8 sums on the stack (a load and two stores each a group): 576 -> 3,072
+  // at 16 rows ran at ~18 G multiply-adds a second on an AVX2-only EPYC, 1.35-1.6x slower. One input row keeps eight
+  // weight rows a tile (some sums on the stack too, but eight rows' codes in flight: four a tile was no faster at
+  // batch 1). Every output's arithmetic is the same in any tile.
   int64_t n = n0;
   if constexpr (MB == 1) {
     for (; n + 2 * kQuantRows <= n1; n += 2 * kQuantRows)
