@@ -2000,7 +2000,7 @@ bool quant_f32_kernels_supported() {
 
 #ifdef FASTGATE_AVX2_KERNEL
 constexpr int kF32Inputs = 2;  // int8: input rows a tile (16 ymm registers: 4 rows x 2 inputs of sums, 2 inputs, 1 code)
-constexpr int kF32Int4Inputs = 6;  // int4: input rows a tile (one weight row's codes decoded once for the four)
+constexpr int kF32Int4Inputs = 6;  // int4: input rows a tile (one weight row's codes decoded once for the six)
 
 FASTGATE_AVX2_TARGET inline float hsum8_avx(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

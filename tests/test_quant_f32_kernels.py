@@ -222,7 +222,7 @@ def test_the_fused_head_takes_float32_rows_through_the_int8_kernel_up_to_its_row
     kernel, not its kept float32 copy (whose 4-row crossover is bf16's): at 16 rows the copy cost a batch-16 step of
     SmolLM2 28 of its 106 ms. bf16 rows, and an op without float32 kernels, keep the head's own rows."""
     from fastgate.assets.quant import quantize_model
-    from fastgate.engine.fused import fused_forward
+    from fastgate.engine.fused import _op_rows, fused_forward
     from fastgate.ops.quant import F32_INT8_ROWS
     from fastgate.testing import tiny_model
 
@@ -233,8 +233,8 @@ def test_the_fused_head_takes_float32_rows_through_the_int8_kernel_up_to_its_row
     assert isinstance(head, Int8Linear) and head._kept(torch.float32) is not None
     assert head.kernel_rows < F32_INT8_ROWS
     _, int8 = _ops(_ext())
-    assert fused._head_rows(int8, torch.float32) == F32_INT8_ROWS
-    assert fused._head_rows(int8, torch.bfloat16) == head.kernel_rows
-    assert fused._head_rows(ext_int8_matmul(_ext(), bf16=True, f32=False), torch.float32) == head.kernel_rows
+    assert _op_rows(head, int8, torch.float32) == F32_INT8_ROWS
+    assert _op_rows(head, int8, torch.bfloat16) == head.kernel_rows
+    assert _op_rows(head, ext_int8_matmul(_ext(), bf16=True, f32=False), torch.float32) == head.kernel_rows
     x = torch.randn((F32_INT8_ROWS, head.in_features))
     _close(int8(x, head), _ref8(x, head))

@@ -208,6 +208,16 @@ def _op_takes(op, dtype: torch.dtype) -> bool:
     return dtype is torch.bfloat16 or (dtype is torch.float32 and getattr(op, "float32", False))
 
 
+def _op_rows(layer: Int4Linear | Int8Linear, op, dtype: torch.dtype) -> int:
+    """The most ``dtype`` rows ``layer`` multiplies through its kernel, the op ``op``: the layer's kernel rows, and for
+    float32 rows where it keeps a float32 copy (int4-dense) up to the op's own ``float32_rows`` (the C++ float32
+    kernels beat streaming the copy further: fastgate.ops.quant.F32_KERNEL_ROWS, F32_INT8_ROWS)."""
+    rows = layer.kernel_rows
+    if dtype is torch.float32 and layer._kept(torch.float32) is not None:
+        rows = max(rows, getattr(op, "float32_rows", 0))
+    return rows
+
+
 def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=torch_int8_matmul,
                   dtype: torch.dtype = torch.bfloat16) -> tuple[object | None, int, object | None]:
     """``linear``'s product of ``dtype`` CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at
@@ -228,9 +238,7 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
             return None, 0, None
         bind = getattr(int4_matmul, "bind", None)  # the op for this one layer, its checks made once
         product = bind(linear) if bind is not None else (lambda x: int4_matmul(x, linear))
-        rows = linear.kernel_rows
-        if dtype is torch.float32 and dense is not None:  # the op's float32 kernel against the kept float32 copy
-            rows = max(rows, getattr(int4_matmul, "float32_rows", 0))
+        rows = _op_rows(linear, int4_matmul, dtype)
         if bias is None:
             small = product  # [M, N]
         else:
@@ -336,7 +344,7 @@ class FusedForward:
             outputs[self.n] = h[None]
         head = self.head
         if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok
-                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= self._head_rows(matmuls[1], h.dtype)):
+                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= _op_rows(head, matmuls[1], h.dtype)):
             logits = matmuls[1](h[keep], head)  # [K, V]
         else:
             logits = head(h[keep])  # [K, V]
@@ -371,15 +379,6 @@ class FusedForward:
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h
-
-    def _head_rows(self, int8_matmul, dtype: torch.dtype) -> int:
-        """The most rows an int8 head multiplies through the op (as Int8Linear's kernel rows), float32 rows up to the
-        op's own ``float32_rows`` where the head keeps a float32 copy (int4-dense): the kernel beats streaming the
-        copy at up to 64 rows on an AVX2 CPU (fastgate.ops.quant.F32_INT8_ROWS)."""
-        rows = self.head.kernel_rows
-        if dtype is torch.float32 and self.head._kept(torch.float32) is not None:
-            rows = max(rows, getattr(int8_matmul, "float32_rows", 0))
-        return rows
 
     def _float32_rows(self, matmuls: tuple) -> int:
         """The most float32 rows :meth:`_decode_layers` takes with the products of ``matmuls``: the least of the
