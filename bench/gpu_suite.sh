@@ -10,11 +10,12 @@
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
 #                                     #     then bench_engine.py on random weights in Llama-3-8B's shapes (~16 GB bf16)
-#   bash bench/gpu_suite.sh all       # one call of ~9 minutes for a session lent 15 minutes of device time in all:
+#   bash bench/gpu_suite.sh all       # one call of ~9 minutes (timeout_s 600: its parts may take 560 s; 292 s on an
+#                                     #     H200 once) for a session lent 15 minutes of device time in all:
 #                                     #     the tests (160 s), the SmolLM2-shaped bench at the serving shapes (b1 and
 #                                     #     b16 at 600 tokens: packed eager and compiled, HF eager and static +
 #                                     #     compile; the 16 x 700 prefill; 300 s), the kernel benches (90 s); every
-#                                     #     file packed into $OUT/gpu.tgz at the end (at most 8 files come back)
+#                                     #     file packed into $OUT/gpu.tgz after each part (at most 8 files come back)
 #
 # Nothing is installed or built: the tree runs from PYTHONPATH (the C++ extension is CPU-only, never built here; the
 # image's python3 holds torch, triton, transformers). Random weights in the models' shapes: timings need the shapes,
@@ -36,10 +37,15 @@ case "$PART" in
     OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
     work=$(mktemp -d)
     worst=0
+    mkdir -p "$OUT"
+    # the archive is rewritten after each part, so a call cut short (its timeout_s under the parts' 560 s) still
+    # returns the parts it finished
     OUT=$work/tests BUDGET=150 timeout 160 bash "$0" tests > "$work/tests.out" 2>&1 || worst=$?
+    tar czf "$OUT/gpu.tgz" -C "$work" .
     OUT=$work/smollm2 BUDGET=300 SMOLLM2_QUICK=1 timeout 310 bash "$0" smollm2 > "$work/smollm2.out" 2>&1 || worst=$?
+    tar czf "$OUT/gpu.tgz" -C "$work" .
     OUT=$work/llama3 BUDGET=85 LLAMA3_KERNELS_ONLY=1 timeout 90 bash "$0" llama3 > "$work/llama3.out" 2>&1 || worst=$?
-    mkdir -p "$OUT" && tar czf "$OUT/gpu.tgz" -C "$work" .
+    tar czf "$OUT/gpu.tgz" -C "$work" .
     grep -E " (passed|failed|error)" "$work/tests.out" | tail -1
     grep -E "^ +[a-z-]+ +(eager|compiled|eager-fallback) |^ +[a-z-]+ +bfloat16 " "$work/smollm2.out"
     grep -E "^part " "$work/tests.out" "$work/smollm2.out" "$work/llama3.out"
