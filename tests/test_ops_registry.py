@@ -20,6 +20,7 @@ from fastgate.gates.checkpoints import random_probe_params
 from fastgate.ops import reference, registry
 from fastgate.ops._cpu import CpuOps
 from fastgate.ops.registry import OP_NAMES, Ops, build_ops
+from fastgate.ops.sampling import ext_token_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +48,8 @@ def test_ops_hold_every_op_and_record_each_choice():
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
         "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
         "int8_matmul": "ext" if quant else "torch", "decode_layers": "ext" if layers else "torch",
+        # the tokens' log-probs: AVX2, FMA, torch's exp and log, and a probe that finds torch's bits
+        "token_logprobs": "ext" if ext_token_logprobs(ext) is not reference.token_logprobs else "torch",
         "align_words": "ext", "word_logprobs": "ext",
         "align_word_logprobs_batch": "ext",
         "ais_scores": "ext", "ais_scores_batch": "ext", "ais_topk_batch": "ext",
@@ -67,6 +70,7 @@ def test_reference_backends_run_every_reference(backend):
     assert o.decode_attention_step is reference.decode_attention_step and o.rms_norm is reference.rms_norm
     assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope", "prefill_attention")} == {"torch"}
     assert o.prefill_attention is reference.prefill_attention
+    assert o.token_logprobs is reference.token_logprobs and o.backends["token_logprobs"] == "torch"
     assert {o.backends[n] for n in registry.CPU_OPS} == {"python"}
 
 

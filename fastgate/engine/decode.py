@@ -556,15 +556,17 @@ class DecodeLoop:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""
         eng, rows, logits = self.runner, self.rows, self.logits
         m = len(rows)
-        logprobs = torch.log_softmax(logits, dim=-1)  # [M, V]
-        greedy = any(not rows[r].cfg.do_sample for r in range(m))
-        chosen = logits.argmax(-1) if greedy else torch.zeros(m, dtype=torch.long, device=eng.device)  # [M]
         # rows that sample with the same settings are processed together (row-wise ops: identical per row)
         groups: dict[tuple, list[int]] = {}
         for r in (range(m) if self.shared_rng else active):
             c = rows[r].cfg
             if c.do_sample:
                 groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(r)
+        if not groups:  # every row greedy: the argmax and its log-prob in one op (log_softmax's bits)
+            self._record(active, *eng.ops.token_logprobs(logits))
+            return
+        greedy = any(not rows[r].cfg.do_sample for r in range(m))
+        chosen = logits.argmax(-1) if greedy else torch.zeros(m, dtype=torch.long, device=eng.device)  # [M]
         is_active = set(active)
         for rows_g in groups.values():
             live = [r for r in rows_g if r in is_active]
@@ -580,7 +582,11 @@ class DecodeLoop:
             for r in live:
                 gen = rows[r].gen if rows[r].gen is not None else self.generator
                 chosen[r] = torch.multinomial(probs[pos[r]], 1, generator=gen)[0]
-        chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [M]
+        self._record(active, *eng.ops.token_logprobs(logits, chosen))
+
+    def _record(self, active: list[int], chosen: torch.Tensor, chosen_lp: torch.Tensor) -> None:
+        """Append each active row's token ``chosen [M]`` and its log-prob ``chosen_lp [M]``."""
+        rows = self.rows
         chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
         for r in active:
             row = rows[r]

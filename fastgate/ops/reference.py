@@ -18,7 +18,7 @@ from fastgate.errors import ShapeError
 
 __all__ = ["NON_FINITE_Z", "ProbeParams", "accumulate_taps", "answer_nll", "check_decode_attention_args",
            "check_eigenscore_args", "decode_attention", "decode_attention_step", "eigenscore", "prefill_attention",
-           "prefill_mask", "probe_logits", "rms_norm", "rope"]
+           "prefill_mask", "probe_logits", "rms_norm", "rope", "token_logprobs"]
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in Probing-RAG's released prober
 
@@ -313,3 +313,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
     return x * cos + rot * sin
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token and its log-prob (the decode loop's choice; op 11, docs/ARCHITECTURE.md).
+
+    Args:
+        logits: ``[M, V]`` float32.
+        chosen: ``[M]`` int64 tokens already chosen (sampled rows); None: each row's argmax (the first largest).
+
+    Returns:
+        ``(chosen [M] int64, log_softmax(logits)[r, chosen[r]] [M] float32)``.
+    """
+    if logits.ndim != 2 or (chosen is not None and chosen.shape != logits.shape[:1]):
+        raise ShapeError(f"token_logprobs: expected logits [M, V] and chosen [M], got {tuple(logits.shape)} and "
+                         f"{None if chosen is None else tuple(chosen.shape)}")
+    logprobs = torch.log_softmax(logits, dim=-1)  # [M, V]
+    if chosen is None:
+        chosen = logits.argmax(-1)  # [M]
+    return chosen, logprobs.gather(-1, chosen[:, None]).squeeze(-1)  # [M] each

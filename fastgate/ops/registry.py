@@ -26,7 +26,9 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   weight-only kernels (bf16 rows) and the de-quantized dense product (float32 rows) otherwise, and under ``torch``.
   A float32 model's int4 decoder layers run a decode pass in one call (``decode_layers``, :mod:`fastgate.ops.decoder`)
   where the CPU has AVX2 and FMA and the extension's SwiGLU is torch's bit for bit; elsewhere the reference binds
-  nothing and the fused pass runs the ops one by one, with the same results.
+  nothing and the fused pass runs the ops one by one, with the same results. A decode step's tokens and log-probs
+  (``token_logprobs``, :mod:`fastgate.ops.sampling`) run in the extension for float32 logits where the CPU has AVX2
+  and FMA and a probe finds torch's ``log_softmax`` bits; torch's three calls otherwise.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
@@ -78,7 +80,7 @@ CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's: C++ on a CPU
 _QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
 OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, "decode_layers",
-                             *CPU_OPS)
+                             "token_logprobs", *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -151,6 +153,9 @@ class Ops:
     # (layers [DecoderLayerWeights], heads, kv_heads, head_dim) -> DecodeStack | None: a float32 int4 model's decoder
     # layers for decode rows in one call (fastgate.ops.decoder); None: the fused pass's per-op path
     decode_layers: Callable[..., object]
+    # (logits [M,V] float32, chosen [M] | None) -> (chosen [M] int64, log-probs [M]): a decode step's tokens (argmax
+    # where chosen is None) and their log-probs, torch's log_softmax bit for bit (fastgate.ops.sampling)
+    token_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def cpu_backend(self) -> Literal["ext", "python"]:
@@ -279,10 +284,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "int4_matmul": torch_int4_matmul,
         "int8_matmul": torch_int8_matmul,
         "decode_layers": no_decode_layers,
+        "token_logprobs": reference.token_logprobs,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
     names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS,
-                                        "decode_layers")}
+                                        "decode_layers", "token_logprobs")}
     names |= {name: cpu for name in CPU_OPS}
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
@@ -320,6 +326,12 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                 chosen["decode_layers"] = ext_decode_layers(ext)
                 if chosen["decode_layers"] is not no_decode_layers:
                     names["decode_layers"] = "ext"
+        if f32:  # float32 logits on a CPU with AVX2 and FMA, where a probe finds torch's bits (fastgate.ops.sampling)
+            from fastgate.ops.sampling import ext_token_logprobs
+
+            chosen["token_logprobs"] = ext_token_logprobs(ext)
+            if chosen["token_logprobs"] is not reference.token_logprobs:
+                names["token_logprobs"] = "ext"
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 

@@ -1,0 +1,80 @@
+"""The decode loop's choice of each row's next token and its log-prob on a CPU (op ``token_logprobs``;
+docs/ARCHITECTURE.md, Ops).
+
+The reference (:func:`fastgate.ops.reference.token_logprobs`) is torch's ``log_softmax`` over the whole row, its
+``argmax`` and a ``gather``: on an AVX2-only EPYC ~60 us and 60-130 us of a batch-1 step for SmolLM2's 49,152 logits,
+~1.5 ms of a batch-16 one, though only one log-prob a row is kept. ``fastgate._C.token_logprobs_f32`` reads a row
+twice (its largest value and index; the sum of ``exp(x - max)``) and computes the one log-prob: torch's arithmetic
+bit for bit (its AVX2 kernel's order of the sum and its vector reductions, the SLEEF ``exp`` and ``log`` that
+libtorch_cpu exports), so a recorded log-prob, and any gate reading it, does not depend on which ran. Why written
+here: torch has no fused "log-prob of the argmax" on a CPU. Bound only where a probe against torch agrees bit for
+bit (a torch whose float kernels run 16 wide, on AVX-512, sums in another order and keeps its own); float32 rows on
+a CPU, unit stride along the vocabulary; anything else goes to the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from fastgate.ops import reference
+
+__all__ = ["ext_token_logprobs"]
+
+
+def _probe_rows() -> torch.Tensor:
+    """Rows that exercise what the kernel must reproduce: vocabularies of 1, 7, 8, 13, 769 and 49,157 (a partial last
+    vector), ties for the largest, large and tiny values."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(v, generator=gen) * s for v, s in ((1, 1.0), (7, 3.0), (8, 0.1), (13, 30.0), (769, 8.0),
+                                                            (49157, 12.0))]
+    rows[3][[2, 9]] = 200.0  # a tie for the largest
+    return rows
+
+
+def _agrees(run: Callable) -> bool:
+    for row in _probe_rows():
+        x = row[None]  # [1, V]
+        chosen, lp = run(x)
+        want_chosen, want_lp = reference.token_logprobs(x)
+        if not (torch.equal(chosen, want_chosen) and torch.equal(lp, want_lp)):
+            return False
+        every = torch.arange(min(x.shape[1], 64))  # the first 64 tokens' log-probs, one row each
+        xs = x.expand(len(every), -1).contiguous()  # [min(V, 64), V]
+        got = run(xs, every)[1]
+        if not torch.equal(got, reference.token_logprobs(xs, every)[1]):
+            return False
+    return True
+
+
+def ext_token_logprobs(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The op ``token_logprobs`` over the extension where it is torch's bit for bit here (module docstring); the
+    reference otherwise."""
+    if not (hasattr(ext, "token_logprobs_f32") and ext.torch_exp_found()):
+        return reference.token_logprobs
+    run_ext = ext.token_logprobs_f32
+
+    def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (logits.dtype is torch.float32 and logits.is_cpu and logits.ndim == 2 and logits.shape[1] > 0
+                and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1]
+                and (chosen is None or (chosen.dtype is torch.int64 and chosen.is_cpu
+                                        and chosen.shape == logits.shape[:1]))):
+            return reference.token_logprobs(logits, chosen)
+        m, v = logits.shape
+        picks = torch.empty(m, dtype=torch.int64) if chosen is None else chosen.contiguous()  # [M]
+        if chosen is not None and m and not bool(((picks >= 0) & (picks < v)).all()):
+            return reference.token_logprobs(logits, chosen)  # torch's own error for a token out of range
+        out = torch.empty(m, dtype=torch.float32)  # [M]
+        run_ext(logits.data_ptr(), m, v, logits.stride(0), picks.data_ptr(), chosen is None, out.data_ptr(),
+                torch.get_num_threads())
+        return picks, out
+
+    token_logprobs.reference = reference.token_logprobs  # type: ignore[attr-defined]
+    try:
+        ok = _agrees(token_logprobs)
+    except (RuntimeError, ValueError):
+        ok = False
+    return token_logprobs if ok else reference.token_logprobs
