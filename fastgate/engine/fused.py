@@ -281,7 +281,10 @@ class FusedForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.n = len(inner.layers)
         self.layers = [_Layer(layer) for layer in inner.layers]
-        self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
+        self.embed, self.head = inner.embed_tokens, model.lm_head
+        # the final norm runs through the runner's rms_norm op (HF's arithmetic, in C++ where bound: ~8 torch
+        # operations a step fewer)
+        self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.rotary = inner.rotary_emb
         # the most rows _decode_layers takes: any where every layer has bare products for many rows, else within
         # every layer's kernels (0: some layer has no bare product)
@@ -339,7 +342,7 @@ class FusedForward:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
         else:
             h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls)
-        h = self.norm(h)
+        h = rms_norm(h, self.norm_w, self.norm_eps)  # the final norm: the layers' norm op (HF's arithmetic)
         if self.n in wanted:
             outputs[self.n] = h[None]
         head = self.head
