@@ -14,6 +14,7 @@ a CPU, unit stride along the vocabulary; anything else goes to the reference.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -49,11 +50,7 @@ def _agrees(run: Callable) -> bool:
     return True
 
 
-def ext_token_logprobs(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The op ``token_logprobs`` over the extension where it is torch's bit for bit here (module docstring); the
-    reference otherwise."""
-    if not (hasattr(ext, "token_logprobs_f32") and ext.torch_exp_found()):
-        return reference.token_logprobs
+def _bind(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     run_ext = ext.token_logprobs_f32
 
     def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor | None = None
@@ -73,8 +70,21 @@ def ext_token_logprobs(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, tor
         return picks, out
 
     token_logprobs.reference = reference.token_logprobs  # type: ignore[attr-defined]
+    return token_logprobs
+
+
+@functools.cache
+def _agrees_here(ext: ModuleType) -> bool:
+    """The probe, once a process (an engine builds its ops once; the tests build many)."""
     try:
-        ok = _agrees(token_logprobs)
+        return _agrees(_bind(ext))
     except (RuntimeError, ValueError):
-        ok = False
-    return token_logprobs if ok else reference.token_logprobs
+        return False
+
+
+def ext_token_logprobs(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The op ``token_logprobs`` over the extension where it is torch's bit for bit here (module docstring); the
+    reference otherwise."""
+    if not (hasattr(ext, "token_logprobs_f32") and ext.torch_exp_found() and _agrees_here(ext)):
+        return reference.token_logprobs
+    return _bind(ext)
