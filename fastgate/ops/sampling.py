@@ -25,7 +25,7 @@ from fastgate.ops import reference
 __all__ = ["ext_token_logprobs"]
 
 
-def _probe_rows() -> torch.Tensor:
+def _probe_rows() -> list[torch.Tensor]:
     """Rows that exercise what the kernel must reproduce: vocabularies of 1, 7, 8, 13, 769 and 49,157 (a partial last
     vector), ties for the largest, large and tiny values."""
     gen = torch.Generator().manual_seed(0)
