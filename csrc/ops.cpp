@@ -2457,15 +2457,21 @@ void decode_attention_step_f32(uintptr_t q_ptr, int64_t q_row, int64_t q_head, u
 #ifdef FASTGATE_AVX2_KERNEL
 using Exp8 = __m256 (*)(__m256);
 
-Exp8 torch_exp8() {
-  static std::atomic<void*> found{nullptr};  // a plain pointer: an atomic of Exp8 drops the vector's attributes
-  if (void* seen = found.load(std::memory_order_acquire)) return reinterpret_cast<Exp8>(seen);
+// a routine of the loaded libtorch_cpu by name (nullptr: torch not loaded, or no such symbol), kept in `found` (a
+// plain pointer: an atomic of a vector function's pointer drops the vector's attributes)
+void* torch_symbol(const char* name, std::atomic<void*>& found) {
+  if (void* seen = found.load(std::memory_order_acquire)) return seen;
   void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
   if (!lib) return nullptr;
-  void* fn = dlsym(lib, "Sleef_expf8_u10");
+  void* fn = dlsym(lib, name);
   dlclose(lib);  // NOLOAD took a reference of its own: torch keeps it loaded
   if (fn) found.store(fn, std::memory_order_release);
-  return reinterpret_cast<Exp8>(fn);
+  return fn;
+}
+
+Exp8 torch_exp8() {
+  static std::atomic<void*> found{nullptr};
+  return reinterpret_cast<Exp8>(torch_symbol("Sleef_expf8_u10", found));
 }
 #endif
 
@@ -2538,13 +2544,7 @@ using Log8 = __m256 (*)(__m256);
 
 Log8 torch_log8() {
   static std::atomic<void*> found{nullptr};
-  if (void* seen = found.load(std::memory_order_acquire)) return reinterpret_cast<Log8>(seen);
-  void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-  if (!lib) return nullptr;
-  void* fn = dlsym(lib, "Sleef_logf8_u10");
-  dlclose(lib);
-  if (fn) found.store(fn, std::memory_order_release);
-  return reinterpret_cast<Log8>(fn);
+  return reinterpret_cast<Log8>(torch_symbol("Sleef_logf8_u10", found));
 }
 
 FASTGATE_F32_EXACT inline __m256 vmax8(__m256 a, __m256 b) {  // at::vec::maximum: a NaN in either lane wins
@@ -2585,34 +2585,24 @@ FASTGATE_F32_EXACT inline float reduce_short(__m256 v, int64_t size, Op op) {  /
   return acc[0];
 }
 
+// at::vec::map_reduce_all of one row (reduce_all where `map` is the identity): op over map(vectors of 8) in order, a
+// last partial vector merged into the first lanes, then the three shuffles; a row under 8 one lane at a time
+template <class Map, class Op>
+FASTGATE_F32_EXACT inline float map_reduce_row(const float* x, int64_t V, Map map, Op op) {
+  if (V < 8) return reduce_short(map(load_first(x, V)), V, op);
+  __m256 acc = map(_mm256_loadu_ps(x));
+  int64_t d = 8;
+  for (; d < V - V % 8; d += 8) acc = op(acc, map(_mm256_loadu_ps(x + d)));
+  if (V - d > 0) acc = set_first(acc, op(acc, map(load_first(x + d, V - d))), V - d);
+  return reduce8(acc, op);
+}
+
 // one row: (max, lse) as torch's log_softmax computes them
 FASTGATE_F32_EXACT std::pair<float, float> row_lse(const float* x, int64_t V, Exp8 exp8, Log8 log8) {
-  auto mx = [](__m256 a, __m256 b) { return vmax8(a, b); };
-  auto add = [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); };
-  float m;
-  if (V < 8) {
-    m = reduce_short(load_first(x, V), V, mx);
-  } else {
-    __m256 acc = _mm256_loadu_ps(x);
-    int64_t d = 8;
-    for (; d < V - V % 8; d += 8) acc = vmax8(acc, _mm256_loadu_ps(x + d));
-    if (V - d > 0) acc = set_first(acc, vmax8(acc, load_first(x + d, V - d)), V - d);
-    m = reduce8(acc, mx);
-  }
+  const float m = map_reduce_row(x, V, [](__m256 v) { return v; }, [](__m256 a, __m256 b) { return vmax8(a, b); });
   const __m256 mv = _mm256_set1_ps(m);
-  float sum;
-  if (V < 8) {
-    sum = reduce_short(exp8(_mm256_sub_ps(load_first(x, V), mv)), V, add);
-  } else {
-    __m256 acc = exp8(_mm256_sub_ps(_mm256_loadu_ps(x), mv));
-    int64_t d = 8;
-    for (; d < V - V % 8; d += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + d), mv)));
-    if (V - d > 0) {
-      const __m256 t = exp8(_mm256_sub_ps(load_first(x + d, V - d), mv));
-      acc = set_first(acc, _mm256_add_ps(acc, t), V - d);
-    }
-    sum = reduce8(acc, add);
-  }
+  const float sum = map_reduce_row(x, V, [&](__m256 v) { return exp8(_mm256_sub_ps(v, mv)); },
+                                   [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
   return {m, _mm256_cvtss_f32(log8(_mm256_set1_ps(sum)))};
 }
 

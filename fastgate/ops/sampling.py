@@ -62,11 +62,12 @@ def _bind(ext: ModuleType) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
             return reference.token_logprobs(logits, chosen)
         m, v = logits.shape
         picks = torch.empty(m, dtype=torch.int64) if chosen is None else chosen.contiguous()  # [M]
-        if chosen is not None and m and not bool(((picks >= 0) & (picks < v)).all()):
-            return reference.token_logprobs(logits, chosen)  # torch's own error for a token out of range
         out = torch.empty(m, dtype=torch.float32)  # [M]
-        run_ext(logits.data_ptr(), m, v, logits.stride(0), picks.data_ptr(), chosen is None, out.data_ptr(),
-                torch.get_num_threads())
+        try:
+            run_ext(logits.data_ptr(), m, v, logits.stride(0), picks.data_ptr(), chosen is None, out.data_ptr(),
+                    torch.get_num_threads())
+        except ValueError:  # a token out of range (checked before anything is written): torch's own error
+            return reference.token_logprobs(logits, chosen)
         return picks, out
 
     token_logprobs.reference = reference.token_logprobs  # type: ignore[attr-defined]
