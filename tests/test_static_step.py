@@ -163,6 +163,21 @@ def test_fifty_steps_recompile_nothing_inside_a_bucket(tiny, counting, compiled_
     assert counting.graphs - before <= len(seen)
 
 
+def test_rows_as_many_as_the_kv_heads_do_not_pin_the_graph_to_that_batch(tiny):
+    """The tiny model has 2 KV heads: a CPU graph traced first at 2 rows (qwen2.5-0.5b's case; 8 rows for Llama-3-8B)
+    serves 4 and 8 rows too, as any first bucket does (dynamo unified the two sizes and compiled again per bucket)."""
+    assert tiny.model.config.num_key_value_heads == 2
+    counting = _Counting()
+    loop = PackedLoop(ModelRunner(tiny, step=StepConfig("compiled", backend=counting)), mid=1)
+    cfg = G(max_new_tokens=3, stop_at_eos=False)
+    for n in (2, 4, 8):  # the rows finish together: no batch-1 step (batch 1 is a graph of its own)
+        loop.add([(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(n)])
+        while loop.busy:
+            loop.step()
+    assert {b for b, _ in loop.static.buckets} == {2, 4, 8}
+    assert counting.graphs == 1
+
+
 def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     """Traced through AOTAutograd (functionalized in-place writes to the store and the tap buffers, as inductor
     receives them), with fullgraph=True: the same greedy tokens and taps as the eager pass."""

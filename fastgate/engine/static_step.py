@@ -39,9 +39,10 @@ uncompiled, and a pass with prompt chunks, or rows whose sampling the step does 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -296,7 +297,8 @@ class StaticStep:
         if not new or self._fn is _decode:
             return self._run(bucket, args)
         try:  # a bucket's first call compiles it; a compiler that fails leaves that bucket eager (the same results)
-            return self._run(bucket, args)
+            with _distinct_sizes():
+                return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
             failure = exc
         retry = self._without_split_reductions()
@@ -304,7 +306,8 @@ class StaticStep:
             self._fns[bucket] = retry
             self._graphs.pop(bucket, None)
             try:
-                return self._run(bucket, args)
+                with _distinct_sizes():
+                    return self._run(bucket, args)
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
         warnings.warn(f"fastgate: compiling the decode step for {b} rows x {bucket[1]} columns failed "
@@ -382,6 +385,22 @@ class _Graph:
         self.floats.copy_(floats, non_blocking=True)
         self.graph.replay()
         return self.out
+
+
+@contextlib.contextmanager
+def _distinct_sizes() -> Iterator[None]:
+    """Within: dynamo's symbolic sizes are not unified because they happen to be equal when traced ("duck sizing"):
+    a CPU graph traced at 2 rows of a model with 2 KV heads (qwen2.5-0.5b), or at 8 rows with 8 (Llama-3-8B), was
+    guarded on rows == KV heads and compiled again for the next bucket (minutes on a CPU). Set for a bucket's first
+    call only, the one that traces (a scoped config costs ~10 us, a step's share on a GPU)."""
+    import torch.fx.experimental._config as fx_config
+
+    before = fx_config.use_duck_shape
+    fx_config.use_duck_shape = False
+    try:
+        yield
+    finally:
+        fx_config.use_duck_shape = before
 
 
 _configured = False
