@@ -290,6 +290,7 @@ class FusedForward:
         # every layer's kernels (0: some layer has no bare product)
         self._row_limit = min(layer.product_rows for layer in self.layers)
         self._f32_limits: dict[tuple, int] = {}  # matmuls -> the same for float32 rows (_float32_rows)
+        self._head_limits: dict[tuple, int] = {}  # (int8 op, dtype, device) -> the head's kernel rows (_head_rows)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
         self._bound: dict[tuple, list[list[tuple]]] = {}
@@ -304,7 +305,8 @@ class FusedForward:
             pos = torch.arange(size, device=like.device)[None]  # [1, P]
             cos, sin = self.rotary(like, pos)  # [1, P, D] each, in like's dtype
             self._cos, self._sin = cos[0], sin[0]
-        return self._cos[positions], self._sin[positions]
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)  # (index_select: a gather,
+        # as indexing is, in fewer host operations)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope, attention_step=None,
@@ -345,13 +347,24 @@ class FusedForward:
         h = rms_norm(h, self.norm_w, self.norm_eps)  # the final norm: the layers' norm op (HF's arithmetic)
         if self.n in wanted:
             outputs[self.n] = h[None]
-        head = self.head
-        if (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok
-                and _op_takes(matmuls[1], h.dtype) and keep.shape[0] <= _op_rows(head, matmuls[1], h.dtype)):
-            logits = matmuls[1](h[keep], head)  # [K, V]
+        if keep.shape[0] <= self._head_rows(matmuls[1], h):
+            logits = matmuls[1](h[keep], self.head)  # [K, V]
         else:
-            logits = head(h[keep])  # [K, V]
+            logits = self.head(h[keep])  # [K, V]
         return logits.to(torch.float32), outputs
+
+    def _head_rows(self, int8_matmul, h: torch.Tensor) -> int:
+        """The most rows an int8 head multiplies through the op ``int8_matmul`` for rows like ``h`` (-1: none, the
+        head's own forward), kept a (op, dtype, device): a step's host operations run ~10x slower than alone after
+        its layers stream the weights through the caches."""
+        key = (int8_matmul, h.dtype, h.device.type)
+        rows = self._head_limits.get(key)
+        if rows is None:
+            head = self.head
+            ok = (type(head) is Int8Linear and h.device.type == "cpu" and head.bias is None and head._k_ok
+                  and _op_takes(int8_matmul, h.dtype))
+            rows = self._head_limits[key] = _op_rows(head, int8_matmul, h.dtype) if ok else -1
+        return rows
 
     def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs,
                 matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:

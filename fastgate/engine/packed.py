@@ -167,13 +167,28 @@ class PackedPlan:
     m: int
     pos: torch.Tensor | None  # [m] long
     width: int  # columns the decode rows attend (max pos + 1)
-    mask: torch.Tensor | None  # [m, 1, 1, width] bool
+    mask: torch.Tensor | None  # [m, 1, 1, width] bool (None: built by decode_mask where read)
     segs: list[PrefillSeg] = field(default_factory=list)
-    rows: torch.Tensor | None = None  # [m] arange, for the in-place write
+    rows: torch.Tensor | None = None  # [m] arange, for the in-place write (None: built by row_index where read)
     attn_dtype: torch.dtype | None = None  # the decode rows' attention computes in this dtype (None: the cache's)
     attend: Callable | None = None  # the decode rows' attention op over a bf16 store (ModelRunner.decode_attention)
     prefill_attend: Callable = prefill_attention  # the chunks' attention op (ModelRunner.ops.prefill_attention)
     seg_batch: SegBatch | None = None  # the chunks as one padded attention call a layer (ModelRunner.batch_prefill)
+
+    def decode_mask(self) -> torch.Tensor:
+        """``mask``, built on first use: column ``c`` of decode row ``r`` attended where ``c <= pos[r]``. The C++ decode
+        paths never read it, and a batch-1 step's host operations run ~10x slower than alone after its layers stream
+        the weights through the caches (~0.1 ms for these three)."""
+        if self.mask is None:
+            self.mask = (torch.arange(self.width, device=self.pos.device)[None, :]
+                         <= self.pos[:, None])[:, None, None, :]  # [m, 1, 1, W]
+        return self.mask
+
+    def row_index(self) -> torch.Tensor:
+        """``rows`` (``arange(m)``: the decode rows' store rows), built on first use as :meth:`decode_mask` is."""
+        if self.rows is None:
+            self.rows = torch.arange(self.m, device=self.pos.device)  # [m]
+        return self.rows
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -186,8 +201,9 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     m = plan.m
     if m:
         keys, values = plan.store.keys[layer], plan.store.values[layer]  # [R, Hkv, C, D]
-        keys[plan.rows, :, plan.pos] = key[0, :, :m].transpose(0, 1)  # [m, Hkv, D] at each row's own column
-        values[plan.rows, :, plan.pos] = value[0, :, :m].transpose(0, 1)
+        rows = plan.row_index()
+        keys[rows, :, plan.pos] = key[0, :, :m].transpose(0, 1)  # [m, Hkv, D] at each row's own column
+        values[rows, :, plan.pos] = value[0, :, :m].transpose(0, 1)
         if plan.attend is not None:  # one pass over the bf16 store, float32 inside (fastgate.ops.attention)
             out[:m] = plan.attend(query[0, :, :m].transpose(0, 1), keys, values, plan.pos, scaling)  # [m, H, D]
         else:
@@ -198,7 +214,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
             k, v = keys[:m, :, :plan.width], values[:m, :, :plan.width]  # [m, Hkv, W, D]
             if plan.attn_dtype is not None:  # bf16 caches on a CPU: in float32 (ModelRunner.attention_dtype)
                 q, k, v = q.to(plan.attn_dtype), k.to(plan.attn_dtype), v.to(plan.attn_dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)  # [m, Hkv, G, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask(), scale=scaling)  # [m, Hkv, G, D]
             out[:m] = o.reshape(m, heads, dim)
     sb = plan.seg_batch
     if sb is None or sb.kv is None:
@@ -578,8 +594,7 @@ class PackedLoop(DecodeLoop):
             width = max(self.lens) + 1
             self.store.reserve(m, width, m, width - 1, self.max_cells)  # (reserved at join: a no-op)
             pos = torch.tensor(self.lens, device=dev)  # [m]
-            plan.pos, plan.width, plan.rows = pos, width, torch.arange(m, device=dev)
-            plan.mask = (torch.arange(width, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [m,1,1,W]
+            plan.pos, plan.width = pos, width  # its mask and row index: built where read (PackedPlan.decode_mask)
         want_pre = any(job.spec.taps.pre_answer for job, _ in ending)
         tap_layers = set(self.layers) if m else set()
         if (m and any(capture_eos)) or want_pre:
