@@ -363,3 +363,30 @@ def test_prompts_ending_in_one_pass_grow_the_store_once(tiny_engine, monkeypatch
             results[t.owner] = t.result
     for i, spec in enumerate([CASES[0], *cases]):
         _same(results[i], _alone(tiny_engine, spec))
+
+
+@LAYOUTS
+def test_a_row_without_stop_strings_is_decoded_to_text_once_when_it_ends(tiny_engine, kind, monkeypatch):
+    """No stop string to look for: the row's tokens become text once, when it ends, not every step; its text is the
+    decode of its tokens as before, and a row with a stop string is still cut at it."""
+    tokenizer = tiny_engine.tokenizer
+    calls = []
+    real = type(tokenizer).decode
+    monkeypatch.setattr(type(tokenizer), "decode", lambda self, ids, **kw: calls.append(len(ids)) or real(self, ids,
+                                                                                                          **kw))
+    loop = _loop(kind, tiny_engine)
+    cfg = G(max_new_tokens=12, stop_at_eos=False)
+    (ticket,) = loop.add([("Q: What is the capital of France?\nA:", cfg, TapSpec(), 1, None)])
+    while loop.busy:
+        loop.step()
+    seq = ticket.result.sequences[0]
+    assert len(seq.token_ids) == 12 and seq.finish_reason == "length"
+    assert calls == [12]  # one decode, of the whole answer (every step decoded the answer so far before)
+    assert seq.text == real(tokenizer, seq.token_ids, skip_special_tokens=True)
+    calls.clear()
+    (stopped,) = loop.add([("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)), TapSpec(), 1, None)])
+    while loop.busy:
+        loop.step()
+    assert calls  # a stop string is looked for after every token
+    _same(stopped.result, _alone(tiny_engine, ("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)),
+                                               TapSpec(), 1, None)))

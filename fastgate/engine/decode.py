@@ -603,6 +603,10 @@ class DecodeLoop:
             row.text = eng.tokenizer.decode(tokens[:-1], skip_special_tokens=True)
             row.answer_len = len(tokens) - 1
         else:
+            if not cfg.stop and len(tokens) < cfg.max_new_tokens:
+                # no stop strings to look for: the text is read only when the row ends (a decode of the whole answer
+                # each step costs O(its length): 0.12 ms at 60 tokens in a batch-1 step on a 2-core CPU)
+                return
             text = eng.tokenizer.decode(tokens, skip_special_tokens=True)
             cut, matched = -1, None
             for s in cfg.stop:
