@@ -163,18 +163,25 @@ def test_fifty_steps_recompile_nothing_inside_a_bucket(tiny, counting, compiled_
     assert counting.graphs - before <= len(seen)
 
 
-def test_rows_as_many_as_the_kv_heads_do_not_pin_the_graph_to_that_batch(tiny):
-    """The tiny model has 2 KV heads: a CPU graph traced first at 2 rows (qwen2.5-0.5b's case; 8 rows for Llama-3-8B)
-    serves 4 and 8 rows too, as any first bucket does (dynamo unified the two sizes and compiled again per bucket)."""
-    assert tiny.model.config.num_key_value_heads == 2
+@pytest.mark.parametrize(("hidden", "batches"), [(64, (2, 4, 8)), (48, (4, 8, 16))])
+def test_a_first_bucket_equal_to_another_size_does_not_pin_the_graph_to_it(tiny, hidden, batches):
+    """A CPU graph traced first at 2 rows of a model with 2 KV heads (the tiny model; qwen2.5-0.5b; 8 rows for
+    Llama-3-8B), or at 4 rows beside the step's 4 rows of sampling settings (and 12 columns against a head of 12),
+    serves the next buckets too, as any first bucket does (dynamo unified the equal sizes and compiled again: 2 and 3
+    graphs)."""
+    from fastgate.testing import tiny_model
+
+    lm = tiny if hidden == 64 else tiny_model(n_layers=2, hidden=hidden)
+    assert lm.model.config.num_key_value_heads == 2
+    torch._dynamo.reset()  # as a fresh process traces: no sizes an earlier test's traces marked dynamic
     counting = _Counting()
-    loop = PackedLoop(ModelRunner(tiny, step=StepConfig("compiled", backend=counting)), mid=1)
+    loop = PackedLoop(ModelRunner(lm, step=StepConfig("compiled", backend=counting)), mid=1)
     cfg = G(max_new_tokens=3, stop_at_eos=False)
-    for n in (2, 4, 8):  # the rows finish together: no batch-1 step (batch 1 is a graph of its own)
+    for n in batches:  # the rows finish together: no batch-1 step (batch 1 is a graph of its own)
         loop.add([(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(n)])
         while loop.busy:
             loop.step()
-    assert {b for b, _ in loop.static.buckets} == {2, 4, 8}
+    assert {b for b, _ in loop.static.buckets} == set(batches)
     assert counting.graphs == 1
 
 

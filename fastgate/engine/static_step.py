@@ -390,9 +390,11 @@ class _Graph:
 @contextlib.contextmanager
 def _distinct_sizes() -> Iterator[None]:
     """Within: dynamo's symbolic sizes are not unified because they happen to be equal when traced ("duck sizing"):
-    a CPU graph traced at 2 rows of a model with 2 KV heads (qwen2.5-0.5b), or at 8 rows with 8 (Llama-3-8B), was
-    guarded on rows == KV heads and compiled again for the next bucket (minutes on a CPU). Set for a bucket's first
-    call only, the one that traces (a scoped config costs ~10 us, a step's share on a GPU)."""
+    a CPU graph traced at 2 rows of a model with 2 KV heads (qwen2.5-0.5b; 8 rows for Llama-3-8B), or at 4 rows
+    beside the step's 4 rows of sampling settings, was guarded on that equality and compiled again for the next
+    buckets (3 graphs for 2, 4, 8 rows or for 4, 8, 16; each a few minutes with inductor on a CPU). Distinct sizes
+    make the one trace slower (SmolLM2 with inductor on a 2-core EPYC: 241 s against 179 s, one run each), not a
+    trace a bucket. Set for a bucket's first call only, the one that traces (a scoped config costs ~10 us)."""
     import torch.fx.experimental._config as fx_config
 
     before = fx_config.use_duck_shape
