@@ -305,8 +305,8 @@ class FusedForward:
             pos = torch.arange(size, device=like.device)[None]  # [1, P]
             cos, sin = self.rotary(like, pos)  # [1, P, D] each, in like's dtype
             self._cos, self._sin = cos[0], sin[0]
-        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)  # (index_select: a gather,
-        # as indexing is, in fewer host operations)
+        # index_select: the same gather as indexing by a tensor, in fewer host operations
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope, attention_step=None,

@@ -178,7 +178,7 @@ class PackedPlan:
     def decode_mask(self) -> torch.Tensor:
         """``mask``, built on first use: column ``c`` of decode row ``r`` attended where ``c <= pos[r]``. The C++ decode
         paths never read it, and a batch-1 step's host operations run ~10x slower than alone after its layers stream
-        the weights through the caches (~0.1 ms for these three)."""
+        the weights through the caches (docs/RESULTS.md: a step's host time)."""
         if self.mask is None:
             self.mask = (torch.arange(self.width, device=self.pos.device)[None, :]
                          <= self.pos[:, None])[:, None, None, :]  # [m, 1, 1, W]
