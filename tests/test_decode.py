@@ -372,8 +372,12 @@ def test_a_row_without_stop_strings_is_decoded_to_text_once_when_it_ends(tiny_en
     tokenizer = tiny_engine.tokenizer
     calls = []
     real = type(tokenizer).decode
-    monkeypatch.setattr(type(tokenizer), "decode", lambda self, ids, **kw: calls.append(len(ids)) or real(self, ids,
-                                                                                                          **kw))
+
+    def counted(self, ids, **kwargs):
+        calls.append(len(ids))
+        return real(self, ids, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "decode", counted)
     loop = _loop(kind, tiny_engine)
     cfg = G(max_new_tokens=12, stop_at_eos=False)
     (ticket,) = loop.add([("Q: What is the capital of France?\nA:", cfg, TapSpec(), 1, None)])
@@ -384,9 +388,9 @@ def test_a_row_without_stop_strings_is_decoded_to_text_once_when_it_ends(tiny_en
     assert calls == [12]  # one decode, of the whole answer (every step decoded the answer so far before)
     assert seq.text == real(tokenizer, seq.token_ids, skip_special_tokens=True)
     calls.clear()
-    (stopped,) = loop.add([("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)), TapSpec(), 1, None)])
+    spec = ("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)), TapSpec(), 1, None)
+    (stopped,) = loop.add([spec])
     while loop.busy:
         loop.step()
     assert calls  # a stop string is looked for after every token
-    _same(stopped.result, _alone(tiny_engine, ("Berlin is the capital of", G(max_new_tokens=5, stop=(" ",)),
-                                               TapSpec(), 1, None)))
+    _same(stopped.result, _alone(tiny_engine, spec))
