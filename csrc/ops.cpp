@@ -2008,32 +2008,74 @@ FASTGATE_AVX2_TARGET inline float hsum8_avx(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
+// The float32 kernels read their weights in tiles of kTileRows rows, the tile's rows interleaved group by group, so a
+// tile is one forward stream (int4: codes [ceil(N / 8)][G][8][16] bytes, scales [ceil(N / 8)][G][8] float32; int8:
+// codes [ceil(N / 8)][K8 / 8][8][8], K8 = K rounded up to 8, zero codes past K and in the last tile's rows past N).
+// Why: read row by row, a tile's rows were eight streams 288 bytes apart, which the prefetchers did not follow: one
+// thread of SmolLM2's 30 layers of int4 products at batch 1 took 10.8 ms (7.4 GB/s), tiled 7.0 (11.1 GB/s, the
+// machine's single-core read rate); its int8 LM head 4.5 against 2.0-2.3 ms (an AVX2-only EPYC, one run each of a
+// standalone bench). fastgate.ops.quant makes the tiles from a layer's plain codes once. The int4 zeros come as
+// offsets zero - 8 scale, tiled as the scales: summed for a tile's eight rows at once in its loop (a row's gathered
+// scales and zeros summed after its loop cost ~40% of a 576-wide row's time).
+constexpr int64_t kTileRows = 8;
+
+FASTGATE_AVX2_TARGET inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                                           __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // halves' sums of a0 .. a3
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// the sum of v's eight lanes, in hsum8x8's order: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
+FASTGATE_AVX2_TARGET inline float hsum8_pairs(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 q = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
 // rows n .. n + R of the int4 product for MB input rows (xp [MB][K] permuted, S [MB][G] group sums, both K and G
-// apart) -> y [MB][N] float32 (+ res [MB][N] where given: y = res + product, one float32 addition)
+// apart) -> y [MB][N] float32 (+ res [MB][N] where given: y = res + product, one float32 addition); rows n .. n + R
+// lie in one tile; only the first `valid` are written (a last tile's rows past N: zero codes, not written). With the
+// offsets o_g = zero_g - 8 scale_g (tiled as the scales),
+//     y = sum_g scale_g sum_k c_k x_k + sum_g o_g S_g,
+// the first sum in 8 lanes a row, then its lanes in hsum8x8's order, the second in one chain of multiply-adds over g;
+// a row's arithmetic is the same in either tile shape (a row's output does not depend on the rows batched with it).
 template <int R, int MB>
-FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
-                                               const float* zero, int64_t K, int64_t n, int64_t N, float* y,
-                                               const float* res) {
-  const int64_t G = K / 32, row_bytes = K / 2;
+FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* qt, const float* st,
+                                               const float* ot, int64_t K, int64_t n, int64_t valid, int64_t N,
+                                               float* y, const float* res) {
+  const int64_t G = K / 32, r0 = n % kTileRows;
+  const int64_t tile = (n / kTileRows) * G * kTileRows;  // the tile's first scale (and offset)
+  const uint8_t* qb = qt + tile * 16 + 16 * r0;  // group g of row r: qb + 128 g + 16 r
+  const float* sb = st + tile + r0;  // its scale: sb + 8 g + r
+  const bool lead = r0 == 0;  // the tile's first row prefetches for the tile (the others read what it brought)
   const __m256i low = _mm256_set1_epi32(15);
   __m256 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  __m256 off = _mm256_setzero_ps();  // R = 8, MB = 1: the eight rows' offset sums, lane r row r
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* qr = q + (n + r) * row_bytes + 16 * g;  // the group's 32 codes
-      if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetchBytes, _MM_HINT_T0);
-      if (g % 16 == 0) {  // a row's scales and zeros: a quarter of its codes' bytes each
-        _mm_prefetch(reinterpret_cast<const char*>(scale + (n + r) * G + g) + kPrefetchBytes / 4, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(zero + (n + r) * G + g) + kPrefetchBytes / 4, _MM_HINT_T0);
+    const uint8_t* qg = qb + 16 * kTileRows * g;
+    const float* sg = sb + kTileRows * g;
+    if (lead) {  // a group of the tile: two lines of codes, a quarter line of scales and of offsets
+      _mm_prefetch(reinterpret_cast<const char*>(qg) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qg) + kPrefetchBytes + 64, _MM_HINT_T0);
+      if (g % 2 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(sg) + kPrefetchBytes / 4, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ot + tile + kTileRows * g) + kPrefetchBytes / 4, _MM_HINT_T0);
       }
+    }
+    if constexpr (R == kTileRows && MB == 1)
+      off = _mm256_fmadd_ps(_mm256_loadu_ps(ot + tile + kTileRows * g), _mm256_broadcast_ss(S + g), off);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = qg + 16 * r;  // the group's 32 codes
       const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr)));
       const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + 8)));
       const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));  // codes 0, 2, .. 14
       const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));  // codes 1, 3, .. 15
       const __m256 c2 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));  // codes 16, 18, .. 30
       const __m256 c3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));  // codes 17, 19, .. 31
-      const __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
+      const __m256 s = _mm256_broadcast_ss(sg + r);
       for (int m = 0; m < MB; ++m) {
         const float* xb = xp + m * K + 32 * g;
         // two short chains, not one of five dependent multiply-adds a group (with eight rows a tile at one input
@@ -2044,77 +2086,76 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* sr = scale + (n + r) * G;
-    const float* zr = zero + (n + r) * G;
-    for (int m = 0; m < MB; ++m) {
-      // the offsets' part: sum_g (zero_g - 8 scale_g) S_g, 8 groups a vector, the rest one by one
-      const float* Sm = S + m * G;
-      __m256 c = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= G; g += 8)
-        c = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(sr + g), _mm256_loadu_ps(zr + g)),
-                            _mm256_loadu_ps(Sm + g), c);
-      float tail = 0.0f;
-      for (; g < G; ++g) tail += (zr[g] - 8.0f * sr[g]) * Sm[g];
-      const float sum = hsum8_avx(acc[r][m]) + (hsum8_avx(c) + tail);
-      const int64_t i = m * N + n + r;
-      y[i] = res ? res[i] + sum : sum;
-    }
+  if constexpr (R == kTileRows && MB == 1) {  // the eight rows' lane sums at once, plus their offsets' sums
+    alignas(32) float sums[kTileRows];
+    _mm256_store_ps(sums, _mm256_add_ps(hsum8x8(acc[0][0], acc[1][0], acc[2][0], acc[3][0], acc[4][0], acc[5][0],
+                                                acc[6][0], acc[7][0]), off));
+    for (int r = 0; r < valid; ++r) y[n + r] = res ? res[n + r] + sums[r] : sums[r];
+  } else {
+    for (int r = 0; r < R && r < valid; ++r)
+      for (int m = 0; m < MB; ++m) {
+        __m128 o = _mm_setzero_ps();  // the offsets' chain, one multiply-add a group as the lanes above take it
+        for (int64_t g = 0; g < G; ++g)
+          o = _mm_fmadd_ss(_mm_set_ss(ot[tile + kTileRows * g + r0 + r]), _mm_set_ss(S[m * G + g]), o);
+        const float sum = hsum8_pairs(acc[r][m]) + _mm_cvtss_f32(o);
+        const int64_t i = m * N + n + r;
+        y[i] = res ? res[i] + sum : sum;
+      }
   }
 }
 
 template <int MB>
-FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* q, const float* scale,
-                                        const float* zero, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
+FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const uint8_t* qt, const float* st,
+                                        const float* ot, int64_t K, int64_t n0, int64_t n1, int64_t N, float* y,
                                         const float* res) {
   // Several input rows take one weight row at a time, its codes decoded once for all of them, their sums in registers
   // (16 ymm: up to 6 sums, the row's 4 codes, its scale, the mask, 2 partial sums; the inputs read from memory). Tiles
   // of four weight rows by two inputs kept their 8 sums on the stack (a load and two stores each a group): 576 -> 3,072
-  // at 16 rows ran at ~18 G multiply-adds a second on an AVX2-only EPYC, 1.35-1.6x slower. One input row keeps eight
-  // weight rows a tile (some sums on the stack too, but eight rows' codes in flight: four a tile was no faster at
-  // batch 1). Every output's arithmetic is the same in any tile.
-  int64_t n = n0;
+  // at 16 rows ran at ~18 G multiply-adds a second on an AVX2-only EPYC, 1.35-1.6x slower. One input row takes a
+  // whole tile of eight weight rows (some sums on the stack too, but eight rows' codes in flight: four a tile was no
+  // faster at batch 1). n0 is a tile's first row.
   if constexpr (MB == 1) {
-    for (; n + 2 * kQuantRows <= n1; n += 2 * kQuantRows)
-      int4_tile_f32<2 * kQuantRows, 1>(xp, S, q, scale, zero, K, n, N, y, res);
-    for (; n + kQuantRows <= n1; n += kQuantRows) int4_tile_f32<kQuantRows, 1>(xp, S, q, scale, zero, K, n, N, y, res);
+    for (int64_t n = n0; n < n1; n += kTileRows)
+      int4_tile_f32<kTileRows, 1>(xp, S, qt, st, ot, K, n, std::min(kTileRows, n1 - n), N, y, res);
+  } else {
+    for (int64_t n = n0; n < n1; ++n) int4_tile_f32<1, MB>(xp, S, qt, st, ot, K, n, 1, N, y, res);
   }
-  for (; n < n1; ++n) int4_tile_f32<1, MB>(xp, S, q, scale, zero, K, n, N, y, res);
 }
 
-// rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows x_stride apart) -> y [MB][N] float32
+// rows n .. n + R of the int8 product (one tile's rows r0 .. r0 + R) for MB input rows x [MB, K8] float32 (rows
+// x_stride apart, zero past K where K8 > K) -> y [MB][N] float32, the first `valid` rows written
 template <int R, int MB>
-FASTGATE_AVX2_TARGET inline void int8_tile_f32(const float* x, int64_t x_stride, const int8_t* q, const float* scale,
-                                               int64_t K, int64_t n, int64_t N, float* y) {
+FASTGATE_AVX2_TARGET inline void int8_tile_f32(const float* x, int64_t x_stride, const int8_t* qt, const float* scale,
+                                               int64_t K8, int64_t n, int64_t valid, int64_t N, float* y) {
+  const int64_t r0 = n % kTileRows;
+  const int8_t* qb = qt + (n / kTileRows) * K8 * kTileRows + 8 * r0;  // codes k .. k + 7 of row r: qb + 8 k + 8 r
+  const bool lead = r0 == 0;
   __m256 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  for (int64_t k = 0; k < K8; k += 8) {
     __m256 xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * x_stride + k);
+    const int8_t* qk = qb + kTileRows * k;
+    if (lead) _mm_prefetch(reinterpret_cast<const char*>(qk) + kPrefetchBytes, _MM_HINT_T0);  // the tile's line
     for (int r = 0; r < R; ++r) {
-      const int8_t* qr = q + (n + r) * K + k;
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr))));
+      const __m256 w =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qk + 8 * r))));
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, xv[m], acc[r][m]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) {
-      float tail = 0.0f;  // K not a multiple of 8: the last codes one by one
-      for (int64_t t = k; t < K; ++t) tail += static_cast<float>(q[(n + r) * K + t]) * x[m * x_stride + t];
-      y[m * N + n + r] = (hsum8_avx(acc[r][m]) + tail) * scale[n + r];
-    }
+  for (int r = 0; r < R && r < valid; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + n + r] = hsum8_avx(acc[r][m]) * scale[n + r];
 }
 
 template <int MB>
-FASTGATE_AVX2_TARGET void int8_rows_f32(const float* x, int64_t x_stride, const int8_t* q, const float* scale,
-                                        int64_t K, int64_t n0, int64_t n1, int64_t N, float* y) {
-  int64_t n = n0;
-  for (; n + kQuantRows <= n1; n += kQuantRows) int8_tile_f32<kQuantRows, MB>(x, x_stride, q, scale, K, n, N, y);
-  for (; n < n1; ++n) int8_tile_f32<1, MB>(x, x_stride, q, scale, K, n, N, y);
+FASTGATE_AVX2_TARGET void int8_rows_f32(const float* x, int64_t x_stride, const int8_t* qt, const float* scale,
+                                        int64_t K8, int64_t n0, int64_t n1, int64_t N, float* y) {
+  // one input row: a whole tile at a time (8 sums); two: a half tile (4 rows x 2 inputs of sums, 2 inputs, 1 code:
+  // 15 ymm), the tile's second half read from the cache the first filled. n0 is a tile's first row.
+  constexpr int64_t R = MB == 1 ? kTileRows : kTileRows / 2;
+  for (int64_t n = n0; n < n1; n += R)
+    int8_tile_f32<R, MB>(x, x_stride, qt, scale, K8, n, std::min<int64_t>(R, n1 - n), N, y);
 }
 
 // The fused pass's float32 layer ops (rms_norm_f32, rope_f32, decode_attention_step_f32): the bf16 ones' loops for a
@@ -2155,13 +2196,14 @@ FASTGATE_F32_EXACT void rope_head_f32(const float* xr, const float* c, const flo
 }
 #endif
 
-// x [M, K] float32 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
-// float32, all contiguous; out [M, N] float32 contiguous; K a multiple of 32. res_ptr (0: none): a residual [M, N]
-// float32 contiguous, out = res + product (torch's h + y, one float32 addition each). w_ptr (0: none): a norm weight
-// [K] float32, the product of rms_norm_f32(x, w, eps) instead (the same loop, bitwise the two calls).
+// x [M, K] float32 (rows x_stride elements apart, unit stride along K); qt / st / ot: the codes, scales and offsets
+// zero - 8 scale in tiles (kTileRows above: [ceil(N / 8)][K / 32][8][16] uint8, [ceil(N / 8)][K / 32][8] float32
+// each), contiguous; out [M, N] float32 contiguous; K a multiple of 32. res_ptr (0: none): a residual [M, N] float32
+// contiguous, out = res + product (torch's h + y, one float32 addition each). w_ptr (0: none): a norm
+// weight [K] float32, the product of rms_norm_f32(x, w, eps) instead (the same loop, bitwise the two calls).
 #ifdef FASTGATE_AVX2_KERNEL
 // int4_matmul_f32's work, its inputs checked and the GIL released by the caller (decode_layers_f32 calls it too).
-void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const float* scale, const float* zero, float* y,
+void int4_f32(const float* x, int64_t x_stride, const uint8_t* qt, const float* st, const float* ot, float* y,
               int64_t M, int64_t N, int64_t K, int64_t threads, const float* res, const float* w, float eps) {
   const int64_t G = K / 32;
   std::vector<float> normed(w ? K : 0);  // one row normed at a time, then permuted as x's rows are
@@ -2191,18 +2233,18 @@ void int4_f32(const float* x, int64_t x_stride, const uint8_t* q, const float* s
     float* ym = y + m0 * N;
     const float* rm = res ? res + m0 * N : nullptr;
     switch (mb) {
-      case 1: int4_rows_f32<1>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
-      case 2: int4_rows_f32<2>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
-      case 3: int4_rows_f32<3>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
-      case 4: int4_rows_f32<4>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
-      case 5: int4_rows_f32<5>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
-      default: int4_rows_f32<6>(xm, Sm, q, scale, zero, K, n0, n1, N, ym, rm); break;
+      case 1: int4_rows_f32<1>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
+      case 2: int4_rows_f32<2>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
+      case 3: int4_rows_f32<3>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
+      case 4: int4_rows_f32<4>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
+      case 5: int4_rows_f32<5>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
+      default: int4_rows_f32<6>(xm, Sm, qt, st, ot, K, n0, n1, N, ym, rm); break;
     }
   }, kF32Int4Inputs);
 }
 #endif
 
-void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
+void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t offset_ptr,
                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
                      uintptr_t w_ptr, double eps) {
 #ifdef FASTGATE_AVX2_KERNEL
@@ -2212,34 +2254,42 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
   if (M == 0) return;
   py::gil_scoped_release release;
   int4_f32(reinterpret_cast<const float*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(q_ptr),
-           reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(zero_ptr),
+           reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(offset_ptr),
            reinterpret_cast<float*>(out_ptr), M, N, K, threads, reinterpret_cast<const float*>(res_ptr),
            reinterpret_cast<const float*>(w_ptr), static_cast<float>(eps));
 #else
-  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
-  (void)threads, (void)res_ptr, (void)w_ptr, (void)eps;
+  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)offset_ptr, (void)out_ptr, (void)M, (void)N;
+  (void)K, (void)threads, (void)res_ptr, (void)w_ptr, (void)eps;
   throw std::invalid_argument("int4_matmul_f32: not built for this platform");
 #endif
 }
 
-// x [M, K] float32 (rows x_stride apart, unit stride along K); q [N, K] int8, scale [N] float32, contiguous; out
-// [M, N] float32 contiguous.
+// x [M, K] float32 (rows x_stride apart, unit stride along K); qt: the codes in tiles ([ceil(N / 8)][K8 / 8][8][8]
+// int8, K8 = K rounded up to 8, zero codes past K), scale [N] float32, contiguous; out [M, N] float32 contiguous.
 void int8_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
                      int64_t M, int64_t N, int64_t K, int64_t threads) {
 #ifdef FASTGATE_AVX2_KERNEL
   if (!quant_f32_kernels_supported()) throw std::invalid_argument("int8_matmul_f32: this CPU has no AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_f32: bad shape");
   if (M == 0) return;
-  const float* x = reinterpret_cast<const float*>(x_ptr);
-  const int8_t* q = reinterpret_cast<const int8_t*>(q_ptr);
+  const int8_t* qt = reinterpret_cast<const int8_t*>(q_ptr);
   const float* scale = reinterpret_cast<const float*>(scale_ptr);
   float* y = reinterpret_cast<float*>(out_ptr);
+  const int64_t K8 = (K + 7) / 8 * 8;
   py::gil_scoped_release release;
-  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+  const float* x = reinterpret_cast<const float*>(x_ptr);
+  std::vector<float> padded;  // K not a multiple of 8: the rows copied with zeros past K (the codes' own zeros)
+  if (K8 != K) {
+    padded.assign(M * K8, 0.0f);
+    for (int64_t m = 0; m < M; ++m) std::copy(x + m * x_stride, x + m * x_stride + K, padded.data() + m * K8);
+    x = padded.data();
+    x_stride = K8;
+  }
+  quant_split(M, N, K8, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
     const float* xm = x + m0 * x_stride;
     float* ym = y + m0 * N;
-    if (mb == 1) int8_rows_f32<1>(xm, x_stride, q, scale, K, n0, n1, N, ym);
-    else int8_rows_f32<2>(xm, x_stride, q, scale, K, n0, n1, N, ym);
+    if (mb == 1) int8_rows_f32<1>(xm, x_stride, qt, scale, K8, n0, n1, N, ym);
+    else int8_rows_f32<2>(xm, x_stride, qt, scale, K8, n0, n1, N, ym);
   }, kF32Inputs);
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
@@ -2308,12 +2358,6 @@ void rope_f32(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t o
 // columns, a head at a time. The general loop sums each score horizontally and keeps its key row and the output in
 // memory: a batch-16 step of SmolLM2 at 600 tokens read its 443 MB of keys and values at ~8 GB/s there (`sum`: ~20).
 // Sums in another order than attend_head_f32, within float32 rounding.
-FASTGATE_AVX2_TARGET inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                                           __m256 a6, __m256 a7) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // halves' sums of a0 .. a3
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
 
 // q . kw of 64 floats (q as 8 vectors), its 8 lanes' partial sums
 FASTGATE_AVX2_TARGET inline __m256 dot64_lanes(const __m256* qv, const float* kw) {
@@ -2666,9 +2710,9 @@ void token_logprobs_f32(uintptr_t logits_ptr, int64_t m, int64_t V, int64_t stri
 // step_f32 with its rotary embedding, int4_matmul_f32 with its residual, silu_mul_f32) step for step, so bitwise the
 // same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~4 ms of host time in ~13 ms).
 //   h [m, d] float32 contiguous (not written); out [m, d] float32 contiguous: the last layer's output
-//   table [L, 15] int64: a layer's pointers: qkv codes, scales, zeros, bias (0: none); o's, gate_up's, down's codes,
-//     scales, zeros; the two norms' weights (layers indexed by their row; codes [N, K / 2] uint8, scales / zeros
-//     [N, K / 32] float32, contiguous, N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I)
+//   table [L, 15] int64: a layer's pointers: qkv codes, scales, offsets, bias (0: none); o's, gate_up's, down's
+//     codes, scales, offsets; the two norms' weights (layers indexed by their row; codes, scales and offsets in
+//     int4_matmul_f32's tiles, N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I)
 //   floats [L, 3] float64: the norms' eps, the attention's scaling
 //   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] float32 (strides s_row, s_head, s_col, 1 alike)
 //   cos / sin [m, D] float32, rows c_stride apart; pos [m] int64: row r's new column
@@ -2778,9 +2822,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("int4_matmul_f32", &int4_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
-        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
+        py::arg("offset"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
         py::arg("residual") = 0, py::arg("norm_weight") = 0, py::arg("eps") = 1e-6,
-        "The int4 weight-only product of float32 rows (AVX2 + FMA; csrc/ops.cpp has the layout); with norm_weight, of "
+        "The int4 weight-only product of float32 rows (AVX2 + FMA; codes, scales and offsets in the tiles csrc/ops.cpp "
+        "describes); with norm_weight, of "
         "rms_norm_f32(x, norm_weight, eps)");
   m.def("rms_norm_f32", &rms_norm_f32, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("d"),
         py::arg("x_stride"), py::arg("eps"), py::arg("threads") = 0,

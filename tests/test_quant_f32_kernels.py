@@ -18,7 +18,15 @@ from fastgate.assets.quant import (
     quantize_int4,
     quantize_int8,
 )
-from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul, torch_int4_matmul, torch_int8_matmul
+from fastgate.ops.quant import (
+    ext_int4_matmul,
+    ext_int8_matmul,
+    f32_tiles,
+    int4_tiles,
+    int8_tiles,
+    torch_int4_matmul,
+    torch_int8_matmul,
+)
 from fastgate.ops.registry import build_ops, import_ext
 
 
@@ -139,8 +147,8 @@ def test_f32_kernels_two_threads_give_one_thread_s_bits():
     layer = _int4(2048, 576, seed=1)
     head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
     x = torch.randn((3, 576))
-    for name, lay, args in (("int4_matmul_f32", layer, (layer.q, layer.scale, layer.zero)),
-                            ("int8_matmul_f32", head, (head.q, head.scale))):
+    for name, lay, args in (("int4_matmul_f32", layer, f32_tiles(layer)),
+                            ("int8_matmul_f32", head, (*f32_tiles(head), head.scale))):
         outs = []
         for threads in (1, 2):
             out = torch.empty((3, lay.out_features))
@@ -148,6 +156,56 @@ def test_f32_kernels_two_threads_give_one_thread_s_bits():
                                lay.out_features, lay.in_features, threads)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), name
+
+
+def test_the_tiles_hold_each_row_s_codes_where_the_kernels_read_them():
+    """Tile t, group g, slot r of the int4 tiles is row 8 t + r's group g (codes, scale, zero - 8 scale); the int8 tiles
+    likewise by 8 columns; rows past N and columns past K are zero."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, (13, 48), generator=gen, dtype=torch.uint8)  # N = 13, K = 96
+    scale, zero = torch.rand((13, 3), generator=gen), torch.randn((13, 3), generator=gen)
+    qt, st, ot = int4_tiles(q, scale, zero)
+    assert qt.shape == (2, 3, 8, 16) and st.shape == ot.shape == (2, 3, 8)
+    for n in range(16):
+        for g in range(3):
+            want = q[n, 16 * g:16 * g + 16] if n < 13 else torch.zeros(16, dtype=torch.uint8)
+            assert torch.equal(qt[n // 8, g, n % 8], want)
+            assert st[n // 8, g, n % 8] == (scale[n, g] if n < 13 else 0)
+            assert ot[n // 8, g, n % 8] == (zero[n, g] - 8 * scale[n, g] if n < 13 else 0)
+    q8 = torch.randint(-127, 128, (9, 13), generator=gen, dtype=torch.int8)  # K = 13: padded to 16
+    t8 = int8_tiles(q8)
+    assert t8.shape == (2, 2, 8, 8)
+    padded = torch.zeros((16, 16), dtype=torch.int8)
+    padded[:9, :13] = q8
+    assert torch.equal(t8.permute(0, 2, 1, 3).reshape(16, 16), padded)
+
+
+def test_a_layer_s_tiles_are_made_once_and_again_for_new_codes():
+    layer = _int4(24, 64, seed=4)
+    tiles = f32_tiles(layer)
+    assert f32_tiles(layer) is tiles
+    q, scale, zero = quantize_int4(torch.randn((24, 64)))
+    layer.q, layer.scale, layer.zero = q, scale, zero
+    layer.refresh()
+    again = f32_tiles(layer)
+    assert again is not tiles and torch.equal(again[0], int4_tiles(q, scale, zero)[0])
+
+
+def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
+    """The kernels' tiles differ with the rows a call has (one input row: eight weight rows a tile, their offsets
+    summed at once; more: one weight row at a time): a row's output is the same bits either way."""
+    ext = _ext()
+    int4_op, int8_op = _ops(ext)
+    gen = torch.Generator().manual_seed(6)
+    for n, k in ((13, 64), (129, 160), (769, 576)):
+        layer = _int4(n, k, seed=n)
+        head = Int8Linear(*quantize_int8(torch.randn((n, k + 3), generator=gen)))
+        for op, lay, width in ((int4_op, layer, k), (int8_op, head, k + 3)):
+            x = torch.randn((7, width), generator=gen)
+            whole = op(x, lay)
+            for m in (1, 2, 5):
+                assert torch.equal(op(x[:m], lay), whole[:m]), (n, k, m)
+            assert torch.equal(op(x[3:4], lay), whole[3:4])
 
 
 def test_f32_kernels_refuse_bad_shapes():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastgate.assets.quant import Int4Linear, quantize_int4
+from fastgate.ops.quant import f32_tiles
 from fastgate.ops.registry import import_ext
 
 EXT = import_ext()
@@ -21,7 +22,8 @@ needs_f32 = pytest.mark.skipif(
 
 def _product(x: torch.Tensor, layer: Int4Linear, threads: int) -> torch.Tensor:
     out = torch.empty((x.shape[0], layer.out_features))
-    EXT.int4_matmul_f32(x.data_ptr(), x.stride(0), layer.q.data_ptr(), layer.scale.data_ptr(), layer.zero.data_ptr(),
+    codes, scales, offsets = f32_tiles(layer)
+    EXT.int4_matmul_f32(x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                         out.data_ptr(), x.shape[0], layer.out_features, layer.in_features, threads)
     return out
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
-from fastgate.ops.quant import _int4_layer_ok
+from fastgate.ops.quant import _int4_layer_ok, f32_tiles
 
 __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers"]
 
@@ -94,14 +94,17 @@ class DecodeStack:
         self.max_rows = (_SERIAL_SILU - 1) // inter
         self._layers = layers  # keeps every pointer below alive
         rows = []
+        self._tiles = []  # each product's codes and scales in the kernel's tiles (the table points into them)
         for w in layers:
             qkv, o, gu, dn = w.qkv, w.o, w.gate_up, w.down
-            rows.append([qkv.q.data_ptr(), qkv.scale.data_ptr(), qkv.zero.data_ptr(),
-                         0 if qkv.bias is None else qkv.bias.data_ptr(),
-                         o.q.data_ptr(), o.scale.data_ptr(), o.zero.data_ptr(),
-                         gu.q.data_ptr(), gu.scale.data_ptr(), gu.zero.data_ptr(),
-                         dn.q.data_ptr(), dn.scale.data_ptr(), dn.zero.data_ptr(),
-                         w.ln1.data_ptr(), w.ln2.data_ptr()])
+            row = []
+            for i, product in enumerate((qkv, o, gu, dn)):
+                tiles = f32_tiles(product)
+                self._tiles.append(tiles)
+                row += [t.data_ptr() for t in tiles]  # codes, scales, offsets
+                if i == 0:
+                    row.append(0 if qkv.bias is None else qkv.bias.data_ptr())
+            rows.append(row + [w.ln1.data_ptr(), w.ln2.data_ptr()])
         # each product's buffers and codes: a layer whose codes are replaced (Int4Linear.refresh of new codes, a join)
         # no longer runs here
         self._codes = [(m._buffers, m.q) for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)]
