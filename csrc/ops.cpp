@@ -2048,6 +2048,7 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
   const int64_t tile = (n / kTileRows) * G * kTileRows;  // the tile's first scale (and offset)
   const uint8_t* qb = qt + tile * 16 + 16 * r0;  // group g of row r: qb + 128 g + 16 r
   const float* sb = st + tile + r0;  // its scale: sb + 8 g + r
+  const float* ob = ot + tile + r0;  // its offset: ob + 8 g + r
   const bool lead = r0 == 0;  // the tile's first row prefetches for the tile (the others read what it brought)
   const __m256i low = _mm256_set1_epi32(15);
   __m256 acc[R][MB];
@@ -2057,16 +2058,17 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* qg = qb + 16 * kTileRows * g;
     const float* sg = sb + kTileRows * g;
+    const float* og = ob + kTileRows * g;
     if (lead) {  // a group of the tile: two lines of codes, a quarter line of scales and of offsets
       _mm_prefetch(reinterpret_cast<const char*>(qg) + kPrefetchBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(qg) + kPrefetchBytes + 64, _MM_HINT_T0);
       if (g % 2 == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(sg) + kPrefetchBytes / 4, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ot + tile + kTileRows * g) + kPrefetchBytes / 4, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(og) + kPrefetchBytes / 4, _MM_HINT_T0);
       }
     }
     if constexpr (R == kTileRows && MB == 1)
-      off = _mm256_fmadd_ps(_mm256_loadu_ps(ot + tile + kTileRows * g), _mm256_broadcast_ss(S + g), off);
+      off = _mm256_fmadd_ps(_mm256_loadu_ps(og), _mm256_broadcast_ss(S + g), off);
     for (int r = 0; r < R; ++r) {
       const uint8_t* qr = qg + 16 * r;  // the group's 32 codes
       const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr)));
@@ -2096,7 +2098,7 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
       for (int m = 0; m < MB; ++m) {
         __m128 o = _mm_setzero_ps();  // the offsets' chain, one multiply-add a group as the lanes above take it
         for (int64_t g = 0; g < G; ++g)
-          o = _mm_fmadd_ss(_mm_set_ss(ot[tile + kTileRows * g + r0 + r]), _mm_set_ss(S[m * G + g]), o);
+          o = _mm_fmadd_ss(_mm_set_ss(ob[kTileRows * g + r]), _mm_set_ss(S[m * G + g]), o);
         const float sum = hsum8_pairs(acc[r][m]) + _mm_cvtss_f32(o);
         const int64_t i = m * N + n + r;
         y[i] = res ? res[i] + sum : sum;
