@@ -46,7 +46,9 @@ def _spec(parts, sha=None, size=None, name="fake-model"):
 
 
 def _leftovers(home):
-    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) if home.exists() else []
+    """What is under ``home`` but the builders' lock files (kept on purpose: fastgate.assets.paths.one_builder)."""
+    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*")
+                  if p.relative_to(home).parts[0] != "locks") if home.exists() else []
 
 
 def test_pinned_specs_are_consistent():
@@ -198,3 +200,32 @@ def test_a_conversion_parses_the_gguf_once_and_puts_gguf_back(tmp_path):
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
     assert gguf.GGUFReader(path) is not first
+
+
+def test_processes_starting_together_convert_once(home, tmp_path, monkeypatch, capsys):
+    """Ray replicas or test workers starting on an empty $FASTGATE_HOME take turns: one converts, the others wait for
+    its directory and use it (before, each converted and replaced the directory under the others' readers)."""
+    import threading
+    import time
+
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    monkeypatch.setitem(fm.MODELS, "fake-model", _spec(parts))
+    calls = []
+
+    def fake_convert(name, spec, target, quiet):
+        calls.append(name)
+        time.sleep(0.3)  # the others arrive while it converts
+        target.mkdir(parents=True)
+        (target / "fastgate_model.json").write_text("{}")
+        return target
+
+    monkeypatch.setattr(fm, "_convert", fake_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(fm.prepare("fake-model", quiet=True))) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert calls == ["fake-model"] and len(got) == 3 and len(set(got)) == 1
+    assert "waiting for another process converting fake-model" in capsys.readouterr().err

@@ -198,3 +198,31 @@ def test_kill_9_during_a_build_then_the_next_build_cleans_up(tmp_path, small_cor
     build_indexes(small_corpus_file, root, kinds=("bm25",), progress=False, force=True)
     assert sorted(p.name for p in root.iterdir()) == ["bm25"]
     assert BM25Retriever(root / "bm25").search("Hamlet", k=1)[0].id == "p5"
+
+
+def test_builds_starting_together_build_once(tmp_path, small_corpus_file, monkeypatch):
+    """Two processes opening a missing index at once: the second waits for the first's build and keeps it."""
+    import threading
+    import time
+
+    import fastgate.retrieval.bm25 as bm25
+
+    real, calls = bm25.build_bm25_index, []
+
+    def slow_build(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bm25, "build_bm25_index", slow_build)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(
+        build_indexes(small_corpus_file, tmp_path / "idx", kinds=("bm25",), progress=False)["bm25"]))
+        for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2
+    assert BM25Retriever(got[0]).search("capital of France", k=1)[0].passage.id == "p1"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fastgate.assets import pins
-from fastgate.assets.paths import models_dir, remove_stale
+from fastgate.assets.paths import models_dir, one_builder, remove_stale
 from fastgate.assets.precision import choose_dtype, probe_bf16
 from fastgate.assets.quant import (
     Int4Codes,
@@ -342,6 +342,15 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     target = _converted_dir(spec)
     if (target / "fastgate_model.json").is_file():
         return target
+    # one conversion at a time: a process that waited finds the first one's directory (one_builder's docstring)
+    with one_builder(target, f"fastgate: waiting for another process converting {name} into {target}"):
+        if (target / "fastgate_model.json").is_file():
+            return target
+        return _convert(name, spec, target, quiet)
+
+
+def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
+    """:func:`prepare`'s conversion, its lock held."""
     remove_stale(target.parent, f".{target.name}.tmp-")
     gguf = locate_gguf(spec)
     _check_gguf(spec, gguf)

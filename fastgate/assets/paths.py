@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["home", "index_dir", "models_dir", "remove_stale"]
+__all__ = ["home", "index_dir", "models_dir", "one_builder", "remove_stale"]
 
 
 def home() -> Path:
@@ -61,3 +64,34 @@ def remove_stale(directory: Path, prefix: str) -> list[Path]:
                 entry.unlink()
         removed.append(entry)
     return removed
+
+
+@contextlib.contextmanager
+def one_builder(target: Path, waiting: str = "") -> Iterator[None]:
+    """The block run by one process at a time among those that enter it for the same ``target`` (an advisory
+    ``flock`` of ``$FASTGATE_HOME/locks/<target's name>-<hash of its absolute path>.lock``, created and kept there,
+    not beside the target). Processes that prepare the same thing at once (Ray Serve replicas or
+    pytest-xdist workers starting on an empty ``$FASTGATE_HOME``, two CLI runs) take turns: each checks for the
+    result inside the block, so the later ones find the first one's instead of building it again and replacing it
+    under its readers. ``waiting`` is printed to stderr when another process holds the lock. No lock where ``fcntl``
+    is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path = Path(os.path.abspath(target))
+    locks = home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    with open(locks / f"{path.name}-{digest}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
-from fastgate.assets.paths import index_dir
+from fastgate.assets.paths import index_dir, one_builder
 from fastgate.errors import UnknownNameError
 from fastgate.retrieval.base import Hit, Retriever
 
@@ -54,9 +54,6 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
                   kinds: tuple[str, ...] = RETRIEVERS, *, hnsw: bool = False, progress: bool = True,
                   force: bool = False) -> dict[str, Path]:
     """Build the requested indexes of a corpus under ``out_root/<kind>``; up-to-date ones are kept unless ``force``."""
-    import json
-    import sys
-
     from fastgate.assets.corpus import corpus_fingerprint
 
     for kind in kinds:
@@ -68,8 +65,22 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     built: dict[str, Path] = {}
     for kind in kinds:
         target = root / kind
-        manifest = target / "fastgate_index.json"
-        if not force and manifest.is_file():
+        # one build of an index at a time (processes starting together on a fresh cache): a process that waited
+        # finds the first one's index up to date instead of replacing it under its readers
+        with one_builder(target, f"fastgate: waiting for another process building {target}"):
+            built[kind] = _build_index(kind, name, passages, fingerprint, target, hnsw=hnsw, progress=progress,
+                                       force=force)
+    return built
+
+
+def _build_index(kind: str, name: str, passages, fingerprint: str, target: Path, *, hnsw: bool, progress: bool,
+                 force: bool) -> Path:
+    """One index of :func:`build_indexes` (its lock held): kept where up to date unless ``force``, else built."""
+    import json
+    import sys
+
+    manifest = target / "fastgate_index.json"
+    if not force and manifest.is_file():
             try:
                 current = json.loads(manifest.read_text())
             except (OSError, json.JSONDecodeError):
@@ -78,18 +89,16 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
             if current.get("corpus_fingerprint") == fingerprint and same_type:
                 if progress:
                     print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
-                built[kind] = target
-                continue
-        if progress:
-            print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}",
-                  file=sys.stderr)
-        if kind == "bm25":
-            from fastgate.retrieval.bm25 import build_bm25_index
+                return target
+    if progress:
+        print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}",
+              file=sys.stderr)
+    if kind == "bm25":
+        from fastgate.retrieval.bm25 import build_bm25_index
 
-            build_bm25_index(passages, target, corpus_name=name, progress=progress)
-        else:
-            from fastgate.retrieval.dense import build_dense_index
+        build_bm25_index(passages, target, corpus_name=name, progress=progress)
+    else:
+        from fastgate.retrieval.dense import build_dense_index
 
-            build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress)
-        built[kind] = target
-    return built
+        build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress)
+    return target
