@@ -106,7 +106,7 @@ train-defaults: install
 # The suite in one process per core (at most 4: each loads its own models), each with one torch thread: on 2 cores
 # 1.7x faster than one process with two threads, whose ops spend much of their time handing small work to the other
 # core. The tests of the threaded kernels set their thread counts themselves. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); if [ $$n -gt 4 ]; then n=4; fi; if [ $$n -lt 2 ]; then n=0; fi; echo $$n)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1); if [ $$n -gt 4 ]; then n=4; fi; if [ $$n -lt 2 ]; then n=0; fi; echo $$n)
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 

@@ -9,8 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist (`make test`) each worker gets its share of the cores, set before torch is imported: two workers
 # with two OpenMP threads each on two cores spin against each other (the suite ran 2.9x slower).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 def _cuda() -> bool:

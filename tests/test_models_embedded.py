@@ -47,8 +47,8 @@ def _spec(parts, sha=None, size=None, name="fake-model"):
 
 def _leftovers(home):
     """What is under ``home`` but the builders' lock files (kept on purpose: fastgate.assets.paths.one_builder)."""
-    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*")
-                  if p.relative_to(home).parts[0] != "locks") if home.exists() else []
+    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*") if not p.name.endswith(".lock")) \
+        if home.exists() else []
 
 
 def test_pinned_specs_are_consistent():
@@ -221,7 +221,7 @@ def test_processes_starting_together_convert_once(home, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(fm, "_convert", fake_convert)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(fm.prepare("fake-model", quiet=True))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: got.append(fm.prepare("fake-model"))) for _ in range(3)]
     for t in threads:
         t.start()
         time.sleep(0.05)

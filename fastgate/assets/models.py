@@ -343,7 +343,7 @@ def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if (target / "fastgate_model.json").is_file():
         return target
     # one conversion at a time: a process that waited finds the first one's directory (one_builder's docstring)
-    with one_builder(target, f"fastgate: waiting for another process converting {name} into {target}"):
+    with one_builder(target, "" if quiet else f"fastgate: waiting for another process converting {name} into {target}"):
         if (target / "fastgate_model.json").is_file():
             return target
         return _convert(name, spec, target, quiet)

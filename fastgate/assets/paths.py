@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import sys
@@ -68,30 +67,34 @@ def remove_stale(directory: Path, prefix: str) -> list[Path]:
 
 @contextlib.contextmanager
 def one_builder(target: Path, waiting: str = "") -> Iterator[None]:
-    """The block run by one process at a time among those that enter it for the same ``target`` (an advisory
-    ``flock`` of ``$FASTGATE_HOME/locks/<target's name>-<hash of its absolute path>.lock``, created and kept there,
-    not beside the target). Processes that prepare the same thing at once (Ray Serve replicas or
-    pytest-xdist workers starting on an empty ``$FASTGATE_HOME``, two CLI runs) take turns: each checks for the
-    result inside the block, so the later ones find the first one's instead of building it again and replacing it
-    under its readers. ``waiting`` is printed to stderr when another process holds the lock. No lock where ``fcntl``
-    is missing (Windows)."""
+    """The block run by one process at a time among those that enter it for the same ``target``: an advisory
+    ``flock`` of ``.<name>.lock`` beside it (created and kept; a lock on the file itself, so every path to the
+    directory, symlinks included, takes the same one, and the kernel drops it when its holder dies). Processes that
+    prepare the same thing at once (Ray Serve replicas or pytest-xdist workers starting on an empty
+    ``$FASTGATE_HOME``, two CLI runs) take turns: each checks for the result inside the block, so the later ones find
+    the first one's instead of building it again and replacing it under its readers (readers take no lock: a forced
+    rebuild still replaces an index under them). ``waiting`` is printed to stderr when another process holds the
+    lock. No lock where ``fcntl`` is missing (Windows) or the lock file cannot be made (a read-only directory, where
+    nothing can be built either: the build then says why)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    path = Path(os.path.abspath(target))
-    locks = home() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    with open(locks / f"{path.name}-{digest}.lock", "a") as f:
+    path = Path(target).resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.parent / f".{path.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write
+    except OSError:
+        yield
+        return
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if waiting:
                 print(waiting, file=sys.stderr)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

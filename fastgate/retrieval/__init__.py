@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
@@ -65,31 +67,43 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     built: dict[str, Path] = {}
     for kind in kinds:
         target = root / kind
-        # one build of an index at a time (processes starting together on a fresh cache): a process that waited
-        # finds the first one's index up to date instead of replacing it under its readers
-        with one_builder(target, f"fastgate: waiting for another process building {target}"):
-            built[kind] = _build_index(kind, name, passages, fingerprint, target, hnsw=hnsw, progress=progress,
-                                       force=force)
+        manifest = target / "fastgate_index.json"
+        seen = _stamp(manifest)
+        if force or not _up_to_date(manifest, kind, fingerprint, hnsw):
+            # one build of an index at a time (processes starting together on a fresh cache): a process that waited
+            # finds the index the first one built (up to date, or, forced, newer than it was) and keeps it
+            with one_builder(target, f"fastgate: waiting for another process building {target}" if progress else ""):
+                if _up_to_date(manifest, kind, fingerprint, hnsw) and not (force and _stamp(manifest) == seen):
+                    built[kind] = target
+                    continue
+                _build_index(kind, name, passages, target, hnsw=hnsw, progress=progress)
+        elif progress:
+            print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
+        built[kind] = target
     return built
 
 
-def _build_index(kind: str, name: str, passages, fingerprint: str, target: Path, *, hnsw: bool, progress: bool,
-                 force: bool) -> Path:
-    """One index of :func:`build_indexes` (its lock held): kept where up to date unless ``force``, else built."""
-    import json
-    import sys
+def _stamp(manifest: Path) -> tuple[int, int] | None:
+    """The manifest's modification time and inode (None: none): a build since then changed it."""
+    try:
+        st = manifest.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino
 
-    manifest = target / "fastgate_index.json"
-    if not force and manifest.is_file():
-            try:
-                current = json.loads(manifest.read_text())
-            except (OSError, json.JSONDecodeError):
-                current = {}
-            same_type = kind != "dense" or current.get("index_type") == ("hnsw" if hnsw else "flat_ip")
-            if current.get("corpus_fingerprint") == fingerprint and same_type:
-                if progress:
-                    print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
-                return target
+
+def _up_to_date(manifest: Path, kind: str, fingerprint: str, hnsw: bool) -> bool:
+    """Whether the index's manifest names this corpus and, for ``dense``, the asked index type."""
+    try:
+        current = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    same_type = kind != "dense" or current.get("index_type") == ("hnsw" if hnsw else "flat_ip")
+    return current.get("corpus_fingerprint") == fingerprint and same_type
+
+
+def _build_index(kind: str, name: str, passages, target: Path, *, hnsw: bool, progress: bool) -> None:
+    """One index of :func:`build_indexes`, its lock held."""
     if progress:
         print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}",
               file=sys.stderr)
@@ -101,4 +115,3 @@ def _build_index(kind: str, name: str, passages, fingerprint: str, target: Path,
         from fastgate.retrieval.dense import build_dense_index
 
         build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress)
-    return target
