@@ -46,9 +46,7 @@ def _spec(parts, sha=None, size=None, name="fake-model"):
 
 
 def _leftovers(home):
-    """What is under ``home`` but the builders' lock files (kept on purpose: fastgate.assets.paths.one_builder)."""
-    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*") if not p.name.endswith(".lock")) \
-        if home.exists() else []
+    return sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) if home.exists() else []
 
 
 def test_pinned_specs_are_consistent():
@@ -229,3 +227,32 @@ def test_processes_starting_together_convert_once(home, tmp_path, monkeypatch, c
         t.join()
     assert calls == ["fake-model"] and len(got) == 3 and len(set(got)) == 1
     assert "waiting for another process converting fake-model" in capsys.readouterr().err
+
+
+def test_one_builder_admits_one_at_a_time_and_leaves_no_lock_file(tmp_path):
+    """Twelve threads through the block on one target: never two inside at once, though each holder removes the lock
+    file on its way out (a waiter that locked the removed file takes the new one)."""
+    import threading
+    import time
+
+    from fastgate.assets.paths import one_builder
+
+    target, inside, overlaps, entered = tmp_path / "thing", [], [], []
+
+    def enter():
+        with one_builder(target):
+            if inside:
+                overlaps.append(1)
+            inside.append(1)
+            time.sleep(0.02)
+            entered.append(1)
+            inside.pop()
+
+    threads = [threading.Thread(target=enter) for _ in range(12)]
+    for t in threads:  # staggered: some arrive after a holder removed the file its waiters locked
+        t.start()
+        time.sleep(0.007)
+    for t in threads:
+        t.join()
+    assert len(entered) == 12 and not overlaps
+    assert list(tmp_path.iterdir()) == []

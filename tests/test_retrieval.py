@@ -146,9 +146,7 @@ def test_next_build_removes_what_killed_builds_left(tmp_path, small_corpus_file)
             (root / name / "segment").write_text("half")
         leftovers[kind] = f".{kind}.building-{live}-busy"
     build_indexes(small_corpus_file, root, progress=False, force=True)
-    # the builders' lock files stay (fastgate.assets.paths.one_builder)
-    assert sorted(p.name for p in root.iterdir()) == sorted(["bm25", "dense", ".bm25.lock", ".dense.lock",
-                                                             *leftovers.values()])
+    assert sorted(p.name for p in root.iterdir()) == sorted(["bm25", "dense", *leftovers.values()])
     assert BM25Retriever(root / "bm25").search("capital of Kyrgyzstan", k=1)[0].id == "p4"
     assert DenseRetriever(root / "dense", device="cpu").search("capital of Kyrgyzstan", k=1)[0].id == "p4"
 
@@ -198,7 +196,7 @@ def test_kill_9_during_a_build_then_the_next_build_cleans_up(tmp_path, small_cor
     assert stale and all(n.startswith(f".bm25.building-{proc.pid}-") for n in stale)
     assert BM25Retriever(root / "bm25").search("Hamlet", k=1)[0].id == "p5"  # the old index still answers
     build_indexes(small_corpus_file, root, kinds=("bm25",), progress=False, force=True)
-    assert sorted(p.name for p in root.iterdir()) == [".bm25.lock", "bm25"]
+    assert sorted(p.name for p in root.iterdir()) == ["bm25"]
     assert BM25Retriever(root / "bm25").search("Hamlet", k=1)[0].id == "p5"
 
 
@@ -229,6 +227,7 @@ def test_builds_starting_together_build_once(tmp_path, small_corpus_file, monkey
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(got) == 2
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == ["bm25"]  # no lock file left
     assert BM25Retriever(got[0]).search("capital of France", k=1)[0].passage.id == "p1"
 
 
@@ -246,4 +245,3 @@ def test_a_lock_that_cannot_be_made_does_not_stop_a_build(tmp_path, small_corpus
     monkeypatch.setattr(os, "open", no_lock)
     built = build_indexes(small_corpus_file, tmp_path / "idx", kinds=("bm25",), progress=False)["bm25"]
     assert BM25Retriever(built).search("Hamlet", k=1)[0].id == "p5"
-    assert not (tmp_path / "idx" / ".bm25.lock").exists()

@@ -68,9 +68,9 @@ def remove_stale(directory: Path, prefix: str) -> list[Path]:
 @contextlib.contextmanager
 def one_builder(target: Path, waiting: str = "") -> Iterator[None]:
     """The block run by one process at a time among those that enter it for the same ``target``: an advisory
-    ``flock`` of ``.<name>.lock`` beside it (created and kept; a lock on the file itself, so every path to the
-    directory, symlinks included, takes the same one, and the kernel drops it when its holder dies). Processes that
-    prepare the same thing at once (Ray Serve replicas or pytest-xdist workers starting on an empty
+    ``flock`` of ``.<name>.lock`` beside it, the file removed by its holder on the way out (so nothing stays behind;
+    a process that locked a file since removed takes the new one), and dropped by the kernel if its holder dies.
+    Processes that prepare the same thing at once (Ray Serve replicas or pytest-xdist workers starting on an empty
     ``$FASTGATE_HOME``, two CLI runs) take turns: each checks for the result inside the block, so the later ones find
     the first one's instead of building it again and replacing it under its readers (readers take no lock: a forced
     rebuild still replaces an index under them). ``waiting`` is printed to stderr when another process holds the
@@ -81,20 +81,33 @@ def one_builder(target: Path, waiting: str = "") -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    path = Path(target).resolve()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.parent / f".{path.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write
-    except OSError:
-        yield
-        return
-    try:
+    target = Path(target).resolve()  # every route to the directory, symlinks included, takes the same file
+    lock = target.parent / f".{target.name}.lock"
+    told = False
+    while True:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
+        except OSError:
+            yield
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if waiting:
+            if waiting and not told:
                 print(waiting, file=sys.stderr)
+                told = True
             fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except OSError:  # removed by the holder before us
+            same = False
+        if same:
+            break
+        os.close(fd)  # the file we locked was removed on the way out: lock the current one
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # before the unlock: a waiter then finds its file gone and takes a new one
+        os.close(fd)
