@@ -94,3 +94,14 @@ def test_subprocess_error_has_no_traceback():
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "fastgate: error: the question is empty"
+
+
+def test_the_eval_header_names_the_weights_where_not_float():
+    from types import SimpleNamespace
+
+    from fastgate.entrypoints.cli import _form
+
+    assert _form(SimpleNamespace(dtype_name="float32", weights_name="int4-dense", engine_name="local")) == \
+        "float32, int4-dense weights"
+    assert _form(SimpleNamespace(dtype_name="bfloat16", weights_name="float", engine_name="local")) == "bfloat16"
+    assert _form(SimpleNamespace(dtype_name=None, weights_name=None, engine_name="openai")) == "openai"

@@ -200,7 +200,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return 130
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
-              f"({runtime.dtype_name or runtime.engine_name}), "
+              f"({_form(runtime)}), "
               f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
               f"{'window' if args.schedule == 'window' else 'batch'} {args.batch_size}; "
               f"{machine_line()}; {stamp}")
@@ -210,6 +210,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                            sweep=sweep)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
+
+
+def _form(runtime) -> str:
+    """The engine's numeric form for a report's header: the dtype, and the weights where not the float ones (the
+    records carry both)."""
+    if not runtime.dtype_name:
+        return runtime.engine_name
+    weights = getattr(runtime, "weights_name", None)
+    return runtime.dtype_name if weights in (None, "float") else f"{runtime.dtype_name}, {weights} weights"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
