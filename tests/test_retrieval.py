@@ -72,6 +72,7 @@ def test_atomic_build_keeps_previous_index_on_crash(tmp_path):
             raise RuntimeError("crash mid-build")
     assert BM25Retriever(target).search("beta", 1)[0].id == "b"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left behind
+    assert target.stat().st_mode & 0o777 == 0o755  # readable by other users (mkdtemp makes 0700)
 
 
 def test_missing_and_corrupt_indexes_fail_clearly(tmp_path, small_index):

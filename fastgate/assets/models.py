@@ -381,6 +381,7 @@ def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
             meta = {"name": name, "source": gguf.name, "fingerprint": _file_fingerprint(gguf),
                     "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION}
             (tmp / "fastgate_model.json").write_text(json.dumps(meta, indent=2))
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared $FASTGATE_HOME out
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)

@@ -106,6 +106,7 @@ def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[
         yield tmp
         manifest = {"kind": kind, "format": INDEX_FORMAT, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared index out
         trash = None
         if target.exists():
             trash = target.parent / f".{target.name}.old-{os.getpid()}-{time.time_ns()}"
