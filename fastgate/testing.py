@@ -149,17 +149,24 @@ def serve_in_thread(app, timeout_s: float = 30) -> Iterator[int]:
     after."""
     import uvicorn
 
-    port = free_port()
+    # the socket bound here and handed to uvicorn: a port found free and bound later could be taken in between
+    # (tests run in parallel workers)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + timeout_s
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     if not srv.started:
+        srv.should_exit = True
+        sock.close()
         raise RuntimeError(f"the test server did not start within {timeout_s:g} s")
     try:
         yield port
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+        sock.close()
