@@ -136,10 +136,16 @@ def tiny_runtime(index: str | None = None):
     return Runtime("tiny", index=index, engine=Engine(tiny_model()))
 
 
+def _loopback_socket() -> socket.socket:
+    """A socket bound to a free loopback port."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def free_port() -> int:
-    """A loopback port free now (for test and benchmark servers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A loopback port free now (for test and benchmark servers that bind it themselves, e.g. Ray Serve's)."""
+    with _loopback_socket() as s:
         return s.getsockname()[1]
 
 
@@ -151,8 +157,7 @@ def serve_in_thread(app, timeout_s: float = 30) -> Iterator[int]:
 
     # the socket bound here and handed to uvicorn: a port found free and bound later could be taken in between
     # (tests run in parallel workers)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = _loopback_socket()
     port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)

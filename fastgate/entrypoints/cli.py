@@ -217,7 +217,7 @@ def _form(runtime) -> str:
     records carry both)."""
     if not runtime.dtype_name:
         return runtime.engine_name
-    weights = getattr(runtime, "weights_name", None)
+    weights = runtime.weights_name
     return runtime.dtype_name if weights in (None, "float") else f"{runtime.dtype_name}, {weights} weights"
 
 

@@ -73,10 +73,8 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
             # one build of an index at a time (processes starting together on a fresh cache): a process that waited
             # finds the index the first one built (up to date, or, forced, newer than it was) and keeps it
             with one_builder(target, f"fastgate: waiting for another process building {target}" if progress else ""):
-                if _up_to_date(manifest, kind, fingerprint, hnsw) and not (force and _stamp(manifest) == seen):
-                    built[kind] = target
-                    continue
-                _build_index(kind, name, passages, target, hnsw=hnsw, progress=progress)
+                if not _up_to_date(manifest, kind, fingerprint, hnsw) or (force and _stamp(manifest) == seen):
+                    _build_index(kind, name, passages, target, hnsw=hnsw, progress=progress)
         elif progress:
             print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
         built[kind] = target
