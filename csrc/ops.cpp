@@ -2534,12 +2534,19 @@ FASTGATE_F32_EXACT inline __m256 silu8(__m256 x, Exp8 exp8) {  // torch's x / (1
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)))));
 }
 
-// o[i] = silu(g[i]) * u[i] for i < n, as torch's loop over a row computes and rounds them: 16 at a time as two
-// vectors, the last n % 16 one by one with the C library's exp (torch's scalar silu)
+// The values torch's vectorized float loops take a step: two of its vectors, 8 floats each in an AVX2 build of its
+// kernels, 16 in an AVX-512 one (which one runs is torch's CPU capability: set_torch_float_block); the rest of a row
+// runs its scalar loop
+std::atomic<int64_t> torch_float_block{16};
+
+// o[i] = silu(g[i]) * u[i] for i < n, as torch's loop over a row computes and rounds them: torch_float_block at a
+// time (each lane's exp is the same SLEEF routine at either width), the last n % block one by one with the C
+// library's exp (torch's scalar silu)
 FASTGATE_F32_EXACT void silu_mul_row_f32(const float* g, const float* u, float* o, int64_t n, Exp8 exp8) {
+  const int64_t block = torch_float_block.load(std::memory_order_relaxed);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int64_t j = i; j < i + 16; j += 8)
+  for (; i + block <= n; i += block)
+    for (int64_t j = i; j < i + block; j += 8)
       _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j), exp8), _mm256_loadu_ps(u + j)));
   for (; i < n; ++i) {
     const float x = g[i];
@@ -2560,6 +2567,16 @@ Exp8 checked_exp8(const char* name) {
   return torch_exp8();
 }
 #endif
+
+// How many values torch's vectorized float loops take a step here: 16 (its AVX2 kernels) or 32 (AVX-512); the
+// registry sets it once from torch's CPU capability, before it probes the SwiGLU against torch's.
+void set_torch_float_block(int64_t block) {
+  if (block != 16 && block != 32)
+    throw std::invalid_argument("set_torch_float_block: 16 (AVX2) or 32 (AVX-512), got " + std::to_string(block));
+#ifdef FASTGATE_AVX2_KERNEL
+  torch_float_block.store(block, std::memory_order_relaxed);
+#endif
+}
 
 // gu [m, 2 I] float32 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:] (the gated MLP's product, torch's
 // arithmetic bit for bit where torch_exp_found).
@@ -2850,6 +2867,9 @@ PYBIND11_MODULE(_C, m) {
         "Whether int4_matmul_f32 / int8_matmul_f32 run here (built for x86-64 and the CPU has AVX2 and FMA)");
   m.def("torch_exp_found", &torch_exp_found,
         "Whether silu_mul_f32 and decode_layers_f32 run here (AVX2, FMA and torch's SLEEF exp found)");
+  m.def("set_torch_float_block", &set_torch_float_block, py::arg("block"),
+        "How many floats torch's vectorized loops take a step (16: AVX2, 32: AVX-512): silu_mul_f32's and "
+        "decode_layers_f32's SwiGLU then split a row as torch does");
   m.def("silu_mul_f32", &silu_mul_f32, py::arg("gu"), py::arg("out"), py::arg("rows"), py::arg("inter"),
         "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of float32 rows, torch's arithmetic");
   m.def("token_logprobs_f32", &token_logprobs_f32, py::arg("logits"), py::arg("rows"), py::arg("vocab"),

@@ -8,12 +8,16 @@ import dataclasses
 import pytest
 import torch
 
+from fastgate.ops.decoder import torch_float_block
 from fastgate.ops.registry import import_ext
 
 
 def _ext():
     ext = import_ext()
-    return ext if ext is not None and hasattr(ext, "decode_layers_f32") and ext.torch_exp_found() else None
+    if ext is None or not hasattr(ext, "decode_layers_f32") or not ext.torch_exp_found():
+        return None
+    ext.set_torch_float_block(torch_float_block())  # as the registry does: torch's step on this CPU
+    return ext
 
 
 needs_layers = pytest.mark.skipif(_ext() is None,
@@ -21,7 +25,8 @@ needs_layers = pytest.mark.skipif(_ext() is None,
 
 
 @needs_layers
-@pytest.mark.parametrize("rows, inter", [(1, 1), (1, 7), (3, 13), (2, 16), (1, 31), (4, 769), (2, 1536), (1, 4864)])
+@pytest.mark.parametrize("rows, inter", [(1, 1), (1, 7), (3, 13), (2, 16), (1, 31), (2, 32), (1, 33), (3, 47),
+                                        (4, 769), (2, 1536), (1, 4864)])
 def test_silu_mul_is_torchs_bit_for_bit(rows, inter):
     """silu(gate) * up of float32 rows as torch computes it: 16 at a time with its SLEEF exp, a row's tail with the C
     library's (odd widths put values in both), extreme and special values included."""

@@ -36,6 +36,7 @@ from fastgate.config import GenerationConfig, TapSpec
 from fastgate.engine.generation import FinishReason, Generation, GenerationBatch, RowState
 from fastgate.engine.kv_cache import GrowingLayer, cache_bytes, new_cache, plain_layers
 from fastgate.engine.model_runner import ModelRunner, runner_of
+from fastgate.ops.threads import serial_torch
 
 __all__ = ["DecodeLoop", "Ticket", "mergeable", "process_logits"]
 
@@ -554,6 +555,10 @@ class DecodeLoop:
 
     def _choose(self, active: list[int]) -> None:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""
+        with serial_torch(self.logits, len(self.rows)):  # few rows: torch's threads would spin beside the kernels
+            self._choose_rows(active)
+
+    def _choose_rows(self, active: list[int]) -> None:
         eng, rows, logits = self.runner, self.rows, self.logits
         m = len(rows)
         # rows that sample with the same settings are processed together (row-wise ops: identical per row)

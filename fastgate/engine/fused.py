@@ -41,6 +41,7 @@ from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
 from fastgate.ops.decoder import DecoderLayerWeights
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
+from fastgate.ops.threads import serial_torch
 
 __all__ = ["FORWARDS", "FusedForward", "canonical_forward", "fusable", "fused_forward"]
 
@@ -351,7 +352,9 @@ class FusedForward:
             logits = matmuls[1](h[keep], self.head)  # [K, V]
         else:
             logits = self.head(h[keep])  # [K, V]
-        return logits.to(torch.float32), outputs
+        with serial_torch(logits, logits.shape[0]):  # a cast of [K, V] torch splits over its threads: see the op
+            logits = logits.to(torch.float32)  # [K, V]
+        return logits, outputs
 
     def _head_rows(self, int8_matmul, h: torch.Tensor) -> int:
         """The most rows an int8 head multiplies through the op ``int8_matmul`` for rows like ``h`` (-1: none, the

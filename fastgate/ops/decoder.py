@@ -32,7 +32,7 @@ from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
 from fastgate.ops.quant import _int4_layer_ok, f32_tiles
 
-__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers"]
+__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers", "torch_float_block"]
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
 _TABLE = 15  # pointers a layer in the extension's table (decode_layers_f32 in csrc/ops.cpp)
@@ -161,14 +161,26 @@ class DecodeStack:
         return out
 
 
+def torch_float_block() -> int:
+    """How many floats torch's vectorized loops take a step here: two of its vectors, 16 floats each where its CPU
+    kernels run AVX-512, else 8; the rest of a row runs its scalar loop (another exp)."""
+    return 32 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 16
+
+
 def _silu_agrees(ext: ModuleType) -> bool:
-    """Whether the extension's SwiGLU is torch's bit for bit here (a probe of 4,112 values over silu's range, a row's
-    tail included): the bound loop must be, or the per-op path runs."""
-    gate = torch.linspace(-30.0, 30.0, 4112)  # [I]
-    gu = torch.cat([gate, torch.linspace(-2.0, 2.0, 4112)])[None]  # [1, 2 I]
-    out = torch.empty((1, 4112), dtype=torch.float32)
-    ext.silu_mul_f32(gu.data_ptr(), out.data_ptr(), 1, 4112)
-    return torch.equal(out, torch.nn.functional.silu(gu[:, :4112]) * gu[:, 4112:])
+    """Whether the extension's SwiGLU is torch's bit for bit here, told torch's step first (:func:`torch_float_block`):
+    a probe of 4,112 values over silu's range and of rows of 1 to 33 (their scalar tails): the bound loop must be,
+    or the per-op path runs."""
+    if hasattr(ext, "set_torch_float_block"):
+        ext.set_torch_float_block(torch_float_block())
+    for width, scale in ((4112, 30.0), *((w, 6.0) for w in (1, 7, 15, 16, 17, 31, 32, 33))):
+        gate = torch.linspace(-scale, scale, width)  # [I]
+        gu = torch.cat([gate, torch.linspace(-2.0, 2.0, width)])[None]  # [1, 2 I]
+        out = torch.empty((1, width), dtype=torch.float32)
+        ext.silu_mul_f32(gu.data_ptr(), out.data_ptr(), 1, width)
+        if not torch.equal(out, torch.nn.functional.silu(gu[:, :width]) * gu[:, width:]):
+            return False
+    return True
 
 
 def ext_decode_layers(ext: ModuleType) -> Callable[..., DecodeStack | None]:
