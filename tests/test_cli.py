@@ -105,3 +105,22 @@ def test_the_eval_header_names_the_weights_where_not_float():
         "float32, int4-dense weights"
     assert _form(SimpleNamespace(dtype_name="bfloat16", weights_name="float", engine_name="local")) == "bfloat16"
     assert _form(SimpleNamespace(dtype_name=None, weights_name=None, engine_name="openai")) == "openai"
+
+
+def test_the_command_sets_omp_s_passive_wait_unless_the_user_chose(monkeypatch, capsys):
+    """``main`` asks libgomp to sleep its waiting threads (they spun beside the C++ kernels' pool), keeping a policy
+    the user set; it can only work if importing the command's module has not loaded torch (libgomp reads it then)."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert main(["methods"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(["methods"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    capsys.readouterr()
+    probe = "import sys, fastgate.entrypoints.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", "importing fastgate.entrypoints.cli loads torch: OMP_WAIT_POLICY comes too late"
