@@ -8,8 +8,9 @@ threads; their spinning then takes the cores the next step's pooled products wai
 shares each core between the two in time slices. Measured on a 2-core Zen 4 EPYC, SmolLM2 in bf16 with int4 weights,
 a batch-1 step: 14.9-16.1 ms with torch's two threads against 7.6-9.3 ms with torch's at one and the kernels' at two;
 the logits' operations alone take 85 us on one thread and 92 us on two (no gain from the second). ``OMP_WAIT_POLICY=
-PASSIVE`` does the same for the whole process (8.8-9.7 ms) but must be set before torch loads, and slows torch's own
-parallel work where its threads must then be woken.
+PASSIVE`` does the same for the whole process (8.8-9.7 ms) and more (a prefill's products and C++ attention take turns
+too): the ``fastgate`` command sets it, but it must be set before torch loads, which a program that imports fastgate
+may not have done; this keeps a decode step off the spinning threads either way.
 """
 
 from __future__ import annotations
