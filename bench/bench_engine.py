@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import statistics
 import sys
@@ -73,7 +72,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the fastgate command sets it, before torch loads
+from fastgate.entrypoints import passive_omp_threads  # noqa: E402
+
+passive_omp_threads()  # as the fastgate command does, before torch loads
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 

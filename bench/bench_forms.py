@@ -14,13 +14,14 @@ Run: python bench/bench_forms.py [--model smollm2-135m] [--forms float32:float,a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the fastgate command sets it, before torch loads
+from fastgate.entrypoints import passive_omp_threads  # noqa: E402
+
+passive_omp_threads()  # as the fastgate command does, before torch loads
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 from bench_engine import build_model, cpu_name, loop_step, prompt_ids  # noqa: E402

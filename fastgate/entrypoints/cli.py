@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
-from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK, passive_omp_threads
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 from fastgate.settings import parse_params as _parse_params
 
@@ -430,10 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # torch's OpenMP threads sleep when a parallel region ends instead of spinning on their cores, which the C++
-    # kernels' own threads need between torch's products (a 16 x 700 prefill 1.15x HF's against 0.86-1.0x with
-    # libgomp's spinning, on a 2-core Zen 4: docs/models.md); libgomp reads it when torch loads, so first of all
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    passive_omp_threads()  # first of all: libgomp reads it when torch loads
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
