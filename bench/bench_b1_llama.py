@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastgate.entrypoints import passive_omp_threads  # noqa: E402
 
-passive_omp_threads()  # as the fastgate command does, before torch loads
+passive_omp_threads()  # as the fastgate command does, before torch loads (not for llama.cpp: _llama_cpp.py)
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 from bench_engine import (  # noqa: E402

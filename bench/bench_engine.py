@@ -74,7 +74,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastgate.entrypoints import passive_omp_threads  # noqa: E402
 
-passive_omp_threads()  # as the fastgate command does, before torch loads
+passive_omp_threads()  # as the fastgate command does, before torch loads (not for llama.cpp: _llama_cpp.py)
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
 
@@ -199,17 +199,22 @@ def compiles() -> int:
 
 
 def open_llama_cpp(model: str, n_ctx: int, threads: int):
-    """``(Llama, gguf path, note)`` for the llama.cpp design; ``(None, None, why)`` where it cannot run."""
-    try:
-        import llama_cpp
-    except ImportError:
+    """``(LlamaCpp, gguf path, note)`` for the llama.cpp design, in a process of its own with the environment its users
+    give it (bench/_llama_cpp.py: in this one torch's OpenMP policy would be its too); ``(None, None, why)`` where it
+    cannot run."""
+    import importlib.util
+
+    from _llama_cpp import LlamaCpp, child_env
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return None, None, LLAMA_CPP_HINT
     if model not in MODELS:
         return None, None, f"{model} has no GGUF file (random weights in a model's shapes)"
     path = locate_gguf(MODELS[model])
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          n_gpu_layers=0, logits_all=False, verbose=False)
-    return llm, path, f"llama-cpp-python {llama_cpp.__version__}"
+    env = child_env()
+    llm = LlamaCpp(path, n_ctx, threads, env)
+    policy = env.get("OMP_WAIT_POLICY", "libgomp's default")
+    return llm, path, f"{llm.version}, own process, OMP_WAIT_POLICY {policy}"
 
 
 def gguf_type(path: Path) -> str:
@@ -218,45 +223,19 @@ def gguf_type(path: Path) -> str:
     return m.group(1).upper() if m else "gguf"
 
 
-def _llama_next(llm) -> int:
-    """The greedy next token: the argmax of the last evaluated position's logits, read from llama.cpp's own buffer
-    (llama-cpp-python 0.3.x keeps no copy in ``llm.scores`` unless ``logits_all``)."""
-    import numpy as np
-
-    logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # [V] float32, no copy
-    return int(np.argmax(logits))
-
-
 def llama_cpp_prompt(llm, context: int) -> list[int]:
-    ids = llm.tokenize((FILLER * (2 + context // 20)).encode(), add_bos=False)
+    ids = llm.tokenize(FILLER * (2 + context // 20))
     return ids[:context]
 
 
 def llama_cpp_step(llm, ids: list[int], steps: int) -> tuple[float, int]:
     """Median seconds of one greedy decode step (``eval`` of one token and the argmax of its logits) after ``ids``,
-    and the context width at the middle step."""
-    llm.reset()
-    llm.eval(ids)
-    tok = _llama_next(llm)
-    llm.eval([tok])  # warm-up step
-    tok = _llama_next(llm)
-    times, width = [], 0
-    for i in range(steps):
-        t = time.perf_counter()
-        llm.eval([tok])
-        tok = _llama_next(llm)
-        times.append(time.perf_counter() - t)
-        if i == steps // 2:
-            width = llm.n_tokens
-    return statistics.median(times), width
+    and the context width at the middle step (timed in llama.cpp's process)."""
+    return llm.step(ids, steps)
 
 
 def llama_cpp_prefill(llm, ids: list[int]) -> float:
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(ids)
-    _llama_next(llm)
-    return time.perf_counter() - t
+    return llm.prefill(ids)
 
 
 def prompt_ids(engine: Engine, batch: int, context: int) -> list[list[int]]:

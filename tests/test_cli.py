@@ -124,3 +124,16 @@ def test_the_command_sets_omp_s_passive_wait_unless_the_user_chose(monkeypatch, 
     probe = "import sys, fastgate.entrypoints.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", "importing fastgate.entrypoints.cli loads torch: OMP_WAIT_POLICY comes too late"
+
+
+def test_passive_omp_threads_says_whether_it_set_the_policy(monkeypatch):
+    """The benches give llama.cpp's own process the environment without the policy fastgate set (bench/_llama_cpp.py:
+    one libgomp per process), never without the user's."""
+    from fastgate import entrypoints
+
+    monkeypatch.setattr(entrypoints, "OMP_POLICY_SET", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert entrypoints.passive_omp_threads() is False and not entrypoints.OMP_POLICY_SET
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert entrypoints.passive_omp_threads() is True and entrypoints.OMP_POLICY_SET
+    assert entrypoints.passive_omp_threads() is True  # a second call: still the one that set it
