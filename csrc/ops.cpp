@@ -1268,29 +1268,14 @@ void rope_bf16(uintptr_t x_ptr, uintptr_t cos_ptr, uintptr_t sin_ptr, uintptr_t 
 // [m, H, D] bf16 contiguous, the float32 result rounded to nearest even. As torch operations around
 // decode_attention_bf16 these were ten dispatches a layer (two indexed writes, casts, copies): the arithmetic is the
 // same, so the tokens are too.
-void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
-                                int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
-                                uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H,
-                                int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
-                                double scale, int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr,
-                                int64_t c_stride) {
-  check_decode_shape("decode_attention_step_bf16", m, H, Hkv, D);
-  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_bf16: the rotary embedding needs D even");
-  // cos / sin (0: none): [m, D] bf16 rows c_stride apart; q and k_new are rotated first, as rope_bf16 rotates them
-  // (the same loop), so that the fused pass's rotary embedding and attention are one call
-  const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos_ptr);
-  const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin_ptr);
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
-  const uint16_t* kn = reinterpret_cast<const uint16_t*>(kn_ptr);
-  const uint16_t* vn = reinterpret_cast<const uint16_t*>(vn_ptr);
-  uint16_t* k = reinterpret_cast<uint16_t*>(k_ptr);
-  uint16_t* v = reinterpret_cast<uint16_t*>(v_ptr);
-  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
-  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+// decode_attention_step_bf16's work, its inputs checked (widest: attended_width's) and the GIL released by the caller
+// (decode_layers_bf16 calls it too)
+void attention_step_bf16(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* kn, int64_t kn_row,
+                         int64_t kn_head, const uint16_t* vn, int64_t vn_row, int64_t vn_head, uint16_t* k,
+                         uint16_t* v, const int64_t* pos, uint16_t* out, int64_t m, int64_t H, int64_t Hkv, int64_t D,
+                         int64_t widest, int64_t s_row, int64_t s_head, int64_t s_col, float sc, int64_t threads,
+                         const uint16_t* cs, const uint16_t* sn, int64_t c_stride) {
   const int64_t G = H / Hkv;
-  const int64_t widest = attended_width(pos, m, cols);
-  const float sc = static_cast<float>(scale);
-  py::gil_scoped_release release;
   split_rows(m * Hkv, m * Hkv * widest * D * G * 2, kAttentionGrain, [&](int64_t first, int64_t step) {
     std::vector<float> qs(G * D), scores(G * widest), o(G * D);  // per thread
     std::vector<uint16_t> qrot(cs ? D : 0);
@@ -1318,6 +1303,28 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
     }
     return true;
   }, threads);
+}
+
+void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, uintptr_t kn_ptr, int64_t kn_row,
+                                int64_t kn_head, uintptr_t vn_ptr, int64_t vn_row, int64_t vn_head, uintptr_t k_ptr,
+                                uintptr_t v_ptr, uintptr_t pos_ptr, uintptr_t out_ptr, int64_t m, int64_t H,
+                                int64_t Hkv, int64_t D, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
+                                double scale, int64_t threads, uintptr_t cos_ptr, uintptr_t sin_ptr,
+                                int64_t c_stride) {
+  check_decode_shape("decode_attention_step_bf16", m, H, Hkv, D);
+  if (cos_ptr && D % 2) throw std::invalid_argument("decode_attention_step_bf16: the rotary embedding needs D even");
+  // cos / sin (0: none): [m, D] bf16 rows c_stride apart; q and k_new are rotated first, as rope_bf16 rotates them
+  // (the same loop), so that the fused pass's rotary embedding and attention are one call
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
+  const int64_t widest = attended_width(pos, m, cols);
+  py::gil_scoped_release release;
+  attention_step_bf16(reinterpret_cast<const uint16_t*>(q_ptr), q_row, q_head,
+                      reinterpret_cast<const uint16_t*>(kn_ptr), kn_row, kn_head,
+                      reinterpret_cast<const uint16_t*>(vn_ptr), vn_row, vn_head, reinterpret_cast<uint16_t*>(k_ptr),
+                      reinterpret_cast<uint16_t*>(v_ptr), pos, reinterpret_cast<uint16_t*>(out_ptr), m, H, Hkv, D,
+                      widest, s_row, s_head, s_col, static_cast<float>(scale), threads,
+                      reinterpret_cast<const uint16_t*>(cos_ptr), reinterpret_cast<const uint16_t*>(sin_ptr),
+                      c_stride);
 }
 
 
@@ -1884,35 +1891,19 @@ FASTGATE_BF16_TARGET void int4_prepare(const uint16_t* x, int64_t K, float* S, u
 }
 #endif
 
-// x [M, K] bf16 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
-// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384. norm_ptr (0: none): the
-// rows are first RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that
-// the fused pass's norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous
-// added to the product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
-void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
-                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr,
-                      double eps, uintptr_t res_ptr) {
 #ifdef FASTGATE_BF16_KERNEL
-  if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
-  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
-    throw std::invalid_argument("int4_matmul_bf16: bad shape (K a multiple of 32, at most 16384)");
-  if (M == 0) return;
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(q_ptr);
-  const float* scale = reinterpret_cast<const float*>(scale_ptr);
-  const float* zero = reinterpret_cast<const float*>(zero_ptr);
-  const uint16_t* norm = reinterpret_cast<const uint16_t*>(norm_ptr);
-  const uint16_t* res = reinterpret_cast<const uint16_t*>(res_ptr);
-  uint16_t* y = reinterpret_cast<uint16_t*>(out_ptr);
+// int4_matmul_bf16's work, its inputs checked and the GIL released by the caller (decode_layers_bf16 calls it too)
+void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* q, const float* scale, const float* zero,
+               uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t threads, const uint16_t* norm, float eps,
+               const uint16_t* res) {
   const int64_t G = K / 32, blocks = (G + 3) / 4, xp_stride = blocks * 128, S_stride = (G + 15) / 16 * 16;
-  py::gil_scoped_release release;
   // per input row (normed first where asked): each group's sum S_g (zero past G) and the row permuted for the passes
   std::vector<float> S(M * S_stride, 0.0f);
   std::vector<uint16_t> xp(M * xp_stride), xn(norm ? K : 0);
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xm = x + m * x_stride;
     if (norm) {
-      rms_norm_row(xm, norm, xn.data(), K, static_cast<float>(eps));
+      rms_norm_row(xm, norm, xn.data(), K, eps);
       xm = xn.data();
     }
     int4_prepare(xm, K, S.data() + m * S_stride, xp.data() + m * xp_stride);
@@ -1929,6 +1920,27 @@ void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintpt
       default: int4_rows<4>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
     }
   });
+}
+#endif
+
+// x [M, K] bf16 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
+// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384. norm_ptr (0: none): the
+// rows are first RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that
+// the fused pass's norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous
+// added to the product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
+void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
+                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr,
+                      double eps, uintptr_t res_ptr) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
+  if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
+    throw std::invalid_argument("int4_matmul_bf16: bad shape (K a multiple of 32, at most 16384)");
+  if (M == 0) return;
+  py::gil_scoped_release release;
+  int4_bf16(reinterpret_cast<const uint16_t*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(q_ptr),
+            reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(zero_ptr),
+            reinterpret_cast<uint16_t*>(out_ptr), M, N, K, threads, reinterpret_cast<const uint16_t*>(norm_ptr),
+            static_cast<float>(eps), reinterpret_cast<const uint16_t*>(res_ptr));
 #else
   (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
   (void)threads, (void)norm_ptr, (void)eps, (void)res_ptr;
@@ -2787,6 +2799,117 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
 #endif
 }
 
+// The SwiGLU of a bf16 decode step as torch computes it: silu of the bf16 gate (torch's kernel for bf16 widens to
+// float32, takes x / (1 + exp(-x)) with the same SLEEF exp, rounds to bf16), then that times up (widened, multiplied,
+// rounded). torch's loop takes two of its bf16 vectors a step (64 values where its kernels run AVX-512: twice the
+// float block) and the rest of a row with the C library's exp; the product rounds alike in both, so only the silu's
+// tail matters. o[i] for i < n, g / u / o bf16.
+#if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
+FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp8 exp8) {
+  const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);
+  alignas(32) float x[8], s[8];
+  int64_t i = 0;
+  for (; i + block <= n; i += block)
+    for (int64_t j = i; j < i + block; j += 8) {
+      for (int t = 0; t < 8; ++t) x[t] = bf16_to_f32(g[j + t]);
+      _mm256_store_ps(s, silu8(_mm256_load_ps(x), exp8));
+      for (int t = 0; t < 8; ++t) o[j + t] = f32_to_bf16(round_bf16(s[t]) * bf16_to_f32(u[j + t]));
+    }
+  for (; i < n; ++i) {
+    const float xi = bf16_to_f32(g[i]);
+    const float si = xi / (1.0f + std::exp(-xi));
+    o[i] = f32_to_bf16(round_bf16(si) * bf16_to_f32(u[i]));
+  }
+}
+
+// gu [m, 2 I] bf16 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:], row by row
+void silu_mul_rows_bf16(const uint16_t* gu, uint16_t* out, int64_t m, int64_t I, Exp8 exp8) {
+  for (int64_t r = 0; r < m; ++r) silu_mul_row_bf16(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+}
+#endif
+
+// gu [m, 2 I] bf16 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:] of bf16 rows, torch's arithmetic bit for bit
+// where torch_exp_found (the registry probes it against torch's before decode_layers_bf16 is bound).
+void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
+#if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
+  const Exp8 exp8 = checked_exp8("silu_mul_bf16");
+  if (m < 0 || I <= 0) throw std::invalid_argument("silu_mul_bf16: bad shape");
+  py::gil_scoped_release release;
+  silu_mul_rows_bf16(reinterpret_cast<const uint16_t*>(gu_ptr), reinterpret_cast<uint16_t*>(out_ptr), m, I, exp8);
+#else
+  (void)gu_ptr, (void)out_ptr, (void)m, (void)I;
+  throw std::invalid_argument("silu_mul_bf16: not built for this platform");
+#endif
+}
+
+// decode_layers_f32 for a bf16 model whose four products a layer are int4, on a CPU with AVX512-BF16: the fused
+// pass's bf16 per-op path (int4_matmul_bf16 with its norm; the q/k/v bias added and rounded as torch adds a bf16 bias;
+// decode_attention_step_bf16 with its rotary embedding; int4_matmul_bf16 with its residual; torch's SwiGLU of bf16)
+// step for step, so bitwise the same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~2 ms of
+// host time in ~8 ms on a Zen 4 EPYC).
+//   h [m, d] bf16 contiguous (not written); out [m, d] bf16 contiguous: the last layer's output
+//   table [L, 15] int64: a layer's pointers: qkv codes, scales, zeros, bias (bf16; 0: none); o's, gate_up's, down's
+//     codes, scales, zeros (int4_matmul_bf16's plain buffers; N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I); the
+//     two norms' weights (bf16)
+//   floats [L, 3] float64: the norms' eps, the attention's scaling
+//   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] bf16 (strides s_row, s_head, s_col, 1 alike)
+//   cos / sin [m, D] bf16, rows c_stride apart; pos [m] int64: row r's new column
+void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d, uintptr_t table_ptr,
+                        uintptr_t floats_ptr, uintptr_t kv_ptr, int64_t first, int64_t last, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t I, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride,
+                        uintptr_t pos_ptr, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
+                        int64_t threads) {
+#if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
+  const Exp8 exp8 = checked_exp8("decode_layers_bf16");
+  if (!quant_kernels_supported()) throw std::invalid_argument("decode_layers_bf16: this CPU has no AVX512-BF16");
+  check_decode_shape("decode_layers_bf16", m, H, Hkv, D);
+  if (d <= 0 || d % 32 || d > 16384 || (H * D) % 32 || H * D > 16384 || I <= 0 || I % 32 || I > 16384 || D % 2
+      || first < 0 || last < first || c_stride < D)
+    throw std::invalid_argument("decode_layers_bf16: bad shape (d, H D and I multiples of 32 up to 16384, D even)");
+  if (m == 0 || first == last) return;
+  const int64_t* table = reinterpret_cast<const int64_t*>(table_ptr);
+  const double* floats = reinterpret_cast<const double*>(floats_ptr);
+  const int64_t* kv = reinterpret_cast<const int64_t*>(kv_ptr);
+  const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos_ptr);
+  const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin_ptr);
+  const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
+  const int64_t widest = attended_width(pos, m, cols);  // the positions checked before any layer writes the store
+  const int64_t width = (H + 2 * Hkv) * D;
+  auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
+  auto b = [](int64_t p) { return reinterpret_cast<const uint16_t*>(p); };
+  auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
+  py::gil_scoped_release release;
+  std::vector<uint16_t> qkv(m * width), attn(m * H * D), gu(m * 2 * I), act(m * I), h2(m * d), h3(m * d);
+  const uint16_t* hin = reinterpret_cast<const uint16_t*>(h_ptr);
+  for (int64_t l = first; l < last; ++l) {
+    const int64_t* t = table + l * 15;
+    const double* e = floats + l * 3;
+    uint16_t* hout = l + 1 == last ? reinterpret_cast<uint16_t*>(out_ptr) : h3.data();
+    int4_bf16(hin, d, u8(t[0]), f(t[1]), f(t[2]), qkv.data(), m, width, d, threads, b(t[13]),
+              static_cast<float>(e[0]), nullptr);
+    if (t[3])  // torch's y + bias of bf16: each sum rounded
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < width; ++j)
+          qkv[r * width + j] = f32_to_bf16(bf16_to_f32(qkv[r * width + j]) + bf16_to_f32(b(t[3])[j]));
+    attention_step_bf16(qkv.data(), width, D, qkv.data() + H * D, width, D, qkv.data() + (H + Hkv) * D, width, D,
+                        reinterpret_cast<uint16_t*>(kv[2 * l]), reinterpret_cast<uint16_t*>(kv[2 * l + 1]), pos,
+                        attn.data(), m, H, Hkv, D, widest, s_row, s_head, s_col, static_cast<float>(e[2]), threads,
+                        cs, sn, c_stride);
+    int4_bf16(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, nullptr, 0.0f, hin);
+    int4_bf16(h2.data(), d, u8(t[7]), f(t[8]), f(t[9]), gu.data(), m, 2 * I, d, threads, b(t[14]),
+              static_cast<float>(e[1]), nullptr);
+    silu_mul_rows_bf16(gu.data(), act.data(), m, I, exp8);
+    int4_bf16(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, nullptr, 0.0f, h2.data());
+    hin = hout;
+  }
+#else
+  (void)h_ptr, (void)out_ptr, (void)m, (void)d, (void)table_ptr, (void)floats_ptr, (void)kv_ptr, (void)first;
+  (void)last, (void)H, (void)Hkv, (void)D, (void)I, (void)cos_ptr, (void)sin_ptr, (void)c_stride, (void)pos_ptr;
+  (void)cols, (void)s_row, (void)s_head, (void)s_col, (void)threads;
+  throw std::invalid_argument("decode_layers_bf16: not built for this platform");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -2880,6 +3003,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("cos"), py::arg("sin"),
         py::arg("c_stride"), py::arg("pos"), py::arg("cols"), py::arg("s_row"), py::arg("s_head"), py::arg("s_col"),
         py::arg("threads"), "A float32 model's int4 decoder layers first .. last - 1 for decode rows, in one call");
+  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gu"), py::arg("out"), py::arg("rows"), py::arg("inter"),
+        "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of bf16 rows, torch's arithmetic");
+  m.def("decode_layers_bf16", &decode_layers_bf16, py::arg("h"), py::arg("out"), py::arg("rows"), py::arg("d"),
+        py::arg("table"), py::arg("floats"), py::arg("kv"), py::arg("first"), py::arg("last"), py::arg("heads"),
+        py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("cos"), py::arg("sin"),
+        py::arg("c_stride"), py::arg("pos"), py::arg("cols"), py::arg("s_row"), py::arg("s_head"), py::arg("s_col"),
+        py::arg("threads"), "A bf16 model's int4 decoder layers first .. last - 1 for decode rows, in one call "
+        "(AVX512-BF16)");
   m.def("eigenscore", &eigenscore, py::arg("z"), py::arg("valid"), py::arg("alpha"), py::arg("cov") = false,
         "SeaKR's eigenscore of z [B, k, d] over the valid [B, k] samples, float64 inside: [B] float32; cov divides the "
         "Gram matrix by d - 1 (INSIDE's form).");

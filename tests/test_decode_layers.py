@@ -1,5 +1,6 @@
-"""The op ``decode_layers`` (fastgate.ops.decoder): a float32 int4 model's decoder layers for decode rows in one C++
-call, bitwise the fused pass's per-op path; its SwiGLU bitwise torch's."""
+"""The op ``decode_layers`` (fastgate.ops.decoder): an int4 model's decoder layers for decode rows in one C++ call
+(float32 rows; bf16 rows where the CPU has AVX512-BF16), bitwise the fused pass's per-op path; its SwiGLU bitwise
+torch's."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ needs_layers = pytest.mark.skipif(_ext() is None,
                                   reason="no C++ extension with decode_layers_f32 (AVX2, FMA, torch's exp)")
 
 
+def _bf16_ext():
+    ext = _ext()
+    return ext if ext is not None and hasattr(ext, "decode_layers_bf16") and ext.quant_kernels_supported() else None
+
+
+needs_bf16_layers = pytest.mark.skipif(_bf16_ext() is None,
+                                       reason="no C++ extension with decode_layers_bf16 (AVX512-BF16, torch's exp)")
+
+
 @needs_layers
 @pytest.mark.parametrize("rows, inter", [(1, 1), (1, 7), (3, 13), (2, 16), (1, 31), (2, 32), (1, 33), (3, 47),
                                         (4, 769), (2, 1536), (1, 4864)])
@@ -38,6 +48,24 @@ def test_silu_mul_is_torchs_bit_for_bit(rows, inter):
     gu = gu[:, :].contiguous()
     out = torch.empty((rows, inter))
     ext.silu_mul_f32(gu.data_ptr(), out.data_ptr(), rows, inter)
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    assert torch.equal(out, ref)
+
+
+@needs_bf16_layers
+@pytest.mark.parametrize("rows, inter", [(1, 1), (1, 7), (3, 13), (2, 32), (1, 33), (2, 63), (1, 64), (3, 65),
+                                        (4, 769), (2, 1536), (1, 4864)])
+def test_silu_mul_of_bf16_is_torchs_bit_for_bit(rows, inter):
+    """silu(gate) * up of bf16 rows as torch computes them (widened, its SLEEF exp 64 values a step on AVX-512, a
+    row's tail with the C library's, each result rounded to bf16), extreme and special values included."""
+    ext = _bf16_ext()
+    gen = torch.Generator().manual_seed(inter)
+    gu = torch.randn((rows, 2 * inter), generator=gen) * 8  # [m, 2 I]
+    special = torch.tensor([0.0, -0.0, 88.0, -104.0, 1e-30, -1e-30, 20.5, -87.3])
+    gu[0, :min(inter, 8)] = special[:min(inter, 8)]
+    gu = gu.to(torch.bfloat16)
+    out = torch.empty((rows, inter), dtype=torch.bfloat16)
+    ext.silu_mul_bf16(gu.data_ptr(), out.data_ptr(), rows, inter)
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     assert torch.equal(out, ref)
 
@@ -83,19 +111,14 @@ PROMPTS = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a", "T
            "one two three four five six seven", "Z"]
 
 
-@needs_layers
-@pytest.mark.parametrize("weights, bias, n", [("int4", False, 1), ("int4", False, 5), ("int4-dense", False, 3),
-                                             ("int4", True, 6)])
-def test_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
-    """Tokens, log-probs, tapped running sums and EOS states equal the per-op decode path's exactly, for one row, a
-    prime number of rows, the kept dense copy's form, and q/k/v biases (Qwen2's); the stack did run (its calls
-    counted), in segments between the tapped layers."""
+def _stacked_against_per_op(dtype, weights, bias, n):
+    """(stack's calls, the stacked runs, the per-op runs) of two equal tiny models in ``dtype``."""
     from fastgate.assets.quant import quantize_model
     from fastgate.testing import tiny_model
 
     models = []
     for _ in range(2):
-        lm = tiny_model(dtype=torch.float32, attention_bias=bias)
+        lm = tiny_model(dtype=dtype, attention_bias=bias)
         if bias:  # Qwen2: q/k/v biases (drawn: HF's init zeroes them), none on o
             gen = torch.Generator().manual_seed(5)
             for layer in lm.model.model.layers:
@@ -108,11 +131,41 @@ def test_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
     calls: list[int] = []
     a = _runs(models[0], PROMPTS[:n], True, counter=calls, budget=9)
     b = _runs(models[1], PROMPTS[:n], False, budget=9)
-    assert calls and max(calls) <= n
-    assert len(calls) % 2 == 0  # two calls a pass: layers 0-1 and 2-3 (the taps: 0 the embeddings, 2, 4 the norm)
+    return calls, a, b
+
+
+def _assert_same(a, b) -> None:
     for x, y in zip(a, b, strict=True):
         assert x[0] == y[0] and x[1] == y[1]
         assert torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
+
+
+@needs_layers
+@pytest.mark.parametrize("weights, bias, n", [("int4", False, 1), ("int4", False, 5), ("int4-dense", False, 3),
+                                             ("int4", True, 6)])
+def test_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
+    """Tokens, log-probs, tapped running sums and EOS states equal the per-op decode path's exactly, for one row, a
+    prime number of rows, the kept dense copy's form, and q/k/v biases (Qwen2's); the stack did run (its calls
+    counted), in segments between the tapped layers."""
+    calls, a, b = _stacked_against_per_op(torch.float32, weights, bias, n)
+    assert calls and max(calls) <= n
+    assert len(calls) % 2 == 0  # two calls a pass: layers 0-1 and 2-3 (the taps: 0 the embeddings, 2, 4 the norm)
+    _assert_same(a, b)
+
+
+@needs_bf16_layers
+@pytest.mark.parametrize("weights, bias, n", [("int4", False, 1), ("int4", False, 5), ("int4-dense", False, 3),
+                                             ("int4-dense", False, 5), ("int4", True, 6), ("int4-dense", True, 2)])
+def test_bf16_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
+    """The same for bf16 rows (decode_layers_bf16): the q/k/v bias rounded as torch adds a bf16 bias; with the kept
+    dense copy (int4-dense) passes of more rows than the int4 kernel takes (its 4) run the per-op path, whose products
+    are then the copy's."""
+    from fastgate.assets.quant import DENSE_KERNEL_ROWS
+
+    calls, a, b = _stacked_against_per_op(torch.bfloat16, weights, bias, n)
+    assert calls and len(calls) % 2 == 0
+    assert max(calls) <= (min(n, DENSE_KERNEL_ROWS) if weights == "int4-dense" else n)
+    _assert_same(a, b)
 
 
 @needs_layers

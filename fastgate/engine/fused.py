@@ -338,7 +338,7 @@ class FusedForward:
                   and (plan.attend is not None and t <= self._row_limit if h.dtype is torch.bfloat16
                        else h.dtype is torch.float32 and getattr(attention_step, "float32", False)
                        and t <= self._float32_rows(matmuls)))
-        stack = self._stack(decode_layers) if decode and h.dtype is torch.float32 else None
+        stack = self._stack(decode_layers) if decode else None
         if stack is not None and stack.takes(h):
             h = self._stacked_layers(stack, h, cos, sin, plan, wanted, outputs)
         elif decode:

@@ -320,10 +320,14 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                                                       fuse_norm_f32=f32_layers),
                        "int8_matmul": ext_int8_matmul(ext, bf16=bf16, f32=f32)}
             names |= {name: "ext" for name in _QUANT_OPS}
-            if f32_layers:  # the whole layers of float32 rows where the extension's SwiGLU is torch's here
+            # whole layers of float32 rows (with the float32 layer ops) and of bf16 rows (where the bf16 norm and
+            # rotary embedding bound above are the C++ loops for any rows: that call runs those loops), where the
+            # extension's SwiGLU is torch's here
+            bf16_layers = bf16 and fuse and limits["rope"] == UNLIMITED
+            if f32_layers or bf16_layers:
                 from fastgate.ops.decoder import ext_decode_layers
 
-                chosen["decode_layers"] = ext_decode_layers(ext)
+                chosen["decode_layers"] = ext_decode_layers(ext, f32=f32_layers, bf16=bf16_layers)
                 if chosen["decode_layers"] is not no_decode_layers:
                     names["decode_layers"] = "ext"
         if f32:  # float32 logits on a CPU with AVX2 and FMA, where a probe finds torch's bits (fastgate.ops.sampling)
