@@ -158,14 +158,73 @@ def test_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
                                              ("int4-dense", False, 5), ("int4", True, 6), ("int4-dense", True, 2)])
 def test_bf16_stacked_layers_are_the_per_op_path_bit_for_bit(weights, bias, n):
     """The same for bf16 rows (decode_layers_bf16): the q/k/v bias rounded as torch adds a bf16 bias; with the kept
-    dense copy (int4-dense) passes of more rows than the int4 kernel takes (its 4) run the per-op path, whose products
-    are then the copy's."""
-    from fastgate.assets.quant import DENSE_KERNEL_ROWS
-
+    dense copy (int4-dense) too, whose products the C++ kernels take up to the op's ``bf16_rows`` (32)."""
     calls, a, b = _stacked_against_per_op(torch.bfloat16, weights, bias, n)
-    assert calls and len(calls) % 2 == 0
-    assert max(calls) <= (min(n, DENSE_KERNEL_ROWS) if weights == "int4-dense" else n)
+    assert calls and len(calls) % 2 == 0 and max(calls) == n
     _assert_same(a, b)
+
+
+@needs_bf16_layers
+def test_the_fused_pass_gives_a_bf16_stack_only_the_rows_its_kernels_take():
+    """An int4-dense bf16 model: the C++ op's products take up to BF16_KERNEL_ROWS rows (the kept copy beyond), torch's
+    the layers' own DENSE_KERNEL_ROWS; the stack is given no more rows than that, so a pass it takes is a pass whose
+    per-op path runs the kernels (a pass of more rows runs the per-op path, the copy's products)."""
+    from fastgate.assets.quant import DENSE_KERNEL_ROWS, quantize_model
+    from fastgate.engine.fused import fused_forward
+    from fastgate.ops.quant import (
+        BF16_KERNEL_ROWS,
+        ext_int4_matmul,
+        ext_int8_matmul,
+        torch_int4_matmul,
+        torch_int8_matmul,
+    )
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.bfloat16)
+    quantize_model(lm.model, "int4-dense")
+    fused = fused_forward(lm.model)
+    ext = _bf16_ext()
+    ours = (ext_int4_matmul(ext, bf16=True), ext_int8_matmul(ext, bf16=True))
+    assert fused._bf16_kernel_rows(ours) == BF16_KERNEL_ROWS > DENSE_KERNEL_ROWS
+    assert fused._bf16_kernel_rows((torch_int4_matmul, torch_int8_matmul)) == DENSE_KERNEL_ROWS
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+
+    def run(bf16_rows: int | None) -> list[int]:
+        """The stack's calls (their rows) for six prompts decoded together, the products' op stopping at
+        ``bf16_rows`` (None: the op's own)."""
+        calls: list[int] = []
+        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+        int4, int8 = ext_int4_matmul(ext, bf16=True), ext_int8_matmul(ext, bf16=True)
+        if bf16_rows is not None:
+            int4.bf16_rows = int8.bf16_rows = bf16_rows
+        inner = runner.ops.decode_layers
+
+        def op(layers, *a):
+            stack = inner(layers, *a)
+            call = stack.__call__
+
+            class Counted:
+                takes = stack.takes
+
+                def __call__(self, h, *b):
+                    calls.append(h.shape[0])
+                    return call(h, *b)
+
+            return Counted()
+
+        runner.ops = dataclasses.replace(runner.ops, decode_layers=op, int4_matmul=int4, int8_matmul=int8)
+        loop = PackedLoop(runner, mid=2)
+        cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False)
+        tickets = loop.admit([(p, cfg, TapSpec(), 1, None) for p in PROMPTS[:6]])
+        while loop.busy:
+            loop.step()
+        assert all(len(t.result.sequences[0].token_ids) == 5 for t in tickets)
+        return calls
+
+    assert run(None) and max(run(None)) == 6  # six rows within the kernels' 32: the stack
+    assert run(0) == []  # the kernels' own 4 rows: six-row passes take the per-op path (the copy's products)
 
 
 @needs_layers

@@ -210,12 +210,14 @@ def _op_takes(op, dtype: torch.dtype) -> bool:
 
 
 def _op_rows(layer: Int4Linear | Int8Linear, op, dtype: torch.dtype) -> int:
-    """The most ``dtype`` rows ``layer`` multiplies through its kernel, the op ``op``: the layer's kernel rows, and for
-    float32 rows where it keeps a float32 copy (int4-dense) up to the op's own ``float32_rows`` (the C++ float32
-    kernels beat streaming the copy further: fastgate.ops.quant.F32_KERNEL_ROWS, F32_INT8_ROWS)."""
+    """The most ``dtype`` rows ``layer`` multiplies through its kernel, the op ``op``: the layer's kernel rows, and
+    where it keeps a copy in the rows' dtype (int4-dense) up to the op's own ``float32_rows`` / ``bf16_rows`` (the C++
+    kernels beat streaming the copy further: fastgate.ops.quant.F32_KERNEL_ROWS, F32_INT8_ROWS, BF16_KERNEL_ROWS)."""
     rows = layer.kernel_rows
     if dtype is torch.float32 and layer._kept(torch.float32) is not None:
         rows = max(rows, getattr(op, "float32_rows", 0))
+    elif dtype is torch.bfloat16 and layer._kept(torch.bfloat16) is not None:
+        rows = max(rows, getattr(op, "bf16_rows", 0))
     return rows
 
 
@@ -291,6 +293,7 @@ class FusedForward:
         # every layer's kernels (0: some layer has no bare product)
         self._row_limit = min(layer.product_rows for layer in self.layers)
         self._f32_limits: dict[tuple, int] = {}  # matmuls -> the same for float32 rows (_float32_rows)
+        self._bf16_limits: dict[tuple, int] = {}  # matmuls -> bf16 rows through every product's kernel
         self._head_limits: dict[tuple, int] = {}  # (int8 op, dtype, device) -> the head's kernel rows (_head_rows)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
@@ -339,7 +342,8 @@ class FusedForward:
                        else h.dtype is torch.float32 and getattr(attention_step, "float32", False)
                        and t <= self._float32_rows(matmuls)))
         stack = self._stack(decode_layers) if decode else None
-        if stack is not None and stack.takes(h):
+        if (stack is not None and stack.takes(h)
+                and (h.dtype is not torch.bfloat16 or t <= self._bf16_kernel_rows(matmuls))):
             h = self._stacked_layers(stack, h, cos, sin, plan, wanted, outputs)
         elif decode:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
@@ -410,6 +414,15 @@ class FusedForward:
             rows = self._f32_limits[matmuls] = min(
                 _kernel_rows(products) if layer.quantized else 0
                 for layer, products in zip(self.layers, self._products(matmuls, torch.float32)))
+        return rows
+
+    def _bf16_kernel_rows(self, matmuls: tuple) -> int:
+        """The most bf16 rows every layer's products of ``matmuls`` take through their kernels (0: some layer has a
+        product without one): the rows a layer stack may take, bitwise the per-op path only there."""
+        rows = self._bf16_limits.get(matmuls)
+        if rows is None:
+            rows = self._bf16_limits[matmuls] = min(
+                _kernel_rows(products) for products in self._products(matmuls, torch.bfloat16))
         return rows
 
     def _selected(self, matmuls: tuple, t: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple]:

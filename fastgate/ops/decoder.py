@@ -20,8 +20,8 @@ int4-dense weights on a 2-core Zen 4 EPYC) 7.2 -> 6.2 ms. Why written here: torc
 :class:`DecodeStack` for them, or None where it cannot take them (another weight form or dtype, a bias beyond q/k/v,
 another activation, a CPU without AVX2 and FMA, or for bf16 without AVX512-BF16, a SwiGLU of more than 32,768 values,
 which torch would split across threads with other tails): the caller then runs the per-op path, with the same results.
-A stack takes at most as many rows as every product's kernel (int4-dense's 4 for bf16 rows: beyond, the per-op path
-multiplies the kept dense copy). The reference (:func:`no_decode_layers`) takes no model.
+The fused pass gives a stack at most as many rows as every product's kernel takes (beyond, the per-op path multiplies
+the kept dense copy). The reference (:func:`no_decode_layers`) takes no model.
 """
 
 from __future__ import annotations
@@ -97,13 +97,10 @@ class DecodeStack:
         self.heads, self.kv_heads, self.head_dim, self.inter = heads, kv_heads, head_dim, inter
         self.d = layers[0].ln1.shape[0]
         self.n = len(layers)
-        # the most rows: torch's SwiGLU of them on one thread, and (bf16) every product's kernel rows, beyond which
-        # the per-op path multiplies a kept de-quantized copy (the caller passes float32 rows only where its products
-        # take them through the int4 kernels: fastgate.engine.fused's decode condition)
+        # the most rows: torch's SwiGLU of them on one thread (the caller passes rows only where its products take
+        # them through the int4 kernels, beyond which the per-op path multiplies a kept de-quantized copy:
+        # fastgate.engine.fused's decode condition and its bf16 kernel rows)
         self.max_rows = (_SERIAL_SILU - 1) // inter
-        if bf16:
-            products = (m for w in layers for m in (w.qkv, w.o, w.gate_up, w.down))
-            self.max_rows = min(self.max_rows, *(m.kernel_rows for m in products))
         self._layers = layers  # keeps every pointer below alive
         rows = []
         self._tiles = []  # each product's codes and scales as its kernel reads them (the table points into them)

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
 from fastgate.ops.layer import ext_kernels
 
-__all__ = ["TILE_ROWS", "ext_int4_matmul", "ext_int8_matmul", "f32_tiles", "int4_tiles", "int8_tiles",
-           "torch_int4_matmul", "torch_int8_matmul"]
+__all__ = ["BF16_KERNEL_ROWS", "TILE_ROWS", "ext_int4_matmul", "ext_int8_matmul", "f32_tiles", "int4_tiles",
+           "int8_tiles", "torch_int4_matmul", "torch_int8_matmul"]
 
 TILE_ROWS = 8  # weight rows a tile of the float32 kernels' layout (csrc/ops.cpp, kTileRows)
 
@@ -56,6 +56,13 @@ F32_KERNEL_ROWS = 16
 # 576): 3.7 against 26 ms at 4 rows, 12 against 30 at 16, 56 against 72 at 64 (the copy's 113 MB stream from memory;
 # an AVX2-only EPYC, 2 threads), so a batch-16 step took its head through the copy, 28 of its 106 ms
 F32_INT8_ROWS = 64
+# bf16 rows up to which the C++ bf16 kernels (int4, and int8 for an LM head) beat the kept de-quantized bf16 copy of
+# int4-dense: the copy's dense product of a decode step's few rows streams 2.7x the codes' bytes from memory at ~5 GB/s
+# (oneDNN's bf16 product of 16 x 576 -> 3,072: 303 us with the weight in cache; a whole step's 212 MB come from
+# memory). SmolLM2's step on a 2-core Zen 4 EPYC (AVX512-BF16), the kernels up to 4 / 16 / 32 / 64 rows: batch 8
+# 34.8 / 17.9 / 18.0 / 17.7 ms, batch 16 49.6 / 30.9 / 31.7 / 31.0, batch 24 61.3 / 56.6 / 45.9 / 44.9, batch 32
+# 62.0 / 65.1 / 60.2 / 59.7. (DENSE_KERNEL_ROWS, the layers' own 4, was measured with the weight in cache.)
+BF16_KERNEL_ROWS = 32
 
 
 def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
@@ -222,6 +229,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
     int4_matmul.bind = bind  # type: ignore[attr-defined]
     int4_matmul.float32 = f32  # type: ignore[attr-defined]  (float32 rows have a kernel: fastgate.engine.fused)
     int4_matmul.float32_rows = F32_KERNEL_ROWS if f32 else 0  # type: ignore[attr-defined]  (and up to these rows)
+    int4_matmul.bf16_rows = BF16_KERNEL_ROWS if bf16 else 0  # type: ignore[attr-defined]  (bf16 rows, likewise)
     return int4_matmul
 
 
@@ -246,4 +254,5 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
 
     int8_matmul.float32 = f32  # type: ignore[attr-defined]
     int8_matmul.float32_rows = F32_INT8_ROWS if f32 else 0  # type: ignore[attr-defined]  (and up to these rows)
+    int8_matmul.bf16_rows = BF16_KERNEL_ROWS if bf16 else 0  # type: ignore[attr-defined]  (bf16 rows, likewise)
     return int8_matmul
