@@ -70,6 +70,26 @@ def test_silu_mul_of_bf16_is_torchs_bit_for_bit(rows, inter):
     assert torch.equal(out, ref)
 
 
+def _counting(inner, counter: list[int]):
+    """The op ``decode_layers`` ``inner`` with its stacks' calls counted (their rows appended to ``counter``)."""
+    def op(layers, *a):
+        stack = inner(layers, *a)
+        if stack is None:
+            return None
+        run = stack.__call__
+
+        class Counted:
+            takes = stack.takes
+
+            def __call__(self, h, *b):
+                counter.append(h.shape[0])
+                return run(h, *b)
+
+        return Counted()
+
+    return op
+
+
 def _runs(lm, prompts, stacked: bool, max_new: int = 7, layers=(0, 2, 4), budget=None, counter=None):
     """(token ids, log-probs, running sums) of ``prompts`` on ``lm`` with the C++ ops, the decoder layers in one call
     (``stacked``) or op by op."""
@@ -83,20 +103,7 @@ def _runs(lm, prompts, stacked: bool, max_new: int = 7, layers=(0, 2, 4), budget
     if not stacked:
         op = no_decode_layers
     elif counter is not None:  # count the stack's calls (their rows)
-        def op(layers, *a, inner=op):
-            stack = inner(layers, *a)
-            if stack is None:
-                return None
-            run = stack.__call__
-
-            class Counted:
-                takes = stack.takes
-
-                def __call__(self, h, *b):
-                    counter.append(h.shape[0])
-                    return run(h, *b)
-
-            return Counted()
+        op = _counting(op, counter)
     runner.ops = dataclasses.replace(runner.ops, decode_layers=op)
     cfg = GenerationConfig(max_new_tokens=max_new, stop_at_eos=False)
     loop = PackedLoop(runner, mid=2)
@@ -199,22 +206,8 @@ def test_the_fused_pass_gives_a_bf16_stack_only_the_rows_its_kernels_take():
         int4, int8 = ext_int4_matmul(ext, bf16=True), ext_int8_matmul(ext, bf16=True)
         if bf16_rows is not None:
             int4.bf16_rows = int8.bf16_rows = bf16_rows
-        inner = runner.ops.decode_layers
-
-        def op(layers, *a):
-            stack = inner(layers, *a)
-            call = stack.__call__
-
-            class Counted:
-                takes = stack.takes
-
-                def __call__(self, h, *b):
-                    calls.append(h.shape[0])
-                    return call(h, *b)
-
-            return Counted()
-
-        runner.ops = dataclasses.replace(runner.ops, decode_layers=op, int4_matmul=int4, int8_matmul=int8)
+        runner.ops = dataclasses.replace(runner.ops, decode_layers=_counting(runner.ops.decode_layers, calls),
+                                         int4_matmul=int4, int8_matmul=int8)
         loop = PackedLoop(runner, mid=2)
         cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False)
         tickets = loop.admit([(p, cfg, TapSpec(), 1, None) for p in PROMPTS[:6]])

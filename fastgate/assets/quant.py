@@ -53,6 +53,8 @@ buffer in the model's dtype left out of the state dict; a fused layer keeps it a
 run up to :data:`DENSE_KERNEL_ROWS` rows, where they beat a dense bf16 product (one thread of a Zen 4 EPYC, 576 →
 1536: 1 row 26 µs against 64, 4 rows 43 against 79, 8 rows 128 against 96), and every larger product multiplies the
 kept copy: prefill and batched steps at the dense product's speed, the results those of de-quantizing every call.
+(Those timings had the weight in cache; a decode step's weights come from memory, and where fastgate's C++ kernels run
+the fused pass takes them up to 32 rows: fastgate.ops.quant.BF16_KERNEL_ROWS.)
 The price is memory (the codes beside the copy). ``auto`` (:func:`choose_weights`, the default of ``load`` and the
 CLI) picks it for an embedded model in bf16 on a CPU whose torch runs the kernels' AVX-512 code, and in float32 where
 ``auto`` chose float32 and the extension's float32 kernels run (AVX2 and FMA: :mod:`fastgate.ops.quant`), ``float``
