@@ -31,8 +31,8 @@ from bench_engine import (  # noqa: E402
     cpu_name,
     gguf_type,
     json_config,
+    kv_bytes,
     llama_cpp_prompt,
-    llama_cpp_step,
     loop_step,
     open_llama_cpp,
     prompt_ids,
@@ -67,7 +67,7 @@ def main() -> None:
         read_bandwidth(torch.device("cpu"))  # before every round: the bound divides by the most measured
         for c in contexts:
             a = loop_step(engine, ours[c], args.steps, "packed")[0]
-            b = llama_cpp_step(llm, theirs[c], args.steps)[0]
+            b = llm.step(theirs[c], args.steps)[0]
             times.setdefault(("fastgate", c), []).append(a)
             times.setdefault(("llama.cpp", c), []).append(b)
             print(f"round {rnd} context {c}: fastgate {a * 1e3:.2f} ms, llama.cpp {b * 1e3:.2f} ms, {a / b:.2f}x",
@@ -81,7 +81,7 @@ def main() -> None:
     rows = []
     for c in contexts:
         a, b = times[("fastgate", c)], times[("llama.cpp", c)]
-        kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * (c + args.steps // 2 + 2) * 2
+        kv = kv_bytes(cfg, c + args.steps // 2 + 2)
         bound_a, bound_b = (ours_bytes + kv) / bw, (theirs_bytes + kv) / bw
         rows.append({"context": c, "fastgate_ms": statistics.median(a) * 1e3,
                      "llama_cpp_ms": statistics.median(b) * 1e3,

@@ -241,14 +241,10 @@ def llama_cpp_prompt(llm, context: int) -> list[int]:
     return ids[:context]
 
 
-def llama_cpp_step(llm, ids: list[int], steps: int) -> tuple[float, int]:
-    """Median seconds of one greedy decode step (``eval`` of one token and the argmax of its logits) after ``ids``,
-    and the context width at the middle step (timed in llama.cpp's process)."""
-    return llm.step(ids, steps)
-
-
-def llama_cpp_prefill(llm, ids: list[int]) -> float:
-    return llm.prefill(ids)
+def kv_bytes(cfg: dict[str, int], width: int, element: int = 2) -> int:
+    """Bytes of keys and values one sequence of ``width`` columns holds (``cfg``: :func:`json_config`), 16-bit by
+    default (llama.cpp's f16 cache, fastgate's bf16 store)."""
+    return 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * width * element
 
 
 def prompt_ids(engine: Engine, batch: int, context: int) -> list[list[int]]:
@@ -618,12 +614,12 @@ def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, 
         for c in contexts:
             if rnd and out_of_time():
                 break
-            t, width = llama_cpp_step(llm, ids[c], args.steps)
+            t, width = llm.step(ids[c], args.steps)  # timed in llama.cpp's process
             times.setdefault(c, []).append(t)
             print(f"{kind} llama.cpp batch 1 context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
             if rnd == args.rounds - 1 or out_of_time():
                 step = statistics.median(times[c])
-                kv = 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * width * 2  # f16 keys and values
+                kv = kv_bytes(cfg, width)  # f16 keys and values
                 bound = (size + kv) / bw
                 emit({"kind": "step", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
                       "context": c, "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
@@ -631,7 +627,7 @@ def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, 
                       "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "rounds": len(times[c]), **info})
     if length:
         prompt = llama_cpp_prompt(llm, length)
-        t = min(llama_cpp_prefill(llm, prompt) for _ in range(max(1, min(args.rounds, 2))))
+        t = min(llm.prefill(prompt) for _ in range(max(1, min(args.rounds, 2))))
         print(f"{kind} llama.cpp prefill 1x{len(prompt)}: {t:.2f} s", file=sys.stderr)
         emit({"kind": "prefill", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
               "context": len(prompt), "prefill_s": t, "tokens_per_s": len(prompt) / t, **info})

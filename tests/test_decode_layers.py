@@ -192,8 +192,8 @@ def test_the_fused_pass_gives_a_bf16_stack_only_the_rows_its_kernels_take():
     fused = fused_forward(lm.model)
     ext = _bf16_ext()
     ours = (ext_int4_matmul(ext, bf16=True), ext_int8_matmul(ext, bf16=True))
-    assert fused._bf16_kernel_rows(ours) == BF16_KERNEL_ROWS > DENSE_KERNEL_ROWS
-    assert fused._bf16_kernel_rows((torch_int4_matmul, torch_int8_matmul)) == DENSE_KERNEL_ROWS
+    assert fused._kernel_limit(ours, torch.bfloat16) == BF16_KERNEL_ROWS > DENSE_KERNEL_ROWS
+    assert fused._kernel_limit((torch_int4_matmul, torch_int8_matmul), torch.bfloat16) == DENSE_KERNEL_ROWS
     from fastgate.config import GenerationConfig, TapSpec
     from fastgate.engine.model_runner import ModelRunner
     from fastgate.engine.packed import PackedLoop

@@ -292,8 +292,7 @@ class FusedForward:
         # the most rows _decode_layers takes: any where every layer has bare products for many rows, else within
         # every layer's kernels (0: some layer has no bare product)
         self._row_limit = min(layer.product_rows for layer in self.layers)
-        self._f32_limits: dict[tuple, int] = {}  # matmuls -> the same for float32 rows (_float32_rows)
-        self._bf16_limits: dict[tuple, int] = {}  # matmuls -> bf16 rows through every product's kernel
+        self._kernel_limits: dict[tuple, int] = {}  # (matmuls, dtype) -> rows through every kernel (_kernel_limit)
         self._head_limits: dict[tuple, int] = {}  # (int8 op, dtype, device) -> the head's kernel rows (_head_rows)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
         # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
@@ -340,10 +339,10 @@ class FusedForward:
         decode = (attention_step is not None and not plan.segs and plan.m == t and h.device.type == "cpu"
                   and (plan.attend is not None and t <= self._row_limit if h.dtype is torch.bfloat16
                        else h.dtype is torch.float32 and getattr(attention_step, "float32", False)
-                       and t <= self._float32_rows(matmuls)))
+                       and t <= self._kernel_limit(matmuls, torch.float32)))
         stack = self._stack(decode_layers) if decode else None
         if (stack is not None and stack.takes(h)
-                and (h.dtype is not torch.bfloat16 or t <= self._bf16_kernel_rows(matmuls))):
+                and (h.dtype is not torch.bfloat16 or t <= self._kernel_limit(matmuls, torch.bfloat16))):
             h = self._stacked_layers(stack, h, cos, sin, plan, wanted, outputs)
         elif decode:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
@@ -403,26 +402,19 @@ class FusedForward:
                 outputs[i + 1] = h[None]
         return h
 
-    def _float32_rows(self, matmuls: tuple) -> int:
-        """The most float32 rows :meth:`_decode_layers` takes with the products of ``matmuls``: the least of the
-        layers' kernel rows (for float32 rows the op's own, ``float32_rows``, where a dense copy is kept: 16 on an
-        AVX2 CPU; more rows multiply the kept copy through :meth:`_layers`), and 0 where a layer has no quantized
-        product: a float32 model of float weights keeps torch's attention (its SDPA; the C++ loop sums in another
-        order), the arithmetic its recorded answers were made with."""
-        rows = self._f32_limits.get(matmuls)
+    def _kernel_limit(self, matmuls: tuple, dtype: torch.dtype) -> int:
+        """The most ``dtype`` rows every layer's products of ``matmuls`` take through their kernels (for rows of a
+        dtype the layer keeps a copy in, the op's own ``float32_rows`` / ``bf16_rows``: :func:`_op_rows`; more rows
+        multiply the kept copy), and 0 where a layer has no quantized product: a float32 model of float weights keeps
+        torch's attention (its SDPA; the C++ loop sums in another order), the arithmetic its recorded answers were made
+        with. float32 rows take :meth:`_decode_layers` only up to it; a layer stack, bitwise the per-op path only
+        where every product runs its kernel, takes bf16 rows only up to it."""
+        key = (matmuls, dtype)
+        rows = self._kernel_limits.get(key)
         if rows is None:
-            rows = self._f32_limits[matmuls] = min(
+            rows = self._kernel_limits[key] = min(
                 _kernel_rows(products) if layer.quantized else 0
-                for layer, products in zip(self.layers, self._products(matmuls, torch.float32)))
-        return rows
-
-    def _bf16_kernel_rows(self, matmuls: tuple) -> int:
-        """The most bf16 rows every layer's products of ``matmuls`` take through their kernels (0: some layer has a
-        product without one): the rows a layer stack may take, bitwise the per-op path only there."""
-        rows = self._bf16_limits.get(matmuls)
-        if rows is None:
-            rows = self._bf16_limits[matmuls] = min(
-                _kernel_rows(products) for products in self._products(matmuls, torch.bfloat16))
+                for layer, products in zip(self.layers, self._products(matmuls, dtype)))
         return rows
 
     def _selected(self, matmuls: tuple, t: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
@@ -482,7 +474,7 @@ class FusedForward:
                        matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
         ``plan.pos[r]``), bf16 on a CPU (or float32 of quantized weights, where the step op takes float32 rows:
-        :meth:`_float32_rows`): the products as bare calls (:func:`_row_products`: the kernels up to their
+        :meth:`_kernel_limit`): the products as bare calls (:func:`_row_products`: the kernels up to their
         rows, the kept de-quantized or float weights beyond) and each layer's store writes and attention as one call
         of ``attention_step``. The operations and their order are :meth:`_layers`'; only the host's share shrinks."""
         t = h.shape[0]

@@ -234,5 +234,4 @@ def ext_decode_layers(ext: ModuleType, *, f32: bool = True, bf16: bool = False) 
                 return None
         return DecodeStack(ext, layers, heads, kv_heads, head_dim, inter)
 
-    decode_layers.dtypes = frozenset(dtypes)  # type: ignore[attr-defined]
     return decode_layers

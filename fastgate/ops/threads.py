@@ -22,8 +22,9 @@ import torch
 
 __all__ = ["SERIAL_ROWS", "serial_torch"]
 
-# rows up to which a decode step's logits are handled on one torch thread: the steps whose products run the C++
-# kernels (at most 16 rows, fastgate.ops.quant.F32_KERNEL_ROWS; bf16's 4, fastgate.assets.quant.DENSE_KERNEL_ROWS)
+# rows up to which a decode step's logits are handled on one torch thread: the steps whose products ran the C++
+# kernels when it was measured (float32's 16, fastgate.ops.quant.F32_KERNEL_ROWS; bf16's then 4, now 32 with a kept
+# copy: fastgate.ops.quant.BF16_KERNEL_ROWS; 17-32 rows not measured)
 SERIAL_ROWS = 16
 
 
