@@ -172,7 +172,8 @@ def build_model(name: str, device: str, dtype: str, weights: str = "float") -> L
 def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
     """Bytes a decode step of ``rows`` rows reads of the weights as held: the parameters (tied ones once), the int8
     layers' weights and scales, the int4 layers' packed codes and bf16 scales and zeros (what torch's kernel reads;
-    ``int4_plain``: their plain codes and float32 scales and zeros, what the C++ kernel of op ``int4_matmul`` reads)
+    ``int4_plain``: their plain codes and float32 scales and zeros, the bytes the C++ kernel of op ``int4_matmul``
+    reads, in its tiles)
     or, beyond their kernel rows, their kept de-quantized copy (``int4-dense``), less the embedding table where the LM
     head does not multiply by it (an untied head, or a quantized head of its own: a step reads one row of the table a
     token)."""

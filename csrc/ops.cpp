@@ -1634,17 +1634,16 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 // AVX512-BF16:
 //
 // int4 (codes q [N, K / 2], byte j of a row holding k = 2j in its low nibble and 2j + 1 in its high one; scale, zero
-// [N, K / 32] float32; w = (code - 8) scale + zero): the plain codes, no second packing; 32 of them become exact bf16
-// values 1 + c / 16 in one shift and one ternary logic operation, and one vdpbf16ps multiplies them by the input,
-// permuted once a call to match (int4_tile below has the layout and the algebra). Four weight rows share each load
-// of the input; the zeros' and offsets' part once a row.
-// int8 (q [N, K] int8, scale [N] float32; w = q scale): codes widened to float32 in registers, float32 products and
-// sums, the scale once a row.
+// [N, K / 32] float32; w = (code - 8) scale + zero): the codes, scales and zeros in tiles of four rows, one forward
+// stream a tile, made once a layer; 32 codes become exact bf16 values 1 + c / 16 in one shift and one ternary logic
+// operation, and one vdpbf16ps multiplies them by the input, permuted once a call to match (int4_tiles_run below has
+// the layout and the algebra). Four weight rows share each load of the input; the zeros' part once a group.
+// int8 (q [N, K] int8, scale [N] float32; w = q scale): the codes in tiles of four rows too, widened to float32 in
+// registers, float32 products and sums, the scale once a row.
 // Both sum in float32 (in another order than torch's kernels: the last bits of a sum), prefetch the weights they
 // stream, and round the output to bf16 once, to nearest even. Built where GCC targets AVX512-BF16; chosen only where
-// the CPU has it (the registry). The 256-bit half block of int4_tile repeats the 512-bit block's steps in the other
-// width's intrinsics (K = 576: 18 groups, four blocks and a half).
-constexpr int kQuantRows = 4;  // weight rows a tile: each load of an input row serves four
+// the CPU has it (the registry). The 256-bit half block of int4_tiles_run repeats the 512-bit block's steps in the
+// other width's intrinsics (K = 576: 18 groups, four blocks and a half).
 constexpr int kQuantInputs = 4;  // input rows a tile (M > 4: tiles of 4 in turn)
 // the weights are streamed from memory: each load asks for the line this far ahead (the hardware's prefetchers
 // alone left the int4 kernel at ~16 GB/s on a Zen 4 EPYC; 2 / 4 / 8 KB ahead: 4.9 / 3.7 / 3.4 ms for SmolLM2's 120)
@@ -1678,180 +1677,162 @@ void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows, in
 
 #ifdef FASTGATE_BF16_KERNEL
 
-// rows n .. n + R of the int4 product for MB input rows. The codes are read as they are held: a row's 32-bit lane j
-// holds codes 8j .. 8j + 7 in its nibbles p = 0 .. 7 (bits 4p .. 4p + 3), so a 64-byte load is four groups (lanes 4g ..
-// 4g + 3: group g). Pass s (0 .. 3) moves nibbles s and s + 4 to bits 3 .. 6 and 19 .. 22 and sets 0x3F80 above
+// The int4 codes as the kernel streams them: tiles of four weight rows (kInt4TileRows), one forward stream a tile
+// (fastgate.ops.quant.int4_bf16_tiles makes them once a layer). Tile t holds rows 4t .. 4t + 3 (rows past N zero)
+// in blocks of four groups (the last block two groups where G % 4 == 2; G otherwise padded with zero groups to a
+// multiple of four); a block of gb groups is 96 gb bytes:
+//     codes [4 rows][16 gb] bytes (a row's 32-bit lane j: codes 8j .. 8j + 7 in its nibbles p = 0 .. 7, bits 4p ..
+//           4p + 3, the plain codes' own byte order), scales [4 rows][gb] float32, corrections [4 rows][gb] float32
+//           (zero - 24 scale, rounded once)
+// Pass s (0 .. 3) of a row's 64 bytes moves nibbles s and s + 4 to bits 3 .. 6 and 19 .. 22 and sets 0x3F80 above
 // each: the bf16 pair (1 + c / 16, 1 + c' / 16), exact, in one shift and one ternary logic operation; one vdpbf16ps
-// then multiplies the pairs by xp, the input permuted to match (xp [blocks][4 passes][32] bf16 per input row, zero
-// past K, xp_stride apart), into float32. The sum of the four passes is, in lanes of group g, sum (1 + c / 16) x over
-// the group: times its scale into the row's 16 lanes. With S_g the group's sum of x,
+// then multiplies the pairs by xp, the input permuted to match (int4_prepare: xp [blocks][4 passes][32] bf16 per
+// input row, zero past K), into float32. The sum of the four passes is, in the lanes of group g, sum (1 + c / 16) x
+// over the group: times its scale into the row's 16 lanes. With S_g the group's sum of x,
 //     y = 16 sum_g scale_g (S_g + sum_k c x / 16) + sum_g (zero_g - 24 scale_g) S_g
-// (w = (c - 8) scale + zero). The offset S_g stays within 16x the codes' own part (a code at the mantissa's top bits,
-// not its bottom: 1 + c / 16, not 128 + c), so cancelling it costs ~4 of float32's 24 bits.
+// (w = (c - 8) scale + zero): the corrections' sum in the lanes [row][g % 4] of one more accumulator. The offset S_g
+// stays within 16x the codes' own part (a code at the mantissa's top bits, not its bottom: 1 + c / 16, not 128 + c),
+// so cancelling it costs ~4 of float32's 24 bits.
+// Why tiles, not the rows as held: a tile of four rows read side by side from the plain codes is twelve streams
+// (codes, scales, zeros of each row), which the CPU's prefetchers did not follow; one stream a tile took SmolLM2's
+// 120 int4 products of a batch-1 step (80 MB) from 5.2 to 3.6 ms on one Zen 4 core (15 -> 21 GB/s), 3.2 to 2.5 ms on
+// two (25 -> 32 GB/s, a sum's read then 35).
+constexpr int kInt4TileRows = 4;
+
 // an output: the sum rounded to bf16, then, with a residual res [M, N] bf16, bf16(res + that) (torch's h + y of bf16)
 inline uint16_t int4_out(float sum, const uint16_t* res, int64_t i) {
   const uint16_t y = f32_to_bf16(sum);
   return res ? f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(y)) : y;
 }
 
-template <int R, int MB>
-FASTGATE_BF16_TARGET inline void int4_tile(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
-                                           const uint8_t* q, const float* scale, const float* zero, int64_t G,
-                                           int64_t n, int64_t N, uint16_t* y, const uint16_t* res) {
+// the groups a row of K inputs has in the tiles: G, or G rounded up to four unless G % 4 == 2
+inline int64_t int4_tile_groups(int64_t K) {
+  const int64_t G = K / 32;
+  return G % 4 == 2 ? G : (G + 3) / 4 * 4;
+}
+
+// tiles t0 .. t1 - 1 of the int4 product for MB input rows (xp, S as int4_prepare makes them, rows xp_stride and
+// S_stride apart; S zero past G)
+template <int MB>
+FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
+                                         const uint8_t* tiles, int64_t K, int64_t t0, int64_t t1, int64_t N,
+                                         uint16_t* y, const uint16_t* res) {
   const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> its group
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  // Loads of the weights are plain 64-byte loads, also where a row's last block is short: what they read past the row
-  // (the next row's codes, scales) meets inputs that are zero there (xp and S are zero-padded), and adds nothing.
-  // Only a load that would pass the end of the arrays is masked. (A masked load that misses the cache cost ~4x a
-  // plain one on a Zen 4 EPYC: the kernel streaming SmolLM2's weights from memory ran 3x slower than torch's.)
-  const int64_t row_bytes = G * 16, total = N * G;
-  // the blocks of four groups, then two groups left (K = 576: 18 groups) in 256-bit halves; one or three left go
-  // through a full block (a plain load where it stays inside the arrays, see above)
-  const int64_t blocks = G % 4 == 2 ? G / 4 : (G + 3) / 4;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t groups = std::min<int64_t>(4, G - 4 * b);
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = n + r;
-      const int64_t qo = row * row_bytes + 64 * b, so = row * G + 4 * b;
-      _mm_prefetch(reinterpret_cast<const char*>(q + qo) + kPrefetchBytes, _MM_HINT_T0);
-      if (b % 4 == 0) {  // a row's scales and zeros: a quarter of its codes' bytes
-        _mm_prefetch(reinterpret_cast<const char*>(scale + so) + kPrefetchBytes / 4, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(zero + so) + kPrefetchBytes / 4, _MM_HINT_T0);
-      }
-      const __m512i t = qo + 64 <= N * row_bytes
-                            ? _mm512_loadu_si512(q + qo)
-                            : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * groups)) - 1, q + qo);  // 128 codes
-      const __m128 s4 = so + 4 <= total ? _mm_loadu_ps(scale + so)
-                                        : _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << groups) - 1), scale + so);
-      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-      __m512bh w[4];
-      w[0] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 3), nibbles, one, 0xEA));
-      w[1] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 1), nibbles, one, 0xEA));
-      w[2] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 5), nibbles, one, 0xEA));
-      w[3] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 9), nibbles, one, 0xEA));
-      for (int m = 0; m < MB; ++m) {
-        const uint16_t* xb = xp + m * xp_stride + b * 128;
-        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb)));
-        d = _mm512_dpbf16_ps(d, w[1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 32)));
-        d = _mm512_dpbf16_ps(d, w[2], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 64)));
-        d = _mm512_dpbf16_ps(d, w[3], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 96)));
-        acc[r][m] = _mm512_fmadd_ps(d, s, acc[r][m]);
+  const __m256i nib8 = _mm256_set1_epi32(0x00780078), one8 = _mm256_set1_epi32(0x3F803F80);
+  // row r's lanes: group g's four lanes get scale [r][g] (constants in memory: the accumulators take the registers)
+  alignas(64) static const int32_t spread[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},         {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+      {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+  alignas(32) static const int32_t spread8[4][8] = {
+      {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
+  const int64_t Gt = int4_tile_groups(K), full = Gt / 4, tile_bytes = 96 * Gt;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = tiles + t * tile_bytes;
+    __m512 acc[kInt4TileRows][MB], corr[MB];  // corr: lanes [row][g % 4]
+    for (int m = 0; m < MB; ++m) {
+      corr[m] = _mm512_setzero_ps();
+      for (int r = 0; r < kInt4TileRows; ++r) acc[r][m] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < full; ++b, p += 384) {  // a block: codes 256 bytes, scales 64, corrections 64
+      for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64 * l, _MM_HINT_T0);
+      const __m512 sc = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256));  // [4 rows][4 groups]
+      const __m512 co = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 320));
+      for (int m = 0; m < MB; ++m)
+        corr[m] = _mm512_fmadd_ps(co, _mm512_broadcast_f32x4(_mm_loadu_ps(S + m * S_stride + 4 * b)), corr[m]);
+      for (int r = 0; r < kInt4TileRows; ++r) {
+        const __m512i q = _mm512_loadu_si512(p + 64 * r);  // 128 codes: four groups of row r
+        const __m512 s = _mm512_permutexvar_ps(_mm512_load_si512(spread[r]), sc);
+        __m512bh w[4];
+        w[0] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_slli_epi32(q, 3), nibbles, one, 0xEA));
+        w[1] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 1), nibbles, one, 0xEA));
+        w[2] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 5), nibbles, one, 0xEA));
+        w[3] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 9), nibbles, one, 0xEA));
+        for (int m = 0; m < MB; ++m) {
+          const uint16_t* xb = xp + m * xp_stride + b * 128;
+          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb)));
+          d = _mm512_dpbf16_ps(d, w[1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 32)));
+          d = _mm512_dpbf16_ps(d, w[2], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 64)));
+          d = _mm512_dpbf16_ps(d, w[3], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + 96)));
+          acc[r][m] = _mm512_fmadd_ps(d, s, acc[r][m]);
+        }
       }
     }
-  }
-  if (G % 4 == 2) {  // the last two groups: the low halves of a block (lanes 0 .. 7), 256 bits wide
-    const __m256i nib8 = _mm256_set1_epi32(0x00780078), one8 = _mm256_set1_epi32(0x3F803F80);
-    const __m256i spread8 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-    const int64_t b = blocks;
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = n + r;
-      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * row_bytes + 64 * b));
-      const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + row * G + 4 * b)));
-      const __m256 s = _mm256_permutexvar_ps(spread8, _mm256_castps128_ps256(s2));
-      __m256bh w[4];
-      w[0] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_slli_epi32(t, 3), nib8, one8, 0xEA));
-      w[1] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 1), nib8, one8, 0xEA));
-      w[2] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 5), nib8, one8, 0xEA));
-      w[3] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 9), nib8, one8, 0xEA));
-      for (int m = 0; m < MB; ++m) {
-        const uint16_t* xb = xp + m * xp_stride + b * 128;
-        __m256 d = _mm256_setzero_ps();
-        for (int p = 0; p < 4; ++p)
-          d = _mm256_dpbf16_ps(d, w[p], reinterpret_cast<__m256bh>(
-                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * p))));
-        // into the row's 16 lanes: the low 8
-        acc[r][m] = _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(_mm256_mul_ps(d, s)));
+    if (Gt % 4 == 2) {  // the last two groups (K = 576: 18): codes 128 bytes, scales 32, corrections 32; 256 bits wide
+      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 128));  // [4 rows][2 groups]
+      const __m256 co = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 160));
+      for (int m = 0; m < MB; ++m) {  // [4 rows][2] -> corr's lanes 4r, 4r + 1
+        const __m128 s2 = _mm_castpd_ps(_mm_load1_pd(reinterpret_cast<const double*>(S + m * S_stride + 4 * full)));
+        const __m256 c2 = _mm256_mul_ps(co, _mm256_set_m128(s2, s2));
+        corr[m] = _mm512_add_ps(corr[m], _mm512_maskz_permutexvar_ps(
+                                             0x3333, _mm512_set_epi32(0, 0, 7, 6, 0, 0, 5, 4, 0, 0, 3, 2, 0, 0, 1, 0),
+                                             _mm512_castps256_ps512(c2)));
+      }
+      for (int r = 0; r < kInt4TileRows; ++r) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * r));
+        const __m256 s = _mm256_permutexvar_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(spread8[r])), sc);
+        __m256bh w[4];
+        w[0] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_slli_epi32(q, 3), nib8, one8, 0xEA));
+        w[1] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 1), nib8, one8, 0xEA));
+        w[2] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 5), nib8, one8, 0xEA));
+        w[3] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 9), nib8, one8, 0xEA));
+        for (int m = 0; m < MB; ++m) {
+          const uint16_t* xb = xp + m * xp_stride + full * 128;
+          __m256 d = _mm256_setzero_ps();
+          for (int ps = 0; ps < 4; ++ps)
+            d = _mm256_dpbf16_ps(d, w[ps], reinterpret_cast<__m256bh>(
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32 * ps))));
+          acc[r][m] = _mm512_add_ps(acc[r][m], _mm512_zextps256_ps512(_mm256_mul_ps(d, s)));  // the low 8 lanes
+        }
       }
     }
-  }
-  __m512 v[R][MB];  // 16 acc + the offsets' correction, to be summed across lanes
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = n + r;
-    // the offsets' correction: sum_g (zero_g - 24 scale_g) S_g, 16 groups at a time
-    __m512 c[MB];
-    for (int m = 0; m < MB; ++m) c[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) {
-      const int64_t o = row * G + g;
-      __m512 sv, zv;
-      if (o + 16 <= total) {
-        sv = _mm512_loadu_ps(scale + o);
-        zv = _mm512_loadu_ps(zero + o);
-      } else {
-        const __mmask16 mk = static_cast<__mmask16>((1u << std::min<int64_t>(16, total - o)) - 1);
-        sv = _mm512_maskz_loadu_ps(mk, scale + o);
-        zv = _mm512_maskz_loadu_ps(mk, zero + o);
-      }
-      const __m512 corr = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sv, zv);
-      for (int m = 0; m < MB; ++m) c[m] = _mm512_fmadd_ps(corr, _mm512_loadu_ps(S + m * S_stride + g), c[m]);
-    }
-    for (int m = 0; m < MB; ++m) v[r][m] = _mm512_fmadd_ps(_mm512_set1_ps(16.0f), acc[r][m], c[m]);  // 16x: exact
-  }
-  for (int m = 0; m < MB; ++m) {
-    if constexpr (R == 4) {  // four rows' sums at once: halves added, then two rounds of pairwise sums
+    for (int m = 0; m < MB; ++m) {  // the four rows' sums at once: halves added, then two rounds of pairwise sums
       __m256 h[4];
       for (int r = 0; r < 4; ++r)
-        h[r] = _mm256_add_ps(_mm512_castps512_ps256(v[r][m]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[r][m]), 1)));
+        h[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][m]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][m]), 1)));
       const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+      const __m128 codes = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+      const __m128 c = _mm_hadd_ps(_mm_hadd_ps(_mm512_extractf32x4_ps(corr[m], 0), _mm512_extractf32x4_ps(corr[m], 1)),
+                                   _mm_hadd_ps(_mm512_extractf32x4_ps(corr[m], 2), _mm512_extractf32x4_ps(corr[m], 3)));
       alignas(16) float sums[4];
-      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = int4_out(sums[r], res, m * N + n + r);
-    } else {
-      for (int r = 0; r < R; ++r) y[m * N + n + r] = int4_out(_mm512_reduce_add_ps(v[r][m]), res, m * N + n + r);
+      _mm_store_ps(sums, _mm_fmadd_ps(_mm_set1_ps(16.0f), codes, c));  // 16x: exact
+      for (int r = 0; r < kInt4TileRows && 4 * t + r < N; ++r)
+        y[m * N + 4 * t + r] = int4_out(sums[r], res, m * N + 4 * t + r);
     }
   }
 }
 
+// The int8 codes as the kernel streams them: tiles of four weight rows, one forward stream a tile (fastgate.ops.quant.
+// int8_bf16_tiles makes them once a layer): tile t [K16 / 16][4 rows][16] int8, K16 = K rounded up to 16, codes past
+// K and rows past N zero; each 64-byte line is the four rows' next 16 codes. Why: SmolLM2's LM head (49,152 x 576,
+// 28 MB) read as rows side by side, four at a time, took 1.5 ms of a batch-1 decode step on two Zen 4 cores (19
+// GB/s); as tiles 0.65 ms (43 GB/s). The sums run as the rows' did (16 lanes, k in order): the same bits.
+constexpr int kInt8TileRows = 4;
+
+// tiles t0 .. t1 - 1 of the int8 product for MB input rows x [MB, K16] float32 (rows K16 apart, zero past K) ->
+// y bf16; scale [N] float32
 template <int MB>
-FASTGATE_BF16_TARGET void int4_rows(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
-                                    const uint8_t* q, const float* scale, const float* zero, int64_t G, int64_t n0,
-                                    int64_t n1, int64_t N, uint16_t* y, const uint16_t* res) {
-  int64_t n = n0;
-  for (; n + kQuantRows <= n1; n += kQuantRows)
-    int4_tile<kQuantRows, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y, res);
-  for (; n < n1; ++n) int4_tile<1, MB>(xp, xp_stride, S, S_stride, q, scale, zero, G, n, N, y, res);
-}
-
-// rows n .. n + R of the int8 product for MB input rows x [MB, K] float32 (rows K apart) -> y bf16
-template <int R, int MB>
-FASTGATE_BF16_TARGET inline void int8_tile(const float* x, const int8_t* q, const float* scale, int64_t K, int64_t n,
-                                           int64_t N, uint16_t* y) {
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (n + r) * K + k) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512 w = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + r) * K + k))));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+FASTGATE_BF16_TARGET void int8_tiles_run(const float* x, const int8_t* tiles, const float* scale, int64_t K16,
+                                         int64_t t0, int64_t t1, int64_t N, uint16_t* y) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* p = tiles + t * kInt8TileRows * K16;
+    __m512 acc[kInt8TileRows][MB];
+    for (int r = 0; r < kInt8TileRows; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16, p += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      __m512 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K16 + k);
+      for (int r = 0; r < kInt8TileRows; ++r) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * r))));
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < kInt8TileRows && kInt8TileRows * t + r < N; ++r) {
+      const int64_t n = kInt8TileRows * t + r;
+      for (int m = 0; m < MB; ++m) y[m * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][m]) * scale[n]);
     }
   }
-  if (k < K) {  // the tail, masked
-    const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(mk, x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, q + (n + r) * K + k)));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) y[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][m]) * scale[n + r]);
-}
-
-template <int MB>
-FASTGATE_BF16_TARGET void int8_rows(const float* x, const int8_t* q, const float* scale, int64_t K, int64_t n0,
-                                    int64_t n1, int64_t N, uint16_t* y) {
-  int64_t n = n0;
-  for (; n + kQuantRows <= n1; n += kQuantRows) int8_tile<kQuantRows, MB>(x, q, scale, K, n, N, y);
-  for (; n < n1; ++n) int8_tile<1, MB>(x, q, scale, K, n, N, y);
 }
 
 #endif
@@ -1859,7 +1840,7 @@ FASTGATE_BF16_TARGET void int8_rows(const float* x, const int8_t* q, const float
 bool quant_kernels_supported() { return prefill_attention_bf16_supported(); }
 
 #ifdef FASTGATE_BF16_KERNEL
-// One input row's preparation for int4_tile: the groups' sums S [G] (float32) and the row permuted for the passes,
+// One input row's preparation for int4_tiles_run: the groups' sums S [G] (float32) and the row permuted for the passes,
 // xp [blocks * 128] bf16 (block b, pass s, pair j: the inputs of codes 8j + s and 8j + s + 4 of the block's 128; zero
 // past K), 32 values a vector (two-source word permutes); S_g = the group's 32 values summed in float32.
 FASTGATE_BF16_TARGET void int4_prepare(const uint16_t* x, int64_t K, float* S, uint16_t* xp) {
@@ -1893,9 +1874,8 @@ FASTGATE_BF16_TARGET void int4_prepare(const uint16_t* x, int64_t K, float* S, u
 
 #ifdef FASTGATE_BF16_KERNEL
 // int4_matmul_bf16's work, its inputs checked and the GIL released by the caller (decode_layers_bf16 calls it too)
-void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* q, const float* scale, const float* zero,
-               uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t threads, const uint16_t* norm, float eps,
-               const uint16_t* res) {
+void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, uint16_t* y, int64_t M, int64_t N,
+               int64_t K, int64_t threads, const uint16_t* norm, float eps, const uint16_t* res) {
   const int64_t G = K / 32, blocks = (G + 3) / 4, xp_stride = blocks * 128, S_stride = (G + 15) / 16 * 16;
   // per input row (normed first where asked): each group's sum S_g (zero past G) and the row permuted for the passes
   std::vector<float> S(M * S_stride, 0.0f);
@@ -1908,74 +1888,79 @@ void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* q, const floa
     }
     int4_prepare(xm, K, S.data() + m * S_stride, xp.data() + m * xp_stride);
   }
-  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+  const int64_t rows = (N + kInt4TileRows - 1) / kInt4TileRows * kInt4TileRows;  // whole tiles
+  quant_split(M, rows, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
     const uint16_t* xm = xp.data() + m0 * xp_stride;
     const float* Sm = S.data() + m0 * S_stride;
     uint16_t* ym = y + m0 * N;
     const uint16_t* rm = res ? res + m0 * N : nullptr;
+    const int64_t t0 = n0 / kInt4TileRows, t1 = n1 / kInt4TileRows;  // n0, n1: multiples of 64 or the end
     switch (mb) {
-      case 1: int4_rows<1>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
-      case 2: int4_rows<2>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
-      case 3: int4_rows<3>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
-      default: int4_rows<4>(xm, xp_stride, Sm, S_stride, q, scale, zero, G, n0, n1, N, ym, rm); break;
+      case 1: int4_tiles_run<1>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+      case 2: int4_tiles_run<2>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+      case 3: int4_tiles_run<3>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+      default: int4_tiles_run<4>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
     }
   });
 }
 #endif
 
-// x [M, K] bf16 (rows x_stride elements apart, unit stride along K); q [N, K / 2] uint8, scale / zero [N, K / 32]
-// float32, all contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384. norm_ptr (0: none): the
-// rows are first RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that
-// the fused pass's norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous
-// added to the product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
-void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t zero_ptr,
-                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr,
-                      double eps, uintptr_t res_ptr) {
+// x [M, K] bf16 (rows x_stride elements apart, unit stride along K); tiles: the layer's codes, scales and zeros in the
+// kernel's tiles (above; fastgate.ops.quant.int4_bf16_tiles: ceil(N / 4) tiles of 96 G' bytes, G' the tile groups),
+// contiguous; out [M, N] bf16 contiguous. K a multiple of 32, at most 16,384. norm_ptr (0: none): the rows are first
+// RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that the fused pass's
+// norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous added to the
+// product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
+void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, uintptr_t out_ptr, int64_t M, int64_t N,
+                      int64_t K, int64_t threads, uintptr_t norm_ptr, double eps, uintptr_t res_ptr) {
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
     throw std::invalid_argument("int4_matmul_bf16: bad shape (K a multiple of 32, at most 16384)");
   if (M == 0) return;
   py::gil_scoped_release release;
-  int4_bf16(reinterpret_cast<const uint16_t*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(q_ptr),
-            reinterpret_cast<const float*>(scale_ptr), reinterpret_cast<const float*>(zero_ptr),
+  int4_bf16(reinterpret_cast<const uint16_t*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(tiles_ptr),
             reinterpret_cast<uint16_t*>(out_ptr), M, N, K, threads, reinterpret_cast<const uint16_t*>(norm_ptr),
             static_cast<float>(eps), reinterpret_cast<const uint16_t*>(res_ptr));
 #else
-  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)zero_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
-  (void)threads, (void)norm_ptr, (void)eps, (void)res_ptr;
+  (void)x_ptr, (void)x_stride, (void)tiles_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
+  (void)norm_ptr, (void)eps, (void)res_ptr;
   throw std::invalid_argument("int4_matmul_bf16: not built for this platform");
 #endif
 }
 
-// x [M, K] bf16 (rows x_stride apart, unit stride along K); q [N, K] int8, scale [N] float32, contiguous; out [M, N]
-// bf16 contiguous.
-void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
+// x [M, K] bf16 (rows x_stride apart, unit stride along K); tiles: the layer's codes q [N, K] int8 in the kernel's
+// tiles (above: ceil(N / 4) tiles of 4 K16 bytes), contiguous; scale [N] float32; out [M, N] bf16 contiguous.
+void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
                       int64_t M, int64_t N, int64_t K, int64_t threads) {
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int8_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_bf16: bad shape");
   if (M == 0) return;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(x_ptr);
-  const int8_t* q = reinterpret_cast<const int8_t*>(q_ptr);
+  const int8_t* tiles = reinterpret_cast<const int8_t*>(tiles_ptr);
   const float* scale = reinterpret_cast<const float*>(scale_ptr);
   uint16_t* y = reinterpret_cast<uint16_t*>(out_ptr);
   py::gil_scoped_release release;
-  std::vector<float> xf(M * K);  // the inputs widened once
+  const int64_t K16 = (K + 15) / 16 * 16;
+  std::vector<float> xf(M * K16, 0.0f);  // the inputs widened once, zero past K
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_f32(x[m * x_stride + k]);
-  quant_split(M, N, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
-    const float* xm = xf.data() + m0 * K;
+    for (int64_t k = 0; k < K; ++k) xf[m * K16 + k] = bf16_to_f32(x[m * x_stride + k]);
+  const int64_t rows = (N + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;  // whole tiles
+  quant_split(M, rows, K, threads, [&](int64_t m0, int64_t mb, int64_t n0, int64_t n1) {
+    const float* xm = xf.data() + m0 * K16;
     uint16_t* ym = y + m0 * N;
+    const int64_t t0 = n0 / kInt8TileRows, t1 = n1 / kInt8TileRows;  // n0, n1: multiples of 64 or the end
     switch (mb) {
-      case 1: int8_rows<1>(xm, q, scale, K, n0, n1, N, ym); break;
-      case 2: int8_rows<2>(xm, q, scale, K, n0, n1, N, ym); break;
-      case 3: int8_rows<3>(xm, q, scale, K, n0, n1, N, ym); break;
-      default: int8_rows<4>(xm, q, scale, K, n0, n1, N, ym); break;
+      case 1: int8_tiles_run<1>(xm, tiles, scale, K16, t0, t1, N, ym); break;
+      case 2: int8_tiles_run<2>(xm, tiles, scale, K16, t0, t1, N, ym); break;
+      case 3: int8_tiles_run<3>(xm, tiles, scale, K16, t0, t1, N, ym); break;
+      default: int8_tiles_run<4>(xm, tiles, scale, K16, t0, t1, N, ym); break;
     }
   });
 #else
-  (void)x_ptr, (void)x_stride, (void)q_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
+  (void)x_ptr, (void)x_stride, (void)tiles_ptr, (void)scale_ptr, (void)out_ptr, (void)M, (void)N, (void)K;
+  (void)threads;
   throw std::invalid_argument("int8_matmul_bf16: not built for this platform");
 #endif
 }
@@ -2848,9 +2833,8 @@ void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
 // step for step, so bitwise the same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~2 ms of
 // host time in ~8 ms on a Zen 4 EPYC).
 //   h [m, d] bf16 contiguous (not written); out [m, d] bf16 contiguous: the last layer's output
-//   table [L, 15] int64: a layer's pointers: qkv codes, scales, zeros, bias (bf16; 0: none); o's, gate_up's, down's
-//     codes, scales, zeros (int4_matmul_bf16's plain buffers; N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I); the
-//     two norms' weights (bf16)
+//   table [L, 7] int64: a layer's pointers: qkv's tiles, its bias (bf16; 0: none); o's, gate_up's, down's tiles
+//     (int4_matmul_bf16's; N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I); the two norms' weights (bf16)
 //   floats [L, 3] float64: the norms' eps, the attention's scaling
 //   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] bf16 (strides s_row, s_head, s_col, 1 alike)
 //   cos / sin [m, D] bf16, rows c_stride apart; pos [m] int64: row r's new column
@@ -2875,31 +2859,28 @@ void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d
   const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
   const int64_t widest = attended_width(pos, m, cols);  // the positions checked before any layer writes the store
   const int64_t width = (H + 2 * Hkv) * D;
-  auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
   auto b = [](int64_t p) { return reinterpret_cast<const uint16_t*>(p); };
   auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
   py::gil_scoped_release release;
   std::vector<uint16_t> qkv(m * width), attn(m * H * D), gu(m * 2 * I), act(m * I), h2(m * d), h3(m * d);
   const uint16_t* hin = reinterpret_cast<const uint16_t*>(h_ptr);
   for (int64_t l = first; l < last; ++l) {
-    const int64_t* t = table + l * 15;
+    const int64_t* t = table + l * 7;
     const double* e = floats + l * 3;
     uint16_t* hout = l + 1 == last ? reinterpret_cast<uint16_t*>(out_ptr) : h3.data();
-    int4_bf16(hin, d, u8(t[0]), f(t[1]), f(t[2]), qkv.data(), m, width, d, threads, b(t[13]),
-              static_cast<float>(e[0]), nullptr);
-    if (t[3])  // torch's y + bias of bf16: each sum rounded
+    int4_bf16(hin, d, u8(t[0]), qkv.data(), m, width, d, threads, b(t[5]), static_cast<float>(e[0]), nullptr);
+    if (t[1])  // torch's y + bias of bf16: each sum rounded
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < width; ++j)
-          qkv[r * width + j] = f32_to_bf16(bf16_to_f32(qkv[r * width + j]) + bf16_to_f32(b(t[3])[j]));
+          qkv[r * width + j] = f32_to_bf16(bf16_to_f32(qkv[r * width + j]) + bf16_to_f32(b(t[1])[j]));
     attention_step_bf16(qkv.data(), width, D, qkv.data() + H * D, width, D, qkv.data() + (H + Hkv) * D, width, D,
                         reinterpret_cast<uint16_t*>(kv[2 * l]), reinterpret_cast<uint16_t*>(kv[2 * l + 1]), pos,
                         attn.data(), m, H, Hkv, D, widest, s_row, s_head, s_col, static_cast<float>(e[2]), threads,
                         cs, sn, c_stride);
-    int4_bf16(attn.data(), H * D, u8(t[4]), f(t[5]), f(t[6]), h2.data(), m, d, H * D, threads, nullptr, 0.0f, hin);
-    int4_bf16(h2.data(), d, u8(t[7]), f(t[8]), f(t[9]), gu.data(), m, 2 * I, d, threads, b(t[14]),
-              static_cast<float>(e[1]), nullptr);
+    int4_bf16(attn.data(), H * D, u8(t[2]), h2.data(), m, d, H * D, threads, nullptr, 0.0f, hin);
+    int4_bf16(h2.data(), d, u8(t[3]), gu.data(), m, 2 * I, d, threads, b(t[6]), static_cast<float>(e[1]), nullptr);
     silu_mul_rows_bf16(gu.data(), act.data(), m, I, exp8);
-    int4_bf16(act.data(), I, u8(t[10]), f(t[11]), f(t[12]), hout, m, d, I, threads, nullptr, 0.0f, h2.data());
+    int4_bf16(act.data(), I, u8(t[4]), hout, m, d, I, threads, nullptr, 0.0f, h2.data());
     hin = hout;
   }
 #else
@@ -2958,10 +2939,10 @@ PYBIND11_MODULE(_C, m) {
         "Whether this CPU runs prefill_attention_bf16 (AVX512-BF16).");
   m.def("quant_kernels_supported", &quant_kernels_supported,
         "Whether int4_matmul_bf16 / int8_matmul_bf16 run here (built for and running on a CPU with AVX512-BF16)");
-  m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
-        py::arg("zero"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
+  m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("tiles"), py::arg("out"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
         py::arg("norm") = 0, py::arg("eps") = 1e-6, py::arg("residual") = 0);
-  m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
+  m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("tiles"), py::arg("scale"),
         py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0);
   m.def("int4_matmul_f32", &int4_matmul_f32, py::arg("x"), py::arg("x_stride"), py::arg("q"), py::arg("scale"),
         py::arg("offset"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,

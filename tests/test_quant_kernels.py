@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, int4_reference, int8_reference, quantize_int4, quantize_int8
-from fastgate.ops.quant import ext_int4_matmul, ext_int8_matmul, torch_int4_matmul, torch_int8_matmul
+from fastgate.ops.quant import (
+    bf16_tiles,
+    ext_int4_matmul,
+    ext_int8_matmul,
+    int4_bf16_tiles,
+    torch_int4_matmul,
+    torch_int8_matmul,
+)
 from fastgate.ops.registry import build_ops, import_ext
 
 
@@ -70,6 +77,42 @@ def test_int4_kernel_extreme_inputs_and_constant_groups():
     _close_to_definition(op(x, layer), int4_reference(x, layer.q, layer.scale, layer.zero))
 
 
+@pytest.mark.parametrize("n, groups", [(1, 1), (4, 2), (5, 3), (7, 18), (9, 19), (8, 48)])
+def test_int4_bf16_tiles_hold_each_row_s_codes_scales_and_corrections(n, groups):
+    """The tiles read back: tile t, block b of gb groups (four, or the last two where G % 4 == 2; G padded with zero
+    groups to four otherwise) is its four rows' codes [4, 16 gb], scales [4, gb], zero - 24 scale [4, gb]; rows past N
+    and groups past G are zero."""
+    gen = torch.Generator().manual_seed(n * groups)
+    q = torch.randint(0, 256, (n, groups * 16), dtype=torch.uint8, generator=gen)
+    scale, zero = torch.rand((n, groups), generator=gen), torch.randn((n, groups), generator=gen)
+    tiles = int4_bf16_tiles(q, scale, zero)
+    tg = groups if groups % 4 == 2 else -(-groups // 4) * 4
+    assert tiles.dtype == torch.uint8 and tiles.shape == (-(-n // 4), 96 * tg) and tiles.is_contiguous()
+    corr = (zero.double() - 24 * scale.double()).float()
+    for row in range(-(-n // 4) * 4):
+        t, r = divmod(row, 4)
+        for g0 in range(0, tg, 4):
+            gb = min(4, tg - g0)
+            block = tiles[t, 96 * g0:96 * (g0 + gb)]
+            codes = block[16 * gb * r:16 * gb * (r + 1)]
+            floats = block[64 * gb:].view(torch.float32).reshape(2, 4, gb)[:, r]  # [scales, corrections], gb each
+            for g in range(gb):
+                real = row < n and g0 + g < groups
+                want = q[row, 16 * (g0 + g):16 * (g0 + g + 1)] if real else torch.zeros(16, dtype=torch.uint8)
+                assert torch.equal(codes[16 * g:16 * (g + 1)], want)
+                assert floats[0, g].item() == (scale[row, g0 + g].item() if real else 0.0)
+                assert floats[1, g].item() == (corr[row, g0 + g].item() if real else 0.0)
+
+
+def test_bf16_tiles_are_made_once_and_again_for_new_codes():
+    layer = _int4(12, 64, seed=4)
+    tiles = bf16_tiles(layer)
+    assert bf16_tiles(layer) is tiles
+    layer.q = layer.q.clone()  # replaced codes (a refresh, a join)
+    again = bf16_tiles(layer)
+    assert again is not tiles and torch.equal(again, tiles)
+
+
 @pytest.mark.parametrize("n", [1, 7, 769])
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 97, 576])
 @pytest.mark.parametrize("m", [1, 5])
@@ -89,8 +132,8 @@ def test_two_threads_give_one_thread_s_bits():
     layer = _int4(2048, 576, seed=1)
     head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
     x = torch.randn((4, 576)).to(torch.bfloat16)
-    for name, lay, args in (("int4_matmul_bf16", layer, (layer.q, layer.scale, layer.zero)),
-                            ("int8_matmul_bf16", head, (head.q, head.scale))):
+    for name, lay, args in (("int4_matmul_bf16", layer, (bf16_tiles(layer),)),
+                            ("int8_matmul_bf16", head, (bf16_tiles(head), head.scale))):
         outs = []
         for threads in (1, 2):
             out = torch.empty((4, lay.out_features), dtype=torch.bfloat16)

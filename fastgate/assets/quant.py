@@ -78,11 +78,11 @@ product (21 µs a row for 576 → 3072).
 
 The engine's fused pass multiplies a decode step's rows (up to a layer's ``kernel_rows``) through its runner's ops
 ``int4_matmul`` and ``int8_matmul`` (:mod:`fastgate.ops.quant`), not through these modules' forward: torch's kernels
-above, or, where the CPU has AVX512-BF16, C++ kernels over the plain codes ``q`` and float32 ``scale`` / ``zero``
-(torch's kernels round those to bf16), prefetching the weights they stream: 2x torch's int4 and int8 products on a
-Zen 4 core; float32 rows, where the CPU has AVX2 and FMA, through float32 C++ kernels (the layers' own forward would
-de-quantize: torch's kernels run a scalar loop on float32 rows). The modules' own forward (HF's module tree, prefill)
-is unchanged.
+above, or, where the CPU has AVX512-BF16, C++ kernels over the codes ``q`` and float32 ``scale`` / ``zero`` (torch's
+kernels round those to bf16) in tiles of four rows made once a layer, prefetching the weights they stream: 2x torch's
+int4 and int8 products on a Zen 4 core; float32 rows, where the CPU has AVX2 and FMA, through float32 C++ kernels (the
+layers' own forward would de-quantize: torch's kernels run a scalar loop on float32 rows). The modules' own forward
+(HF's module tree, prefill) is unchanged.
 """
 
 from __future__ import annotations

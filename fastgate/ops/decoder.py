@@ -35,12 +35,14 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
-from fastgate.ops.quant import _int4_layer_ok, f32_tiles
+from fastgate.ops.quant import _int4_layer_ok, bf16_tiles, f32_tiles
 
 __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers", "torch_float_block"]
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
-_TABLE = 15  # pointers a layer in the extension's table (decode_layers_f32 in csrc/ops.cpp)
+# pointers a layer in the extension's table (decode_layers_f32 / decode_layers_bf16 in csrc/ops.cpp): float32 products
+# read three tiles (codes, scales, offsets), bf16 ones one stream
+_TABLE = {torch.float32: 15, torch.bfloat16: 7}
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,9 @@ class DecodeStack:
             qkv, o, gu, dn = w.qkv, w.o, w.gate_up, w.down
             row = []
             for i, product in enumerate((qkv, o, gu, dn)):
-                tiles = (product.q, product.scale, product.zero) if bf16 else f32_tiles(product)
+                tiles = (bf16_tiles(product),) if bf16 else f32_tiles(product)
                 self._tiles.append(tiles)
-                row += [t.data_ptr() for t in tiles]  # codes, scales, offsets (bf16: zeros)
+                row += [t.data_ptr() for t in tiles]  # float32: codes, scales, offsets; bf16: the one stream
                 if i == 0:
                     bias = None if qkv.bias is None else qkv.bias.detach().to(self.dtype).contiguous()
                     self._tiles.append((bias,))
@@ -119,7 +121,8 @@ class DecodeStack:
         # each product's buffers and codes: a layer whose codes are replaced (Int4Linear.refresh of new codes, a join)
         # no longer runs here
         self._codes = [(m._buffers, m.q) for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)]
-        self._table = torch.tensor(rows, dtype=torch.int64)  # [L, 15]
+        self._table = torch.tensor(rows, dtype=torch.int64)  # [L, _TABLE[dtype]]
+        assert self._table.shape[1] == _TABLE[self.dtype]
         self._floats = torch.tensor([[w.eps1, w.eps2, w.scaling] for w in layers], dtype=torch.float64)  # [L, 3]
         self._store: tuple | None = None  # (keys list, values list, [L, 2] pointers, shape, strides)
 

@@ -10,8 +10,11 @@ are :func:`fastgate.assets.quant.int4_reference` and :func:`~fastgate.assets.qua
 
 Why a kernel of our own (``fastgate._C.int4_matmul_bf16``, ``int8_matmul_bf16``; csrc/ops.cpp): on one core of a
 Zen 4 EPYC torch's int4 kernel ran ~36 G codes a second and the int8 head ~23 G weights, compute-bound, 90% of a
-batch-1 decode step of SmolLM2. The C++ kernels read the layer's own plain codes (no second packing) and use
-AVX512-BF16 dot products of exact bf16 forms of the codes: 46-64 G codes a second on the same core (576 -> 3,072: 36
+batch-1 decode step of SmolLM2. The C++ kernels read the codes in tiles of four rows, one forward stream a tile
+(:func:`int4_bf16_tiles`, :func:`int8_bf16_tiles`, made once a layer by :func:`bf16_tiles` beside its plain codes: the
+rows as held were twelve streams the CPU's prefetchers did not follow, a batch-1 step's int4 products at 25 against 32
+GB/s and its int8 head at 19 against 43 on two Zen 4 cores), and use AVX512-BF16 dot products of exact bf16 forms of
+the codes: 46-64 G codes a second on the same core (576 -> 3,072: 36
 against 49 us; 1,536 -> 576: 14 against 26). They sum in float32 and round once to bf16, as torch's kernels do, in
 another order, with the float32 scales and zeros (torch's kernels round them to bf16 first): results within a bf16
 rounding of torch's. They need AVX512-BF16 (the registry binds them only where the CPU has it) and take every input
@@ -41,10 +44,12 @@ import torch.nn.functional as F
 from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
 from fastgate.ops.layer import ext_kernels
 
-__all__ = ["BF16_KERNEL_ROWS", "TILE_ROWS", "ext_int4_matmul", "ext_int8_matmul", "f32_tiles", "int4_tiles",
-           "int8_tiles", "torch_int4_matmul", "torch_int8_matmul"]
+__all__ = ["BF16_KERNEL_ROWS", "TILE4_ROWS", "TILE_ROWS", "bf16_tiles", "ext_int4_matmul", "ext_int8_matmul",
+           "f32_tiles", "int4_bf16_tiles", "int4_tiles", "int8_bf16_tiles", "int8_tiles", "torch_int4_matmul",
+           "torch_int8_matmul"]
 
 TILE_ROWS = 8  # weight rows a tile of the float32 kernels' layout (csrc/ops.cpp, kTileRows)
+TILE4_ROWS = 4  # weight rows a tile of the bf16 int4 kernel's layout (csrc/ops.cpp, kInt4TileRows)
 
 _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its stack (csrc/ops.cpp)
 # float32 rows up to which int4_matmul_f32 beats the kept de-quantized float32 copy (int4-dense, whose own crossover,
@@ -101,6 +106,57 @@ def int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tupl
     return qt, st, ot
 
 
+def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The plain codes ``q [N, K / 2]``, scales and zeros ``[N, K / 32]`` in ``int4_matmul_bf16``'s tiles (csrc/ops.cpp:
+    one forward stream a tile of four rows): ``[ceil(N / 4), 96 G']`` uint8, ``G'`` the tile groups (``G`` where
+    ``G % 4 == 2``, else ``G`` rounded up to four). A tile is its blocks of four groups (the last two where ``G % 4 ==
+    2``), a block of ``gb`` groups its four rows' codes ``[4, 16 gb]``, scales ``[4, gb]`` and corrections ``zero - 24
+    scale`` ``[4, gb]`` (float32 bytes, rounded once); rows past ``N`` and groups past ``G`` zero."""
+    n, groups = scale.shape
+    tg = groups if groups % 4 == 2 else -(-groups // 4) * 4  # the tile groups
+    rows = -(-n // TILE4_ROWS) * TILE4_ROWS
+    corr = (zero.double() - 24.0 * scale.double()).float()  # [N, G]: exact in float64, then one rounding
+    q = F.pad(q, (0, (tg - groups) * GROUP // 2, 0, rows - n))  # [N4, G' 16]
+    scale, corr = (F.pad(t, (0, tg - groups, 0, rows - n)) for t in (scale, corr))  # [N4, G']
+    tiles, full, r = rows // TILE4_ROWS, tg // 4, TILE4_ROWS
+
+    def blocks(t: torch.Tensor, per_group: int, g0: int, g1: int) -> torch.Tensor:  # [T, B, bytes of a block]
+        gb = min(4, g1 - g0)  # groups a block
+        part = t[:, g0 * per_group:g1 * per_group].reshape(tiles, r, -1, gb * per_group)  # [T, 4, B, gb per_group]
+        return part.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(tiles, (g1 - g0) // gb, -1)
+
+    spans = [(0, 4 * full)] if full else []
+    if tg % 4 == 2:
+        spans.append((4 * full, tg))
+    # each span's blocks: codes (16 bytes a group), scales, corrections (one float32 a group) side by side
+    parts = [torch.cat([blocks(t, w, g0, g1) for t, w in ((q, GROUP // 2), (scale, 1), (corr, 1))], -1)
+             for g0, g1 in spans]  # each [T, blocks, 96 gb]
+    parts = [p.reshape(tiles, -1) for p in parts]
+    return torch.cat(parts, -1).contiguous()  # [T, 96 G']
+
+
+def int8_bf16_tiles(q: torch.Tensor) -> torch.Tensor:
+    """The codes ``q [N, K]`` int8 in ``int8_matmul_bf16``'s tiles (csrc/ops.cpp: one forward stream a tile of four
+    rows): ``[ceil(N / 4), K16 / 16, 4, 16]`` (``K16``: ``K`` rounded up to 16; zero codes past ``K`` and in the last
+    tile's rows past ``N``): each 64 bytes the four rows' next 16 codes."""
+    n, k = q.shape
+    q = F.pad(q, (0, -k % 16, 0, -n % TILE4_ROWS))  # [N4, K16]
+    return q.reshape(-1, TILE4_ROWS, q.shape[1] // 16, 16).permute(0, 2, 1, 3).contiguous()  # [N4 / 4, K16 / 16, 4, 16]
+
+
+def bf16_tiles(layer: Int4Linear | Int8Linear) -> torch.Tensor:
+    """``layer``'s codes in the bf16 kernels' tiles (:func:`int4_bf16_tiles`, :func:`int8_bf16_tiles`), made once and
+    kept on the layer while its buffers are the ones they were made of (a layer whose codes are replaced gets new
+    tiles)."""
+    int4 = isinstance(layer, Int4Linear)
+    made_of = (layer.q, layer.scale, layer.zero) if int4 else (layer.q,)
+    held = layer.__dict__.get("_bf16_tiles")
+    if held is None or any(a is not b for a, b in zip(held[0], made_of)):
+        tiles = int4_bf16_tiles(*made_of) if int4 else int8_bf16_tiles(*made_of)
+        held = layer.__dict__["_bf16_tiles"] = (made_of, tiles)
+    return held[1]
+
+
 def int8_tiles(q: torch.Tensor) -> torch.Tensor:
     """The codes ``q [N, K]`` int8 in ``int8_matmul_f32``'s tiles: ``[ceil(N / 8), K8 / 8, 8, 8]`` (``K8``: ``K``
     rounded up to 8; zero codes past ``K`` and in the last tile's rows past ``N``)."""
@@ -129,8 +185,8 @@ def _rows_ok(x: torch.Tensor, k: int, kinds: Mapping[torch.dtype, Callable]) -> 
 
 
 def _int4_layer_ok(layer: Int4Linear) -> bool:
-    """Whether the C++ kernel takes ``layer``'s buffers: plain codes on a CPU, float32 scales and zeros, contiguous,
-    ``K`` within the kernel's bound."""
+    """Whether the C++ kernels take ``layer``'s buffers (they read tiles made of them): plain codes on a CPU, float32
+    scales and zeros, contiguous, ``K`` within the kernel's bound."""
     q, scale, zero = layer.q, layer.scale, layer.zero
     return (layer.in_features <= _MAX_K and q.device.type == "cpu" and q.is_contiguous() and scale.is_contiguous()
             and zero.is_contiguous() and scale.dtype is torch.float32 and zero.dtype is torch.float32)
@@ -155,9 +211,9 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         if not (_rows_ok(x, k, runs) and _int4_layer_ok(layer)):
             return torch_int4_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        q, scale, zero = f32_tiles(layer) if x.dtype is torch.float32 else (layer.q, layer.scale, layer.zero)
-        runs[x.dtype](x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
-                      x.shape[0], n, k, torch.get_num_threads())
+        tiles = f32_tiles(layer) if x.dtype is torch.float32 else (bf16_tiles(layer),)
+        runs[x.dtype](x.data_ptr(), x.stride(0), *(t.data_ptr() for t in tiles), out.data_ptr(), x.shape[0], n, k,
+                      torch.get_num_threads())
         return out
 
     def bind(layer: Int4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -169,10 +225,10 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         buffers = layer._buffers
         q, scale, zero = buffers["q"], buffers["scale"], buffers["zero"]
         k, n = layer.in_features, layer.out_features
-        # each row dtype's buffers: bf16 rows read the plain codes, float32 rows the tiles (kept alive here)
-        tiles = f32_tiles(layer) if torch.float32 in runs else None
-        ptrs = {dtype: tuple(t.data_ptr() for t in ((q, scale, zero) if dtype is torch.bfloat16 else tiles))
-                for dtype in runs}
+        # each row dtype's tiles, made at its first rows (a float32 model on a CPU with both kernels never makes the
+        # bf16 ones) and kept alive here: bf16 rows read bf16_tiles, float32 rows f32_tiles
+        tiles = _Tiles(layer)
+        ptrs = tiles.ptrs
         empty, bf16_t, threads = torch.empty, torch.bfloat16, torch.get_num_threads
 
         def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
@@ -233,6 +289,30 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
     return int4_matmul
 
 
+class _Tiles(dict):
+    """A layer's kernel tiles by row dtype (``{dtype: tensors}``), each made at its first lookup, and their pointers
+    (``ptrs``, likewise): a bound product's per-call lookup stays one dict hit."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ptrs = _TilePtrs(self)
+
+    def __missing__(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        held = self[dtype] = (bf16_tiles(self.layer),) if dtype is torch.bfloat16 else f32_tiles(self.layer)
+        return held
+
+
+class _TilePtrs(dict):
+    def __init__(self, tiles: _Tiles) -> None:
+        super().__init__()
+        self.tiles = tiles
+
+    def __missing__(self, dtype: torch.dtype) -> tuple[int, ...]:
+        held = self[dtype] = tuple(t.data_ptr() for t in self.tiles[dtype])
+        return held
+
+
 def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
                     f32: bool = False) -> Callable[[torch.Tensor, Int8Linear], torch.Tensor]:
     """The C++ int8 product with :func:`torch_int8_matmul`'s signature; inputs it cannot take go to torch's.
@@ -246,8 +326,7 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
                 and scale.dtype is torch.float32):
             return torch_int8_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        if x.dtype is torch.float32:
-            (q,) = f32_tiles(layer)
+        (q,) = f32_tiles(layer) if x.dtype is torch.float32 else (bf16_tiles(layer),)
         runs[x.dtype](x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], n, k,
                       torch.get_num_threads())
         return out
