@@ -70,6 +70,23 @@ def test_silu_mul_of_bf16_is_torchs_bit_for_bit(rows, inter):
     assert torch.equal(out, ref)
 
 
+@needs_bf16_layers
+def test_silu_mul_of_bf16_is_torchs_on_every_bf16_gate():
+    """Every one of the 65,536 bf16 values as the gate (infinities and NaNs included; NaN where torch gives NaN), times
+    an up of both signs and a range of magnitudes: the vector loop's rounding is f32_to_bf16's."""
+    ext = _bf16_ext()
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # [65536]
+    up = (torch.randn(65536, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16)
+    up[::7] = torch.tensor(float("inf"), dtype=torch.bfloat16)
+    gu = torch.cat((gate, up)).reshape(1, -1)  # [1, 2 I]
+    out = torch.empty((1, 65536), dtype=torch.bfloat16)
+    ext.silu_mul_bf16(gu.data_ptr(), out.data_ptr(), 1, 65536)
+    ref = (torch.nn.functional.silu(gate) * up).reshape(1, -1)
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], ref[~nan])
+
+
 def _counting(inner, counter: list[int]):
     """The op ``decode_layers`` ``inner`` with its stacks' calls counted (their rows appended to ``counter``)."""
     def op(layers, *a):
