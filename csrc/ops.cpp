@@ -1711,14 +1711,30 @@ inline int64_t int4_tile_groups(int64_t K) {
   return G % 4 == 2 ? G : (G + 3) / 4 * 4;
 }
 
+// the four passes' bf16 pairs (1 + c / 16, 1 + c' / 16) of 64 (or 32) bytes of codes: nibbles s and s + 4 of each
+// 32-bit lane moved to bits 3 .. 6 and 19 .. 22, 0x3F80 set above each
+FASTGATE_BF16_TARGET inline void int4_passes(__m512i q, __m512bh w[4]) {
+  const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  w[0] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_slli_epi32(q, 3), nibbles, one, 0xEA));
+  w[1] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 1), nibbles, one, 0xEA));
+  w[2] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 5), nibbles, one, 0xEA));
+  w[3] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 9), nibbles, one, 0xEA));
+}
+
+FASTGATE_BF16_TARGET inline void int4_passes(__m256i q, __m256bh w[4]) {
+  const __m256i nibbles = _mm256_set1_epi32(0x00780078), one = _mm256_set1_epi32(0x3F803F80);
+  w[0] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_slli_epi32(q, 3), nibbles, one, 0xEA));
+  w[1] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 1), nibbles, one, 0xEA));
+  w[2] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 5), nibbles, one, 0xEA));
+  w[3] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 9), nibbles, one, 0xEA));
+}
+
 // tiles t0 .. t1 - 1 of the int4 product for MB input rows (xp, S as int4_prepare makes them, rows xp_stride and
 // S_stride apart; S zero past G)
 template <int MB>
 FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
                                          const uint8_t* tiles, int64_t K, int64_t t0, int64_t t1, int64_t N,
                                          uint16_t* y, const uint16_t* res) {
-  const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
-  const __m256i nib8 = _mm256_set1_epi32(0x00780078), one8 = _mm256_set1_epi32(0x3F803F80);
   // row r's lanes: group g's four lanes get scale [r][g] (constants in memory: the accumulators take the registers)
   alignas(64) static const int32_t spread[4][16] = {
       {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},         {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
@@ -1743,10 +1759,7 @@ FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, 
         const __m512i q = _mm512_loadu_si512(p + 64 * r);  // 128 codes: four groups of row r
         const __m512 s = _mm512_permutexvar_ps(_mm512_load_si512(spread[r]), sc);
         __m512bh w[4];
-        w[0] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_slli_epi32(q, 3), nibbles, one, 0xEA));
-        w[1] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 1), nibbles, one, 0xEA));
-        w[2] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 5), nibbles, one, 0xEA));
-        w[3] = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 9), nibbles, one, 0xEA));
+        int4_passes(q, w);
         for (int m = 0; m < MB; ++m) {
           const uint16_t* xb = xp + m * xp_stride + b * 128;
           __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb)));
@@ -1771,10 +1784,7 @@ FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, 
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * r));
         const __m256 s = _mm256_permutexvar_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(spread8[r])), sc);
         __m256bh w[4];
-        w[0] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_slli_epi32(q, 3), nib8, one8, 0xEA));
-        w[1] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 1), nib8, one8, 0xEA));
-        w[2] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 5), nib8, one8, 0xEA));
-        w[3] = reinterpret_cast<__m256bh>(_mm256_ternarylogic_epi32(_mm256_srli_epi32(q, 9), nib8, one8, 0xEA));
+        int4_passes(q, w);
         for (int m = 0; m < MB; ++m) {
           const uint16_t* xb = xp + m * xp_stride + full * 128;
           __m256 d = _mm256_setzero_ps();
