@@ -14,6 +14,7 @@ from fastgate.ops.quant import (
     ext_int4_matmul,
     ext_int8_matmul,
     int4_bf16_tiles,
+    int8_bf16_tiles,
     torch_int4_matmul,
     torch_int8_matmul,
 )
@@ -102,6 +103,20 @@ def test_int4_bf16_tiles_hold_each_row_s_codes_scales_and_corrections(n, groups)
                 assert torch.equal(codes[16 * g:16 * (g + 1)], want)
                 assert floats[0, g].item() == (scale[row, g0 + g].item() if real else 0.0)
                 assert floats[1, g].item() == (corr[row, g0 + g].item() if real else 0.0)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (4, 16), (5, 17), (9, 576)])
+def test_int8_bf16_tiles_hold_each_row_s_next_16_codes(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    tiles = int8_bf16_tiles(q)
+    k16 = -(-k // 16) * 16
+    assert tiles.shape == (-(-n // 4), k16 // 16, 4, 16) and tiles.is_contiguous()
+    padded = torch.zeros((-(-n // 4) * 4, k16), dtype=torch.int8)
+    padded[:n, :k] = q
+    for row in range(padded.shape[0]):
+        for c in range(k16 // 16):
+            assert torch.equal(tiles[row // 4, c, row % 4], padded[row, 16 * c:16 * (c + 1)])
 
 
 def test_bf16_tiles_are_made_once_and_again_for_new_codes():

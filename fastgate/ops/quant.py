@@ -49,7 +49,7 @@ __all__ = ["BF16_KERNEL_ROWS", "TILE4_ROWS", "TILE_ROWS", "bf16_tiles", "ext_int
            "torch_int8_matmul"]
 
 TILE_ROWS = 8  # weight rows a tile of the float32 kernels' layout (csrc/ops.cpp, kTileRows)
-TILE4_ROWS = 4  # weight rows a tile of the bf16 int4 kernel's layout (csrc/ops.cpp, kInt4TileRows)
+TILE4_ROWS = 4  # weight rows a tile of the bf16 kernels' layouts (csrc/ops.cpp, kInt4TileRows, kInt8TileRows)
 
 _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its stack (csrc/ops.cpp)
 # float32 rows up to which int4_matmul_f32 beats the kept de-quantized float32 copy (int4-dense, whose own crossover,
