@@ -96,6 +96,7 @@ from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
 from fastgate.engine.local import Engine  # noqa: E402
 from fastgate.engine.packed import PackedLoop  # noqa: E402
 from fastgate.engine.static_step import StepConfig  # noqa: E402
+from fastgate.ops.quant import INT4_HALF, int4_bf16_tiles  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
@@ -173,11 +174,12 @@ def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
     """Bytes a decode step of ``rows`` rows reads of the weights as held: the parameters (tied ones once), the int8
     layers' weights and scales, the int4 layers' packed codes and bf16 scales and zeros (what torch's kernel reads;
     ``int4_plain``: their plain codes and float32 scales and zeros, the bytes the C++ kernel of op ``int4_matmul``
-    reads, in its tiles)
+    reads, in its tiles; a bf16 model's kernel reads a Q4_1 file's float16 d and m instead, half the floats' bytes)
     or, beyond their kernel rows, their kept de-quantized copy (``int4-dense``), less the embedding table where the LM
     head does not multiply by it (an untied head, or a quantized head of its own: a step reads one row of the table a
     token)."""
     held = sum(p.numel() * p.element_size() for p in model.parameters())
+    bf16 = next(model.parameters()).dtype is torch.bfloat16  # the bf16 kernels read a Q4_1 file's d and m as float16
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)) and module.dense is not None and rows > module.kernel_rows:
             held += module.dense.numel() * module.dense.element_size()
@@ -185,7 +187,10 @@ def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
             held += sum(t.numel() * t.element_size() for t in (module.q, module.scale))
         elif isinstance(module, Int4Linear):
             read = (module.q, module.scale, module.zero) if int4_plain else (module.packed, module.scale_zeros)
-            held += sum(t.numel() * t.element_size() for t in read)
+            floats = sum(t.numel() * t.element_size() for t in read[1:])
+            if int4_plain and bf16 and int4_bf16_tiles(module.q, module.scale, module.zero)[1] == INT4_HALF:
+                floats //= 2
+            held += read[0].numel() * read[0].element_size() + floats
     embed = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     return held - (embed.numel() * embed.element_size() if head is not embed else 0)

@@ -1698,6 +1698,7 @@ void quant_split(int64_t M, int64_t N, int64_t K, int64_t threads, Rows rows, in
 // 120 int4 products of a batch-1 step (80 MB) from 5.2 to 3.6 ms on one Zen 4 core (15 -> 21 GB/s), 3.2 to 2.5 ms on
 // two (25 -> 32 GB/s, a sum's read then 35).
 constexpr int kInt4TileRows = 4;
+constexpr int64_t kInt4Float = 0, kInt4Half = 1;  // the tiles' forms: float32 scales and corrections, or d and m
 
 // an output: the sum rounded to bf16, then, with a residual res [M, N] bf16, bf16(res + that) (torch's h + y of bf16)
 inline uint16_t int4_out(float sum, const uint16_t* res, int64_t i) {
@@ -1731,7 +1732,38 @@ FASTGATE_BF16_TARGET inline void int4_passes(__m256i q, __m256bh w[4]) {
 
 // tiles t0 .. t1 - 1 of the int4 product for MB input rows (xp, S as int4_prepare makes them, rows xp_stride and
 // S_stride apart; S zero past G)
-template <int MB>
+// a block's scales and corrections, [4 rows][4 groups] (int4_floats16) or [4 rows][2 groups] (int4_floats8), from p:
+// float32 as held, or made from float16 d and m as the float32 form's were made at load
+template <bool Half>
+FASTGATE_BF16_TARGET inline void int4_floats16(const uint8_t* p, __m512& sc, __m512& co) {
+  if constexpr (Half) {
+    sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 zero = _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))),
+                                      _mm512_mul_ps(_mm512_set1_ps(8.0f), sc));  // m + 8 d: 8 d exact, one rounding
+    co = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, zero);
+  } else {
+    sc = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    co = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
+  }
+}
+
+template <bool Half>
+FASTGATE_BF16_TARGET inline void int4_floats8(const uint8_t* p, __m256& sc, __m256& co) {
+  if constexpr (Half) {
+    sc = _mm256_maskz_cvtph_ps(0xFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // AVX512VL: no F16C target
+    const __m256 zero = _mm256_add_ps(_mm256_maskz_cvtph_ps(0xFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))),
+                                      _mm256_mul_ps(_mm256_set1_ps(8.0f), sc));
+    co = _mm256_fnmadd_ps(_mm256_set1_ps(24.0f), sc, zero);
+  } else {
+    sc = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    co = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32));
+  }
+}
+
+// Half (the tiles' second form, kInt4Half): a block's scales and zeros are a Q4_1 file's own float16 d and m ([4 rows]
+// [gb] each, 80 gb bytes a block), the float32 scale d and correction (m + 8 d) - 24 d made here as the float32 form's
+// were made at load (fastgate.ops.quant.int4_bf16_tiles takes this form only where they come out the same bits).
+template <int MB, bool Half>
 FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, const float* S, int64_t S_stride,
                                          const uint8_t* tiles, int64_t K, int64_t t0, int64_t t1, int64_t N,
                                          uint16_t* y, const uint16_t* res) {
@@ -1741,7 +1773,8 @@ FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, 
       {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
   alignas(32) static const int32_t spread8[4][8] = {
       {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
-  const int64_t Gt = int4_tile_groups(K), full = Gt / 4, tile_bytes = 96 * Gt;
+  constexpr int64_t kGroupBytes = Half ? 80 : 96;  // a row-group's codes and its two floats, times four rows
+  const int64_t Gt = int4_tile_groups(K), full = Gt / 4, tile_bytes = kGroupBytes * Gt;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* p = tiles + t * tile_bytes;
     __m512 acc[kInt4TileRows][MB], corr[MB];  // corr: lanes [row][g % 4]
@@ -1749,10 +1782,11 @@ FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, 
       corr[m] = _mm512_setzero_ps();
       for (int r = 0; r < kInt4TileRows; ++r) acc[r][m] = _mm512_setzero_ps();
     }
-    for (int64_t b = 0; b < full; ++b, p += 384) {  // a block: codes 256 bytes, scales 64, corrections 64
-      for (int l = 0; l < 6; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64 * l, _MM_HINT_T0);
-      const __m512 sc = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256));  // [4 rows][4 groups]
-      const __m512 co = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 320));
+    for (int64_t b = 0; b < full; ++b, p += 4 * kGroupBytes) {  // a block: codes 256 bytes, then the floats
+      for (int l = 0; l < 4 * kGroupBytes / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64 * l, _MM_HINT_T0);
+      __m512 sc, co;  // [4 rows][4 groups]
+      int4_floats16<Half>(p + 256, sc, co);
       for (int m = 0; m < MB; ++m)
         corr[m] = _mm512_fmadd_ps(co, _mm512_broadcast_f32x4(_mm_loadu_ps(S + m * S_stride + 4 * b)), corr[m]);
       for (int r = 0; r < kInt4TileRows; ++r) {
@@ -1771,8 +1805,8 @@ FASTGATE_BF16_TARGET void int4_tiles_run(const uint16_t* xp, int64_t xp_stride, 
       }
     }
     if (Gt % 4 == 2) {  // the last two groups (K = 576: 18): codes 128 bytes, scales 32, corrections 32; 256 bits wide
-      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 128));  // [4 rows][2 groups]
-      const __m256 co = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 160));
+      __m256 sc, co;  // [4 rows][2 groups]
+      int4_floats8<Half>(p + 128, sc, co);
       for (int m = 0; m < MB; ++m) {  // [4 rows][2] -> corr's lanes 4r, 4r + 1
         const __m128 s2 = _mm_castpd_ps(_mm_load1_pd(reinterpret_cast<const double*>(S + m * S_stride + 4 * full)));
         const __m256 c2 = _mm256_mul_ps(co, _mm256_set_m128(s2, s2));
@@ -1884,8 +1918,8 @@ FASTGATE_BF16_TARGET void int4_prepare(const uint16_t* x, int64_t K, float* S, u
 
 #ifdef FASTGATE_BF16_KERNEL
 // int4_matmul_bf16's work, its inputs checked and the GIL released by the caller (decode_layers_bf16 calls it too)
-void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, uint16_t* y, int64_t M, int64_t N,
-               int64_t K, int64_t threads, const uint16_t* norm, float eps, const uint16_t* res) {
+void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, int64_t form, uint16_t* y, int64_t M,
+               int64_t N, int64_t K, int64_t threads, const uint16_t* norm, float eps, const uint16_t* res) {
   const int64_t G = K / 32, blocks = (G + 3) / 4, xp_stride = blocks * 128, S_stride = (G + 15) / 16 * 16;
   // per input row (normed first where asked): each group's sum S_g (zero past G) and the row permuted for the passes
   std::vector<float> S(M * S_stride, 0.0f);
@@ -1905,12 +1939,16 @@ void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, uint16
     uint16_t* ym = y + m0 * N;
     const uint16_t* rm = res ? res + m0 * N : nullptr;
     const int64_t t0 = n0 / kInt4TileRows, t1 = n1 / kInt4TileRows;  // n0, n1: multiples of 64 or the end
-    switch (mb) {
-      case 1: int4_tiles_run<1>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
-      case 2: int4_tiles_run<2>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
-      case 3: int4_tiles_run<3>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
-      default: int4_tiles_run<4>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
-    }
+    const auto run = [&](auto half) {
+      constexpr bool H = decltype(half)::value;
+      switch (mb) {
+        case 1: int4_tiles_run<1, H>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+        case 2: int4_tiles_run<2, H>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+        case 3: int4_tiles_run<3, H>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+        default: int4_tiles_run<4, H>(xm, xp_stride, Sm, S_stride, tiles, K, t0, t1, N, ym, rm); break;
+      }
+    };
+    if (form == kInt4Half) run(std::true_type{}); else run(std::false_type{});
   });
 }
 #endif
@@ -1921,19 +1959,21 @@ void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, uint16
 // RMS-normed with that weight [K] bf16 and eps, as rms_norm_bf16 norms them (the same loop), so that the fused pass's
 // norm and the product after it are one call. res_ptr (0: none): a residual [M, N] bf16 contiguous added to the
 // product as torch adds two bf16 tensors (out = res + y, each output rounded once more).
-void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, uintptr_t out_ptr, int64_t M, int64_t N,
-                      int64_t K, int64_t threads, uintptr_t norm_ptr, double eps, uintptr_t res_ptr) {
+void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, int64_t form, uintptr_t out_ptr,
+                      int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr, double eps,
+                      uintptr_t res_ptr) {
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
     throw std::invalid_argument("int4_matmul_bf16: bad shape (K a multiple of 32, at most 16384)");
+  if (form != kInt4Float && form != kInt4Half) throw std::invalid_argument("int4_matmul_bf16: form 0 or 1");
   if (M == 0) return;
   py::gil_scoped_release release;
-  int4_bf16(reinterpret_cast<const uint16_t*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(tiles_ptr),
+  int4_bf16(reinterpret_cast<const uint16_t*>(x_ptr), x_stride, reinterpret_cast<const uint8_t*>(tiles_ptr), form,
             reinterpret_cast<uint16_t*>(out_ptr), M, N, K, threads, reinterpret_cast<const uint16_t*>(norm_ptr),
             static_cast<float>(eps), reinterpret_cast<const uint16_t*>(res_ptr));
 #else
-  (void)x_ptr, (void)x_stride, (void)tiles_ptr, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
+  (void)x_ptr, (void)x_stride, (void)tiles_ptr, (void)form, (void)out_ptr, (void)M, (void)N, (void)K, (void)threads;
   (void)norm_ptr, (void)eps, (void)res_ptr;
   throw std::invalid_argument("int4_matmul_bf16: not built for this platform");
 #endif
@@ -2857,8 +2897,9 @@ void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
 // step for step, so bitwise the same, without ~7 Python calls and tensors a layer (a batch-1 step of SmolLM2: ~2 ms of
 // host time in ~8 ms on a Zen 4 EPYC).
 //   h [m, d] bf16 contiguous (not written); out [m, d] bf16 contiguous: the last layer's output
-//   table [L, 7] int64: a layer's pointers: qkv's tiles, its bias (bf16; 0: none); o's, gate_up's, down's tiles
-//     (int4_matmul_bf16's; N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I); the two norms' weights (bf16)
+//   table [L, 11] int64: a layer's pointers: qkv's tiles, its bias (bf16; 0: none); o's, gate_up's, down's tiles
+//     (int4_matmul_bf16's; N: (H + 2 Hkv) D, d, 2 I, d; K: d, H D, d, I); the two norms' weights (bf16); then the
+//     four products' tile forms (kInt4Float, kInt4Half), checked before any layer runs
 //   floats [L, 3] float64: the norms' eps, the attention's scaling
 //   kv [L, 2] int64: the layer's key and value store [R, Hkv, C, D] bf16 (strides s_row, s_head, s_col, 1 alike)
 //   cos / sin [m, D] bf16, rows c_stride apart; pos [m] int64: row r's new column
@@ -2882,6 +2923,10 @@ void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d
   const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin_ptr);
   const int64_t* pos = reinterpret_cast<const int64_t*>(pos_ptr);
   const int64_t widest = attended_width(pos, m, cols);  // the positions checked before any layer writes the store
+  for (int64_t l = first; l < last; ++l)
+    for (int i = 7; i < 11; ++i)
+      if (table[l * 11 + i] != kInt4Float && table[l * 11 + i] != kInt4Half)
+        throw std::invalid_argument("decode_layers_bf16: a tile form is 0 or 1");
   const int64_t width = (H + 2 * Hkv) * D;
   auto b = [](int64_t p) { return reinterpret_cast<const uint16_t*>(p); };
   auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
@@ -2889,10 +2934,10 @@ void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d
   std::vector<uint16_t> qkv(m * width), attn(m * H * D), gu(m * 2 * I), act(m * I), h2(m * d), h3(m * d);
   const uint16_t* hin = reinterpret_cast<const uint16_t*>(h_ptr);
   for (int64_t l = first; l < last; ++l) {
-    const int64_t* t = table + l * 7;
+    const int64_t* t = table + l * 11;
     const double* e = floats + l * 3;
     uint16_t* hout = l + 1 == last ? reinterpret_cast<uint16_t*>(out_ptr) : h3.data();
-    int4_bf16(hin, d, u8(t[0]), qkv.data(), m, width, d, threads, b(t[5]), static_cast<float>(e[0]), nullptr);
+    int4_bf16(hin, d, u8(t[0]), t[7], qkv.data(), m, width, d, threads, b(t[5]), static_cast<float>(e[0]), nullptr);
     if (t[1])  // torch's y + bias of bf16: each sum rounded
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < width; ++j)
@@ -2901,10 +2946,11 @@ void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d
                         reinterpret_cast<uint16_t*>(kv[2 * l]), reinterpret_cast<uint16_t*>(kv[2 * l + 1]), pos,
                         attn.data(), m, H, Hkv, D, widest, s_row, s_head, s_col, static_cast<float>(e[2]), threads,
                         cs, sn, c_stride);
-    int4_bf16(attn.data(), H * D, u8(t[2]), h2.data(), m, d, H * D, threads, nullptr, 0.0f, hin);
-    int4_bf16(h2.data(), d, u8(t[3]), gu.data(), m, 2 * I, d, threads, b(t[6]), static_cast<float>(e[1]), nullptr);
+    int4_bf16(attn.data(), H * D, u8(t[2]), t[8], h2.data(), m, d, H * D, threads, nullptr, 0.0f, hin);
+    int4_bf16(h2.data(), d, u8(t[3]), t[9], gu.data(), m, 2 * I, d, threads, b(t[6]), static_cast<float>(e[1]),
+              nullptr);
     silu_mul_rows_bf16(gu.data(), act.data(), m, I, exp8);
-    int4_bf16(act.data(), I, u8(t[4]), hout, m, d, I, threads, nullptr, 0.0f, h2.data());
+    int4_bf16(act.data(), I, u8(t[4]), t[10], hout, m, d, I, threads, nullptr, 0.0f, h2.data());
     hin = hout;
   }
 #else
@@ -2963,7 +3009,8 @@ PYBIND11_MODULE(_C, m) {
         "Whether this CPU runs prefill_attention_bf16 (AVX512-BF16).");
   m.def("quant_kernels_supported", &quant_kernels_supported,
         "Whether int4_matmul_bf16 / int8_matmul_bf16 run here (built for and running on a CPU with AVX512-BF16)");
-  m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("tiles"), py::arg("out"),
+  m.def("int4_matmul_bf16", &int4_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("tiles"), py::arg("form"),
+        py::arg("out"),
         py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads") = 0,
         py::arg("norm") = 0, py::arg("eps") = 1e-6, py::arg("residual") = 0);
   m.def("int8_matmul_bf16", &int8_matmul_bf16, py::arg("x"), py::arg("x_stride"), py::arg("tiles"), py::arg("scale"),

@@ -10,6 +10,8 @@ import torch
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, int4_reference, int8_reference, quantize_int4, quantize_int8
 from fastgate.ops.quant import (
+    INT4_FLOAT,
+    INT4_HALF,
     bf16_tiles,
     ext_int4_matmul,
     ext_int8_matmul,
@@ -86,7 +88,8 @@ def test_int4_bf16_tiles_hold_each_row_s_codes_scales_and_corrections(n, groups)
     gen = torch.Generator().manual_seed(n * groups)
     q = torch.randint(0, 256, (n, groups * 16), dtype=torch.uint8, generator=gen)
     scale, zero = torch.rand((n, groups), generator=gen), torch.randn((n, groups), generator=gen)
-    tiles = int4_bf16_tiles(q, scale, zero)
+    tiles, form = int4_bf16_tiles(q, scale, zero, half=False)
+    assert form == INT4_FLOAT
     tg = groups if groups % 4 == 2 else -(-groups // 4) * 4
     assert tiles.dtype == torch.uint8 and tiles.shape == (-(-n // 4), 96 * tg) and tiles.is_contiguous()
     corr = (zero.double() - 24 * scale.double()).float()
@@ -119,13 +122,56 @@ def test_int8_bf16_tiles_hold_each_row_s_next_16_codes(n, k):
             assert torch.equal(tiles[row // 4, c, row % 4], padded[row, 16 * c:16 * (c + 1)])
 
 
+def _q4_1(n: int, k: int, seed: int) -> Int4Linear:
+    """An Int4Linear as a Q4_1 file gives it (fastgate.assets.quant.q4_1_codes): scale = d, zero = m + 8 d, d and m
+    float16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    d = (torch.rand((n, k // 32), generator=gen) * 0.02 + 1e-4).to(torch.float16).float()
+    m = (torch.randn((n, k // 32), generator=gen) * 0.05).to(torch.float16).float()
+    return Int4Linear(q, d, m + 8.0 * d)
+
+
+@pytest.mark.parametrize("n", [1, 7, 769])
+@pytest.mark.parametrize("k", [32, 96, 160, 576, 1536])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_int4_half_tiles_give_the_float_tiles_bits(n, k, m):
+    """A Q4_1 layer's tiles hold its float16 d and m (80 bytes a row-group's block, not 96): the kernel makes the
+    float32 scale and correction the float form holds, so every output is the same bits, with a residual too."""
+    ext = _ext()
+    layer = _q4_1(n, k, seed=n + k + m)
+    half, form = int4_bf16_tiles(layer.q, layer.scale, layer.zero)
+    full, form32 = int4_bf16_tiles(layer.q, layer.scale, layer.zero, half=False)
+    assert (form, form32) == (INT4_HALF, INT4_FLOAT) and half.shape[1] * 96 == full.shape[1] * 80
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    res = torch.randn((m, n)).to(torch.bfloat16)
+    outs = []
+    for tiles, f in ((half, form), (full, form32)):
+        for residual in (0, res.data_ptr()):
+            out = torch.empty((m, n), dtype=torch.bfloat16)
+            ext.int4_matmul_bf16(x.data_ptr(), k, tiles.data_ptr(), f, out.data_ptr(), m, n, k, 2, 0, 1e-6, residual)
+            outs.append(out)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    _close_to_definition(outs[0], int4_reference(x, layer.q, layer.scale, layer.zero))
+
+
+def test_int4_tiles_take_the_float_form_where_the_floats_are_not_a_q4_1_file_s():
+    layer = _int4(8, 64, seed=1)  # quantize_int4 of float weights: float32 scales
+    assert int4_bf16_tiles(layer.q, layer.scale, layer.zero)[1] == INT4_FLOAT
+    with pytest.raises(ValueError, match="Q4_1"):
+        int4_bf16_tiles(layer.q, layer.scale, layer.zero, half=True)
+    q41 = _q4_1(8, 64, seed=1)
+    assert int4_bf16_tiles(q41.q, q41.scale, q41.zero)[1] == INT4_HALF
+    assert bf16_tiles(q41)[1] == INT4_HALF
+
+
 def test_bf16_tiles_are_made_once_and_again_for_new_codes():
     layer = _int4(12, 64, seed=4)
     tiles = bf16_tiles(layer)
     assert bf16_tiles(layer) is tiles
     layer.q = layer.q.clone()  # replaced codes (a refresh, a join)
     again = bf16_tiles(layer)
-    assert again is not tiles and torch.equal(again, tiles)
+    assert again is not tiles and torch.equal(again[0], tiles[0]) and again[1] == tiles[1]
 
 
 @pytest.mark.parametrize("n", [1, 7, 769])
@@ -147,12 +193,13 @@ def test_two_threads_give_one_thread_s_bits():
     layer = _int4(2048, 576, seed=1)
     head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
     x = torch.randn((4, 576)).to(torch.bfloat16)
-    for name, lay, args in (("int4_matmul_bf16", layer, (bf16_tiles(layer),)),
-                            ("int8_matmul_bf16", head, (bf16_tiles(head), head.scale))):
+    for name, lay, args in (("int4_matmul_bf16", layer, bf16_tiles(layer)),
+                            ("int8_matmul_bf16", head, (*bf16_tiles(head), head.scale))):
         outs = []
         for threads in (1, 2):
             out = torch.empty((4, lay.out_features), dtype=torch.bfloat16)
-            getattr(ext, name)(x.data_ptr(), x.stride(0), *(t.data_ptr() for t in args), out.data_ptr(), 4,
+            getattr(ext, name)(x.data_ptr(), x.stride(0), *(getattr(t, "data_ptr", lambda t=t: t)() for t in args),
+                               out.data_ptr(), 4,
                                lay.out_features, lay.in_features, threads)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), name

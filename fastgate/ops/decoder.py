@@ -41,8 +41,8 @@ __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
 # pointers a layer in the extension's table (decode_layers_f32 / decode_layers_bf16 in csrc/ops.cpp): float32 products
-# read three tiles (codes, scales, offsets), bf16 ones one stream
-_TABLE = {torch.float32: 15, torch.bfloat16: 7}
+# read three tiles (codes, scales, offsets), bf16 ones one stream (and its form, after the norms)
+_TABLE = {torch.float32: 15, torch.bfloat16: 11}
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,20 @@ class DecodeStack:
         self._tiles = []  # each product's codes and scales as its kernel reads them (the table points into them)
         for w in layers:
             qkv, o, gu, dn = w.qkv, w.o, w.gate_up, w.down
-            row = []
+            row, forms = [], []
             for i, product in enumerate((qkv, o, gu, dn)):
-                tiles = (bf16_tiles(product),) if bf16 else f32_tiles(product)
+                if bf16:  # one stream a product, and its form (at the row's end)
+                    tiles, form = bf16_tiles(product)
+                    tiles, forms = (tiles,), forms + [form]
+                else:  # codes, scales, offsets
+                    tiles = f32_tiles(product)
                 self._tiles.append(tiles)
-                row += [t.data_ptr() for t in tiles]  # float32: codes, scales, offsets; bf16: the one stream
+                row += [t.data_ptr() for t in tiles]
                 if i == 0:
                     bias = None if qkv.bias is None else qkv.bias.detach().to(self.dtype).contiguous()
                     self._tiles.append((bias,))
                     row.append(0 if bias is None else bias.data_ptr())
-            rows.append(row + [w.ln1.data_ptr(), w.ln2.data_ptr()])
+            rows.append(row + [w.ln1.data_ptr(), w.ln2.data_ptr()] + forms)
         # each product's buffers and codes: a layer whose codes are replaced (Int4Linear.refresh of new codes, a join)
         # no longer runs here
         self._codes = [(m._buffers, m.q) for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)]

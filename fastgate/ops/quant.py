@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
 from fastgate.ops.layer import ext_kernels
 
-__all__ = ["BF16_KERNEL_ROWS", "TILE4_ROWS", "TILE_ROWS", "bf16_tiles", "ext_int4_matmul", "ext_int8_matmul",
-           "f32_tiles", "int4_bf16_tiles", "int4_tiles", "int8_bf16_tiles", "int8_tiles", "torch_int4_matmul",
-           "torch_int8_matmul"]
+__all__ = ["BF16_KERNEL_ROWS", "INT4_FLOAT", "INT4_HALF", "TILE4_ROWS", "TILE_ROWS", "bf16_tiles", "ext_int4_matmul",
+           "ext_int8_matmul", "f32_tiles", "int4_bf16_tiles", "int4_tiles", "int8_bf16_tiles", "int8_tiles",
+           "torch_int4_matmul", "torch_int8_matmul"]
 
 TILE_ROWS = 8  # weight rows a tile of the float32 kernels' layout (csrc/ops.cpp, kTileRows)
 TILE4_ROWS = 4  # weight rows a tile of the bf16 kernels' layouts (csrc/ops.cpp, kInt4TileRows, kInt8TileRows)
+INT4_FLOAT, INT4_HALF = 0, 1  # the int4 tiles' forms (csrc/ops.cpp, kInt4Float, kInt4Half; int4_bf16_tiles)
 
 _MAX_K = 16384  # the int4 kernel keeps a tile's per-group corrections on its stack (csrc/ops.cpp)
 # float32 rows up to which int4_matmul_f32 beats the kept de-quantized float32 copy (int4-dense, whose own crossover,
@@ -106,18 +107,33 @@ def int4_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tupl
     return qt, st, ot
 
 
-def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    half: bool | None = None) -> tuple[torch.Tensor, int]:
     """The plain codes ``q [N, K / 2]``, scales and zeros ``[N, K / 32]`` in ``int4_matmul_bf16``'s tiles (csrc/ops.cpp:
-    one forward stream a tile of four rows): ``[ceil(N / 4), 96 G']`` uint8, ``G'`` the tile groups (``G`` where
-    ``G % 4 == 2``, else ``G`` rounded up to four). A tile is its blocks of four groups (the last two where ``G % 4 ==
-    2``), a block of ``gb`` groups its four rows' codes ``[4, 16 gb]``, scales ``[4, gb]`` and corrections ``zero - 24
-    scale`` ``[4, gb]`` (float32 bytes, rounded once); rows past ``N`` and groups past ``G`` zero."""
+    one forward stream a tile of four rows), and the tiles' form: ``[ceil(N / 4), B G']`` uint8, ``G'`` the tile groups
+    (``G`` where ``G % 4 == 2``, else ``G`` rounded up to four). A tile is its blocks of four groups (the last two where
+    ``G % 4 == 2``), a block of ``gb`` groups its four rows' codes ``[4, 16 gb]`` and two floats a row and group, ``[4,
+    gb]`` each: form :data:`INT4_HALF` (``B`` 80) where the scales and zeros are a Q4_1 file's ``d`` and ``m + 8 d``
+    (``scale`` float16, ``zero = m + 8 d`` with ``m`` float16, rounded once: the kernel makes the same float32 scale and
+    correction from ``d`` and ``m``), the float16 ``d`` and ``m``; else form :data:`INT4_FLOAT` (``B`` 96) the float32
+    scales and corrections ``zero - 24 scale`` (rounded once). Rows past ``N`` and groups past ``G`` zero. ``half``
+    False: the float32 form whatever the floats (True: the float16 one, an error where it would not be exact)."""
     n, groups = scale.shape
     tg = groups if groups % 4 == 2 else -(-groups // 4) * 4  # the tile groups
     rows = -(-n // TILE4_ROWS) * TILE4_ROWS
-    corr = (zero.double() - 24.0 * scale.double()).float()  # [N, G]: exact in float64, then one rounding
+    d = scale.to(torch.float16)  # [N, G]
+    m = (zero.double() - 8.0 * scale.double()).to(torch.float16)  # [N, G]: m where zero = m + 8 d
+    exact = bool(torch.isfinite(d).all() and torch.isfinite(m).all() and torch.equal(d.float(), scale)
+                 and torch.equal(m.float() + 8.0 * d.float(), zero))
+    if half and not exact:
+        raise ValueError("int4_bf16_tiles: these scales and zeros are not a Q4_1 file's float16 d and m + 8 d")
+    half = exact if half is None else half
+    if half:
+        floats = (d.view(torch.int16), m.view(torch.int16))
+    else:
+        floats = (scale, (zero.double() - 24.0 * scale.double()).float())  # [N, G]: exact in float64, one rounding
     q = F.pad(q, (0, (tg - groups) * GROUP // 2, 0, rows - n))  # [N4, G' 16]
-    scale, corr = (F.pad(t, (0, tg - groups, 0, rows - n)) for t in (scale, corr))  # [N4, G']
+    floats = tuple(F.pad(t, (0, tg - groups, 0, rows - n)) for t in floats)  # [N4, G'] each
     tiles, full, r = rows // TILE4_ROWS, tg // 4, TILE4_ROWS
 
     def blocks(t: torch.Tensor, per_group: int, g0: int, g1: int) -> torch.Tensor:  # [T, B, bytes of a block]
@@ -128,11 +144,11 @@ def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     spans = [(0, 4 * full)] if full else []
     if tg % 4 == 2:
         spans.append((4 * full, tg))
-    # each span's blocks: codes (16 bytes a group), scales, corrections (one float32 a group) side by side
-    parts = [torch.cat([blocks(t, w, g0, g1) for t, w in ((q, GROUP // 2), (scale, 1), (corr, 1))], -1)
-             for g0, g1 in spans]  # each [T, blocks, 96 gb]
+    # each span's blocks: codes (16 bytes a group), then the two floats (one a group each) side by side
+    parts = [torch.cat([blocks(t, w, g0, g1) for t, w in ((q, GROUP // 2), (floats[0], 1), (floats[1], 1))], -1)
+             for g0, g1 in spans]  # each [T, blocks, B gb]
     parts = [p.reshape(tiles, -1) for p in parts]
-    return torch.cat(parts, -1).contiguous()  # [T, 96 G']
+    return torch.cat(parts, -1).contiguous(), INT4_HALF if half else INT4_FLOAT  # [T, B G']
 
 
 def int8_bf16_tiles(q: torch.Tensor) -> torch.Tensor:
@@ -144,15 +160,15 @@ def int8_bf16_tiles(q: torch.Tensor) -> torch.Tensor:
     return q.reshape(-1, TILE4_ROWS, q.shape[1] // 16, 16).permute(0, 2, 1, 3).contiguous()  # [N4 / 4, K16 / 16, 4, 16]
 
 
-def bf16_tiles(layer: Int4Linear | Int8Linear) -> torch.Tensor:
-    """``layer``'s codes in the bf16 kernels' tiles (:func:`int4_bf16_tiles`, :func:`int8_bf16_tiles`), made once and
-    kept on the layer while its buffers are the ones they were made of (a layer whose codes are replaced gets new
-    tiles)."""
+def bf16_tiles(layer: Int4Linear | Int8Linear) -> tuple:
+    """``layer``'s codes in the bf16 kernels' tiles: int4 ``(tiles, form)`` (:func:`int4_bf16_tiles`), int8
+    ``(tiles,)`` (:func:`int8_bf16_tiles`), the kernels' arguments in their order; made once and kept on the layer
+    while its buffers are the ones they were made of (a layer whose codes are replaced gets new tiles)."""
     int4 = isinstance(layer, Int4Linear)
     made_of = (layer.q, layer.scale, layer.zero) if int4 else (layer.q,)
     held = layer.__dict__.get("_bf16_tiles")
     if held is None or any(a is not b for a, b in zip(held[0], made_of)):
-        tiles = int4_bf16_tiles(*made_of) if int4 else int8_bf16_tiles(*made_of)
+        tiles = int4_bf16_tiles(*made_of) if int4 else (int8_bf16_tiles(*made_of),)
         held = layer.__dict__["_bf16_tiles"] = (made_of, tiles)
     return held[1]
 
@@ -211,8 +227,8 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         if not (_rows_ok(x, k, runs) and _int4_layer_ok(layer)):
             return torch_int4_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        tiles = f32_tiles(layer) if x.dtype is torch.float32 else (bf16_tiles(layer),)
-        runs[x.dtype](x.data_ptr(), x.stride(0), *(t.data_ptr() for t in tiles), out.data_ptr(), x.shape[0], n, k,
+        tiles = f32_tiles(layer) if x.dtype is torch.float32 else bf16_tiles(layer)
+        runs[x.dtype](x.data_ptr(), x.stride(0), *_ptrs(tiles), out.data_ptr(), x.shape[0], n, k,
                       torch.get_num_threads())
         return out
 
@@ -289,6 +305,11 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
     return int4_matmul
 
 
+def _ptrs(args: tuple) -> tuple[int, ...]:
+    """A kernel's arguments from its tiles: each tensor's address, each form as it is."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 class _Tiles(dict):
     """A layer's kernel tiles by row dtype (``{dtype: tensors}``), each made at its first lookup, and their pointers
     (``ptrs``, likewise): a bound product's per-call lookup stays one dict hit."""
@@ -299,7 +320,7 @@ class _Tiles(dict):
         self.ptrs = _TilePtrs(self)
 
     def __missing__(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        held = self[dtype] = (bf16_tiles(self.layer),) if dtype is torch.bfloat16 else f32_tiles(self.layer)
+        held = self[dtype] = bf16_tiles(self.layer) if dtype is torch.bfloat16 else f32_tiles(self.layer)
         return held
 
 
@@ -309,7 +330,7 @@ class _TilePtrs(dict):
         self.tiles = tiles
 
     def __missing__(self, dtype: torch.dtype) -> tuple[int, ...]:
-        held = self[dtype] = tuple(t.data_ptr() for t in self.tiles[dtype])
+        held = self[dtype] = _ptrs(self.tiles[dtype])
         return held
 
 
@@ -326,7 +347,7 @@ def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
                 and scale.dtype is torch.float32):
             return torch_int8_matmul(x, layer)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-        (q,) = f32_tiles(layer) if x.dtype is torch.float32 else (bf16_tiles(layer),)
+        (q,) = f32_tiles(layer) if x.dtype is torch.float32 else bf16_tiles(layer)
         runs[x.dtype](x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], n, k,
                       torch.get_num_threads())
         return out
