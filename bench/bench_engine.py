@@ -96,7 +96,7 @@ from fastgate.engine.lm_head import DEFAULT_COLUMNS, slice_head  # noqa: E402
 from fastgate.engine.local import Engine  # noqa: E402
 from fastgate.engine.packed import PackedLoop  # noqa: E402
 from fastgate.engine.static_step import StepConfig  # noqa: E402
-from fastgate.ops.quant import INT4_HALF, int4_bf16_tiles  # noqa: E402
+from fastgate.ops.quant import INT4_HALF, int4_bf16_form  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
@@ -188,7 +188,7 @@ def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
         elif isinstance(module, Int4Linear):
             read = (module.q, module.scale, module.zero) if int4_plain else (module.packed, module.scale_zeros)
             floats = sum(t.numel() * t.element_size() for t in read[1:])
-            if int4_plain and bf16 and int4_bf16_tiles(module.q, module.scale, module.zero)[1] == INT4_HALF:
+            if int4_plain and bf16 and int4_bf16_form(module.scale, module.zero) == INT4_HALF:
                 floats //= 2
             held += read[0].numel() * read[0].element_size() + floats
     embed = model.get_input_embeddings().weight

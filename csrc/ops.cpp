@@ -2842,27 +2842,13 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
 #if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
 FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp8 exp8) {
   const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);
-  // bf16 <-> float32 eight at a time, f32_to_bf16's rounding (to nearest even, NaN kept a NaN) in integer lanes: the
-  // scalar conversions took ~6 us of a 1,536-wide row (SmolLM2), 30 a batch-1 step
-  const auto widen = [](const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  };
-  const auto rounded = [](__m256 v) {  // the bf16 bits in each lane's top half, the rest zero
-    const __m256i b = _mm256_castps_si256(v), top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i even = _mm256_add_epi32(
-        b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
-    const __m256i quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x400000));
-    return _mm256_and_si256(_mm256_blendv_epi8(even, quiet, nan), top);
-  };
+  // bf16 <-> float32 eight at a time (load_bf16v, round_bf16v, store_bf16v: f32_to_bf16's bits): the scalar
+  // conversions took ~6 us of a 1,536-wide row (SmolLM2), 30 a batch-1 step
   int64_t i = 0;
   for (; i + block <= n; i += block)
     for (int64_t j = i; j < i + block; j += 8) {
-      const __m256 si = _mm256_castsi256_ps(rounded(silu8(widen(g + j), exp8)));
-      const __m256i y = _mm256_srli_epi32(rounded(_mm256_mul_ps(si, widen(u + j))), 16);  // [8] bf16 in int32 lanes
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(y, y), 0x08);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j), _mm256_castsi256_si128(packed));
+      const f32x8 si = round_bf16v<Vec8>((f32x8)silu8((__m256)load_bf16v<Vec8>(g + j), exp8));
+      store_bf16v<Vec8>(o + j, si * load_bf16v<Vec8>(u + j));
     }
   for (; i < n; ++i) {
     const float xi = bf16_to_f32(g[i]);

@@ -15,6 +15,7 @@ from fastgate.ops.quant import (
     bf16_tiles,
     ext_int4_matmul,
     ext_int8_matmul,
+    int4_bf16_form,
     int4_bf16_tiles,
     int8_bf16_tiles,
     torch_int4_matmul,
@@ -160,8 +161,9 @@ def test_int4_tiles_take_the_float_form_where_the_floats_are_not_a_q4_1_file_s()
     assert int4_bf16_tiles(layer.q, layer.scale, layer.zero)[1] == INT4_FLOAT
     with pytest.raises(ValueError, match="Q4_1"):
         int4_bf16_tiles(layer.q, layer.scale, layer.zero, half=True)
+    assert int4_bf16_form(layer.scale, layer.zero) == INT4_FLOAT
     q41 = _q4_1(8, 64, seed=1)
-    assert int4_bf16_tiles(q41.q, q41.scale, q41.zero)[1] == INT4_HALF
+    assert int4_bf16_tiles(q41.q, q41.scale, q41.zero)[1] == INT4_HALF == int4_bf16_form(q41.scale, q41.zero)
     assert bf16_tiles(q41)[1] == INT4_HALF
 
 
@@ -193,13 +195,14 @@ def test_two_threads_give_one_thread_s_bits():
     layer = _int4(2048, 576, seed=1)
     head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
     x = torch.randn((4, 576)).to(torch.bfloat16)
-    for name, lay, args in (("int4_matmul_bf16", layer, bf16_tiles(layer)),
-                            ("int8_matmul_bf16", head, (*bf16_tiles(head), head.scale))):
+    tiles4, form = bf16_tiles(layer)
+    (tiles8,) = bf16_tiles(head)
+    for name, lay, args in (("int4_matmul_bf16", layer, (tiles4.data_ptr(), form)),
+                            ("int8_matmul_bf16", head, (tiles8.data_ptr(), head.scale.data_ptr()))):
         outs = []
         for threads in (1, 2):
             out = torch.empty((4, lay.out_features), dtype=torch.bfloat16)
-            getattr(ext, name)(x.data_ptr(), x.stride(0), *(getattr(t, "data_ptr", lambda t=t: t)() for t in args),
-                               out.data_ptr(), 4,
+            getattr(ext, name)(x.data_ptr(), x.stride(0), *args, out.data_ptr(), 4,
                                lay.out_features, lay.in_features, threads)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), name

@@ -45,8 +45,8 @@ from fastgate.assets.quant import GROUP, Int4Linear, Int8Linear
 from fastgate.ops.layer import ext_kernels
 
 __all__ = ["BF16_KERNEL_ROWS", "INT4_FLOAT", "INT4_HALF", "TILE4_ROWS", "TILE_ROWS", "bf16_tiles", "ext_int4_matmul",
-           "ext_int8_matmul", "f32_tiles", "int4_bf16_tiles", "int4_tiles", "int8_bf16_tiles", "int8_tiles",
-           "torch_int4_matmul", "torch_int8_matmul"]
+           "ext_int8_matmul", "f32_tiles", "int4_bf16_form", "int4_bf16_tiles", "int4_tiles", "int8_bf16_tiles",
+           "int8_tiles", "torch_int4_matmul", "torch_int8_matmul"]
 
 TILE_ROWS = 8  # weight rows a tile of the float32 kernels' layout (csrc/ops.cpp, kTileRows)
 TILE4_ROWS = 4  # weight rows a tile of the bf16 kernels' layouts (csrc/ops.cpp, kInt4TileRows, kInt8TileRows)
@@ -121,10 +121,8 @@ def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     n, groups = scale.shape
     tg = groups if groups % 4 == 2 else -(-groups // 4) * 4  # the tile groups
     rows = -(-n // TILE4_ROWS) * TILE4_ROWS
-    d = scale.to(torch.float16)  # [N, G]
-    m = (zero.double() - 8.0 * scale.double()).to(torch.float16)  # [N, G]: m where zero = m + 8 d
-    exact = bool(torch.isfinite(d).all() and torch.isfinite(m).all() and torch.equal(d.float(), scale)
-                 and torch.equal(m.float() + 8.0 * d.float(), zero))
+    d, m = _q4_1_floats(scale, zero)
+    exact = d is not None
     if half and not exact:
         raise ValueError("int4_bf16_tiles: these scales and zeros are not a Q4_1 file's float16 d and m + 8 d")
     half = exact if half is None else half
@@ -149,6 +147,22 @@ def int4_bf16_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
              for g0, g1 in spans]  # each [T, blocks, B gb]
     parts = [p.reshape(tiles, -1) for p in parts]
     return torch.cat(parts, -1).contiguous(), INT4_HALF if half else INT4_FLOAT  # [T, B G']
+
+
+def _q4_1_floats(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A Q4_1 file's float16 ``(d, m)`` where ``scale`` and ``zero`` are exactly its ``d`` and ``m + 8 d`` (as
+    :func:`fastgate.assets.quant.q4_1_codes` makes them), else ``(None, None)``."""
+    d = scale.to(torch.float16)  # [N, G]
+    m = (zero.double() - 8.0 * scale.double()).to(torch.float16)  # [N, G]: m where zero = m + 8 d
+    exact = (torch.isfinite(d).all() and torch.isfinite(m).all() and torch.equal(d.float(), scale)
+             and torch.equal(m.float() + 8.0 * d.float(), zero))
+    return (d, m) if exact else (None, None)
+
+
+def int4_bf16_form(scale: torch.Tensor, zero: torch.Tensor) -> int:
+    """The form :func:`int4_bf16_tiles` takes for these scales and zeros (:data:`INT4_HALF` or :data:`INT4_FLOAT`),
+    without making the tiles."""
+    return INT4_HALF if _q4_1_floats(scale, zero)[0] is not None else INT4_FLOAT
 
 
 def int8_bf16_tiles(q: torch.Tensor) -> torch.Tensor:
@@ -243,8 +257,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         k, n = layer.in_features, layer.out_features
         # each row dtype's tiles, made at its first rows (a float32 model on a CPU with both kernels never makes the
         # bf16 ones) and kept alive here: bf16 rows read bf16_tiles, float32 rows f32_tiles
-        tiles = _Tiles(layer)
-        ptrs = tiles.ptrs
+        ptrs = _KernelArgs(layer)
         empty, bf16_t, threads = torch.empty, torch.bfloat16, torch.get_num_threads
 
         def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
@@ -293,7 +306,7 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
             return out
 
         product.added = added  # type: ignore[attr-defined]
-        product.tiles = tiles  # type: ignore[attr-defined]  (ptrs point into them: alive while the product is)
+        product.tiles = ptrs.tiles  # type: ignore[attr-defined]  (ptrs point into them: alive while the product is)
         if normable:
             product.normed = normed  # type: ignore[attr-defined]
         return product
@@ -310,28 +323,20 @@ def _ptrs(args: tuple) -> tuple[int, ...]:
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-class _Tiles(dict):
-    """A layer's kernel tiles by row dtype (``{dtype: tensors}``), each made at its first lookup, and their pointers
-    (``ptrs``, likewise): a bound product's per-call lookup stays one dict hit."""
+class _KernelArgs(dict):
+    """A bound layer's kernel arguments by row dtype (``{dtype: (addresses and forms, ...)}``), each made at its first
+    lookup, so that a bound product's per-call lookup stays one dict hit; the tiles they point into are kept in
+    ``tiles`` (alive while the product is)."""
 
     def __init__(self, layer: Int4Linear) -> None:
         super().__init__()
         self.layer = layer
-        self.ptrs = _TilePtrs(self)
-
-    def __missing__(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        held = self[dtype] = bf16_tiles(self.layer) if dtype is torch.bfloat16 else f32_tiles(self.layer)
-        return held
-
-
-class _TilePtrs(dict):
-    def __init__(self, tiles: _Tiles) -> None:
-        super().__init__()
-        self.tiles = tiles
+        self.tiles: dict[torch.dtype, tuple] = {}
 
     def __missing__(self, dtype: torch.dtype) -> tuple[int, ...]:
-        held = self[dtype] = _ptrs(self.tiles[dtype])
-        return held
+        tiles = self.tiles[dtype] = bf16_tiles(self.layer) if dtype is torch.bfloat16 else f32_tiles(self.layer)
+        args = self[dtype] = _ptrs(tiles)
+        return args
 
 
 def ext_int8_matmul(ext: ModuleType, *, bf16: bool = True,
