@@ -19,6 +19,7 @@ from fastgate.errors import BackendUnavailableError, InputError
 from fastgate.gates.checkpoints import random_probe_params
 from fastgate.ops import reference, registry
 from fastgate.ops._cpu import CpuOps
+from fastgate.ops.dense import onednn_agrees
 from fastgate.ops.registry import OP_NAMES, Ops, build_ops
 from fastgate.ops.sampling import ext_token_logprobs
 
@@ -47,7 +48,10 @@ def test_ops_hold_every_op_and_record_each_choice():
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
         "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
-        "int8_matmul": "ext" if quant else "torch", "decode_layers": "ext" if layers else "torch",
+        "int8_matmul": "ext" if quant else "torch",
+        # the dense products' weights reordered once where oneDNN multiplies bf16 with F.linear's bits
+        "dense_linear": "onednn" if onednn_agrees() else "torch",
+        "decode_layers": "ext" if layers else "torch",
         # the tokens' log-probs: AVX2, FMA, torch's exp and log, and a probe that finds torch's bits
         "token_logprobs": "ext" if ext_token_logprobs(ext) is not reference.token_logprobs else "torch",
         "align_words": "ext", "word_logprobs": "ext",
@@ -122,7 +126,7 @@ def test_unknown_backends_are_input_errors(monkeypatch):
 def test_without_the_extension(monkeypatch):
     monkeypatch.setattr(registry, "import_ext", lambda: None)
     o = build_ops("auto", "cpu")
-    assert o.backend == "torch" and set(o.backends.values()) == {"torch", "python", "blocked"}
+    assert o.backend == "torch" and set(o.backends.values()) - {"onednn"} == {"torch", "python", "blocked"}
     assert o.backends["prefill_attention"] == "blocked"  # torch operations: no extension needed
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
         build_ops("ext", "cpu")

@@ -34,12 +34,12 @@ cover (another layer structure, a rotary type whose frequencies change with the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
 from fastgate.ops.decoder import DecoderLayerWeights
+from fastgate.ops.dense import torch_dense_linear
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 from fastgate.ops.threads import serial_torch
 
@@ -222,12 +222,15 @@ def _op_rows(layer: Int4Linear | Int8Linear, op, dtype: torch.dtype) -> int:
 
 
 def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=torch_int8_matmul,
-                  dtype: torch.dtype = torch.bfloat16) -> tuple[object | None, int, object | None]:
+                  dense_linear=torch_dense_linear, dtype: torch.dtype = torch.bfloat16
+                  ) -> tuple[object | None, int, object | None]:
     """``linear``'s product of ``dtype`` CPU rows as bare operator calls: ``(small, rows, large)``, ``small`` for at
     most ``rows`` rows and ``large`` beyond (None: not available). They are the calls :class:`Int4Linear` and
     :class:`Int8Linear` make for such rows (the weight-only kernel, then the kept de-quantized copy of ``int4-dense``),
     the kernel being the op ``int4_matmul`` / ``int8_matmul`` given (torch's by default: the layers' own), or
-    ``F.linear`` of an ``nn.Linear`` in ``dtype``, with the bias added as the layers add it. They skip
+    ``F.linear`` of an ``nn.Linear`` in ``dtype``, with the bias added as the layers add it; every dense product
+    (a kept copy's, an ``nn.Linear``'s) bound by the op ``dense_linear`` given (``F.linear``'s bits either way: the
+    runner's may multiply a weight reordered once, :mod:`fastgate.ops.dense`). They skip
     ``nn.Module.__call__`` and the layers' checks: a decode step makes four a layer (120 for SmolLM2). float32 rows
     (``dtype`` float32) take a quantized layer's kernel only where the op has one for them (``op.float32``: the
     registry's C++ op on an AVX2 CPU); torch's kernels run a scalar loop there, so the layer's own call stays."""
@@ -249,22 +252,23 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
         if dense is None:
             large = None
         elif bias is None:
-            large = lambda x: F.linear(x, dense)  # noqa: E731
+            large = dense_linear(dense)  # [M, N]
         else:
-            large = lambda x: F.linear(x, dense) + bias  # noqa: E731  (the layer adds it after: its roundings)
+            dense_product = dense_linear(dense)
+            large = lambda x: dense_product(x) + bias  # noqa: E731  (the layer adds it after: its roundings)
         return small, rows, large
     if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu" and _op_takes(int8_matmul, dtype):
         scale, dense = (linear.scale if dtype is torch.float32 else linear.scale_bf16), linear._kept(dtype)
+        dense_product = None if dense is None else dense_linear(dense)
         if bias is None:
             small = lambda x: int8_matmul(x, linear)  # noqa: E731  [M, N]
-            large = lambda x: F.linear(x, dense) * scale  # noqa: E731
+            large = lambda x: dense_product(x) * scale  # noqa: E731
         else:
             small = lambda x: int8_matmul(x, linear) + bias  # noqa: E731
-            large = lambda x: F.linear(x, dense) * scale + bias  # noqa: E731
+            large = lambda x: dense_product(x) * scale + bias  # noqa: E731
         return small, linear.kernel_rows, None if dense is None else large
     if type(linear) is nn.Linear and linear.weight.dtype is dtype:
-        weight = linear.weight
-        product = lambda x: F.linear(x, weight, bias)  # noqa: E731
+        product = dense_linear(linear.weight.detach(), bias)  # [M, N]
         return product, 1 << 30, product
     return None, 0, None
 
@@ -295,7 +299,7 @@ class FusedForward:
         self._kernel_limits: dict[tuple, int] = {}  # (matmuls, dtype) -> rows through every kernel (_kernel_limit)
         self._head_limits: dict[tuple, int] = {}  # (int8 op, dtype, device) -> the head's kernel rows (_head_rows)
         self._cos = self._sin = None  # [P, D] in the model's dtype, grown on demand
-        # every layer's products bound to a pair of ops (int4_matmul, int8_matmul): once a pair (a runner's ops)
+        # every layer's products bound to the ops (int4_matmul, int8_matmul[, dense_linear]): once (a runner's ops)
         self._bound: dict[tuple, list[list[tuple]]] = {}
         self._selections: dict[tuple, list[tuple]] = {}  # (matmuls, rows, dtype) -> each layer's calls (_selected)
         self._stacks: dict[object, object] = {}  # a decode_layers op -> its stack of these layers (None: none)
@@ -444,7 +448,7 @@ class FusedForward:
         key = (matmuls, dtype)
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = [[_row_products(m, *matmuls, dtype) for m in layer.linears]
+            bound = self._bound[key] = [[_row_products(m, *matmuls, dtype=dtype) for m in layer.linears]
                                         for layer in self.layers]
         return bound
 

@@ -610,7 +610,7 @@ class PackedLoop(DecodeLoop):
                 if fused is not None:
                     logits, outputs = fused(*args, _packed_attention, tap_layers, eng.ops.rms_norm, eng.ops.rope,
                                             eng.ops.decode_attention_step,
-                                            (eng.ops.int4_matmul, eng.ops.int8_matmul),
+                                            (eng.ops.int4_matmul, eng.ops.int8_matmul, eng.ops.dense_linear),
                                             eng.ops.decode_layers)  # [K, V]
                     hooks = _Outputs(outputs)
                 else:

@@ -28,14 +28,17 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   where the CPU has AVX2 and FMA and the extension's SwiGLU is torch's bit for bit; elsewhere the reference binds
   nothing and the fused pass runs the ops one by one, with the same results. A decode step's tokens and log-probs
   (``token_logprobs``, :mod:`fastgate.ops.sampling`) run in the extension for float32 logits where the CPU has AVX2
-  and FMA and a probe finds torch's ``log_softmax`` bits; torch's three calls otherwise.
+  and FMA and a probe finds torch's ``log_softmax`` bits; torch's three calls otherwise. A layer's dense product
+  of bf16 rows (``dense_linear``, :mod:`fastgate.ops.dense`: a prompt chunk's, a large batch's) multiplies its
+  weight in oneDNN's layout, made once (``onednn``), where torch has oneDNN's bf16 product and a probe finds
+  ``F.linear``'s bits, with or without the extension; ``F.linear`` of the plain weight otherwise.
 - ``triton``: insists on Triton for the three gating ops: fails unless ``triton`` imports and the device is CUDA, or
   ``TRITON_INTERPRET=1`` is set (the interpreter runs the kernels on CPU tensors; the tests use it). CPU ops as auto.
 - ``ext``: insists on the C++ extension and a CPU device, for the eigenscore and every CPU op.
 - ``torch`` (alias ``python``): every op runs its reference (``fastgate.ops.reference``, ``fastgate.ops._python``).
 
-Every choice is recorded by op name in :attr:`Ops.backends`: ``triton``, ``ext``, ``blocked``, ``torch`` (the torch
-references) or ``python`` (the numpy references). ``triton`` is imported only when a Triton kernel is chosen.
+Every choice is recorded by op name in :attr:`Ops.backends`: ``triton``, ``ext``, ``blocked``, ``onednn``, ``torch``
+(the torch references) or ``python`` (the numpy references). ``triton`` is imported only when a Triton kernel is chosen.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from fastgate.errors import BackendUnavailableError, InputError
 from fastgate.ops import _python, reference
 from fastgate.ops._cpu import CpuOps
 from fastgate.ops.decoder import no_decode_layers
+from fastgate.ops.dense import torch_dense_linear
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 
 __all__ = [
@@ -79,8 +83,8 @@ CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's: C++ on a CPU
 _QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, "decode_layers",
-                             "token_logprobs", *CPU_OPS)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, "dense_linear",
+                             "decode_layers", "token_logprobs", *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -150,6 +154,8 @@ class Ops:
     prefill_attention: Callable[..., torch.Tensor]
     int4_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int4Linear) -> [M,N] bf16: a decode step's product
     int8_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int8Linear) -> [M,N] bf16
+    # (weight [N,K], bias [N] | None) -> (x [M,K] -> [M,N]): a layer's dense product bound once, F.linear's bits
+    dense_linear: Callable[..., Callable[[torch.Tensor], torch.Tensor]]
     # (layers [DecoderLayerWeights], heads, kv_heads, head_dim) -> DecodeStack | None: a float32 int4 model's decoder
     # layers for decode rows in one call (fastgate.ops.decoder); None: the fused pass's per-op path
     decode_layers: Callable[..., object]
@@ -283,12 +289,13 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "prefill_attention": reference.prefill_attention,
         "int4_matmul": torch_int4_matmul,
         "int8_matmul": torch_int8_matmul,
+        "dense_linear": torch_dense_linear,
         "decode_layers": no_decode_layers,
         "token_logprobs": reference.token_logprobs,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
     names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS,
-                                        "decode_layers", "token_logprobs")}
+                                        "dense_linear", "decode_layers", "token_logprobs")}
     names |= {name: cpu for name in CPU_OPS}
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
@@ -336,6 +343,11 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
             chosen["token_logprobs"] = ext_token_logprobs(ext)
             if chosen["token_logprobs"] is not reference.token_logprobs:
                 names["token_logprobs"] = "ext"
+    if backend != "torch" and device.type == "cpu":  # bf16 rows' dense products with the weight reordered once
+        from fastgate.ops.dense import onednn_agrees, onednn_dense_linear
+
+        if onednn_agrees():
+            chosen["dense_linear"], names["dense_linear"] = onednn_dense_linear, "onednn"
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 

@@ -1,0 +1,125 @@
+"""A layer's dense product of bf16 rows on a CPU with its weight in oneDNN's own layout, made once (op
+``dense_linear``, docs/ARCHITECTURE.md).
+
+Why: torch's ``F.linear`` of bf16 rows on a CPU is a oneDNN product that first reorders the plain ``[N, K]`` weight
+into the blocked layout its kernel reads, on every call: the weight is read, written and read again. A fused pass's
+prompt chunks and larger batches multiply the kept de-quantized copies of ``int4-dense`` (or a bf16 model's own
+weights) this way, 120 products a pass for SmolLM2. ``torch.ops.mkldnn._reorder_linear_weight`` makes that layout
+once and ``torch.ops.mkldnn._linear_pointwise`` multiplies it (what inductor's CPU lowering of a frozen linear does):
+the same kernel, so the same bits. Measured on a 2-core Zen 4 EPYC (AVX512-BF16), SmolLM2's 120 products of 30
+layers with distinct weights (as a pass reads them), ms, plain against reordered: 16 rows 25.4 / 13.9, 82 rows
+66.0 / 50.5, 512 rows 287 / 259.
+
+The reordered weight is made at a bound product's first call (a process that only decodes never makes it) and kept
+beside the plain one: the plain copy stays the layer's (its own ``forward``, the HF module path). Where the CPU has
+no bf16 oneDNN product, under the ``torch`` backend, for float32 rows and for any input the reordered weight does not
+take (another dtype or device, not 2-D), the product is ``F.linear`` of the plain weight. The registry binds the
+reordered product only where a probe finds it ``F.linear``'s bits (:func:`onednn_agrees`), and each weight shape is
+probed again at its first product (:class:`ReorderedLinear`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeAlias
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ReorderedLinear", "onednn_agrees", "onednn_dense_linear", "torch_dense_linear"]
+
+# rows a probe multiplies: one, a few, past a 32-row block, a prime, a prompt chunk's
+_PROBE_ROWS = (1, 3, 33, 97, 515)
+
+Product: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N]
+
+_shape_agrees: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias) -> the reordered product gave F.linear's bits
+
+
+def torch_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
+    """The reference: ``x [M, K] -> F.linear(x, weight [N, K], bias [N]) [M, N]``."""
+    if bias is None:
+        return lambda x: F.linear(x, weight)
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)  # [N, K] in oneDNN's blocked layout (an opaque tensor)
+
+
+def _product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")  # [M, N]
+
+
+def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Tensor) -> bool:
+    """Whether the reordered product of ``weight`` gives ``F.linear``'s bits on random rows of :data:`_PROBE_ROWS`
+    (and on rows with a stride), with ``bias`` where given."""
+    gen = torch.Generator().manual_seed(0)
+    k = weight.shape[1]
+    try:
+        for m in _PROBE_ROWS:
+            x = torch.randn((m, k + 3), generator=gen).to(weight.dtype)  # [M, K + 3]
+            for rows in (x[:, :k].contiguous(), x[:, 3:]):  # contiguous, and rows with a stride
+                if not torch.equal(_product(rows, reordered, bias), F.linear(rows, weight, bias)):
+                    return False
+    except RuntimeError:
+        return False
+    return True
+
+
+class ReorderedLinear:
+    """``x [M, K] -> F.linear(x, weight, bias) [M, N]`` bit for bit, bf16 CPU rows multiplied by the weight
+    reordered once (module docstring), made at the first such call after a probe of the weight's shape; every
+    other input by ``F.linear`` of the plain weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
+            raise ValueError(f"dense_linear needs a weight [N, K] and a bias [N], got {tuple(weight.shape)} and "
+                             f"{None if bias is None else tuple(bias.shape)}")
+        self.weight, self.bias = weight, bias
+        self.reordered: torch.Tensor | None = None  # made at the first bf16 product
+        self._ok = (weight.dtype is torch.bfloat16 and weight.device.type == "cpu"
+                    and (bias is None or (bias.dtype is torch.bfloat16 and bias.device.type == "cpu")))
+
+    def _make(self) -> bool:
+        """The reordered weight, where this shape's probe agrees (probed once a shape and process)."""
+        weight, bias = self.weight.detach().contiguous(), self.bias
+        reordered = _reorder(weight)
+        key = (weight.shape[0], weight.shape[1], bias is not None)
+        if key not in _shape_agrees:
+            _shape_agrees[key] = _agrees(weight, bias, reordered)
+        if not _shape_agrees[key]:
+            self._ok = False
+            return False
+        self.reordered = reordered
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._ok and x.dtype is torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
+                and x.shape[1] == self.weight.shape[1] and x.shape[0] > 0
+                and (self.reordered is not None or self._make())):
+            return _product(x, self.reordered, self.bias)  # [M, N]
+        return F.linear(x, self.weight, self.bias)
+
+
+def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
+    """The op where oneDNN multiplies bf16 here (the registry asks :func:`onednn_agrees`): a
+    :class:`ReorderedLinear` for a bf16 CPU weight, the reference for any other."""
+    if weight.dtype is torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
+        return ReorderedLinear(weight, bias)
+    return torch_dense_linear(weight, bias)
+
+
+def onednn_agrees() -> bool:
+    """Whether torch here has oneDNN's bf16 product and its reordered weight gives ``F.linear``'s bits (a probe of
+    one SmolLM2-like shape, with and without a bias)."""
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        gen = torch.Generator().manual_seed(1)
+        weight = (torch.randn((96, 576), generator=gen) * 0.05).to(torch.bfloat16)  # [N, K]
+        bias = torch.randn((96,), generator=gen).to(torch.bfloat16)  # [N]
+        reordered = _reorder(weight)
+        return _agrees(weight, None, reordered) and _agrees(weight, bias, reordered)
+    except (RuntimeError, AttributeError):
+        return False
