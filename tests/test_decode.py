@@ -394,3 +394,27 @@ def test_a_row_without_stop_strings_is_decoded_to_text_once_when_it_ends(tiny_en
         loop.step()
     assert calls  # a stop string is looked for after every token
     _same(stopped.result, _alone(tiny_engine, spec))
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 5), (9, 5), (2, 400), (9, 400)])
+def test_store_growth_keeps_the_used_cells_and_zeros_the_rest(rows, cols):
+    """A store that grows (rows, columns or both) keeps its used rows' used columns and holds zeros everywhere else
+    (cells past a row's length get attention weight 0: they must be finite), bitwise for every layer."""
+    from fastgate.engine.packed import SlotStore
+
+    store = SlotStore(2, 3, 4, torch.bfloat16, "cpu")
+    store.reserve(3, 6, 0, 0)
+    assert all(torch.count_nonzero(t) == 0 for t in store.keys + store.values)  # a new store: zeros
+    gen = torch.Generator().manual_seed(0)
+    for t in store.keys + store.values:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))  # every cell non-zero, the unused ones included
+    old_k = [k.clone() for k in store.keys]
+    old_v = [v.clone() for v in store.values]
+    store.reserve(rows, cols, 2, 5)  # 2 rows x 5 columns in use
+    assert store.rows_cap >= rows and store.cols_cap >= cols
+    for new, old in zip(store.keys + store.values, old_k + old_v):
+        assert torch.equal(new[:2, :, :5], old[:2, :, :5])
+        rest = new.clone()
+        rest[:2, :, :5] = 0
+        grew = new.shape != old.shape
+        assert not grew or torch.count_nonzero(rest) == 0
