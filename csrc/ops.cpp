@@ -1245,17 +1245,21 @@ FASTGATE_INLINE void rope_head_t(const uint16_t* xr, const uint16_t* c, const ui
 FASTGATE_WIDTHS(rope_head, (const uint16_t* xr, const uint16_t* c, const uint16_t* s, uint16_t* o, int64_t half),
                 (xr, c, s, o, half))
 
-// All H heads of one token of rope_bf16 (rope_head_t's arithmetic, element for element: the same bits), each vector
-// of cos / sin loaded once for the token's heads: a head at a time, a 512-token chunk of SmolLM2's 12 heads ran at ~5
-// cycles a value. xr: the token's first head, heads `s_head` apart; o: its [H, D] output, contiguous.
+// All H heads of one token of rope_bf16, each vector of cos / sin loaded once for the token's heads (rope_head_t's
+// arithmetic, element for element: the same bits): a head at a time, a 512-token chunk of SmolLM2's 12 heads ran at
+// ~5 cycles a value. xr: the token's first head, heads `s_head` apart; o: its [H, D] output, contiguous. A half that
+// is not a multiple of the vector goes a head at a time (rope_head_t, its scalar tail).
 template <class V>
 FASTGATE_INLINE void rope_heads_t(const uint16_t* xr, int64_t s_head, int64_t H, const uint16_t* c, const uint16_t* s,
                                   uint16_t* o, int64_t half) {
   typedef typename V::F F;
   constexpr int N = V::N;
   const int64_t D = 2 * half;
-  int64_t i = 0;
-  for (; i + N <= half; i += N) {
+  if (half % N) {
+    for (int64_t h = 0; h < H; ++h) rope_head_t<V>(xr + h * s_head, c, s, o + h * D, half);
+    return;
+  }
+  for (int64_t i = 0; i < half; i += N) {
     const F c0 = load_bf16v<V>(c + i), c1 = load_bf16v<V>(c + half + i);
     const F s0 = load_bf16v<V>(s + i), s1 = load_bf16v<V>(s + half + i);
     for (int64_t h = 0; h < H; ++h) {
@@ -1263,18 +1267,6 @@ FASTGATE_INLINE void rope_heads_t(const uint16_t* xr, int64_t s_head, int64_t H,
       const F x0 = load_bf16v<V>(xh + i), x1 = load_bf16v<V>(xh + half + i);
       store_bf16v<V>(o + h * D + i, round_bf16v<V>(x0 * c0) + round_bf16v<V>((x1 * -1.0f) * s0));
       store_bf16v<V>(o + h * D + half + i, round_bf16v<V>(x1 * c1) + round_bf16v<V>((x0 * 1.0f) * s1));
-    }
-  }
-  for (int64_t h = 0; h < H && i < half; ++h) {
-    const uint16_t* xh = xr + h * s_head;
-    for (int side = 0; side < 2; ++side) {
-      const int64_t lo = side * half, other = side ? -half : half;
-      const float sign = side ? 1.0f : -1.0f;
-      for (int64_t j = lo + i; j < lo + half; ++j) {
-        const float a = round_bf16(bf16_to_f32(xh[j]) * bf16_to_f32(c[j]));
-        const float b = round_bf16((sign * bf16_to_f32(xh[j + other])) * bf16_to_f32(s[j]));
-        o[h * D + j] = f32_to_bf16(a + b);
-      }
     }
   }
 }

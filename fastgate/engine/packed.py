@@ -68,24 +68,22 @@ class SlotStore:
         spare_c = width_bucket(cols) if self.buckets else cols + max(64, cols // 4)
         new_r, new_c = within_cells(self.rows_cap if rows <= self.rows_cap else rows + max(4, rows // 2),
                                     self.cols_cap if cols <= self.cols_cap else spare_c, rows, cols, max_cells)
-        keys, values = [], []
         shape = (new_r, self.kv_heads, new_c, self.head_dim)
-        for layer in range(self.n_layers):
+        used = used_rows and used_cols
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
             # every cell written once: the kept rows' columns copied, the rest zeros (zero-filling all, then copying,
             # wrote the kept part twice: a served run's growths took ~2% of its time)
-            pair = []
-            for old in (self.keys[layer], self.values[layer]) if used_rows and used_cols else (None, None):
-                new = torch.empty(shape, dtype=self.dtype, device=self.device)  # [R', Hkv, C', D]
-                if old is None:
-                    new.zero_()
-                else:
-                    new[:used_rows, :, :used_cols] = old[:used_rows, :, :used_cols]
-                    new[:used_rows, :, used_cols:].zero_()
-                    new[used_rows:].zero_()
-                pair.append(new)
-            keys.append(pair[0])
-            values.append(pair[1])
-        self.keys, self.values = keys, values
+            new = torch.empty(shape, dtype=self.dtype, device=self.device)  # [R', Hkv, C', D]
+            if old is None:
+                return new.zero_()
+            new[:used_rows, :, :used_cols] = old[:used_rows, :, :used_cols]
+            new[:used_rows, :, used_cols:].zero_()
+            new[used_rows:].zero_()
+            return new
+
+        self.keys = [grown(self.keys[layer] if used else None) for layer in range(self.n_layers)]
+        self.values = [grown(self.values[layer] if used else None) for layer in range(self.n_layers)]
         self.rows_cap, self.cols_cap = new_r, new_c
 
     def write_rows(self, first: int, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, n: int) -> None:

@@ -111,8 +111,9 @@ class DecodeStack:
             row, forms = [], []
             for i, product in enumerate((qkv, o, gu, dn)):
                 if bf16:  # one stream a product, and its form (at the row's end)
-                    tiles, form = bf16_tiles(product)
-                    tiles, forms = (tiles,), forms + [form]
+                    stream, form = bf16_tiles(product)
+                    tiles = (stream,)
+                    forms.append(form)
                 else:  # codes, scales, offsets
                     tiles = f32_tiles(product)
                 self._tiles.append(tiles)

@@ -20,6 +20,7 @@ probed again at its first product (:class:`ReorderedLinear`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypeAlias
 
@@ -110,9 +111,10 @@ def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) 
     return torch_dense_linear(weight, bias)
 
 
+@functools.cache
 def onednn_agrees() -> bool:
     """Whether torch here has oneDNN's bf16 product and its reordered weight gives ``F.linear``'s bits (a probe of
-    one SmolLM2-like shape, with and without a bias)."""
+    one SmolLM2-like shape, with and without a bias; ~9 ms, made once a process: the registry asks at every build)."""
     try:
         if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             return False
