@@ -330,6 +330,15 @@ class WorkerPool {
     return true;
   }
 
+  // Idle workers sleep at once instead of spinning, from now until spin(): the caller runs torch's own threads
+  // between its calls (a prompt chunk's oneDNN products, copies, SwiGLU), which a spinning worker would take a core
+  // from for up to kSpinMicros after each of its calls (norm, rotary embedding, attention).
+  void rest() { resting_.store(true, std::memory_order_release); }
+  // Idle workers spin again (the decode path: its calls come ~10-30 us apart, with no torch threads between).
+  void spin() {
+    if (resting_.load(std::memory_order_relaxed)) resting_.store(false, std::memory_order_relaxed);
+  }
+
  private:
   // a decode step's C++ calls come ~10-30 us apart (50 us was no better at batch 1 on an AVX2-only EPYC, within its
   // noise; the spin takes a core from torch's own threads meanwhile: MKL's products right after a pooled call)
@@ -353,6 +362,7 @@ class WorkerPool {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
       for (int i = 0; ticket.load(std::memory_order_acquire) == seen; ++i) {
         pause();
+        if (resting_.load(std::memory_order_relaxed)) break;  // rest(): sleep now
         if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
       }
       if (ticket.load(std::memory_order_acquire) == seen) {
@@ -377,6 +387,7 @@ class WorkerPool {
   std::atomic<bool> busy_{false};
   std::atomic<int64_t> remaining_{0};
   std::atomic<int64_t> sleeping_{0};
+  std::atomic<bool> resting_{false};  // rest() .. spin(): idle workers sleep instead of spinning
   Task task_ = nullptr;
   void* ctx_ = nullptr;
   std::mutex mutex_;
@@ -411,6 +422,15 @@ bool split_rows(int64_t B, int64_t work, int64_t grain, Worker worker, int64_t m
     for (auto& th : threads) th.join();
   }
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
+}
+
+// The worker pool's idle workers sleep at once until pool_spin() (WorkerPool::rest): called before a product on
+// torch's own threads. pool_spin: they spin again, called by the decode path's products and layer stacks.
+void pool_rest() {
+  if (WorkerPool* pool = WorkerPool::get()) pool->rest();
+}
+void pool_spin() {
+  if (WorkerPool* pool = WorkerPool::get()) pool->spin();
 }
 
 enum class AisMode { kAngle, kSum, kAdaptive };
@@ -1995,6 +2015,7 @@ void int4_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* tiles, int64_
 void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, int64_t form, uintptr_t out_ptr,
                       int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t norm_ptr, double eps,
                       uintptr_t res_ptr) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int4_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || K > 16384 || x_stride < K)
@@ -2016,6 +2037,7 @@ void int4_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, in
 // tiles (above: ceil(N / 4) tiles of 4 K16 bytes), contiguous; scale [N] float32; out [M, N] bf16 contiguous.
 void int8_matmul_bf16(uintptr_t x_ptr, int64_t x_stride, uintptr_t tiles_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
                       int64_t M, int64_t N, int64_t K, int64_t threads) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #ifdef FASTGATE_BF16_KERNEL
   if (!quant_kernels_supported()) throw std::invalid_argument("int8_matmul_bf16: this CPU has no AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_bf16: bad shape");
@@ -2329,6 +2351,7 @@ void int4_f32(const float* x, int64_t x_stride, const uint8_t* qt, const float* 
 void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t offset_ptr,
                      uintptr_t out_ptr, int64_t M, int64_t N, int64_t K, int64_t threads, uintptr_t res_ptr,
                      uintptr_t w_ptr, double eps) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #ifdef FASTGATE_AVX2_KERNEL
   if (!quant_f32_kernels_supported()) throw std::invalid_argument("int4_matmul_f32: this CPU has no AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_stride < K)
@@ -2350,6 +2373,7 @@ void int4_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr
 // int8, K8 = K rounded up to 8, zero codes past K), scale [N] float32, contiguous; out [M, N] float32 contiguous.
 void int8_matmul_f32(uintptr_t x_ptr, int64_t x_stride, uintptr_t q_ptr, uintptr_t scale_ptr, uintptr_t out_ptr,
                      int64_t M, int64_t N, int64_t K, int64_t threads) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #ifdef FASTGATE_AVX2_KERNEL
   if (!quant_f32_kernels_supported()) throw std::invalid_argument("int8_matmul_f32: this CPU has no AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0 || x_stride < K) throw std::invalid_argument("int8_matmul_f32: bad shape");
@@ -2820,6 +2844,7 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
                        int64_t D, int64_t I, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride,
                        uintptr_t pos_ptr, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
                        int64_t threads) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #ifdef FASTGATE_AVX2_KERNEL
   const Exp8 exp8 = checked_exp8("decode_layers_f32");
   check_decode_shape("decode_layers_f32", m, H, Hkv, D);
@@ -2927,6 +2952,7 @@ void decode_layers_bf16(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d
                         int64_t D, int64_t I, uintptr_t cos_ptr, uintptr_t sin_ptr, int64_t c_stride,
                         uintptr_t pos_ptr, int64_t cols, int64_t s_row, int64_t s_head, int64_t s_col,
                         int64_t threads) {
+  pool_spin();  // the decode path: idle workers spin between its calls
 #if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
   const Exp8 exp8 = checked_exp8("decode_layers_bf16");
   if (!quant_kernels_supported()) throw std::invalid_argument("decode_layers_bf16: this CPU has no AVX512-BF16");
@@ -3059,6 +3085,12 @@ PYBIND11_MODULE(_C, m) {
         "The int8 weight-only product of float32 rows (AVX2 + FMA)");
   m.def("quant_f32_kernels_supported", &quant_f32_kernels_supported,
         "Whether int4_matmul_f32 / int8_matmul_f32 run here (built for x86-64 and the CPU has AVX2 and FMA)");
+  m.def("pool_spin", &pool_spin,
+        "The extension's idle worker threads spin for its next call again (after pool_rest); its quantized products "
+        "and layer stacks call it themselves");
+  m.def("pool_rest", &pool_rest,
+        "The extension's idle worker threads sleep at once after each call instead of spinning, until pool_spin: call "
+        "it before torch runs its own threads (a oneDNN product), which a spinning worker would take a core from");
   m.def("torch_exp_found", &torch_exp_found,
         "Whether silu_mul_f32 and decode_layers_f32 run here (AVX2, FMA and torch's SLEEF exp found)");
   m.def("set_torch_float_block", &set_torch_float_block, py::arg("block"),

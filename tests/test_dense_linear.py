@@ -74,6 +74,46 @@ def test_registry_binds_the_reordered_product_where_it_agrees():
     assert build_ops("torch", "cpu").dense_linear is torch_dense_linear
 
 
+def test_each_product_first_sends_the_pools_workers_to_rest():
+    calls = []
+    weight = _weight(24, 40)
+    product = ReorderedLinear(weight, rest=lambda: calls.append(1))
+    x = torch.randn(5, 40).to(torch.bfloat16)
+    assert torch.equal(product(x), F.linear(x, weight))
+    assert torch.equal(product(x.float()[None].to(torch.bfloat16)), F.linear(x[None], weight))  # the plain path too
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not ONEDNN, reason="no oneDNN bf16 product here")
+def test_registry_binds_the_extensions_rest_where_it_is_built():
+    from fastgate.ops.registry import ext_available, import_ext
+
+    product = build_ops("auto", "cpu").dense_linear(_weight(8, 16))
+    if ext_available() and hasattr(import_ext(), "pool_rest"):
+        assert product.rest is import_ext().pool_rest
+    else:
+        assert product.rest is None
+
+
+def test_pooled_calls_while_resting_give_the_same_bits():
+    """The pool's workers sleep between calls from ``pool_rest`` until a quantized product (``pool_spin``): the
+    threads' waits change, not the split of the work."""
+    from fastgate.ops.registry import ext_available, import_ext
+
+    if not ext_available() or not hasattr(import_ext(), "pool_rest"):
+        pytest.skip("the C++ extension is not built")
+    ext = import_ext()
+    ops = build_ops("ext", "cpu")
+    x = torch.randn(769, 576).to(torch.bfloat16)  # [T, d]: enough rows for both threads
+    w = torch.rand(576).to(torch.bfloat16)
+    spinning = ops.rms_norm(x, w, 1e-5)
+    ext.pool_rest()
+    resting = [ops.rms_norm(x, w, 1e-5) for _ in range(3)]
+    ext.pool_spin()
+    assert all(torch.equal(r, spinning) for r in resting)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), spinning)
+
+
 def _generate(lm, dense_linear=None, budget=None):
     runner = ModelRunner(lm, prefix_cache=0, step="eager")
     if dense_linear is not None:

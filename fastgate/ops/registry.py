@@ -347,7 +347,12 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         from fastgate.ops.dense import onednn_agrees, onednn_dense_linear
 
         if onednn_agrees():
-            chosen["dense_linear"], names["dense_linear"] = onednn_dense_linear, "onednn"
+            # the extension's pooled calls (norm, rotary embedding, attention) alternate with these products in a
+            # chunk pass: its spinning workers are sent to sleep before each (fastgate.ops.dense, rest)
+            rest = getattr(ext, "pool_rest", None) if ext is not None else None
+            chosen["dense_linear"] = (onednn_dense_linear if rest is None
+                                      else functools.partial(onednn_dense_linear, rest=rest))
+            names["dense_linear"] = "onednn"
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 
