@@ -2915,22 +2915,70 @@ FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, 
   }
 }
 
-// gu [m, 2 I] bf16 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:], row by row
-void silu_mul_rows_bf16(const uint16_t* gu, uint16_t* out, int64_t m, int64_t I, Exp8 exp8) {
-  for (int64_t r = 0; r < m; ++r) silu_mul_row_bf16(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+#ifdef FASTGATE_AVX512
+// silu_mul_row_bf16 sixteen at a time with torch's 16-wide exp (the routine its AVX-512 kernels call; each lane's
+// exp is the same SLEEF routine at either width): the same bits at ~1.7x the 8-wide loop's speed (the exp is most of
+// it). Where the CPU runs AVX-512 and libtorch_cpu exports it.
+using Exp16 = __m512 (*)(__m512);
+
+Exp16 torch_exp16() {
+  static std::atomic<void*> found{nullptr};
+  return reinterpret_cast<Exp16>(torch_symbol("Sleef_expf16_u10", found));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), optimize("fp-contract=off")))
+void silu_mul_row_bf16_16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp16 exp16) {
+  const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);  // 32 or 64: whole vectors of 16
+  int64_t i = 0;
+  for (; i + block <= n; i += block)
+    for (int64_t j = i; j < i + block; j += 16) {
+      const f32x16 x = load_bf16v<Vec16>(g + j);
+      const f32x16 e = (f32x16)exp16((__m512)(-x));  // torch's x / (1 + exp(-x)), a vector
+      const f32x16 si = round_bf16v<Vec16>(x / (1.0f + e));
+      store_bf16v<Vec16>(o + j, si * load_bf16v<Vec16>(u + j));
+    }
+  for (; i < n; ++i) {
+    const float xi = bf16_to_f32(g[i]);
+    const float si = xi / (1.0f + std::exp(-xi));
+    o[i] = f32_to_bf16(round_bf16(si) * bf16_to_f32(u[i]));
+  }
+}
+#endif
+
+// gu [m, 2 I] bf16 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:], row by row; the rows split over up to
+// `threads` threads (0: one per core) where they are enough work (a prompt chunk's: 497 x 1,536 values took 1.5 ms on
+// one thread of a Zen 4 EPYC, torch's silu and product 0.4 ms on two); 16 wide where use_width16 and torch's 16-wide
+// exp is found.
+void silu_mul_rows_bf16(const uint16_t* gu, uint16_t* out, int64_t m, int64_t I, Exp8 exp8, int64_t threads = 1) {
+#ifdef FASTGATE_AVX512
+  const Exp16 exp16 = use_width16() ? torch_exp16() : nullptr;
+#endif
+  split_rows(m, m * I * 8, kElementwiseGrain, [&](int64_t first, int64_t step) {
+    for (int64_t r = first; r < m; r += step) {
+#ifdef FASTGATE_AVX512
+      if (exp16 != nullptr) {
+        silu_mul_row_bf16_16(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp16);
+        continue;
+      }
+#endif
+      silu_mul_row_bf16(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I, exp8);
+    }
+    return true;
+  }, threads);
 }
 #endif
 
 // gu [m, 2 I] bf16 contiguous -> out [m, I]: silu(gu[:, :I]) * gu[:, I:] of bf16 rows, torch's arithmetic bit for bit
 // where torch_exp_found (the registry probes it against torch's before decode_layers_bf16 is bound).
-void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
+void silu_mul_bf16(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I, int64_t threads) {
 #if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
   const Exp8 exp8 = checked_exp8("silu_mul_bf16");
-  if (m < 0 || I <= 0) throw std::invalid_argument("silu_mul_bf16: bad shape");
+  if (m < 0 || I <= 0 || threads < 0) throw std::invalid_argument("silu_mul_bf16: bad shape");
   py::gil_scoped_release release;
-  silu_mul_rows_bf16(reinterpret_cast<const uint16_t*>(gu_ptr), reinterpret_cast<uint16_t*>(out_ptr), m, I, exp8);
+  silu_mul_rows_bf16(reinterpret_cast<const uint16_t*>(gu_ptr), reinterpret_cast<uint16_t*>(out_ptr), m, I, exp8,
+                     threads);
 #else
-  (void)gu_ptr, (void)out_ptr, (void)m, (void)I;
+  (void)gu_ptr, (void)out_ptr, (void)m, (void)I, (void)threads;
   throw std::invalid_argument("silu_mul_bf16: not built for this platform");
 #endif
 }
@@ -3107,7 +3155,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("c_stride"), py::arg("pos"), py::arg("cols"), py::arg("s_row"), py::arg("s_head"), py::arg("s_col"),
         py::arg("threads"), "A float32 model's int4 decoder layers first .. last - 1 for decode rows, in one call");
   m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gu"), py::arg("out"), py::arg("rows"), py::arg("inter"),
-        "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of bf16 rows, torch's arithmetic");
+        py::arg("threads") = 1,
+        "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of bf16 rows, torch's arithmetic; rows over up to `threads` "
+        "threads (0: one per core)");
   m.def("decode_layers_bf16", &decode_layers_bf16, py::arg("h"), py::arg("out"), py::arg("rows"), py::arg("d"),
         py::arg("table"), py::arg("floats"), py::arg("kv"), py::arg("first"), py::arg("last"), py::arg("heads"),
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("cos"), py::arg("sin"),

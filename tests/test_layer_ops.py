@@ -138,3 +138,40 @@ def test_bf16_engine_tokens_through_the_ext_ops_equal_the_references():
         assert engine.runner.ops.backends["rope"] == backend
         outs.append([r.token_ids for r in engine.generate(prompts, cfg).sequences])
     assert outs[0] == outs[1]
+
+
+def _swiglu_bound() -> bool:
+    return ext_available() and build_ops("ext", "cpu").backends["swiglu"] == "ext"
+
+
+@pytest.mark.skipif(not _swiglu_bound(), reason="no C++ bf16 SwiGLU here (AVX512-BF16 and torch's exp)")
+@pytest.mark.parametrize("rows,inter", [(1, 1), (1, 31), (3, 64), (13, 65), (34, 1536), (97, 769), (256, 1537),
+                                        (2, 4864)])
+def test_swiglu_is_torch_s_silu_times_up_bitwise(rows, inter, width):
+    """Both vector widths (the 16-wide exp where the CPU has AVX-512), rows past torch's blocks (scalar tails), values
+    over silu's range and beyond exp's (|x| > 88), and enough rows for both threads."""
+    op = build_ops("ext", "cpu").swiglu
+    gen = torch.Generator().manual_seed(rows * 7919 + inter)
+    gu = (torch.randn((rows, 2 * inter), generator=gen) * 8).to(torch.bfloat16)  # [T, 2I]
+    gu[0, : min(inter, 4)] = torch.tensor([-100.0, 100.0, 0.0, -0.0])[: min(inter, 4)].to(torch.bfloat16)
+    assert torch.equal(op(gu), reference.swiglu(gu))
+
+
+@pytest.mark.skipif(not _swiglu_bound(), reason="no C++ bf16 SwiGLU here (AVX512-BF16 and torch's exp)")
+def test_swiglu_inputs_the_loop_does_not_take_go_to_the_reference():
+    calls = []
+
+    class Ext:
+        def silu_mul_bf16(self, gu, out, rows, inter, threads):
+            calls.append(rows)
+
+    op = layer.ext_swiglu(Ext(), max_rows=8)
+    gu = torch.randn(9, 20).to(torch.bfloat16)
+    for x in (gu, gu.float()[:4], gu[:4, ::2], gu[:0]):  # too many rows, float32, strided, empty
+        assert torch.equal(op(x), reference.swiglu(x))
+    with pytest.raises(RuntimeError):  # an odd width: the reference's own error
+        op(gu[:4, :19])
+    assert calls == []
+    op(gu[:8])
+    assert calls == [8]
+    assert build_ops("torch", "cpu").swiglu is reference.swiglu

@@ -47,6 +47,8 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert dict(o.backends) == {
         "accumulate": "torch", "probe_logits": "torch", "eigenscore": "ext", "answer_nll": "torch",
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
+        # the bf16 SwiGLU: AVX512-BF16 kernels built, torch's exp, a probe that finds torch's bits
+        "swiglu": "ext" if kernel and layers else "torch",
         "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
         "int8_matmul": "ext" if quant else "torch",
         # the dense products' weights reordered once where oneDNN multiplies bf16 with F.linear's bits
@@ -72,7 +74,8 @@ def test_reference_backends_run_every_reference(backend):
     assert o.probe_logits is reference.probe_logits and o.answer_nll is reference.answer_nll
     assert o.decode_attention is reference.decode_attention and o.backends["decode_attention"] == "torch"
     assert o.decode_attention_step is reference.decode_attention_step and o.rms_norm is reference.rms_norm
-    assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope", "prefill_attention")} == {"torch"}
+    assert {o.backends[n] for n in ("decode_attention_step", "rms_norm", "rope", "swiglu", "prefill_attention")} == {
+        "torch"}
     assert o.prefill_attention is reference.prefill_attention
     assert o.token_logprobs is reference.token_logprobs and o.backends["token_logprobs"] == "torch"
     assert {o.backends[n] for n in registry.CPU_OPS} == {"python"}

@@ -38,7 +38,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
-from fastgate.ops.decoder import DecoderLayerWeights
+from fastgate.ops.decoder import DecoderLayerWeights, _is_silu
 from fastgate.ops.dense import torch_dense_linear
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 from fastgate.ops.threads import serial_torch
@@ -179,6 +179,7 @@ class _Layer:
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
         self.act = mlp.act_fn
+        self.silu = _is_silu(self.act)  # its activation may run as the op swiglu (silu(gate) * up)
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
         self.linears = (self.qkv, self.o, self.gate_up, self.down)
@@ -318,7 +319,7 @@ class FusedForward:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, plan, keep: torch.Tensor, attention,
                  tap_layers=(), rms_norm=reference.rms_norm, rope=reference.rope, attention_step=None,
                  matmuls=(torch_int4_matmul, torch_int8_matmul),
-                 decode_layers=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 decode_layers=None, swiglu=reference.swiglu) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``ids [T]`` at ``positions [T]`` through the packed ``plan`` with the packed pass's HF attention
         function ``attention`` (``fastgate.engine.packed._packed_attention``); the float32 logits ``[len(keep), V]``
         of pack positions ``keep`` and the outputs ``[1, T, d]`` of ``tap_layers`` (as the taps' hooks keep them).
@@ -329,7 +330,8 @@ class FusedForward:
         :meth:`_decode_layers` (its products, and an int8 head's for as many rows, through ``matmuls``): the same
         arithmetic in fewer host operations. ``decode_layers``: the runner's op of that name (None: none); where it
         binds this model's layers (:mod:`fastgate.ops.decoder`: float32 rows of int4 weights) such a pass runs its
-        layers in one call of it, between the taps, bitwise the same."""
+        layers in one call of it, between the taps, bitwise the same. ``swiglu``: the runner's op of that name, the
+        SwiGLU of a SiLU model's layers in a pass of any other path (its reference by default)."""
         wanted = set(tap_layers)
         outputs: dict[int, torch.Tensor] = {}
         t = ids.shape[0]
@@ -351,7 +353,7 @@ class FusedForward:
         elif decode:
             h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
         else:
-            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls)
+            h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls, swiglu)
         h = rms_norm(h, self.norm_w, self.norm_eps)  # the final norm: the layers' norm op (HF's arithmetic)
         if self.n in wanted:
             outputs[self.n] = h[None]
@@ -377,7 +379,7 @@ class FusedForward:
         return rows
 
     def _layers(self, h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs,
-                matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
+                matmuls=(torch_int4_matmul, torch_int8_matmul), swiglu=reference.swiglu) -> torch.Tensor:
         """The decoder layers over ``h [T, d]`` (any pass: decode rows and prompt chunks). bf16 rows on a CPU few
         enough for a quantized layer's kernel go through ``matmuls`` as in :meth:`_decode_layers`, so a pass's
         products do not depend on the path it takes; every other product is the layer's own."""
@@ -400,8 +402,12 @@ class FusedForward:
             h = h + o_p(o.reshape(t, hq * d))  # o [1, T, Hq, D]
             x = rms_norm(h, layer.ln2, layer.eps2)
             gu = gate_up_p(x)  # [T, 2 I]
-            inter = gu.shape[-1] // 2
-            h = h + down_p(layer.act(gu[:, :inter]) * gu[:, inter:])
+            if layer.silu:
+                act = swiglu(gu)  # [T, I]
+            else:
+                inter = gu.shape[-1] // 2
+                act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            h = h + down_p(act)
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h

@@ -617,7 +617,7 @@ class PackedLoop(DecodeLoop):
                     logits, outputs = fused(*args, _packed_attention, tap_layers, eng.ops.rms_norm, eng.ops.rope,
                                             eng.ops.decode_attention_step,
                                             (eng.ops.int4_matmul, eng.ops.int8_matmul, eng.ops.dense_linear),
-                                            eng.ops.decode_layers)  # [K, V]
+                                            eng.ops.decode_layers, eng.ops.swiglu)  # [K, V]
                     hooks = _Outputs(outputs)
                 else:
                     logits = packed_forward(eng.model, *args)  # [K, V]

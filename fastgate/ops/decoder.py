@@ -26,6 +26,7 @@ the kept dense copy). The reference (:func:`no_decode_layers`) takes no model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -37,7 +38,8 @@ from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
 from fastgate.ops.quant import _int4_layer_ok, bf16_tiles, f32_tiles
 
-__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers", "torch_float_block"]
+__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers", "silu_agrees",
+           "torch_float_block"]
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
 # pointers a layer in the extension's table (decode_layers_f32 / decode_layers_bf16 in csrc/ops.cpp): float32 products
@@ -188,7 +190,8 @@ def torch_float_block() -> int:
     return 32 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 16
 
 
-def _silu_agrees(ext: ModuleType, dtype: torch.dtype = torch.float32) -> bool:
+@functools.cache
+def silu_agrees(ext: ModuleType, dtype: torch.dtype = torch.float32) -> bool:
     """Whether the extension's SwiGLU of ``dtype`` rows is torch's bit for bit here, told torch's step first
     (:func:`torch_float_block`): a probe of 4,112 values over silu's range and of rows of 1 to 33 (float32) or 1 to 65
     (bf16: torch takes 64 of them a step on AVX-512), their scalar tails: the bound loop must be, or the per-op path
@@ -216,10 +219,10 @@ def ext_decode_layers(ext: ModuleType, *, f32: bool = True, bf16: bool = False) 
     reference where neither does."""
     ok = hasattr(ext, "torch_exp_found") and ext.torch_exp_found()
     dtypes = set()
-    if f32 and ok and hasattr(ext, "decode_layers_f32") and _silu_agrees(ext, torch.float32):
+    if f32 and ok and hasattr(ext, "decode_layers_f32") and silu_agrees(ext, torch.float32):
         dtypes.add(torch.float32)
     if (bf16 and ok and hasattr(ext, "decode_layers_bf16") and ext.quant_kernels_supported()
-            and _silu_agrees(ext, torch.bfloat16)):
+            and silu_agrees(ext, torch.bfloat16)):
         dtypes.add(torch.bfloat16)
     if not dtypes:
         return no_decode_layers

@@ -19,10 +19,16 @@ head dim) goes to the reference: a float32 model keeps torch's arithmetic exactl
 op's limit (:func:`row_limits`), chosen once at construction by the vector width the CPU gives the loops: 16 floats with
 AVX-512, 8 without. One thread of a Zen 4 EPYC (AVX-512), 1 / 16 / 64 / 1,024 rows, µs, torch against C++: the norm (576
 wide) 14 / 17 / 26 / 2,300 against 0.8 / 3.7 / 13 / 200; the rotary embedding (12 heads of 64) 10 / 16 / 36 / 450
-against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows. (A C++ SwiGLU activation, ``silu(gate)
-* up``, was tried as an op of its own and left out: 16 wide it beat torch only up to 8 rows, no decode step moved, and
-its polynomial exp was not torch's Sleef exp bit for bit. The float32 one inside the whole-layer call,
-:mod:`fastgate.ops.decoder`, calls torch's own exp and is bitwise torch's.)
+against 1.3 / 6.5 / 23 / 360. At 8 wide the rotary embedding loses from ~32 rows.
+
+The gated MLP's activation ``silu(gate) * up`` of bf16 rows (op ``swiglu``, ``silu_mul_bf16``) is one C++ call too,
+bound only where its loop is torch's bit for bit: it calls torch's own SLEEF exp (16 wide with AVX-512, the routine
+torch's AVX-512 kernels call) and takes a row in torch's blocks, the rest with the C library's exp as torch's scalar
+loop does; the registry probes it against torch's once. torch runs it as two operations on its own threads (an
+OpenMP wake each); here the rows split over the extension's pool. Two Zen 4 threads, [T, 2 x 1,536], µs, torch
+against C++: 34 rows 104 / 30, 100 rows 217 / 98, 256 rows 297 / 221, 497 rows 387 / 427: the C++ loop up to
+:data:`SWIGLU_ROWS` rows (a step's decode rows with a few short prompts), torch's beyond (a prompt chunk).
+(An earlier C++ SwiGLU with a polynomial exp of its own was not torch's bit for bit and was left out.)
 """
 
 from __future__ import annotations
@@ -34,9 +40,13 @@ import torch
 
 from fastgate.ops import reference
 
-__all__ = ["UNLIMITED", "ext_kernels", "ext_rms_norm", "ext_rope", "row_limits"]
+__all__ = ["SWIGLU_ROWS", "UNLIMITED", "ext_kernels", "ext_rms_norm", "ext_rope", "ext_swiglu", "row_limits"]
 
 UNLIMITED = 1 << 62  # a row limit that never binds: the C++ loop for any rows
+# rows up to which the C++ SwiGLU beats torch's two operations (two Zen 4 threads, [T, 2 x 1,536], us, torch / C++:
+# 64 rows 200 / 96, 256 rows 297 / 221, 320 rows 289 / 275, 497 rows 387 / 427; a 512-token chunk pass 418 against
+# 425 ms through it)
+SWIGLU_ROWS = 256
 
 
 def row_limits(wide: bool) -> dict[str, int]:
@@ -97,3 +107,20 @@ def ext_rope(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[...,
         return out
 
     return rope
+
+
+def ext_swiglu(ext: ModuleType, max_rows: int = SWIGLU_ROWS) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The C++ SwiGLU with the reference's signature ``(gu [T, 2I]) -> [T, I]``: contiguous bf16 rows on a CPU, up to
+    ``max_rows`` of them (``silu_mul_bf16``, its rows over the pool's threads), bitwise the reference where the
+    registry binds it (its probe); every other input goes to the reference."""
+
+    def swiglu(gu: torch.Tensor) -> torch.Tensor:
+        if (gu.dtype is not torch.bfloat16 or gu.device.type != "cpu" or gu.dim() != 2 or gu.shape[1] % 2
+                or not 0 < gu.shape[0] <= max_rows or not gu.shape[1] or not gu.is_contiguous()):
+            return reference.swiglu(gu)
+        t, inter = gu.shape[0], gu.shape[1] // 2
+        out = torch.empty((t, inter), dtype=gu.dtype)  # [T, I]
+        ext.silu_mul_bf16(gu.data_ptr(), out.data_ptr(), t, inter, torch.get_num_threads())
+        return out
+
+    return swiglu

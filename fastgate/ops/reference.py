@@ -315,6 +315,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rot * sin
 
 
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation of ``gu [T, 2I]`` (the gate and up products side by side): ``silu(gate) * up``
+    ``[T, I]`` in ``gu``'s dtype, each rounded as torch rounds it (Llama's, Qwen2's and Mistral's MLP)."""
+    inter = gu.shape[-1] // 2
+    return F.silu(gu[..., :inter]) * gu[..., inter:]
+
+
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's next token and its log-prob (the decode loop's choice; op 11, docs/ARCHITECTURE.md).
 

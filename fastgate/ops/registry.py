@@ -83,8 +83,8 @@ CPU_OPS: tuple[str, ...] = ("align_words", "word_logprobs", "align_word_logprobs
                             "ais_scores_batch", "ais_topk_batch")
 _LAYER_OPS = ("decode_attention", "decode_attention_step", "rms_norm", "rope")  # the engine's: C++ on a CPU
 _QUANT_OPS = ("int4_matmul", "int8_matmul")  # the decode step's quantized products (C++: bf16 / float32 rows)
-OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS, "dense_linear",
-                             "decode_layers", "token_logprobs", *CPU_OPS)
+OP_NAMES: tuple[str, ...] = (*GATE_OPS, "answer_nll", *_LAYER_OPS, "swiglu", "prefill_attention", *_QUANT_OPS,
+                             "dense_linear", "decode_layers", "token_logprobs", *CPU_OPS)
 
 
 def import_ext() -> ModuleType | None:
@@ -150,6 +150,7 @@ class Ops:
     decode_attention_step: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]  # (x [T,d], weight [d], eps) -> [T,d]: the fused pass's norm
     rope: Callable[..., torch.Tensor]  # (x [T,H,D], cos [T,1,D], sin [T,1,D]) -> [T,H,D]: its rotary embedding
+    swiglu: Callable[[torch.Tensor], torch.Tensor]  # (gu [T,2I]) -> [T,I]: silu(gate) * up, its MLP's activation
     # (q [1,H,n,D], keys/values [1,Hkv,start+n,D], start, scale, mask) -> [1,H,n,D]: a prompt chunk's causal attention
     prefill_attention: Callable[..., torch.Tensor]
     int4_matmul: Callable[..., torch.Tensor]  # (x [M,K] bf16, Int4Linear) -> [M,N] bf16: a decode step's product
@@ -286,6 +287,7 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "decode_attention_step": reference.decode_attention_step,
         "rms_norm": reference.rms_norm,
         "rope": reference.rope,
+        "swiglu": reference.swiglu,
         "prefill_attention": reference.prefill_attention,
         "int4_matmul": torch_int4_matmul,
         "int8_matmul": torch_int8_matmul,
@@ -294,8 +296,8 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         "token_logprobs": reference.token_logprobs,
         **{name: getattr(impl, name) for name in CPU_OPS},
     }
-    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "prefill_attention", *_QUANT_OPS,
-                                        "dense_linear", "decode_layers", "token_logprobs")}
+    names = {name: "torch" for name in (*GATE_OPS, "answer_nll", *_LAYER_OPS, "swiglu", "prefill_attention",
+                                        *_QUANT_OPS, "dense_linear", "decode_layers", "token_logprobs")}
     names |= {name: cpu for name in CPU_OPS}
     ext = import_ext() if cpu == "ext" and device.type == "cpu" else None  # built: _cpu_ops("ext") imported it
     if ext is not None:  # the engine's decode rows over a bf16 store (fastgate.ops.attention)
@@ -337,6 +339,12 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
                 chosen["decode_layers"] = ext_decode_layers(ext, f32=f32_layers, bf16=bf16_layers)
                 if chosen["decode_layers"] is not no_decode_layers:
                     names["decode_layers"] = "ext"
+        if bf16 and getattr(ext, "torch_exp_found", lambda: False)():  # bf16 rows' SwiGLU where it is torch's bits
+            from fastgate.ops.decoder import silu_agrees
+            from fastgate.ops.layer import ext_swiglu
+
+            if silu_agrees(ext, torch.bfloat16):
+                chosen["swiglu"], names["swiglu"] = ext_swiglu(ext), "ext"
         if f32:  # float32 logits on a CPU with AVX2 and FMA, where a probe finds torch's bits (fastgate.ops.sampling)
             from fastgate.ops.sampling import ext_token_logprobs
 
