@@ -135,6 +135,39 @@ def test_packed_prefill_runs_the_lowest_priority_key_first_then_arrival(tiny_eng
         _same(ticket.result, _alone(tiny_engine, specs[word]))
 
 
+@pytest.mark.parametrize("express", [0, 8])
+def test_packed_express_prefill_takes_short_prompts_first_within_half_the_budget(tiny_engine, express):
+    loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2, express_prefill=express)
+    cfg = G(max_new_tokens=2, stop_at_eos=False)
+    long_spec, short_spec = ("word " * 40, cfg, TapSpec(), 1, None), ("Hi there", cfg, TapSpec(), 1, None)
+    (long,) = loop.admit([long_spec], owners=["long"], priority=[1.0])
+    (short,) = loop.admit([short_spec], owners=["short"], priority=[2.0])  # a newer request's
+    (other,) = loop.admit([("Hey you", cfg, TapSpec(), 1, None)], owners=["other"], priority=[3.0])
+    n = len(loop.prefilling[1].ids)
+    assert n <= express or not express
+    assert [job.ticket.owner for job in loop._prefill_order(None)] == ["long", "short", "other"]  # whole: queue order
+    budget = 2 * n + 1  # half of it holds one short prompt, not two
+    loop.step(prefill_budget=budget)
+    if express:  # the short prompt whole first, then the long one; the third short one waits (half the budget)
+        assert short.rows and not long.rows and not other.rows
+        assert next(job for job in loop.prefilling if job.ticket is long).done == budget - n
+    else:  # the queue's order: the long prompt takes the whole budget
+        assert not short.rows and not long.rows and loop.prefilling[0].done == budget
+    while loop.busy:
+        loop.step(prefill_budget=budget)
+    _same(short.result, _alone(tiny_engine, short_spec))
+    _same(long.result, _alone(tiny_engine, long_spec))
+
+
+def test_express_prefill_is_a_count_of_tokens():
+    from fastgate.errors import InputError
+    from fastgate.scheduler import SchedulerConfig
+
+    assert SchedulerConfig().express_prefill == 0
+    with pytest.raises(InputError, match="express_prefill must be >= 0"):
+        SchedulerConfig(express_prefill=-1)
+
+
 def test_finished_rows_leave_and_padding_columns_are_trimmed(tiny_engine):
     loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
     long = ("Q: What is the capital of France?\nA:", G(max_new_tokens=30, stop_at_eos=False), TapSpec(), 1, None)

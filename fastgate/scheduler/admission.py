@@ -16,6 +16,7 @@ and prefills; the driver (:mod:`fastgate.scheduler.driver`) calls :meth:`Admissi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from typing import Any, cast
@@ -81,7 +82,10 @@ class Admission:
         # chosen once: a packed loop runs each step's decode rows and prompt chunks in one forward
         # (fastgate.engine.packed)
         self.layout = ("packed" if packable(local) else "padded") if config.layout == "auto" else config.layout
-        self._loop_cls = PackedLoop if self.layout == "packed" else DecodeLoop
+        if self.layout == "packed":  # short prompts first within half a step's budget (SchedulerConfig.express_prefill)
+            self._loop_cls = functools.partial(PackedLoop, express_prefill=config.express_prefill)
+        else:
+            self._loop_cls = DecodeLoop
         self._empty_loop = self._loop_cls(local, local.n_layers // 2)  # never admits: asked what one row alone takes
 
     @property

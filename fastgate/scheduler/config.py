@@ -50,6 +50,10 @@ class SchedulerConfig:
             fixed store rows written in place; ``padded``: the rows left-padded into one batch, prompts prefilled in
             forwards of their own (:class:`~fastgate.engine.decode.DecodeLoop`, the only layout for sliding-window
             models).
+        express_prefill: packed layout only: prompts with at most this many tokens left to prefill go before the
+            queue's order, within half a step's budget (0: off). A cheap request's prompt (a closed-book question
+            after a cached few-shot prefix: ~10 tokens) then waits for no older request's long prompt; the long
+            prompts keep at least half of every step.
         prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
             so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
             ones; ``arrival``: each prompt in the order its generation was asked for.
@@ -80,6 +84,9 @@ class SchedulerConfig:
     layout: str = setting("auto", "packed: each decode step and its prompt chunks run as one forward (Llama / Qwen2 / "
                                   "Mistral); padded: rows left-padded, prompts prefilled in forwards of their own; "
                                   "auto: packed where the model allows it (default: %(default)s)", choices=LAYOUTS)
+    # off for batch throughput: every prompt in the queue's order
+    express_prefill: int = setting(0, "packed layout: prompts with at most N tokens left prefill first, within half "
+                                      "a step's budget; 0: off (default: %(default)s)")
     # the oldest request first: a RAG prompt after its gate does not queue behind newer requests (closed-loop p95)
     prefill_order: str = setting("program", "packed layout: prefill the oldest request's prompts first (program) or "
                                             "each prompt in the order it was asked for (arrival) (default: "
@@ -97,6 +104,8 @@ class SchedulerConfig:
                              f"{self.decoding_prefill_budget}")
         if self.decoding_prefill_budget and self.prefill_budget == WHOLE_PROMPTS:
             raise InputError("decoding_prefill_budget needs a prefill_budget (whole prompts have no per-step budget)")
+        if self.express_prefill is None or self.express_prefill < 0:
+            raise InputError(f"express_prefill must be >= 0 (0: off), got {self.express_prefill}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise InputError(f"kv_budget must be >= 1 byte, got {self.kv_budget}")
         if self.layout not in LAYOUTS:
