@@ -116,11 +116,19 @@ class ReorderedLinear:
 def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                         rest: Callable[[], None] | None = None) -> Product:
     """The op where oneDNN multiplies bf16 here (the registry asks :func:`onednn_agrees`): a
-    :class:`ReorderedLinear` for a bf16 CPU weight (``rest`` called before each of its products), the reference for
-    any other."""
+    :class:`ReorderedLinear` for a bf16 CPU weight, the reference for any other; ``rest`` called before each CPU
+    product."""
     if weight.dtype is torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
         return ReorderedLinear(weight, bias, rest)
-    return torch_dense_linear(weight, bias)
+    product = torch_dense_linear(weight, bias)
+    if rest is None or weight.device.type != "cpu":
+        return product
+
+    def rested(x: torch.Tensor) -> torch.Tensor:  # a float32 weight's F.linear: torch's threads too
+        rest()
+        return product(x)  # [M, N]
+
+    return rested
 
 
 @functools.cache
