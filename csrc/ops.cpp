@@ -2898,15 +2898,20 @@ void decode_layers_f32(uintptr_t h_ptr, uintptr_t out_ptr, int64_t m, int64_t d,
 // float block) and the rest of a row with the C library's exp; the product rounds alike in both, so only the silu's
 // tail matters. o[i] for i < n, g / u / o bf16.
 #if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_BF16_KERNEL)
-FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp8 exp8) {
-  const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);
-  // bf16 <-> float32 eight at a time (load_bf16v, round_bf16v, store_bf16v: f32_to_bf16's bits): the scalar
+// V's width with torch's exp of that width, `exp` (R: its vector type): x / (1 + exp(-x)) as torch's vectorized silu,
+// rounded to bf16, times up; the scalar tail with the C library's exp (torch's scalar silu).
+template <class V, class R>
+FASTGATE_INLINE void silu_mul_row_bf16_t(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, R (*exp)(R)) {
+  typedef typename V::F F;
+  const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);  // 32 or 64: whole vectors of 8 or 16
+  // bf16 <-> float32 a vector at a time (load_bf16v, round_bf16v, store_bf16v: f32_to_bf16's bits): the scalar
   // conversions took ~6 us of a 1,536-wide row (SmolLM2), 30 a batch-1 step
   int64_t i = 0;
   for (; i + block <= n; i += block)
-    for (int64_t j = i; j < i + block; j += 8) {
-      const f32x8 si = round_bf16v<Vec8>((f32x8)silu8((__m256)load_bf16v<Vec8>(g + j), exp8));
-      store_bf16v<Vec8>(o + j, si * load_bf16v<Vec8>(u + j));
+    for (int64_t j = i; j < i + block; j += V::N) {
+      const F x = load_bf16v<V>(g + j);
+      const F si = round_bf16v<V>(x / (1.0f + (F)exp((R)(-x))));
+      store_bf16v<V>(o + j, si * load_bf16v<V>(u + j));
     }
   for (; i < n; ++i) {
     const float xi = bf16_to_f32(g[i]);
@@ -2915,10 +2920,14 @@ FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, 
   }
 }
 
+FASTGATE_F32_EXACT void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp8 exp8) {
+  silu_mul_row_bf16_t<Vec8>(g, u, o, n, exp8);
+}
+
 #ifdef FASTGATE_AVX512
-// silu_mul_row_bf16 sixteen at a time with torch's 16-wide exp (the routine its AVX-512 kernels call; each lane's
-// exp is the same SLEEF routine at either width): the same bits at ~1.7x the 8-wide loop's speed (the exp is most of
-// it). Where the CPU runs AVX-512 and libtorch_cpu exports it.
+// The same sixteen at a time with torch's 16-wide exp (the routine its AVX-512 kernels call; each lane's exp is the
+// same SLEEF routine at either width): the same bits at ~1.7x the 8-wide loop's speed (the exp is most of it). Where
+// the CPU runs AVX-512 and libtorch_cpu exports it.
 using Exp16 = __m512 (*)(__m512);
 
 Exp16 torch_exp16() {
@@ -2928,20 +2937,7 @@ Exp16 torch_exp16() {
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), optimize("fp-contract=off")))
 void silu_mul_row_bf16_16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, Exp16 exp16) {
-  const int64_t block = 2 * torch_float_block.load(std::memory_order_relaxed);  // 32 or 64: whole vectors of 16
-  int64_t i = 0;
-  for (; i + block <= n; i += block)
-    for (int64_t j = i; j < i + block; j += 16) {
-      const f32x16 x = load_bf16v<Vec16>(g + j);
-      const f32x16 e = (f32x16)exp16((__m512)(-x));  // torch's x / (1 + exp(-x)), a vector
-      const f32x16 si = round_bf16v<Vec16>(x / (1.0f + e));
-      store_bf16v<Vec16>(o + j, si * load_bf16v<Vec16>(u + j));
-    }
-  for (; i < n; ++i) {
-    const float xi = bf16_to_f32(g[i]);
-    const float si = xi / (1.0f + std::exp(-xi));
-    o[i] = f32_to_bf16(round_bf16(si) * bf16_to_f32(u[i]));
-  }
+  silu_mul_row_bf16_t<Vec16>(g, u, o, n, exp16);
 }
 #endif
 
