@@ -85,6 +85,20 @@ def test_each_product_first_sends_the_pools_workers_to_rest():
 
 
 @pytest.mark.skipif(not ONEDNN, reason="no oneDNN bf16 product here")
+def test_float32_weights_rest_before_f_linear_too():
+    from fastgate.ops.dense import resting_dense_linear
+
+    calls = []
+    weight = _weight(24, 40).float()
+    x = torch.randn(5, 40)
+    for product in (onednn_dense_linear(weight, rest=lambda: calls.append(1)),
+                    resting_dense_linear(weight, rest=lambda: calls.append(1))):
+        assert torch.equal(product(x), F.linear(x, weight))
+    assert len(calls) == 2
+    assert torch.equal(resting_dense_linear(weight)(x), F.linear(x, weight))  # no rest given: the reference alone
+    assert len(calls) == 2
+
+
 def test_registry_binds_the_extensions_rest_where_it_is_built():
     from fastgate.ops.registry import ext_available, import_ext
 

@@ -33,7 +33,7 @@ from typing import TypeAlias
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ReorderedLinear", "onednn_agrees", "onednn_dense_linear", "torch_dense_linear"]
+__all__ = ["ReorderedLinear", "onednn_agrees", "onednn_dense_linear", "resting_dense_linear", "torch_dense_linear"]
 
 # rows a probe multiplies: one, a few, past a 32-row block, a prime, a prompt chunk's
 _PROBE_ROWS = (1, 3, 33, 97, 515)
@@ -120,11 +120,20 @@ def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     product."""
     if weight.dtype is torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
         return ReorderedLinear(weight, bias, rest)
+    return resting_dense_linear(weight, bias, rest)
+
+
+def resting_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         rest: Callable[[], None] | None = None) -> Product:
+    """The reference's ``F.linear`` with ``rest`` called before each product of a CPU weight (the extension's pool
+    sleeps while torch's threads multiply: module docstring); the reference itself without ``rest``. The op where the
+    extension is built and oneDNN's bf16 product is not bound (float32 products alternate with the C++ float32 norm
+    and rotary embedding there too)."""
     product = torch_dense_linear(weight, bias)
     if rest is None or weight.device.type != "cpu":
         return product
 
-    def rested(x: torch.Tensor) -> torch.Tensor:  # a float32 weight's F.linear: torch's threads too
+    def rested(x: torch.Tensor) -> torch.Tensor:
         rest()
         return product(x)  # [M, N]
 

@@ -74,8 +74,9 @@ class ServiceConfig(RuntimeConfig):
     prefill_budget: int = _scheduler_setting("prefill_budget", 512)
     # the library scheduler's 0 (the whole budget) until measured otherwise (bench/bench_mixed.py)
     decoding_prefill_budget: int = _scheduler_setting("decoding_prefill_budget")
-    # not the library's 0: a cheap request's short prompt does not queue behind older requests' long ones (burst skip
-    # p50 0.48 -> 0.40 s, 16 closed-loop clients 2.05-2.25 -> 2.25-2.27 req/s; docs/RESULTS.md)
+    # not the library's 0: a cheap request's short prompt does not queue behind older requests' long ones (16
+    # closed-loop clients 2.05-2.25 -> 2.26-2.33 req/s; a burst's skip p50 0.40-0.48 s against 0.48, within this VM's
+    # noise; docs/RESULTS.md)
     express_prefill: int = _scheduler_setting("express_prefill", 64)
     # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
     kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
