@@ -13,6 +13,7 @@ __all__ = [
     "COT_FEW_SHOT",
     "FEW_SHOT_QA",
     "PSEUDO_CONTEXT_INSTRUCTION",
+    "PSEUDO_CONTEXT_PREFIX",
     "SENTENCE_STOP",
     "closed_book_prompt",
     "cot_prompt",
@@ -95,14 +96,18 @@ def seakr_prompt(question: str, rationale: str = "", knowledge: Sequence[Passage
     return f"{COT_FEW_SHOT}{evidence}Q: {question.strip()}\nA:{rationale}"
 
 
+# every pseudo-context prompt starts with this (the example, then the instruction again): DTR caches its KV once
+PSEUDO_CONTEXT_PREFIX = (
+    f"{PSEUDO_CONTEXT_INSTRUCTION}\nQuestion: Who painted the Mona Lisa?\n"
+    "Passage: The Mona Lisa is a portrait painted by the Italian artist Leonardo da Vinci in the early 16th "
+    "century. It hangs in the Louvre in Paris.\n\n"
+    f"{PSEUDO_CONTEXT_INSTRUCTION}\nQuestion:"
+)
+
+
 def pseudo_context_prompt(question: str) -> str:
     """DTR's pseudo-context prompt (Fig. 13) with one example so a small model writes a passage, not a list."""
-    return (
-        f"{PSEUDO_CONTEXT_INSTRUCTION}\nQuestion: Who painted the Mona Lisa?\n"
-        "Passage: The Mona Lisa is a portrait painted by the Italian artist Leonardo da Vinci in the early 16th "
-        "century. It hangs in the Louvre in Paris.\n\n"
-        f"{PSEUDO_CONTEXT_INSTRUCTION}\nQuestion: {question.strip()}\nPassage:"
-    )
+    return f"{PSEUDO_CONTEXT_PREFIX} {question.strip()}\nPassage:"
 
 
 def extract_answer(text: str) -> str:

@@ -289,6 +289,36 @@ def test_prefix_cache_gives_the_same_generation(tiny):
         Engine(tiny, prefix_cache=-1)
 
 
+def test_a_batch_prefix_is_computed_only_where_it_pays(tiny):
+    from fastgate.config import GenerationConfig
+    from fastgate.engine.local import Engine
+    from fastgate.engine.model_runner import NEW_PREFIX_TOKENS
+    from fastgate.prompts import FEW_SHOT_QA
+
+    eng = Engine(tiny, prefix_cache=8)
+    runner = eng.runner
+    few = runner.encode([FEW_SHOT_QA], [1])[0][0]
+    eng.cache_prefix(FEW_SHOT_QA)
+    cfg = GenerationConfig(max_new_tokens=2)
+    # a few tokens past the cached block: a forward of the whole prefix would cost more than the rows save
+    short = [f"{FEW_SHOT_QA}Q: What is the capital of {c}?\nA:" for c in ("France", "Peru", "Chad")]
+    rows = runner.encode(short, [2] * 3)[0]
+    assert runner.shared_prefix(rows) == tuple(few)
+    eng.generate(short, cfg)
+    assert list(runner._prefixes) == [tuple(few)]
+    # a long block the rows share and nothing cached covers: computed once, found by every row
+    block = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
+    long = [f"{block} {c}" for c in ("one", "two", "three")]
+    rows = runner.encode(long, [2] * 3)[0]
+    got = runner.shared_prefix(rows)
+    assert got is not None and len(rows) * len(got) >= 2 * (len(got) + NEW_PREFIX_TOKENS)
+    assert got in runner._prefixes
+    # ... but not for two rows that share a short block
+    runner._prefixes.clear()
+    two = runner.encode(["the quick brown fox one", "the quick brown fox two"], [2, 2])[0]
+    assert runner.shared_prefix(two) is None
+
+
 @pytest.mark.parametrize("prefix", [0, 8])
 def test_chunked_prefill_gives_the_same_generation(tiny, prefix):
     from fastgate.prompts import FEW_SHOT_QA

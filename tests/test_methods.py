@@ -55,6 +55,18 @@ def test_dtr_threshold_extremes(tiny_engine, bm25, tau, expect):
     assert all(len(r.gate_steps) == 1 and r.gate_steps[0].gate == "answer_nll" for r in results)
 
 
+def test_dtr_caches_its_pseudo_context_block_and_its_prompts_find_it(tiny, bm25):
+    from fastgate.engine.local import Engine
+    from fastgate.prompts import PSEUDO_CONTEXT_PREFIX, pseudo_context_prompt
+
+    eng = Engine(tiny)
+    build_method("dtr", eng, bm25, {"tau": 0.0})
+    block = tuple(eng.runner.encode([PSEUDO_CONTEXT_PREFIX], [1])[0][0])
+    assert block in eng.runner._prefixes
+    rows = eng.runner.encode([pseudo_context_prompt(q) for q in QUESTIONS[:1]], [1])[0]
+    assert eng.runner.shared_prefix(rows) == block  # a lone prompt starts from the cached block
+
+
 def test_dtr_batches_by_decision_and_keeps_order(tiny_engine, bm25):
     scores = [r.gate_steps[0].score for r in build_method("dtr", tiny_engine, bm25, {"tau": 0}).answer_batch(QUESTIONS)]
     # split the batch in two, with tau halfway between two scores: a question answered alone runs other matmul shapes

@@ -13,7 +13,7 @@ from fastgate.errors import InputError
 from fastgate.gates.uncertainty import AnswerNLLGate
 from fastgate.methods.base import GateThreshold, Method, MethodConfig
 from fastgate.programs import Answer, Batched, Decide, Embed, Generate, PassageVectors, Program, Search, SearchVectors
-from fastgate.prompts import pseudo_context_prompt
+from fastgate.prompts import PSEUDO_CONTEXT_PREFIX, pseudo_context_prompt
 from fastgate.retrieval.base import Hit
 
 __all__ = ["Dtr", "DtrConfig"]
@@ -61,6 +61,7 @@ class Dtr(Method):
         # chosen once: a dense index searches by vector and stores passage vectors; anything else searches by text
         # and its candidates are embedded for AIS
         self._dense = hasattr(retriever, "search_vectors") and hasattr(retriever, "passage_vectors")
+        engine.cache_prefix(PSEUDO_CONTEXT_PREFIX)  # every retrieving question's pseudo-context prompt starts with it
 
     def _embed(self, texts: list[str]) -> np.ndarray:
         """MiniLM vectors of ``texts``: the dense index's own encoder, else the shared packaged one."""
