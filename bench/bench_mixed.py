@@ -23,6 +23,11 @@ run against a server started from that tree, in the same run, so the two designs
 conditions (``--baseline-args`` passes that server's own flags); ``--variant NAME=FLAGS`` adds a server of this tree
 with other flags (e.g. ``--variant "whole-prefill=--prefill-budget 0"``). Rows go to bench/results/mixed.csv.
 
+The questions go through one pooled client (``--client pooled``, kept-alive connections, as bench_serve's clients and
+any real one); ``--client fresh`` builds a client per question as the runs before 2026-11-28 12:00 UTC did: httpx makes
+an SSL context for each (~24 ms of CPU), so a burst of 12 spent ~290 ms of the load generator's CPU on the server's
+two cores, and a burst's figures measured that as much as the server.
+
 ``--rounds N`` (3) measures the alone latencies, the burst and the late arrivals N times and reports each figure's
 median over rounds (``burst_skip_x_alone_rounds`` lists every round's ratio): one burst of 6-12 questions a class moved
 a design's ratio by 30% between runs.
@@ -73,11 +78,17 @@ def _start(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     return start_server(tree, port, ["--method", "dtr", *extra], f"the server from {tree}")
 
 
+_CLIENT = None  # the pooled client of --client pooled (httpx.Client is thread-safe); None: a new one per request
+
+
 def _ask(url: str, question: str) -> tuple[float, dict]:
     import httpx
 
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/answer", json={"question": question}, timeout=600)
+    if _CLIENT is None:
+        r = httpx.post(f"{url}/v1/answer", json={"question": question}, timeout=600)
+    else:
+        r = _CLIENT.post(f"{url}/v1/answer", json={"question": question})
     r.raise_for_status()
     return time.perf_counter() - t0, r.json()
 
@@ -212,6 +223,11 @@ def main() -> None:
     ap.add_argument("--late", default="0.25,0.5,1,1.5,2", help="seconds after the retrieving questions that a skip "
                     "question arrives, one run each, comma-separated (default: %(default)s)")
     ap.add_argument("--poisson-requests", type=int, default=24, help="questions per open-loop rate (default: 24)")
+    ap.add_argument("--client", choices=("pooled", "fresh"), default="pooled",
+                    help="pooled: the questions share one client's kept-alive connections, as bench_serve's clients "
+                    "do; fresh: a new client and connection per question (httpx builds an SSL context each time: "
+                    "~24 ms of the load generator's CPU a question, on the server's cores; the runs before 2026-11-28 "
+                    "12:00 UTC) (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alone latencies, bursts and late arrivals this many times, "
                     "each figure the median over rounds (default: %(default)s)")
     args = ap.parse_args()
@@ -228,6 +244,11 @@ def main() -> None:
         designs.append((name, here, shlex.split(flags)))
     if args.baseline:
         designs.append(("baseline", Path(args.baseline).resolve(), shlex.split(args.baseline_args)))
+    global _CLIENT
+    if args.client == "pooled":
+        import httpx
+
+        _CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     rows = []
     for name, tree, extra in designs:
         port = _free_port()
@@ -236,7 +257,7 @@ def main() -> None:
             commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip()
             rate = rows[0]["sustainable_qps"] if rows else None  # every design sees the same arrivals
-            rows.append({"design": name, "commit": commit, "flags": " ".join(extra),
+            rows.append({"design": name, "commit": commit, "flags": " ".join(extra), "client": args.client,
                          **scenarios(f"http://127.0.0.1:{port}", args.per_class, args.max_seconds, fractions,
                                      args.poisson_requests, rate, late_offsets, args.rounds)})
         finally:
