@@ -173,3 +173,41 @@ def test_a_bf16_decode_pass_takes_the_step_op_with_the_general_path_s_results():
     assert calls  # the decode-only passes went through it
     for a, b in zip(out[True][0], out[False][0]):
         assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@needs_ext
+def test_the_per_op_decode_path_takes_the_swiglu_op():
+    """Decode-only passes without the whole-layer op run each layer's SwiGLU through the runner's ``swiglu`` op, as
+    the general path does, with the same bits as torch's two operations."""
+    import dataclasses
+
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.ops import reference
+    from fastgate.ops.decoder import no_decode_layers
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(dtype=torch.bfloat16)
+    prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a"]
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    out, rows = {}, []
+    for spy in (True, False):
+        runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+        inner = runner.ops.swiglu if spy else reference.swiglu
+
+        def swiglu(gu, inner=inner, spy=spy):
+            if spy:
+                rows.append(gu.shape[0])
+            return inner(gu)
+
+        runner.ops = dataclasses.replace(runner.ops, decode_layers=no_decode_layers, swiglu=swiglu)
+        loop = PackedLoop(runner, mid=2)
+        tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 2)), 1, None) for p in prompts])
+        while loop.busy:
+            loop.step(None)
+        out[spy] = [(t.result.sequences[0].token_ids, t.result.sequences[0].token_logprobs, t.result.running_sum)
+                    for t in tickets]
+    assert rows.count(len(prompts)) >= 5 * lm.model.config.num_hidden_layers  # every decode-only pass's layers
+    for a, b in zip(out[True], out[False]):
+        assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

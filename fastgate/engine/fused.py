@@ -38,7 +38,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
-from fastgate.ops.decoder import DecoderLayerWeights, _is_silu
+from fastgate.ops.decoder import DecoderLayerWeights, is_silu
 from fastgate.ops.dense import torch_dense_linear
 from fastgate.ops.quant import torch_int4_matmul, torch_int8_matmul
 from fastgate.ops.threads import serial_torch
@@ -179,7 +179,7 @@ class _Layer:
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
         self.act = mlp.act_fn
-        self.silu = _is_silu(self.act)  # its activation may run as the op swiglu (silu(gate) * up)
+        self.silu = is_silu(self.act)  # its activation may run as the op swiglu (silu(gate) * up)
         self.scaling = attn.scaling
         self.index = attn.layer_idx  # its key / value store layer
         self.linears = (self.qkv, self.o, self.gate_up, self.down)
@@ -351,7 +351,8 @@ class FusedForward:
                 and (h.dtype is not torch.bfloat16 or t <= self._kernel_limit(matmuls, torch.bfloat16))):
             h = self._stacked_layers(stack, h, cos, sin, plan, wanted, outputs)
         elif decode:
-            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls)
+            h = self._decode_layers(h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs, matmuls,
+                                    swiglu)
         else:
             h = self._layers(h, cos, sin, plan, attention, rms_norm, rope, wanted, outputs, matmuls, swiglu)
         h = rms_norm(h, self.norm_w, self.norm_eps)  # the final norm: the layers' norm op (HF's arithmetic)
@@ -481,7 +482,7 @@ class FusedForward:
         return h
 
     def _decode_layers(self, h, cos, sin, plan, rms_norm, rope, attention_step, wanted, outputs,
-                       matmuls=(torch_int4_matmul, torch_int8_matmul)) -> torch.Tensor:
+                       matmuls=(torch_int4_matmul, torch_int8_matmul), swiglu=reference.swiglu) -> torch.Tensor:
         """:meth:`_layers` for a pass of ``T`` decode rows only (row ``r`` is store row ``r``, its token at column
         ``plan.pos[r]``), bf16 on a CPU (or float32 of quantized weights, where the step op takes float32 rows:
         :meth:`_kernel_limit`): the products as bare calls (:func:`_row_products`: the kernels up to their
@@ -512,8 +513,11 @@ class FusedForward:
                 gu = gate_up_n(h, layer.ln2, layer.eps2, rms_norm)  # [T, 2 I]
             else:
                 gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
-            inter = gu.shape[-1] // 2
-            act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            if layer.silu:
+                act = swiglu(gu)  # [T, I]
+            else:
+                inter = gu.shape[-1] // 2
+                act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
             h = down_a(act, h) if down_a is not None else h + down_p(act)
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]

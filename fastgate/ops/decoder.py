@@ -38,7 +38,7 @@ from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
 from fastgate.ops.quant import _int4_layer_ok, bf16_tiles, f32_tiles
 
-__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "no_decode_layers", "silu_agrees",
+__all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "is_silu", "no_decode_layers", "silu_agrees",
            "torch_float_block"]
 
 _SERIAL_SILU = 32768  # torch's grain: a SwiGLU of fewer values runs its loop on one thread (its tails: the rows')
@@ -70,8 +70,8 @@ def no_decode_layers(layers: Sequence[DecoderLayerWeights], heads: int, kv_heads
     return None
 
 
-def _is_silu(act: nn.Module) -> bool:
-    # HF's ACT2FN["silu"] is nn.SiLU (older releases: SiLUActivation)
+def is_silu(act: nn.Module) -> bool:
+    """Whether ``act`` is HF's SiLU module (``ACT2FN["silu"]``: nn.SiLU; older releases: SiLUActivation)."""
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
@@ -240,7 +240,7 @@ def ext_decode_layers(ext: ModuleType, *, f32: bool = True, bf16: bool = False) 
         for w in layers:
             if not (_int4_ok(w.qkv, width, d, True, dtype) and _int4_ok(w.o, d, heads * head_dim, False, dtype)
                     and _int4_ok(w.gate_up, 2 * inter, d, False, dtype) and _int4_ok(w.down, d, inter, False, dtype)
-                    and _is_silu(w.act) and all(t.dtype is dtype and t.is_contiguous() and t.shape == (d,)
+                    and is_silu(w.act) and all(t.dtype is dtype and t.is_contiguous() and t.shape == (d,)
                                                 for t in (w.ln1, w.ln2))):
                 return None
         return DecodeStack(ext, layers, heads, kv_heads, head_dim, inter)
