@@ -248,7 +248,9 @@ def main() -> None:
     if args.client == "pooled":
         import httpx
 
-        _CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        # idle connections closed after 2 s, before uvicorn's 5 s: one reused as the server closes it would fail
+        _CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                                keepalive_expiry=2.0))
     rows = []
     for name, tree, extra in designs:
         port = _free_port()

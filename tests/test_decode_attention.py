@@ -191,23 +191,35 @@ def test_the_per_op_decode_path_takes_the_swiglu_op():
     lm = tiny_model(dtype=torch.bfloat16)
     prompts = ["Q: What is the capital of France?\nA:", "Who wrote Hamlet?", "a"]
     cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
-    out, rows = {}, []
+    out, rows, steps = {}, [], []
     for spy in (True, False):
         runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
-        inner = runner.ops.swiglu if spy else reference.swiglu
+        inner, inner_step = (runner.ops.swiglu if spy else reference.swiglu), runner.ops.decode_attention_step
 
         def swiglu(gu, inner=inner, spy=spy):
             if spy:
                 rows.append(gu.shape[0])
             return inner(gu)
 
-        runner.ops = dataclasses.replace(runner.ops, decode_layers=no_decode_layers, swiglu=swiglu)
+        def step(*a, inner=inner_step, spy=spy):  # counts the decode-only passes' layers (as decode_paths does)
+            if spy:
+                steps.append(a[0].shape[0])
+            return inner(*a)
+
+        step.float32 = getattr(inner_step, "float32", False)
+        roped = getattr(inner_step, "roped", None)
+        if roped is not None:
+            step.roped = lambda qkv, *a, roped=roped, spy=spy: (spy and steps.append(qkv.shape[0])) or roped(qkv, *a)
+        runner.ops = dataclasses.replace(runner.ops, decode_attention_step=step, decode_layers=no_decode_layers,
+                                         swiglu=swiglu)
         loop = PackedLoop(runner, mid=2)
         tickets = loop.admit([(p, cfg, TapSpec(layers=(0, 2)), 1, None) for p in prompts])
         while loop.busy:
             loop.step(None)
         out[spy] = [(t.result.sequences[0].token_ids, t.result.sequences[0].token_logprobs, t.result.running_sum)
                     for t in tickets]
-    assert rows.count(len(prompts)) >= 5 * lm.model.config.num_hidden_layers  # every decode-only pass's layers
+    # the decode-only path ran (its store-write-and-attention call a layer), and each of its layers took the op
+    assert steps.count(len(prompts)) >= 5 * lm.model.config.num_hidden_layers
+    assert rows.count(len(prompts)) >= steps.count(len(prompts))
     for a, b in zip(out[True], out[False]):
         assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])

@@ -305,18 +305,17 @@ def test_a_batch_prefix_is_computed_only_where_it_pays(tiny):
     rows = runner.encode(short, [2] * 3)[0]
     assert runner.shared_prefix(rows) == tuple(few)
     eng.generate(short, cfg)
-    assert list(runner._prefixes) == [tuple(few)]
+    assert runner.cached_prefixes() == [tuple(few)]
     # a long block the rows share and nothing cached covers: computed once, found by every row
     block = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
     long = [f"{block} {c}" for c in ("one", "two", "three")]
     rows = runner.encode(long, [2] * 3)[0]
     got = runner.shared_prefix(rows)
     assert got is not None and len(rows) * len(got) >= 2 * (len(got) + NEW_PREFIX_TOKENS)
-    assert got in runner._prefixes
-    # ... but not for two rows that share a short block
-    runner._prefixes.clear()
-    two = runner.encode(["the quick brown fox one", "the quick brown fox two"], [2, 2])[0]
-    assert runner.shared_prefix(two) is None
+    assert got in runner.cached_prefixes()
+    # ... and never for two rows (2 (p - 0) < 2 (p + 32)), however much they share
+    fresh = Engine(tiny, prefix_cache=8).runner
+    assert fresh.shared_prefix(fresh.encode(long[:2], [2, 2])[0]) is None and not fresh.cached_prefixes()
 
 
 @pytest.mark.parametrize("prefix", [0, 8])

@@ -62,7 +62,7 @@ def test_dtr_caches_its_pseudo_context_block_and_its_prompts_find_it(tiny, bm25)
     eng = Engine(tiny)
     build_method("dtr", eng, bm25, {"tau": 0.0})
     block = tuple(eng.runner.encode([PSEUDO_CONTEXT_PREFIX], [1])[0][0])
-    assert block in eng.runner._prefixes
+    assert block in eng.runner.cached_prefixes()
     rows = eng.runner.encode([pseudo_context_prompt(q) for q in QUESTIONS[:1]], [1])[0]
     assert eng.runner.shared_prefix(rows) == block  # a lone prompt starts from the cached block
 

@@ -330,6 +330,10 @@ class ModelRunner:
         self._prefixes.move_to_end(ids)
         return kv
 
+    def cached_prefixes(self) -> list[tuple[int, ...]]:
+        """The token ids of the prefixes whose KV is kept, least recently used first."""
+        return list(self._prefixes)
+
     def shared_prefix(self, rows: list[list[int]]) -> tuple[int, ...] | None:
         """The longest cached prefix every row starts with, else (for a batch) the rows' common prefix if it is long
         enough. A row keeps at least one token of its own, whose logits start the decoding. A new prefix's keys and
@@ -350,7 +354,8 @@ class ModelRunner:
             # a new prefix runs all its p tokens in a forward of its own (HF's, batch 1: SmolLM2 on a 2-core EPYC
             # 50 ms for 10 tokens, 121 ms for 73, about twice a packed pass's time a token), so it must save the
             # rows at least twice its tokens plus that fixed cost: 11 closed-book prompts that shared 7 tokens past
-            # the cached few-shot block paid 127 ms to save 77 tokens, on every request of a burst
+            # the cached few-shot block paid 127 ms to save 77 tokens, on every request of a burst. Two rows never
+            # pay (2 (p - have) < 2 (p + 32)): a pair starts from a cached prefix only (Engine.cache_prefix)
             have = 0 if best is None else len(best)
             if p >= self.prefix_cache and p > have and len(rows) * (p - have) >= 2 * (p + NEW_PREFIX_TOKENS):
                 best = tuple(first[:p])
