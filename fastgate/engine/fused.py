@@ -189,6 +189,14 @@ class _Layer:
         self.product_rows = _bare_rows([_row_products(m) for m in self.linears])
         self.quantized = any(type(m) in (Int4Linear, Int8Linear) for m in self.linears)
 
+    def activation(self, gu: torch.Tensor, swiglu=reference.swiglu) -> torch.Tensor:
+        """The MLP's activation of ``gu [T, 2 I]`` (the gate and up products side by side): the op ``swiglu`` for a
+        SiLU layer, else the layer's own activation of the gate times up. ``[T, I]``."""
+        if self.silu:
+            return swiglu(gu)  # [T, I]
+        inter = gu.shape[-1] // 2
+        return self.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+
 
 def _kernel_rows(products: list[tuple]) -> int:
     """Rows every product of ``products`` takes through its kernel (its ``small`` call; 0: some has none)."""
@@ -403,12 +411,7 @@ class FusedForward:
             h = h + o_p(o.reshape(t, hq * d))  # o [1, T, Hq, D]
             x = rms_norm(h, layer.ln2, layer.eps2)
             gu = gate_up_p(x)  # [T, 2 I]
-            if layer.silu:
-                act = swiglu(gu)  # [T, I]
-            else:
-                inter = gu.shape[-1] // 2
-                act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
-            h = h + down_p(act)
+            h = h + down_p(layer.activation(gu, swiglu))
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]
         return h
@@ -513,11 +516,7 @@ class FusedForward:
                 gu = gate_up_n(h, layer.ln2, layer.eps2, rms_norm)  # [T, 2 I]
             else:
                 gu = gate_up_p(rms_norm(h, layer.ln2, layer.eps2))  # [T, 2 I]
-            if layer.silu:
-                act = swiglu(gu)  # [T, I]
-            else:
-                inter = gu.shape[-1] // 2
-                act = layer.act(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            act = layer.activation(gu, swiglu)  # [T, I]
             h = down_a(act, h) if down_a is not None else h + down_p(act)
             if i + 1 in wanted and i + 1 < self.n:
                 outputs[i + 1] = h[None]

@@ -36,6 +36,7 @@ from torch import nn
 
 from fastgate.assets.quant import Int4Linear
 from fastgate.errors import ShapeError
+from fastgate.ops import reference
 from fastgate.ops.quant import _int4_layer_ok, bf16_tiles, f32_tiles
 
 __all__ = ["DecodeStack", "DecoderLayerWeights", "ext_decode_layers", "is_silu", "no_decode_layers", "silu_agrees",
@@ -205,7 +206,7 @@ def silu_agrees(ext: ModuleType, dtype: torch.dtype = torch.float32) -> bool:
         gu = torch.cat([gate, torch.linspace(-2.0, 2.0, width)])[None].to(dtype)  # [1, 2 I]
         out = torch.empty((1, width), dtype=dtype)
         run(gu.data_ptr(), out.data_ptr(), 1, width)
-        if not torch.equal(out, torch.nn.functional.silu(gu[:, :width]) * gu[:, width:]):
+        if not torch.equal(out, reference.swiglu(gu)):
             return False
     return True
 
