@@ -1,6 +1,6 @@
-"""The prompt chunks' attention (op ``prefill_attention``): the blocked bf16 CPU implementation against float32
-attention of the same inputs over awkward shapes, every other input through torch's SDPA unchanged, shape errors,
-and the packed pass calling the op the runner chose."""
+"""The prompt chunks' attention (op ``prefill_attention``): the blocked bf16 CPU implementation and the C++ kernels
+(bf16 and float32 inputs) against float32 / float64 attention of the same inputs over awkward shapes, every other
+input through torch's SDPA unchanged, shape errors, and the packed pass calling the op the runner chose."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from fastgate.ops.registry import import_ext
 EXT = import_ext()
 KERNEL = EXT is not None and EXT.prefill_attention_bf16_supported()  # the C++ kernel needs AVX512-BF16
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the extension and a CPU with AVX512-BF16")
+F32_KERNEL = EXT is not None and getattr(EXT, "prefill_attention_f32_supported", lambda: False)()  # AVX-512
+needs_f32_kernel = pytest.mark.skipif(not F32_KERNEL, reason="needs the extension and a CPU with AVX-512")
 IMPLEMENTATIONS = [pytest.param("blocked", id="blocked"), pytest.param("ext", id="ext", marks=needs_kernel)]
 
 
@@ -73,10 +75,77 @@ def test_kernel_threads_agree_and_hand_other_inputs_to_the_blocks(monkeypatch):
     torch.testing.assert_close(op(q, k, v, 40), one, rtol=0, atol=0)  # items are independent: same bits
     q80, k80, v80 = _inputs(5, 5, 40, 3, 80)  # a head dim the kernel has no tiles for: the blocks, exactly
     torch.testing.assert_close(op(q80, k80, v80, 3), blocked_prefill_attention(q80, k80, v80, 3), rtol=0, atol=0)
-    q32, k32, v32 = _inputs(4, 2, 20, 0, 64, dtype=torch.float32)  # float32: the reference, exactly
-    torch.testing.assert_close(op(q32, k32, v32, 0), reference.prefill_attention(q32, k32, v32, 0), rtol=0, atol=0)
+    q16, k16, v16 = _inputs(4, 2, 20, 0, 64, dtype=torch.float16)  # float16: the reference, exactly
+    torch.testing.assert_close(op(q16, k16, v16, 0), reference.prefill_attention(q16, k16, v16, 0), rtol=0, atol=0)
     with pytest.raises(ShapeError, match="start \\+ n"):
         op(q, k, v, 39)
+
+
+F32_SHAPES = [  # heads, kv heads, queries, cached columns before them, head dim: the kernel's head dims
+    (1, 1, 1, 0, 64), (9, 3, 1, 0, 64), (4, 4, 1, 37, 64), (7, 1, 67, 131, 32), (9, 3, 700, 0, 64),
+    (6, 2, 769, 0, 64), (8, 2, 131, 769, 128), (14, 2, 17, 3, 64), (9, 3, 376, 324, 64), (2, 2, 15, 16, 32),
+]
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("heads,kv_heads,n,start,dim", F32_SHAPES)
+def test_float32_kernel_against_float64_attention(heads, kv_heads, n, start, dim):
+    """float32 chunks: the kernel's sums run in another order than SDPA's, so its outputs are within float32's
+    rounding of exact (float64) attention, not SDPA's bits."""
+    q, k, v = _inputs(heads, kv_heads, n, start, dim, dtype=torch.float32, seed=n + start)
+    out = ext_prefill_attention(EXT)(q, k, v, start)
+    assert out.shape == (1, heads, n, dim) and out.dtype is torch.float32
+    exact = reference.prefill_attention(q.double(), k.double(), v.double(), start)  # [1, H, n, D]
+    err = (out.double() - exact).abs()
+    assert (err <= exact.abs() * 2e-5 + 2e-5).all(), err.max()
+    sdpa = reference.prefill_attention(q, k, v, start)  # torch's float32 flash kernel
+    assert err.mean() <= (sdpa.double() - exact).abs().mean() * 8 + 1e-9
+
+
+@needs_f32_kernel
+def test_float32_kernel_threads_agree_and_strided_queries():
+    q, k, v = _inputs(9, 3, 300, 40, 64, dtype=torch.float32)
+    op = ext_prefill_attention(EXT)
+    one = op(q, k, v, 40)
+    torch.testing.assert_close(op(q.contiguous(), k, v, 40), one, rtol=0, atol=0)  # strides read, same bits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.testing.assert_close(op(q, k, v, 40), one, rtol=0, atol=0)  # items are independent: same bits
+    finally:
+        torch.set_num_threads(threads)
+    wide = torch.randn(1, 3, 400, 64)[:, :, :340]  # keys / values a prefix of a wider buffer
+    ref = reference.prefill_attention(q, wide, wide, 40)
+    assert (op(q, wide, wide, 40) - ref).abs().max() <= 1e-4
+    with pytest.raises(ShapeError, match="start \\+ n"):
+        op(q, k, v, 39)
+    q80, k80, v80 = _inputs(5, 5, 40, 3, 80, dtype=torch.float32)  # no tiles for head dim 80: SDPA, exactly
+    torch.testing.assert_close(op(q80, k80, v80, 3), reference.prefill_attention(q80, k80, v80, 3), rtol=0, atol=0)
+
+
+@needs_f32_kernel
+def test_float32_chunks_take_the_float32_kernel():
+    """The op sends float32 inputs to ``prefill_attention_f32`` (bf16 ones to the bf16 kernel where the CPU has it)
+    and none of them to SDPA."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def counted(name):
+        def run(*args):
+            calls.append(name)
+            return getattr(EXT, name)(*args)
+        return run
+
+    ext = SimpleNamespace(prefill_attention_bf16_supported=EXT.prefill_attention_bf16_supported,
+                          prefill_attention_f32_supported=EXT.prefill_attention_f32_supported,
+                          prefill_attention_bf16=counted("prefill_attention_bf16"),
+                          prefill_attention_f32=counted("prefill_attention_f32"))
+    op = ext_prefill_attention(ext)
+    q, k, v = _inputs(9, 3, 37, 5, 64, dtype=torch.float32)
+    op(q, k, v, 5)
+    op(q.bfloat16(), k.bfloat16(), v.bfloat16(), 5)
+    assert calls == ["prefill_attention_f32"] + (["prefill_attention_bf16"] if KERNEL else [])
 
 
 def test_a_mask_passed_in_is_the_chunk_mask():
@@ -129,7 +198,7 @@ def test_shape_errors(fn):
 
 def test_registry_choice(monkeypatch):
     monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
-    assert build_ops("auto", "cpu").backends["prefill_attention"] == ("ext" if KERNEL else "blocked")
+    assert build_ops("auto", "cpu").backends["prefill_attention"] == ("ext" if KERNEL or F32_KERNEL else "blocked")
     monkeypatch.setattr("fastgate.ops.registry.import_ext", lambda: None)  # no extension: the blocks
     assert build_ops("auto", "cpu").prefill_attention is blocked_prefill_attention
     assert build_ops("auto", "cpu").backends["prefill_attention"] == "blocked"

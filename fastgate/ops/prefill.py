@@ -1,4 +1,5 @@
-"""A prompt chunk's attention over bf16 keys and values on a CPU (op ``prefill_attention``, docs/ARCHITECTURE.md).
+"""A prompt chunk's attention over bf16 or float32 keys and values on a CPU (op ``prefill_attention``,
+docs/ARCHITECTURE.md).
 
 The reference (:func:`fastgate.ops.reference.prefill_attention`) is torch's SDPA, whose CPU flash kernel ran a
 700-token SmolLM2 prompt's causal attention (9 heads, 3 key / value heads, head dim 64) at ~50 GFLOP/s on one thread
@@ -17,8 +18,15 @@ mean 0.00063 against 0.00071):
   float32 product runs at ~200 GFLOP/s, the bf16 one faster but rounding the scores to bf16). Rounding the
   probabilities to bf16 for a bf16 value product ran 5.6 ms at 1.25-1.4x the flash kernel's mean error: not taken.
 
-Every input neither is for (float32 or another dtype, another device) goes to the reference, so a float32 model keeps
-torch's SDPA exactly.
+float32 chunks (a float32 model's) run :func:`ext_prefill_attention`'s float32 kernel
+(``fastgate._C.prefill_attention_f32``) where the CPU has AVX-512: each score a float32 dot product over 16 keys a
+register (keys repacked once per call), the upper triangle skipped, the softmax and the value product as above, the
+output float32. SDPA's flash kernel ran a 700-token SmolLM2 layer in 6.1 ms on two Zen 4 cores and a chunk that
+continues a prompt through a mask over the whole rectangle (4.6 ms for 376 queries after 324 columns); the kernel 3.2
+and 2.5 ms. Its sums run in another order than SDPA's: outputs within ~5e-6 of float64 attention where SDPA's are
+within ~1e-6 (tests/test_prefill_attention.py); the replay set's greedy answers are unchanged (docs/RESULTS.md).
+Every other input (another dtype, another device, a head dim without tiles, float32 where the CPU has no AVX-512)
+goes to the reference, torch's SDPA.
 """
 
 from __future__ import annotations
@@ -73,24 +81,36 @@ def blocked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def ext_prefill_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
-    """The C++ kernel with the reference's signature (call only where ``ext.prefill_attention_bf16_supported()``);
-    inputs it cannot run go to :func:`blocked_prefill_attention`."""
+    """The C++ kernels with the reference's signature: bf16 inputs where ``ext.prefill_attention_bf16_supported()``,
+    float32 inputs where ``ext.prefill_attention_f32_supported()`` (call only where one of them is); inputs neither
+    runs go to :func:`blocked_prefill_attention` (and from there bf16 ones to the blocks, others to the reference)."""
 
-    def runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        return (_bf16_on_cpu(q, keys, values) and q.dim() == 4 and q.shape[-1] in KERNEL_HEAD_DIMS
-                and q.stride(-1) == 1 and keys.stride(-1) == 1 and keys.stride() == values.stride())
+    # the kernel for each dtype this CPU runs, asked once (an extension built before the float32 kernel: bf16 only)
+    kernels = {}
+    if ext.prefill_attention_bf16_supported():
+        kernels[torch.bfloat16] = ext.prefill_attention_bf16
+    if getattr(ext, "prefill_attention_f32_supported", lambda: False)():
+        kernels[torch.float32] = ext.prefill_attention_f32
+
+    def kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Callable | None:
+        if not (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.dim() == 4
+                and q.shape[-1] in KERNEL_HEAD_DIMS and q.stride(-1) == 1 and keys.stride(-1) == 1
+                and keys.stride() == values.stride() and keys.device.type == values.device.type == "cpu"):
+            return None
+        return kernels.get(q.dtype)
 
     def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                           scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not runs(q, keys, values):
+        run = kernel(q, keys, values)
+        if run is None:  # bf16 inputs to the blocks, every other to the reference
             return blocked_prefill_attention(q, keys, values, start, scale, mask)
         reference.check_prefill_attention_args(q, keys, values, start)
         _, heads, n, dim = q.shape
-        out = torch.empty((n, heads, dim), dtype=torch.bfloat16)  # [n, H, D]
+        out = torch.empty((n, heads, dim), dtype=q.dtype)  # [n, H, D]
         try:
-            ext.prefill_attention_bf16(q.data_ptr(), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
-                                       keys.stride(1), keys.stride(2), out.data_ptr(), n, heads, keys.shape[1], dim,
-                                       start, dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+            run(q.data_ptr(), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(), keys.stride(1),
+                keys.stride(2), out.data_ptr(), n, heads, keys.shape[1], dim, start,
+                dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
         except ValueError as exc:
             raise ShapeError(str(exc)) from None
         return out.transpose(0, 1)[None]  # [1, H, n, D]

@@ -366,7 +366,9 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 
-        if ext is not None and ext.prefill_attention_bf16_supported():  # the C++ kernel needs AVX512-BF16
+        # the C++ kernels: bf16 chunks where the CPU has AVX512-BF16, float32 chunks where it has AVX-512
+        if ext is not None and (ext.prefill_attention_bf16_supported()
+                                or getattr(ext, "prefill_attention_f32_supported", lambda: False)()):
             chosen["prefill_attention"], names["prefill_attention"] = ext_prefill_attention(ext), "ext"
         else:  # torch operations: no extension needed
             chosen["prefill_attention"], names["prefill_attention"] = blocked_prefill_attention, "blocked"
