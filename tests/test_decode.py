@@ -159,6 +159,33 @@ def test_packed_express_prefill_takes_short_prompts_first_within_half_the_budget
     _same(long.result, _alone(tiny_engine, long_spec))
 
 
+def test_express_prefill_counts_a_queued_prompt_after_its_cached_prefix(tiny):
+    """A closed-book question after the cached few-shot block is a few tokens of work, not its whole length: it
+    goes express before it starts (its cached prefix looked up, nothing computed), so a cheap request's prompt
+    does not wait behind an older request's long one."""
+    from fastgate.engine.local import Engine
+    from fastgate.prompts import closed_book_prompt
+
+    eng = Engine(tiny, prefix_cache=8)
+    few = eng.cache_prefix(closed_book_prompt("x").rsplit("Q:", 1)[0])
+    loop = PackedLoop(eng, mid=eng.n_layers // 2, express_prefill=16)
+    cfg = G(max_new_tokens=2, stop_at_eos=False)
+    long_spec = ("word " * 40, cfg, TapSpec(), 1, None)
+    short_spec = (closed_book_prompt("Who wrote Hamlet?"), cfg, TapSpec(), 1, None)
+    (long,) = loop.admit([long_spec], owners=["long"], priority=[1.0])
+    (short,) = loop.admit([short_spec], owners=["short"], priority=[2.0])  # a newer request's
+    job = next(j for j in loop.prefilling if j.ticket is short)
+    assert len(job.ids) > 16 and job.left == len(job.ids) - few <= 16 and not job.started
+    assert eng.runner.cached_prefix_len(job.ids) == few and eng.runner.cached_prefix_len(job.ids[:few]) == 0
+    budget = 2 * job.left + 1
+    loop.step(prefill_budget=budget)
+    assert short.rows and not long.rows  # express: whole in the first step, the long prompt after it
+    while loop.busy:
+        loop.step(prefill_budget=budget)
+    _same(short.result, _alone(eng, short_spec))
+    _same(long.result, _alone(eng, long_spec))
+
+
 def test_express_prefill_is_a_count_of_tokens():
     from fastgate.errors import InputError
     from fastgate.scheduler import SchedulerConfig

@@ -334,6 +334,14 @@ class ModelRunner:
         """The token ids of the prefixes whose KV is kept, least recently used first."""
         return list(self._prefixes)
 
+    def cached_prefix_len(self, ids: list[int]) -> int:
+        """The length of the longest cached prefix ``ids`` starts with (leaving it a token of its own), 0 if none: a
+        lookup only, nothing computed and the cache's order untouched (the queue's view of a prompt's work)."""
+        if not self.prefix_cache:
+            return 0
+        n = len(ids)
+        return max((len(p) for p in self._prefixes if len(p) < n and tuple(ids[:len(p)]) == p), default=0)
+
     def shared_prefix(self, rows: list[list[int]]) -> tuple[int, ...] | None:
         """The longest cached prefix every row starts with, else (for a batch) the rows' common prefix if it is long
         enough. A row keeps at least one token of its own, whose logits start the decoding. A new prefix's keys and

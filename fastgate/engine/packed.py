@@ -297,6 +297,7 @@ class _Job:
     started: bool = False  # its cached prefix looked up (buffers are allocated when a pass first needs them)
     done: int = 0  # columns prefilled (the cached prefix included)
     priority: tuple = ()  # prefill order: lower first (the caller's key, then arrival)
+    cached: int = 0  # before it starts: the cached prefix it would start from (ModelRunner.cached_prefix_len)
 
     @property
     def specs(self) -> list:
@@ -304,7 +305,9 @@ class _Job:
 
     @property
     def left(self) -> int:
-        return len(self.ids) - self.done
+        """Prompt tokens still to run: a queued prompt's own tokens after the cached prefix it will start from (a
+        closed-book question after the cached few-shot block is ~10 tokens of its ~80, and goes express)."""
+        return len(self.ids) - (self.done if self.started else self.cached)
 
 
 class PackedLoop(DecodeLoop):
@@ -400,7 +403,8 @@ class PackedLoop(DecodeLoop):
         tickets, _ = self._tickets(specs, owners, None)
         for spec, ticket, ids, cut, key in zip(specs, tickets, rows, truncated, keys):
             self._arrivals += 1
-            self.prefilling.append(_Job(spec, ticket, ids, cut, priority=(key, self._arrivals)))
+            self.prefilling.append(_Job(spec, ticket, ids, cut, priority=(key, self._arrivals),
+                                        cached=eng.cached_prefix_len(ids)))
         self.prefilling.sort(key=lambda job: job.priority)  # stable, and a partly prefilled job keeps its key
         return tickets
 
