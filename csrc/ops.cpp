@@ -1578,6 +1578,28 @@ FASTGATE_BF16_TARGET inline void value_tile(const float* const* p, int64_t width
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[t] + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][i])));
 }
 
+// The value pass's tile of TV query vectors from i0 (of nv; row_of / head_of as the item's): each one's probabilities
+// (p) and output row (o: past nv, a repeat of the last vector, written to spare, TV rows of D); returns the tile's
+// widest row, to which a shorter row's probabilities are zeroed from its own padded end (a multiple of N).
+template <int TV, int N, class T, class RowOf, class HeadOf>
+FASTGATE_INLINE int64_t value_tile_rows(int64_t i0, int64_t nv, int64_t start, float* scores, int64_t spad, T* out,
+                                        int64_t H, int64_t D, RowOf row_of, HeadOf head_of, const float** p, T** o,
+                                        T* spare) {
+  int64_t width = 0;
+  for (int t = 0; t < TV; ++t) {
+    const int64_t i = std::min(i0 + t, nv - 1);
+    p[t] = scores + i * spad;
+    o[t] = i0 + t < nv ? out + (row_of(i) * H + head_of(i)) * D : spare + t * D;
+    width = std::max(width, start + row_of(i) + 1);
+  }
+  for (int t = 0; t < TV; ++t) {
+    const int64_t w = start + row_of(std::min(i0 + t, nv - 1)) + 1;
+    float* pt = scores + std::min(i0 + t, nv - 1) * spad;
+    for (int64_t c = (w + N - 1) / N * N; c < width; ++c) pt[c] = 0.0f;
+  }
+  return width;
+}
+
 constexpr int64_t kRowsPerItem = 16;  // query rows of one work item (its G heads each)
 constexpr int kScoreTile = 8;         // query vectors whose scores one pass over the keys computes
 
@@ -1618,20 +1640,39 @@ FASTGATE_BF16_TARGET void prefill_item(const uint16_t* q, int64_t q_head, int64_
     const float* p[TV];
     uint16_t* o[TV];
     uint16_t spare[TV][D];
-    int64_t width = 0;
-    for (int t = 0; t < TV; ++t) {
-      const int64_t i = std::min(i0 + t, nv - 1);  // past the end: a repeat of the last vector, written to spare
-      p[t] = scores + i * spad;
-      o[t] = i0 + t < nv ? out + (row_of(i) * H + head_of(i)) * D : spare[t];
-      width = std::max(width, start + row_of(i) + 1);
-    }
-    for (int t = 0; t < TV; ++t) {  // a shorter row's probabilities are 0 up to the tile's width
-      const int64_t w = start + row_of(std::min(i0 + t, nv - 1)) + 1;
-      float* pt = scores + std::min(i0 + t, nv - 1) * spad;
-      for (int64_t c = (w + 15) / 16 * 16; c < width; ++c) pt[c] = 0.0f;
-    }
+    const int64_t width =
+        value_tile_rows<TV, 16>(i0, nv, start, scores, spad, out, H, D, row_of, head_of, p, o, &spare[0][0]);
     value_tile<D16, TV>(p, width, v, v_col, o);
   }
+}
+#endif
+
+#ifdef FASTGATE_BF16_KERNEL
+// Both prefill kernels' shape check and driver: each key / value head's keys packed (pack(h)) over the pool, then the
+// work items (a head's query rows in blocks of kRowsPerItem, the widest blocks first), each thread with its own
+// scores (G x kRowsPerItem rows of spad): item(h, r0, r1, scores).
+inline void check_prefill_shape(const char* name, int64_t n, int64_t start, int64_t H, int64_t Hkv, int64_t D) {
+  if (n < 0 || start < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || (D != 32 && D != 64 && D != 128))
+    throw std::invalid_argument(std::string(name) + ": bad shape (H a multiple of Hkv, D one of 32, 64, 128)");
+}
+
+template <class Pack, class Item>
+void prefill_items(int64_t n, int64_t S, int64_t Hkv, int64_t G, int64_t D, int64_t spad, int64_t threads, Pack pack,
+                   Item item) {
+  split_rows(Hkv, Hkv * S * D, 1 << 16, [&](int64_t first, int64_t step) {
+    for (int64_t h = first; h < Hkv; h += step) pack(h);
+    return true;
+  }, threads);
+  const int64_t blocks = (n + kRowsPerItem - 1) / kRowsPerItem, items = Hkv * blocks;
+  split_rows(items, items * kRowsPerItem * G * S * D * 2, 1 << 20, [&](int64_t first, int64_t step) {
+    std::vector<float> scores(G * kRowsPerItem * spad);  // per thread
+    for (int64_t it = first; it < items; it += step) {
+      const int64_t h = it % Hkv, b = blocks - 1 - it / Hkv;  // the widest blocks first
+      const int64_t r0 = b * kRowsPerItem;
+      item(h, r0, std::min(n, r0 + kRowsPerItem), scores.data());
+    }
+    return true;
+  }, threads);
 }
 #endif
 
@@ -1645,39 +1686,28 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 #ifdef FASTGATE_BF16_KERNEL
   if (!prefill_attention_bf16_supported())
     throw std::invalid_argument("prefill_attention_bf16: this CPU has no AVX512-BF16");
-  if (n < 0 || start < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || (D != 32 && D != 64 && D != 128))
-    throw std::invalid_argument("prefill_attention_bf16: bad shape (H a multiple of Hkv, D one of 32, 64, 128)");
+  check_prefill_shape("prefill_attention_bf16", n, start, H, Hkv, D);
   if (n == 0) return;
   const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_ptr);
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_ptr);
   uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
-  const int64_t S = start + n, G = H / Hkv, groups = (S + 15) / 16, spad = groups * 16;
+  const int64_t S = start + n, G = H / Hkv, groups = (S + 15) / 16, spad = groups * 16, per_head = groups * (D / 2) * 16;
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  std::vector<uint32_t> kp(Hkv * groups * (D / 2) * 16);
-  split_rows(Hkv, Hkv * S * D, 1 << 16, [&](int64_t first, int64_t step) {
-    for (int64_t h = first; h < Hkv; h += step)
-      pack_key_pairs(k + h * kv_head, kv_col, S, D, kp.data() + h * groups * (D / 2) * 16);
-    return true;
-  }, threads);
-  const int64_t blocks = (n + kRowsPerItem - 1) / kRowsPerItem, items = Hkv * blocks;
-  split_rows(items, items * kRowsPerItem * G * S * D * 2, 1 << 20, [&](int64_t first, int64_t step) {
-    std::vector<float> scores(G * kRowsPerItem * spad);  // per thread
-    for (int64_t item = first; item < items; item += step) {
-      const int64_t h = item % Hkv, b = blocks - 1 - item / Hkv;  // the widest blocks first
-      const int64_t r0 = b * kRowsPerItem, r1 = std::min(n, r0 + kRowsPerItem);
-      const uint32_t* kph = kp.data() + h * groups * (D / 2) * 16;
-      const uint16_t* vh = v + h * kv_head;
-      if (D == 32)
-        prefill_item<2>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-      else if (D == 64)
-        prefill_item<4>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-      else
-        prefill_item<8>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-    }
-    return true;
-  }, threads);
+  std::vector<uint32_t> kp(Hkv * per_head);
+  prefill_items(n, S, Hkv, G, D, spad, threads,
+                [&](int64_t h) { pack_key_pairs(k + h * kv_head, kv_col, S, D, kp.data() + h * per_head); },
+                [&](int64_t h, int64_t r0, int64_t r1, float* scores) {
+                  const uint32_t* kph = kp.data() + h * per_head;
+                  const uint16_t* vh = v + h * kv_head;
+                  if (D == 32)
+                    prefill_item<2>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                  else if (D == 64)
+                    prefill_item<4>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                  else
+                    prefill_item<8>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                });
 #else
   (void)q_ptr, (void)q_head, (void)q_row, (void)k_ptr, (void)v_ptr, (void)kv_head, (void)kv_col, (void)out_ptr;
   (void)n, (void)H, (void)Hkv, (void)D, (void)start, (void)scale, (void)threads;
@@ -1691,7 +1721,7 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 // over the whole rectangle. Here: each score a float32 dot product over the head dim, 16 keys a register (keys
 // repacked once per call, [16 keys][D] transposed), the upper triangle skipped; the softmax and the value product as
 // in the bf16 kernel; the output float32. The sums run in another order than the flash kernel's: the last bits of an
-// output (tests/test_prefill_attention.py bounds them). Needs AVX-512F (cpu_has_avx512).
+// output (tests/test_prefill_attention.py bounds them). 16 floats a vector with AVX-512, else 8 with AVX2 and FMA.
 #ifdef FASTGATE_AVX512
 // keys [S, D] float32 (rows col_stride apart) -> kt [ceil(S / 16)][D][16 keys], zero past S
 FASTGATE_AVX512_TARGET void pack_keys_f32(const float* k, int64_t col_stride, int64_t S, int64_t D, float* kt) {
@@ -1755,24 +1785,136 @@ FASTGATE_AVX512_TARGET void prefill_item_f32(const float* q, int64_t q_head, int
     const float* p[TV];
     float* o[TV];
     float spare[TV][D];
-    int64_t width = 0;
-    for (int t = 0; t < TV; ++t) {
-      const int64_t i = std::min(i0 + t, nv - 1);  // past the end: a repeat of the last vector, written to spare
-      p[t] = scores + i * spad;
-      o[t] = i0 + t < nv ? out + (row_of(i) * H + head_of(i)) * D : spare[t];
-      width = std::max(width, start + row_of(i) + 1);
-    }
-    for (int t = 0; t < TV; ++t) {  // a shorter row's probabilities are 0 up to the tile's width
-      const int64_t w = start + row_of(std::min(i0 + t, nv - 1)) + 1;
-      float* pt = scores + std::min(i0 + t, nv - 1) * spad;
-      for (int64_t c = (w + 15) / 16 * 16; c < width; ++c) pt[c] = 0.0f;
-    }
+    const int64_t width =
+        value_tile_rows<TV, 16>(i0, nv, start, scores, spad, out, H, D, row_of, head_of, p, o, &spare[0][0]);
     value_tile_f32<D16, TV>(p, width, v, v_col, o);
+  }
+}
+
+// The same kernel 8 floats a vector, for CPUs with AVX2 and FMA but no AVX-512 (and, through set_max_vector_width(8),
+// for tests on one that has it): 8 keys a register, keys repacked [8 keys][D]; the value product over 64 dims at a
+// time (AVX2's 16 registers); the softmax's last vector masked by lane. Another order of sums than the 16-wide one.
+#define FASTGATE_AVX2_FMA_TARGET __attribute__((target("avx2,fma")))
+
+// keys [S, D] float32 (rows col_stride apart) -> kt [ceil(S / 8)][D][8 keys], zero past S
+FASTGATE_AVX2_FMA_TARGET void pack_keys_f32x8(const float* k, int64_t col_stride, int64_t S, int64_t D, float* kt) {
+  const int64_t groups = (S + 7) / 8;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t l = 0; l < 8; ++l) {
+      const int64_t c = g * 8 + l;
+      for (int64_t d = 0; d < D; ++d) kt[(g * D + d) * 8 + l] = c < S ? k[c * col_stride + d] : 0.0f;
+    }
+}
+
+// A score row's softmax over its first w columns, in place; zeros after them up to the next multiple of 8.
+FASTGATE_INLINE void softmax_prefix8(float* s, int64_t w) {
+  const int64_t full = w / 8 * 8, rem = w - full;
+  const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const i32x8 live = lane < static_cast<int32_t>(rem);
+  const f32x8 ninf = f32x8{} - std::numeric_limits<float>::infinity(), zero = f32x8{};
+  f32x8 vm = ninf;
+  for (int64_t c = 0; c < full; c += 8) {
+    const f32x8 x = load8(s + c);
+    vm = x > vm ? x : vm;
+  }
+  if (rem) {
+    const f32x8 x = live ? load8(s + full) : ninf;
+    vm = x > vm ? x : vm;
+  }
+  float m = vm[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, vm[l]);
+  f32x8 vs = zero;
+  for (int64_t c = 0; c < full; c += 8) {
+    const f32x8 e = exp_nonpositive<f32x8, i32x8>(load8(s + c) - m);
+    __builtin_memcpy(s + c, &e, sizeof e);
+    vs += e;
+  }
+  if (rem) {  // the lanes past w: whatever the row held, 0 after
+    const f32x8 e = live ? exp_nonpositive<f32x8, i32x8>((live ? load8(s + full) : ninf) - m) : zero;
+    __builtin_memcpy(s + full, &e, sizeof e);
+    vs += e;
+  }
+  const float inv = 1.0f / hsum8(vs);
+  for (int64_t c = 0; c < full + (rem ? 8 : 0); c += 8) {
+    const f32x8 x = load8(s + c) * inv;
+    __builtin_memcpy(s + c, &x, sizeof x);
+  }
+}
+
+// The value product of TV query vectors over DV x 8 dims of float32 values (v, out: at the block's first dim).
+template <int DV, int TV>
+FASTGATE_INLINE void value_tile_f32x8(const float* const* p, int64_t width, const float* v, int64_t col_stride,
+                                      float* const* out, int64_t dim0) {
+  f32x8 acc[TV][DV];
+  for (int t = 0; t < TV; ++t)
+    for (int i = 0; i < DV; ++i) acc[t][i] = f32x8{};
+  for (int64_t j = 0; j < width; ++j) {
+    const float* vj = v + j * col_stride + dim0;
+    for (int i = 0; i < DV; ++i) {
+      const f32x8 vv = load8(vj + 8 * i);
+      for (int t = 0; t < TV; ++t) acc[t][i] += p[t][j] * vv;
+    }
+  }
+  for (int t = 0; t < TV; ++t)
+    for (int i = 0; i < DV; ++i) __builtin_memcpy(out[t] + dim0 + 8 * i, &acc[t][i], sizeof acc[t][i]);
+}
+
+// One work item of prefill_attention_f32 at 8 floats a vector (prefill_item_f32's).
+FASTGATE_AVX2_FMA_TARGET void prefill_item_f32x8(const float* q, int64_t q_head, int64_t q_row, const float* kt,
+                                                 const float* v, int64_t v_col, int64_t start, int64_t r0, int64_t r1,
+                                                 int64_t h, int64_t G, int64_t H, int64_t D, float scale,
+                                                 float* scores, int64_t spad, float* out) {
+  const int64_t nv = G * (r1 - r0);  // query vectors: (row, head) pairs, row-major
+  auto head_of = [&](int64_t i) { return h * G + i % G; };
+  auto row_of = [&](int64_t i) { return r0 + i / G; };
+  for (int64_t i0 = 0; i0 < nv; i0 += kScoreTile) {  // scores
+    const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, nv - i0));
+    const float* qv[kScoreTile];
+    for (int t = 0; t < kScoreTile; ++t) qv[t] = q + head_of(i0 + std::min(t, tile - 1)) * q_head + row_of(i0 + std::min(t, tile - 1)) * q_row;
+    const int64_t width = start + row_of(i0 + tile - 1) + 1;  // the tile's widest row
+    for (int64_t g = 0; g < (width + 7) / 8; ++g) {
+      f32x8 acc[kScoreTile];
+      for (int t = 0; t < kScoreTile; ++t) acc[t] = f32x8{};
+      const float* kg = kt + g * D * 8;
+      for (int64_t d = 0; d < D; ++d) {
+        const f32x8 kk = load8(kg + d * 8);
+        for (int t = 0; t < kScoreTile; ++t) acc[t] += qv[t][d] * kk;
+      }
+      for (int t = 0; t < tile; ++t) {
+        const f32x8 x = acc[t] * scale;
+        __builtin_memcpy(scores + (i0 + t) * spad + g * 8, &x, sizeof x);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nv; ++i) softmax_prefix8(scores + i * spad, start + row_of(i) + 1);
+  const int TV = D == 32 ? 2 : 1;  // TV x 4 or 1 x 8 accumulators of AVX2's 16 registers
+  for (int64_t i0 = 0; i0 < nv; i0 += TV) {  // values: a tile of TV vectors of one key / value head
+    const float* p[2];
+    float* o[2];
+    float spare[2][128];
+    const int64_t width = TV == 2 ? value_tile_rows<2, 8>(i0, nv, start, scores, spad, out, H, D, row_of, head_of, p, o,
+                                                         &spare[0][0])
+                                  : value_tile_rows<1, 8>(i0, nv, start, scores, spad, out, H, D, row_of, head_of, p, o,
+                                                         &spare[0][0]);
+    if (D == 32)
+      value_tile_f32x8<4, 2>(p, width, v, v_col, o, 0);
+    else
+      for (int64_t d0 = 0; d0 < D; d0 += 64) value_tile_f32x8<8, 1>(p, width, v, v_col, o, d0);
   }
 }
 #endif
 
-bool prefill_attention_f32_supported() { return cpu_has_avx512(); }
+bool prefill_attention_f32_supported() {
+#ifdef FASTGATE_AVX512
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return cpu_has_avx512() || avx2;
+#else
+  return false;
+#endif
+}
 
 // prefill_attention_bf16's layout and semantics over float32 q, keys, values and out (D one of 32, 64, 128).
 void prefill_attention_f32(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uintptr_t k_ptr, uintptr_t v_ptr,
@@ -1780,39 +1922,36 @@ void prefill_attention_f32(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uintp
                            int64_t D, int64_t start, double scale, int64_t threads) {
 #ifdef FASTGATE_AVX512
   if (!prefill_attention_f32_supported())
-    throw std::invalid_argument("prefill_attention_f32: this CPU has no AVX-512");
-  if (n < 0 || start < 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || (D != 32 && D != 64 && D != 128))
-    throw std::invalid_argument("prefill_attention_f32: bad shape (H a multiple of Hkv, D one of 32, 64, 128)");
+    throw std::invalid_argument("prefill_attention_f32: this CPU has neither AVX-512 nor AVX2 and FMA");
+  check_prefill_shape("prefill_attention_f32", n, start, H, Hkv, D);
   if (n == 0) return;
   const float* q = reinterpret_cast<const float*>(q_ptr);
   const float* k = reinterpret_cast<const float*>(k_ptr);
   const float* v = reinterpret_cast<const float*>(v_ptr);
   float* out = reinterpret_cast<float*>(out_ptr);
-  const int64_t S = start + n, G = H / Hkv, groups = (S + 15) / 16, spad = groups * 16;
+  const int64_t N = use_width16() ? 16 : 8;  // keys a register: decided per call, as the layer ops' width
+  const int64_t S = start + n, G = H / Hkv, groups = (S + N - 1) / N, spad = groups * N, per_head = groups * D * N;
   const float sc = static_cast<float>(scale);
   py::gil_scoped_release release;
-  std::vector<float> kt(Hkv * groups * D * 16);
-  split_rows(Hkv, Hkv * S * D, 1 << 16, [&](int64_t first, int64_t step) {
-    for (int64_t h = first; h < Hkv; h += step) pack_keys_f32(k + h * kv_head, kv_col, S, D, kt.data() + h * groups * D * 16);
-    return true;
-  }, threads);
-  const int64_t blocks = (n + kRowsPerItem - 1) / kRowsPerItem, items = Hkv * blocks;
-  split_rows(items, items * kRowsPerItem * G * S * D * 2, 1 << 20, [&](int64_t first, int64_t step) {
-    std::vector<float> scores(G * kRowsPerItem * spad);  // per thread
-    for (int64_t item = first; item < items; item += step) {
-      const int64_t h = item % Hkv, b = blocks - 1 - item / Hkv;  // the widest blocks first
-      const int64_t r0 = b * kRowsPerItem, r1 = std::min(n, r0 + kRowsPerItem);
-      const float* kth = kt.data() + h * groups * D * 16;
-      const float* vh = v + h * kv_head;
-      if (D == 32)
-        prefill_item_f32<2>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-      else if (D == 64)
-        prefill_item_f32<4>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-      else
-        prefill_item_f32<8>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores.data(), spad, out);
-    }
-    return true;
-  }, threads);
+  std::vector<float> kt(Hkv * per_head);
+  prefill_items(n, S, Hkv, G, D, spad, threads,
+                [&](int64_t h) {
+                  if (N == 16) pack_keys_f32(k + h * kv_head, kv_col, S, D, kt.data() + h * per_head);
+                  else pack_keys_f32x8(k + h * kv_head, kv_col, S, D, kt.data() + h * per_head);
+                },
+                [&](int64_t h, int64_t r0, int64_t r1, float* scores) {
+                  const float* kth = kt.data() + h * per_head;
+                  const float* vh = v + h * kv_head;
+                  if (N == 8)
+                    prefill_item_f32x8(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, D, sc, scores, spad,
+                                       out);
+                  else if (D == 32)
+                    prefill_item_f32<2>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                  else if (D == 64)
+                    prefill_item_f32<4>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                  else
+                    prefill_item_f32<8>(q, q_head, q_row, kth, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                });
 #else
   (void)q_ptr, (void)q_head, (void)q_row, (void)k_ptr, (void)v_ptr, (void)kv_head, (void)kv_col, (void)out_ptr;
   (void)n, (void)H, (void)Hkv, (void)D, (void)start, (void)scale, (void)threads;
@@ -3240,7 +3379,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale"), py::arg("threads") = 0,
         "A prompt chunk's causal attention over float32 keys / values, AVX-512 (pointers to checked torch tensors).");
   m.def("prefill_attention_f32_supported", &prefill_attention_f32_supported,
-        "Whether this CPU runs prefill_attention_f32 (AVX-512F/BW/VL/DQ).");
+        "Whether this CPU runs prefill_attention_f32 (AVX-512, or AVX2 and FMA: 8 floats a vector).");
   m.def("prefill_attention_bf16_supported", &prefill_attention_bf16_supported,
         "Whether this CPU runs prefill_attention_bf16 (AVX512-BF16).");
   m.def("quant_kernels_supported", &quant_kernels_supported,

@@ -15,8 +15,19 @@ from fastgate.ops.registry import import_ext
 EXT = import_ext()
 KERNEL = EXT is not None and EXT.prefill_attention_bf16_supported()  # the C++ kernel needs AVX512-BF16
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the extension and a CPU with AVX512-BF16")
-F32_KERNEL = EXT is not None and getattr(EXT, "prefill_attention_f32_supported", lambda: False)()  # AVX-512
-needs_f32_kernel = pytest.mark.skipif(not F32_KERNEL, reason="needs the extension and a CPU with AVX-512")
+# AVX-512 (16 floats a vector), or AVX2 and FMA (8)
+F32_KERNEL = EXT is not None and getattr(EXT, "prefill_attention_f32_supported", lambda: False)()
+needs_f32_kernel = pytest.mark.skipif(not F32_KERNEL, reason="needs the extension and a CPU with AVX2 and FMA")
+
+
+@pytest.fixture(params=[8, 16])
+def width(request):
+    """The float32 kernel's vector width for one test (16 only where the CPU has AVX-512), restored after it."""
+    if request.param == 16 and not EXT.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512: the kernel runs 8 wide")
+    EXT.set_max_vector_width(request.param)
+    yield request.param
+    EXT.set_max_vector_width(16)
 IMPLEMENTATIONS = [pytest.param("blocked", id="blocked"), pytest.param("ext", id="ext", marks=needs_kernel)]
 
 
@@ -89,7 +100,7 @@ F32_SHAPES = [  # heads, kv heads, queries, cached columns before them, head dim
 
 @needs_f32_kernel
 @pytest.mark.parametrize("heads,kv_heads,n,start,dim", F32_SHAPES)
-def test_float32_kernel_against_float64_attention(heads, kv_heads, n, start, dim):
+def test_float32_kernel_against_float64_attention(width, heads, kv_heads, n, start, dim):
     """float32 chunks: the kernel's sums run in another order than SDPA's, so its outputs are within float32's
     rounding of exact (float64) attention, not SDPA's bits."""
     q, k, v = _inputs(heads, kv_heads, n, start, dim, dtype=torch.float32, seed=n + start)
@@ -103,7 +114,23 @@ def test_float32_kernel_against_float64_attention(heads, kv_heads, n, start, dim
 
 
 @needs_f32_kernel
-def test_float32_kernel_threads_agree_and_strided_queries():
+def test_float32_kernel_widths_differ_only_in_the_last_bits():
+    """The 8-wide kernel (AVX2) against the 16-wide one on the same inputs, where the CPU runs both."""
+    if not EXT.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512: one width")
+    q, k, v = _inputs(9, 3, 131, 17, 64, dtype=torch.float32)
+    op = ext_prefill_attention(EXT)
+    wide = op(q, k, v, 17)
+    EXT.set_max_vector_width(8)
+    try:
+        narrow = op(q, k, v, 17)
+    finally:
+        EXT.set_max_vector_width(16)
+    torch.testing.assert_close(narrow, wide, rtol=1e-5, atol=1e-5)
+
+
+@needs_f32_kernel
+def test_float32_kernel_threads_agree_and_strided_queries(width):
     q, k, v = _inputs(9, 3, 300, 40, 64, dtype=torch.float32)
     op = ext_prefill_attention(EXT)
     one = op(q, k, v, 40)

@@ -19,14 +19,15 @@ mean 0.00063 against 0.00071):
   probabilities to bf16 for a bf16 value product ran 5.6 ms at 1.25-1.4x the flash kernel's mean error: not taken.
 
 float32 chunks (a float32 model's) run :func:`ext_prefill_attention`'s float32 kernel
-(``fastgate._C.prefill_attention_f32``) where the CPU has AVX-512: each score a float32 dot product over 16 keys a
-register (keys repacked once per call), the upper triangle skipped, the softmax and the value product as above, the
-output float32. SDPA's flash kernel ran a 700-token SmolLM2 layer in 6.1 ms on two Zen 4 cores and a chunk that
-continues a prompt through a mask over the whole rectangle (4.6 ms for 376 queries after 324 columns); the kernel 3.2
-and 2.5 ms. Its sums run in another order than SDPA's: outputs within ~5e-6 of float64 attention where SDPA's are
-within ~1e-6 (tests/test_prefill_attention.py); the replay set's greedy answers are unchanged (docs/RESULTS.md).
-Every other input (another dtype, another device, a head dim without tiles, float32 where the CPU has no AVX-512)
-goes to the reference, torch's SDPA.
+(``fastgate._C.prefill_attention_f32``) where the CPU has AVX-512 (16 floats a vector) or AVX2 and FMA (8): each
+score a float32 dot product over 16 (8) keys a register (keys repacked once per call), the upper triangle skipped,
+the softmax and the value product as above, the output float32. SDPA's flash kernel ran a 700-token SmolLM2 layer in
+6.1 ms on two Zen 4 cores and a chunk that continues a prompt through a mask over the whole rectangle (4.6 ms for
+376 queries after 324 columns); the kernel 3.2 and 2.5 ms (8 wide on the same CPU: 4.9 and 3.8 ms). Its sums run in
+another order than SDPA's: outputs within ~5e-6 of float64 attention where SDPA's are within ~1e-6
+(tests/test_prefill_attention.py); the replay set's greedy answers are unchanged (docs/RESULTS.md). Every other
+input (another dtype, another device, a head dim without tiles, float32 where the CPU has no AVX2) goes to the
+reference, torch's SDPA.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ Backends (the ``backend`` argument; ``FASTGATE_BACKEND`` takes the same values a
   float32 rows where the CPU has AVX2 and FMA (so does the decode-only pass's ``decode_attention_step``). A
   prompt chunk's attention over bf16 keys on a CPU (``prefill_attention``, :mod:`fastgate.ops.prefill`) runs in the
   extension where the CPU has AVX512-BF16 (``ext``), else in query blocks of torch's batched products (``blocked``,
-  no extension needed), under every backend but ``torch``; torch's SDPA elsewhere. As for the ``ext`` layer ops, the
-  record names the implementation bound for the device: inputs it is not for (float32 chunks) still run the reference.
+  no extension needed), under every backend but ``torch``; torch's SDPA elsewhere; a float32 chunk in the extension
+  where the CPU has AVX2 and FMA, torch's SDPA otherwise. As for the ``ext`` layer ops, the record names the
+  implementation bound for the device: inputs it is not for still run the reference.
   The decode step's quantized products (``int4_matmul``, ``int8_matmul``, :mod:`fastgate.ops.quant`) run in the
   extension for bf16 rows where the CPU has AVX512-BF16 and for float32 rows where it has AVX2 and FMA; torch's
   weight-only kernels (bf16 rows) and the de-quantized dense product (float32 rows) otherwise, and under ``torch``.
@@ -366,7 +367,7 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     if backend != "torch" and device.type == "cpu":  # bf16 chunks (fastgate.ops.prefill); others: the reference
         from fastgate.ops.prefill import blocked_prefill_attention, ext_prefill_attention
 
-        # the C++ kernels: bf16 chunks where the CPU has AVX512-BF16, float32 chunks where it has AVX-512
+        # the C++ kernels: bf16 chunks where the CPU has AVX512-BF16, float32 chunks where it has AVX2 and FMA
         if ext is not None and (ext.prefill_attention_bf16_supported()
                                 or getattr(ext, "prefill_attention_f32_supported", lambda: False)()):
             chosen["prefill_attention"], names["prefill_attention"] = ext_prefill_attention(ext), "ext"
