@@ -39,15 +39,22 @@ def median_time(fn: Callable[[], Any], repeat: int = 7, min_time: float = 0.05) 
     return statistics.median(samples)
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")  # machine()'s cpu_flags
+
+
 def machine() -> dict[str, str]:
     import numpy
     import torch
 
     cpu = platform.processor() or platform.machine()
+    flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):  # the SIMD a kernel here may choose by: every row names them
+                have = set(line.split(":", 1)[1].split())
+                flags = " ".join(f for f in SIMD_FLAGS if f in have)
                 break
     except OSError:
         pass
@@ -55,6 +62,7 @@ def machine() -> dict[str, str]:
     return {
         "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu,
+        "cpu_flags": flags,
         "cores": str(os.cpu_count()),
         "gpu": gpu,
         "python": platform.python_version(),
