@@ -186,6 +186,23 @@ def test_express_prefill_counts_a_queued_prompt_after_its_cached_prefix(tiny):
     _same(long.result, _alone(eng, long_spec))
 
 
+def test_packed_store_grows_once_for_the_prompts_already_queued(tiny_engine):
+    """Six prompts queued at once join a few a step: the store's first growth makes room for all of them (it grew
+    again at the sixth row: 5, then 9 rows), and every answer is its alone answer."""
+    loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2)
+    cfg = G(max_new_tokens=40, stop_at_eos=False)  # every row still decoding when the last one joins
+    specs = [(f"prompt number {i} " + "word " * (3 + 2 * i), cfg, TapSpec(), 1, None) for i in range(6)]
+    tickets = loop.admit(specs)
+    caps = []  # the store's row capacity after each step that left rows in it
+    while loop.busy:
+        loop.step(prefill_budget=24)  # a prompt or two ends a step
+        if loop.store.rows_cap and (not caps or caps[-1] != loop.store.rows_cap):
+            caps.append(loop.store.rows_cap)
+    assert len(caps) == 1 and caps[0] >= 6, caps
+    for ticket, spec in zip(tickets, specs):
+        _same(ticket.result, _alone(tiny_engine, spec))
+
+
 def test_express_prefill_is_a_count_of_tokens():
     from fastgate.errors import InputError
     from fastgate.scheduler import SchedulerConfig
@@ -397,9 +414,9 @@ def test_prompts_ending_in_one_pass_grow_the_store_once(tiny_engine, monkeypatch
     growths = []
     original = SlotStore.reserve
 
-    def counting(self, rows, cols, used_rows, used_cols, max_cells=None):
+    def counting(self, rows, cols, used_rows, used_cols, max_cells=None, expect_rows=0):
         before = (self.rows_cap, self.cols_cap)
-        original(self, rows, cols, used_rows, used_cols, max_cells)
+        original(self, rows, cols, used_rows, used_cols, max_cells, expect_rows)
         if (self.rows_cap, self.cols_cap) != before:
             growths.append((before, (self.rows_cap, self.cols_cap)))
 
