@@ -1397,7 +1397,7 @@ void decode_attention_step_bf16(uintptr_t q_ptr, int64_t q_row, int64_t q_head, 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
-#ifdef FASTGATE_AVX512
+#if defined(FASTGATE_AVX512) && defined(FASTGATE_BF16_KERNEL)  // the bf16 kernel's helpers and <immintrin.h>
 // exp_nonpositive, 16 at a time
 FASTGATE_AVX512_TARGET inline __m512 exp16_nonpositive(__m512 x) {
   return reinterpret_cast<__m512>(exp_nonpositive<f32x16, i32x16>(reinterpret_cast<f32x16>(x)));
@@ -1722,7 +1722,7 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 // repacked once per call, [16 keys][D] transposed), the upper triangle skipped; the softmax and the value product as
 // in the bf16 kernel; the output float32. The sums run in another order than the flash kernel's: the last bits of an
 // output (tests/test_prefill_attention.py bounds them). 16 floats a vector with AVX-512, else 8 with AVX2 and FMA.
-#ifdef FASTGATE_AVX512
+#if defined(FASTGATE_AVX512) && defined(FASTGATE_BF16_KERNEL)  // the bf16 kernel's helpers and <immintrin.h>
 // keys [S, D] float32 (rows col_stride apart) -> kt [ceil(S / 16)][D][16 keys], zero past S
 FASTGATE_AVX512_TARGET void pack_keys_f32(const float* k, int64_t col_stride, int64_t S, int64_t D, float* kt) {
   const int64_t groups = (S + 15) / 16;
@@ -1905,7 +1905,7 @@ FASTGATE_AVX2_FMA_TARGET void prefill_item_f32x8(const float* q, int64_t q_head,
 #endif
 
 bool prefill_attention_f32_supported() {
-#ifdef FASTGATE_AVX512
+#if defined(FASTGATE_AVX512) && defined(FASTGATE_BF16_KERNEL)  // the bf16 kernel's helpers and <immintrin.h>
   static const bool avx2 = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -1920,7 +1920,7 @@ bool prefill_attention_f32_supported() {
 void prefill_attention_f32(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uintptr_t k_ptr, uintptr_t v_ptr,
                            int64_t kv_head, int64_t kv_col, uintptr_t out_ptr, int64_t n, int64_t H, int64_t Hkv,
                            int64_t D, int64_t start, double scale, int64_t threads) {
-#ifdef FASTGATE_AVX512
+#if defined(FASTGATE_AVX512) && defined(FASTGATE_BF16_KERNEL)  // the bf16 kernel's helpers and <immintrin.h>
   if (!prefill_attention_f32_supported())
     throw std::invalid_argument("prefill_attention_f32: this CPU has neither AVX-512 nor AVX2 and FMA");
   check_prefill_shape("prefill_attention_f32", n, start, H, Hkv, D);
@@ -3377,7 +3377,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q_row_stride"), py::arg("keys"), py::arg("values"), py::arg("kv_head_stride"), py::arg("kv_col_stride"),
         py::arg("out"), py::arg("n"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("start"),
         py::arg("scale"), py::arg("threads") = 0,
-        "A prompt chunk's causal attention over float32 keys / values, AVX-512 (pointers to checked torch tensors).");
+        "A prompt chunk's causal attention over float32 keys / values, AVX-512 or AVX2 and FMA (pointers to checked "
+        "torch tensors).");
   m.def("prefill_attention_f32_supported", &prefill_attention_f32_supported,
         "Whether this CPU runs prefill_attention_f32 (AVX-512, or AVX2 and FMA: 8 floats a vector).");
   m.def("prefill_attention_bf16_supported", &prefill_attention_bf16_supported,

@@ -178,6 +178,8 @@ def test_express_prefill_counts_a_queued_prompt_after_its_cached_prefix(tiny):
     assert len(job.ids) > 16 and job.left == len(job.ids) - few <= 16 and not job.started
     assert eng.runner.cached_prefix_len(job.ids) == few and eng.runner.cached_prefix_len(job.ids[:few]) == 0
     budget = 2 * job.left + 1
+    job.cached = 0  # as if admitted before the block was cached: the queue looks it up again when it orders a pass
+    assert job.left == len(job.ids)
     loop.step(prefill_budget=budget)
     assert short.rows and not long.rows  # express: whole in the first step, the long prompt after it
     while loop.busy:

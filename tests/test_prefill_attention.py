@@ -280,3 +280,44 @@ def test_packed_pass_runs_chunks_through_the_runners_op(monkeypatch):
     assert calls and len(calls) % runner.n_layers == 0
     assert {dtype for dtype, _, _ in calls} == {torch.bfloat16}
     assert any(start > 0 for _, _, start in calls) and max(n for _, n, _ in calls) <= 5
+
+
+@needs_f32_kernel
+def test_float32_packed_chunks_through_the_kernel_answer_as_sdpa(monkeypatch):
+    """A float32 model (head dim 32) whose prompt chunks, after a cached prefix too, run the float32 kernel: the same
+    greedy tokens as with torch's SDPA, log-probs within float32's rounding, and the kernel called for every chunk."""
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.testing import tiny_model
+
+    monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
+    model = tiny_model(hidden=128)  # 4 heads of 32
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    prompts = ["a prompt long enough to take a few chunks of five tokens", "and a second one, shorter"]
+    results = {}
+    for backend in ("auto", "torch"):
+        runner = ModelRunner(model, backend, prefix_cache=0, step="eager")
+        calls = []
+        if backend == "auto":
+            assert runner.ops.backends["prefill_attention"] == "ext"
+            real = EXT.prefill_attention_f32
+
+            def counting(*args, real=real, calls=calls):
+                calls.append(args[8])  # n, the chunk's queries
+                return real(*args)
+
+            monkeypatch.setattr(EXT, "prefill_attention_f32", counting)
+            runner = ModelRunner(model, backend, prefix_cache=0, step="eager")  # the op binds the counting kernel
+        loop = PackedLoop(runner, mid=runner.n_layers // 2)
+        tickets = loop.admit([(p, cfg, TapSpec(), 1, None) for p in prompts])
+        while loop.busy:
+            loop.step(5)
+        results[backend] = [t.result for t in tickets]
+        if backend == "auto":
+            assert calls and max(calls) <= 5
+            monkeypatch.undo()
+    for got, want in zip(results["auto"], results["torch"]):
+        for a, b in zip(got.sequences, want.sequences):
+            assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)

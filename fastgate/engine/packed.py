@@ -564,6 +564,9 @@ class PackedLoop(DecodeLoop):
         queue = self.prefilling
         if not self.express_prefill or budget is None:
             return queue
+        for job in queue:  # the cached prefix each queued prompt would start from now (one may have been evicted)
+            if not job.started:
+                job.cached = self.runner.cached_prefix_len(job.ids)
         first, room = [], budget // 2
         for job in queue:
             if job.left <= self.express_prefill:
