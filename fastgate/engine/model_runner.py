@@ -339,8 +339,18 @@ class ModelRunner:
         lookup only, nothing computed and the cache's order untouched (the queue's view of a prompt's work)."""
         if not self.prefix_cache:
             return 0
-        n = len(ids)
-        return max((len(p) for p in self._prefixes if len(p) < n and tuple(ids[:len(p)]) == p), default=0)
+        best = self._longest_cached([ids])
+        return 0 if best is None else len(best)
+
+    def _longest_cached(self, rows: list[list[int]]) -> tuple[int, ...] | None:
+        """The longest cached prefix every row starts with, leaving each row a token of its own; None if none."""
+        shortest = min(len(r) for r in rows)
+        best: tuple[int, ...] | None = None
+        for ids in self._prefixes:
+            p = len(ids)
+            if p < shortest and (best is None or p > len(best)) and all(tuple(r[:p]) == ids for r in rows):
+                best = ids
+        return best
 
     def shared_prefix(self, rows: list[list[int]]) -> tuple[int, ...] | None:
         """The longest cached prefix every row starts with, else (for a batch) the rows' common prefix if it is long
@@ -348,15 +358,10 @@ class ModelRunner:
         values are computed here: call it before registering taps on the model."""
         if not self.prefix_cache:
             return None
-        shortest = min(len(r) for r in rows)
-        best: tuple[int, ...] | None = None
-        for ids in self._prefixes:
-            p = len(ids)
-            if p < shortest and (best is None or p > len(best)) and all(tuple(r[:p]) == ids for r in rows):
-                best = ids
+        best = self._longest_cached(rows)
         if len(rows) > 1:
             first, p = rows[0], 0
-            limit = shortest - 1
+            limit = min(len(r) for r in rows) - 1
             while p < limit and all(r[p] == first[p] for r in rows):
                 p += 1
             # a new prefix runs all its p tokens in a forward of its own (HF's, batch 1: SmolLM2 on a 2-core EPYC

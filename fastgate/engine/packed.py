@@ -689,17 +689,18 @@ class PackedLoop(DecodeLoop):
         the prompts still queued (admission counted them, see :meth:`cells_after`). 64 short prompts ending in one
         pass, joining one by one, regrew the store five times, each a copy of every row so far."""
         kv = self.runner.kv
+        ids = {id(job) for job in jobs}
+        waiting = [j for j in self.prefilling if id(j) not in ids]  # the prompts still queued after these
         bound = None
         if self.max_cells is not None:
-            ids = {id(job) for job in jobs}
-            queued = sum(len(j.ids) for j in self.prefilling if id(j) not in ids)
+            queued = sum(len(j.ids) for j in waiting)
             held = sum(len(job.ids) for job in jobs) if held is None else held
             bound = max(1, self.max_cells - held - self._prefill_cells(queued))
         cols = max(self._final_cols(), *(kv.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
         m, rows = len(self.rows), len(self.rows) + sum(job.spec.k for job in jobs)
         # a growth makes room for the queued prompts' rows too: 16 prompts of a 16 x 700 prefill joining a few a pass
         # regrew the store four times (float32: 0.3 s of copies and 0.4 s of zero-fill in a 17 s prefill)
-        expect = rows + sum(job.spec.k for job in self.prefilling if job not in jobs)
+        expect = rows + sum(job.spec.k for job in waiting)
         self.store.reserve(rows, cols, m, max(self.lens, default=0), bound, expect_rows=expect)
 
     def _static_pass(self, feed: list[int], counts_now: list[float], capture_eos: list[bool]) -> bool:
