@@ -411,3 +411,56 @@ def test_the_decode_step_passes_the_decoding_budget_to_the_loop(world, monkeypat
     assert all(t.result == "done" for t in tasks)
     assert asked and all(budget == (16 if decoding else 48) for budget, decoding in asked)
     assert any(decoding for _, decoding in asked)
+
+
+def _gen_program(prompt: str, n: int):
+    (out,) = (yield Generate(prompt, GenerationConfig(max_new_tokens=n, stop_at_eos=False))).sequences
+    return out.token_ids
+
+
+@pytest.mark.parametrize(("interject", "long_new"), [(8, 4), (8, 40), (1, 4)])
+def test_a_short_generation_arriving_during_a_long_pass_runs_inside_it(world, interject, long_new):
+    """A request submitted while a pass prefills a long prompt (here: at the pass's first pause) is started, and its
+    short generation runs to its end in the lane, before the pass ends; its tokens and the long one's are their alone
+    tokens. With more live programs than ``interject`` it waits for the next tick as before."""
+    engine = world[0]
+    assert engine.runner.fused is not None  # the pause lives in the fused forward
+    sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=interject)
+    long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
+    assert engine.count_tokens(long_prompt) >= 128  # a pass that pauses (PAUSE_TOKENS)
+    short_prompt = f"Q: {QUESTIONS[1]}\nA:"
+    fed, pauses = [], []
+
+    def feed():  # the server's queue: one request arrives during the long prompt's pass
+        pauses.append(sched.admission.loops and next(iter(sched.admission.loops.values())).busy)
+        if not fed:
+            fed.append(sched.submit(None, "", program=_gen_program(short_prompt, 3)))
+
+    sched.feed = feed
+    long = sched.submit(None, "", program=_gen_program(long_prompt, long_new))
+    sched.step()  # the long prompt's pass
+    assert fed and len(pauses) >= engine.n_layers - 1  # every layer boundary of the pass paused
+    short = fed[0]
+    if interject == 1:  # two programs live: no interjection
+        assert not short.done and sched.admission.lane is None
+    else:
+        assert short.done and not long.done and short.error is None
+        assert sched.admission.lane is not None and not sched.admission.lane.busy
+    sched.run([long, short])
+    alone = [engine.generate([p], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0].token_ids
+             for p, n in ((long_prompt, long_new), (short_prompt, 3))]
+    assert long.result == alone[0] and short.result == alone[1]
+    assert not sched.admission.busy and sched.idle
+
+
+def test_interject_off_never_pauses_a_pass(world):
+    engine = world[0]
+    sched = Scheduler(engine, prefill_budget=512)
+    assert sched.config.interject == 0 and sched.admission.pause is None
+    called = []
+    sched.feed = lambda: called.append(1)
+    long = sched.submit(None, "", program=_gen_program("Q: " + " ".join(f"w{i}" for i in range(150)) + "\nA:", 2))
+    sched.run([long])
+    assert not called and long.error is None
+    with pytest.raises(InputError, match="interject must be >= 0"):
+        Scheduler(engine, interject=-1)

@@ -374,3 +374,28 @@ def test_openapi_schema_names_the_models_and_each_servers_limits():
         assert chat["max_completion_tokens"]["anyOf"][0]["maximum"] == limit
         assert chat["model"]["description"].endswith(f"({method})")
         assert comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == limit
+
+
+def test_a_paused_pass_takes_in_the_requests_queued_since_it_began(tiny_engine, small_index, monkeypatch):
+    """The service's scheduler pauses long passes (``--interject``, 8 by default) and, at a pause, moves the requests
+    queued since the tick began into the scheduler, where they can start before the pass ends."""
+    from fastgate.scheduler import Scheduler
+
+    svc = _service(tiny_engine, small_index)
+    assert svc.config.scheduler_config().interject == 8
+    svc._scheduler = sched = svc._new_scheduler(Scheduler)  # the worker's scheduler, without its thread
+    assert sched.admission.pause is not None and sched.feed is not None
+    monkeypatch.setattr(AnswerService, "running", property(lambda self: True))  # its worker is this test
+    future = svc.submit(QUESTIONS[1])
+    assert svc.queue_depth == 1 and sched.live == 0
+    sched.feed()
+    assert svc.queue_depth == 0 and sched.live == 1
+    while not future.done():
+        sched.step()
+    assert future.result(timeout=0)["answer"] == service_answer(svc, QUESTIONS[1])
+    off = _service(tiny_engine, small_index, interject=0)
+    assert off._new_scheduler(Scheduler).admission.pause is None
+
+
+def service_answer(svc: AnswerService, question: str) -> str:
+    return svc._method(svc._request(None, None)).answer_batch([question])[0].answer

@@ -395,7 +395,10 @@ class FusedForward:
         t = h.shape[0]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         rows_ok = h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu"
+        pause = plan.pause  # between two layers nothing of this pass is in flight: another loop's pass may run there
         for i, (layer, products) in enumerate(zip(self.layers, self._products(matmuls, h.dtype))):
+            if pause is not None and i:
+                pause()
             # the kernel up to its rows, the kept copy's bare product beyond (the layer's own calls, without its
             # module call and checks), else the layer
             qkv_p, o_p, gate_up_p, down_p = (

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, cast
 
 from fastgate.engine.local import Engine
@@ -29,7 +30,11 @@ from fastgate.scheduler.batching import BatchingTable, mid_layer
 from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
 from fastgate.scheduler.task import Counters, Delivery, Task
 
-__all__ = ["Admission"]
+__all__ = ["LANE_NEW_TOKENS", "LANE_PROMPT_TOKENS", "Admission"]
+
+LANE_NEW_TOKENS = 32  # a generation of more new tokens waits for the next tick (it would hold a paused pass long)
+LANE_PROMPT_TOKENS = 64  # prompt tokens after the cached prefix a generation taken by the lane may have, without
+# express_prefill (the service's express_prefill: a closed-book question after the cached few-shot block is ~10)
 
 
 class Admission:
@@ -63,6 +68,10 @@ class Admission:
         self._streams: dict[int, list[Any]] = {}  # id(ticket) -> [ticket, text sent]: answers with a listener
         self._since_admit = 0  # decode steps since generations last joined a busy loop
         self.prefill_order = config.prefill_order
+        # called between the layers of a loop's long pass (the driver's Scheduler._interject; None: never paused),
+        # and the loop whose passes run the generations it takes there (join_lane)
+        self.pause: Callable[[], None] | None = None
+        self.lane: Any = None
         if engine.remote:
             self.continuous, self.layout = False, "remote"
             self._cell, self._max_cells = 0, None
@@ -97,7 +106,8 @@ class Admission:
     def kv_bytes(self) -> int:
         """Bytes the decode loops' KV caches hold now (spare included). Read from other threads too: the dict is
         copied first (atomic under the GIL)."""
-        return sum(loop.kv_bytes for loop in list(self.loops.values()))
+        lane = self.lane
+        return sum(loop.kv_bytes for loop in list(self.loops.values())) + (lane.kv_bytes if lane is not None else 0)
 
     def run_engine_calls(self, pending: list[tuple[Task, int, Any]]) -> bool:
         """This tick's generations and prefills (``pending``): one closed call per group without a decode loop, else
@@ -147,7 +157,7 @@ class Admission:
                         f"{self.config.kv_budget / 2**20:.0f} MiB"))
                     continue
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
-                    self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
+                    self.loops[mid] = self._new_loop(mid)
                 cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
                             for m, loop in self.loops.items())
                 if cells > self._max_cells:
@@ -158,29 +168,97 @@ class Admission:
         for mid, group in by_loop.items():
             loop = self.loops.get(mid)
             if loop is None:
-                loop = self.loops[mid] = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
-            call = self.counters.next_call()
-            t0 = time.perf_counter()
+                loop = self.loops[mid] = self._new_loop(mid)
+            self._join_loop(loop, group)
+
+    def _new_loop(self, mid: int):
+        """A decode loop for rows of pre-answer layer ``mid``; its long passes pause for :attr:`pause`."""
+        loop = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
+        if self.pause is not None and self.layout == "packed":
+            loop.pause = self.pause
+        return loop
+
+    def _join_loop(self, loop, group: list[tuple[Task, int, Generate]]) -> None:
+        """Generations ``group`` join ``loop``: each running there from now (a request that fails to join ends its
+        question only)."""
+        call = self.counters.next_call()
+        t0 = time.perf_counter()
+        try:
+            tickets = self._join(loop, group)
+        except Exception as exc:
+            if len(group) == 1:
+                self.delivery.finish(group[0][0], error=exc)
+                return
+            tickets = []  # find the request that failed; the others still join
+            for item in group:
+                try:
+                    tickets += self._join(loop, [item])
+                except Exception as one:  # noqa: BLE001 - that request's own error
+                    self.delivery.finish(item[0], error=one)
+        elapsed = time.perf_counter() - t0
+        for ticket in tickets:
+            task, i, req = ticket.owner
+            task.mark_running(i)
+            task.count_time(call, "generation_s", elapsed)
+            self._inflight[id(ticket)] = (loop, ticket)
+            if req.answer and task.listener is not None:
+                self._streams[id(ticket)] = [ticket, ""]
+
+    # -------------------------------------------------------------- the lane: a paused pass's new cheap generations
+    @property
+    def lane_busy(self) -> bool:
+        """Whether the lane's loop has rows or prompts."""
+        return self.lane is not None and self.lane.busy
+
+    def join_lane(self, items: list[tuple[Task, int, Generate]]) -> None:
+        """The generations of ``items`` that are short (at most :data:`LANE_NEW_TOKENS` new tokens, a prompt of at
+        most ``express_prefill`` tokens (else 64) after its cached prefix, the running loop's pre-answer layer) join
+        the lane's loop, within ``max_rows`` and the KV budget; the others stay pending for the next tick."""
+        if not items or self.layout != "packed" or not self.continuous:
+            return
+        main = next(iter(self.loops), self.engine.n_layers // 2)
+        if self.lane is None or self.lane.mid != main:
+            if self.lane is not None and self.lane.busy:
+                return
+            self.lane = self._loop_cls(self.engine, main, max_cells=self._max_cells)  # never pauses itself
+        eng = cast(Engine, self.engine)
+        runner = eng.runner
+        limit = self.config.express_prefill or LANE_PROMPT_TOKENS
+        rows = sum(loop.size for loop in self.loops.values()) + self.lane.size
+        group, joining = [], []
+        for item in items:
+            task, _, req = item
+            new = req.config.max_new_tokens
+            if task.done or new > LANE_NEW_TOKENS or mid_layer(eng, req) not in (None, main):
+                continue
+            if rows + req.k > self.config.max_rows:
+                break
             try:
-                tickets = self._join(loop, group)
-            except Exception as exc:
-                if len(group) == 1:
-                    self.delivery.finish(group[0][0], error=exc)
-                    continue
-                tickets = []  # find the request that failed; the others still join
-                for item in group:
-                    try:
-                        tickets += self._join(loop, [item])
-                    except Exception as one:  # noqa: BLE001 - that request's own error
-                        self.delivery.finish(item[0], error=one)
-            elapsed = time.perf_counter() - t0
-            for ticket in tickets:
-                task, i, req = ticket.owner
-                task.mark_running(i)
-                task.count_time(call, "generation_s", elapsed)
-                self._inflight[id(ticket)] = (loop, ticket)
-                if req.answer and task.listener is not None:
-                    self._streams[id(ticket)] = [ticket, ""]
+                ids = runner.encode([req.prompt], [new])[0][0]
+            except Exception:  # noqa: BLE001 - its own error, reported when the next tick admits it
+                continue
+            if len(ids) - runner.cached_prefix_len(ids) > limit:
+                continue
+            if self._max_cells is not None:
+                ask = (self.kv.prompt_tokens(len(ids), new), req.k, new)
+                cells = sum(loop.cells_after() for loop in self.loops.values())
+                if cells + self.lane.cells_after([*joining, ask]) > self._max_cells:
+                    break
+                joining.append(ask)
+            rows += req.k
+            group.append(item)
+        if group:
+            self._join_loop(self.lane, group)
+
+    def lane_owners(self) -> set[int]:
+        """The ids of the tasks with a generation running in the lane."""
+        lane = self.lane
+        return {id(ticket.owner[0]) for loop, ticket in self._inflight.values() if loop is lane and lane is not None}
+
+    def step_lane(self) -> None:
+        """One step of the lane's loop (from inside a paused pass, or a tick's decode step)."""
+        if self.lane_busy:
+            self._step_loop(self.lane)
 
     def _join(self, loop, group: list) -> list:
         """Generations ``group`` ((task, i, request) each) join ``loop``; one ticket each."""
@@ -200,34 +278,42 @@ class Admission:
         return budget
 
     def decode_step(self) -> None:
-        """One decode step of every loop; generations that finished go back to their programs."""
-        for mid, loop in list(self.loops.items()):
-            if not loop.busy:
-                continue
-            call = self.counters.next_call()
-            members = [(ticket.owner[0], ticket) for lp, ticket in self._inflight.values() if lp is loop]
-            rows = loop.size
-            t0 = time.perf_counter()
-            try:
-                # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
-                done = loop.step(self.step_budget(loop) or None)
-            except Exception as exc:  # the whole loop is lost: its programs end with the error
-                del self.loops[mid]
-                for task, ticket in members:
-                    self._inflight.pop(id(ticket), None)
-                    if not task.done:
-                        self.delivery.finish(task, error=exc)
-                continue
-            elapsed = time.perf_counter() - t0
-            self.counters.generated(rows, frozenset(t.method.name for t, _ in members if t.method is not None))
-            for task, _ in members:
-                task.count_time(call, "generation_s", elapsed)
-            if self._streams:
-                self._stream_text(loop)
-            for ticket in done:
-                self._inflight.pop(id(ticket))
-                task, i, req = ticket.owner
-                self.delivery.deliver(task, i, req, ticket.result, 0.0)
+        """One decode step of every loop (the lane's last); generations that finished go back to their programs."""
+        for loop in list(self.loops.values()):
+            if loop.busy:
+                self._step_loop(loop)
+        self.step_lane()
+
+    def _step_loop(self, loop) -> None:
+        """One step of ``loop``; its finished generations go back to their programs, and a failure ends the
+        programs of every generation in it (the loop is dropped)."""
+        call = self.counters.next_call()
+        members = [(ticket.owner[0], ticket) for lp, ticket in self._inflight.values() if lp is loop]
+        rows = loop.size
+        t0 = time.perf_counter()
+        try:
+            # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
+            done = loop.step(self.step_budget(loop) or None)
+        except Exception as exc:  # the whole loop is lost: its programs end with the error
+            if loop is self.lane:
+                self.lane = None
+            else:
+                self.loops = {mid: lp for mid, lp in self.loops.items() if lp is not loop}
+            for task, ticket in members:
+                self._inflight.pop(id(ticket), None)
+                if not task.done:
+                    self.delivery.finish(task, error=exc)
+            return
+        elapsed = time.perf_counter() - t0
+        self.counters.generated(rows, frozenset(t.method.name for t, _ in members if t.method is not None))
+        for task, _ in members:
+            task.count_time(call, "generation_s", elapsed)
+        if self._streams:
+            self._stream_text(loop)
+        for ticket in done:
+            self._inflight.pop(id(ticket))
+            task, i, req = ticket.owner
+            self.delivery.deliver(task, i, req, ticket.result, 0.0)
 
     def _stream_text(self, loop) -> None:
         """Send the text of the answer generations decoding in ``loop`` to their listeners, where a step changed it

@@ -54,6 +54,13 @@ class SchedulerConfig:
             queue's order, within half a step's budget (0: off). A cheap request's prompt (a closed-book question
             after a cached few-shot prefix: ~10 tokens) then waits for no older request's long prompt; the long
             prompts keep at least half of every step.
+        interject: packed layout, fused forward only: while at most this many programs are live, a pass that prefills
+            at least :data:`~fastgate.engine.packed.PAUSE_TOKENS` prompt tokens pauses between its layers for the
+            generations of requests that arrived since it began whose prompts are express (``express_prefill``, else
+            64 tokens left after the cached prefix) and short (at most 32 new tokens): they run to their end in a loop
+            of their own, and the pass goes on (0: off). A cheap question arriving while reading prompts prefill then
+            waits for no 512-token pass (~0.4 s on two cores); a busy server keeps its passes whole, where packing
+            the cheap rows into them costs less than passes of their own.
         prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
             so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
             ones; ``arrival``: each prompt in the order its generation was asked for.
@@ -87,6 +94,9 @@ class SchedulerConfig:
     # off for batch throughput: every prompt in the queue's order
     express_prefill: int = setting(0, "packed layout: prompts with at most N tokens left prefill first, within half "
                                       "a step's budget; 0: off (default: %(default)s)")
+    # off for batch throughput: a pass never pauses (a cheap row packed into the next pass costs less)
+    interject: int = setting(0, "packed layout: while at most N programs are live, a long prefill pass pauses between "
+                                "layers for new short generations; 0: off (default: %(default)s)")
     # the oldest request first: a RAG prompt after its gate does not queue behind newer requests (closed-loop p95)
     prefill_order: str = setting("program", "packed layout: prefill the oldest request's prompts first (program) or "
                                             "each prompt in the order it was asked for (arrival) (default: "
@@ -106,6 +116,8 @@ class SchedulerConfig:
             raise InputError("decoding_prefill_budget needs a prefill_budget (whole prompts have no per-step budget)")
         if self.express_prefill is None or self.express_prefill < 0:
             raise InputError(f"express_prefill must be >= 0 (0: off), got {self.express_prefill}")
+        if self.interject is None or self.interject < 0:
+            raise InputError(f"interject must be >= 0 (0: off), got {self.interject}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise InputError(f"kv_budget must be >= 1 byte, got {self.kv_budget}")
         if self.layout not in LAYOUTS:

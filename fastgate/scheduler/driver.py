@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
@@ -30,6 +31,9 @@ from fastgate.scheduler.task import CancelledError, Counters, Task
 __all__ = ["Scheduler"]
 
 _CHEAP_ROUNDS = 16  # rounds of searches / gate ops / embeddings per tick before the engine calls run
+# the longest a paused pass waits for the lane at one pause (its layers pause ~every 13 ms on two cores): a cheap
+# answer's ~6 steps of ~10 ms fit; a longer one goes on at the next pause
+_INTERJECT_S = 0.1
 
 
 class Scheduler:
@@ -60,6 +64,13 @@ class Scheduler:
         self.counters = Counters()
         self.batching = BatchingTable(engine, self.config, self.counters, self)
         self.admission = Admission(engine, self.config, self.batching, self.counters, self)
+        # moves requests waiting outside into the inbox (a server's queue; None: submit does): called where a pass
+        # pauses, so a request that arrived during it can be interjected
+        self.feed: Callable[[], None] | None = None
+        self._interjected: list[Task] = []  # programs whose generations the lane runs (see _interject)
+        self._interjecting = False
+        if self.config.interject:
+            self.admission.pause = self._interject
 
     @property
     def max_rows(self) -> int:
@@ -198,15 +209,67 @@ class Scheduler:
             self.ticks += 1
         return bool(self._live) or bool(self._inbox)
 
-    def _pending(self) -> list[tuple[Task, int, Any]]:
-        return [(t, i, r) for t in self._live if not t.done for i, r in t.pending()]
+    def _pending(self, tasks: list[Task] | None = None) -> list[tuple[Task, int, Any]]:
+        return [(t, i, r) for t in (self._live if tasks is None else tasks) if not t.done for i, r in t.pending()]
 
-    def _resume(self) -> None:
-        """Send their results to the programs whose requests are all answered."""
-        for task in list(self._live):
+    def _resume(self, tasks: list[Task] | None = None) -> None:
+        """Send their results to the programs (of ``tasks``, else every live one) whose requests are all answered."""
+        for task in list(self._live if tasks is None else tasks):
             if task.ready:
                 self._advance(task, task.results)
-        self._live = [t for t in self._live if not t.done]
+        if tasks is None:
+            self._live = [t for t in self._live if not t.done]
+
+    def _interject(self) -> None:
+        """Between two layers of a long pass (``SchedulerConfig.interject``): while few programs are live, start the
+        programs submitted since the tick began, run their cheap requests, and run their short generations in the
+        admission's lane (a loop of its own) for up to :data:`_INTERJECT_S`, those of earlier pauses too; the pass then
+        goes on. A cheap question that arrives while reading prompts prefill is answered before the pass ends; its
+        longer generations, and everything of a busy server, wait for the next tick as before."""
+        if self._interjecting:
+            return  # the lane's own passes never pause, but a program's hook might step the engine
+        if self.feed is not None:
+            self.feed()
+        self._interjected = [t for t in self._interjected if not t.done]
+        # a busy server leaves new programs to the next tick: it packs their rows into its passes, for less than
+        # passes of their own
+        take = bool(self._inbox) and len(self._live) + len(self._inbox) <= self.config.interject
+        if not take and not self._interjected:
+            return
+        self._interjecting = True
+        try:
+            new: list[Task] = []
+            if take:
+                with self._lock:
+                    new, self._inbox = self._inbox, []
+            for task in new:
+                self._live.append(task)
+                self._advance(task, None, start=True)
+            tasks = self._interjected = [t for t in self._interjected + new if not t.done]
+            deadline = time.perf_counter() + _INTERJECT_S
+            while tasks:
+                for _ in range(_CHEAP_ROUNDS):
+                    cheap = [item for item in self._pending(tasks) if not isinstance(item[2], (Generate, PromptStates))]
+                    if not cheap:
+                        break
+                    self.batching.execute(cheap)
+                    self._resume(tasks)
+                self.admission.join_lane([item for item in self._pending(tasks) if isinstance(item[2], Generate)])
+                if not self.admission.lane_busy or time.perf_counter() >= deadline:
+                    break
+                self.admission.step_lane()
+                self._resume(tasks)
+                tasks = [t for t in tasks if not t.done]
+            # the next pauses go on with those the lane still runs; the others' next requests wait for the next tick
+            lane = self.admission.lane_owners()
+            self._interjected = [t for t in tasks if not t.done and id(t) in lane]
+        except Exception as exc:  # noqa: BLE001 - the paused pass goes on; only the interjected programs end
+            for task in self._interjected:
+                if not task.done:
+                    self.finish(task, error=exc)
+            self._interjected = []
+        finally:
+            self._interjecting = False
 
     def _advance(self, task: Task, value: Any, start: bool = False) -> None:
         """Send ``value`` into the program; record what it yields next (or its end)."""

@@ -78,6 +78,9 @@ class ServiceConfig(RuntimeConfig):
     # closed-loop clients 2.05-2.25 -> 2.26-2.33 req/s; a burst's skip p50 0.40-0.48 s against 0.48, within this VM's
     # noise; docs/RESULTS.md)
     express_prefill: int = _scheduler_setting("express_prefill", 64)
+    # not the library's 0: a cheap question arriving while up to 8 programs run is answered inside the reading prompts'
+    # pass instead of after it (docs/RESULTS.md); beyond 8, packing it into the next pass costs less
+    interject: int = _scheduler_setting("interject", 8)
     # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
     kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
                                           "one that cannot fit alone gets 422 (default: %(default)s)")
@@ -120,7 +123,7 @@ class ServiceConfig(RuntimeConfig):
                                prefill_budget=self.prefill_budget,
                                decoding_prefill_budget=self.decoding_prefill_budget,
                                express_prefill=self.express_prefill, kv_budget=int(self.kv_budget_mb * 2**20),
-                               layout=self.layout, prefill_order=self.prefill_order)
+                               layout=self.layout, prefill_order=self.prefill_order, interject=self.interject)
 
 
 @dataclass
@@ -433,7 +436,9 @@ class AnswerService:
                 self.metrics.ticks(sched)
 
     def _new_scheduler(self, cls):
-        return cls(self.runtime.engine, self.config.scheduler_config())
+        sched = cls(self.runtime.engine, self.config.scheduler_config())
+        sched.feed = lambda: self._admit(block=False)  # a pass that pauses takes in the requests queued since it began
+        return sched
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).
