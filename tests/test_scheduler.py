@@ -464,3 +464,25 @@ def test_interject_off_never_pauses_a_pass(world):
     assert not called and long.error is None
     with pytest.raises(InputError, match="interject must be >= 0"):
         Scheduler(engine, interject=-1)
+
+
+def test_the_lane_keeps_within_the_kv_budget(world):
+    """A short generation arriving during a pass joins the lane only if the KV budget holds it beside what the loops
+    hold; here the long generation takes the whole budget, so it waits, and is answered after as alone."""
+    engine = world[0]
+    long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
+    adm = Scheduler(engine).admission
+    ask = (adm.kv.prompt_tokens(engine.count_tokens(long_prompt), 4), 1, 4)
+    budget = adm._empty_loop.cells_after([ask]) * adm._cell  # bytes: the long generation alone
+    sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=8, kv_budget=budget)
+    short_prompt = f"Q: {QUESTIONS[1]}\nA:"
+    fed = []
+    sched.feed = lambda: fed or fed.append(sched.submit(None, "", program=_gen_program(short_prompt, 3)))
+    long = sched.submit(None, "", program=_gen_program(long_prompt, 4))
+    sched.step()
+    short = fed[0]
+    assert not short.done and not sched.admission.lane_busy  # no room: it waits for the long one's rows
+    sched.run([long, short])
+    alone = [engine.generate([p], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0].token_ids
+             for p, n in ((long_prompt, 4), (short_prompt, 3))]
+    assert long.result == alone[0] and short.result == alone[1]

@@ -132,7 +132,8 @@ class Admission:
 
     def _admit_generations(self, items: list[tuple[Task, int, Generate]]) -> None:
         """Prefill pending generations into the decode loop, up to ``max_rows`` decoding rows; the rest wait."""
-        rows = sum(loop.size for loop in self.loops.values())
+        lane = self.lane  # the rows and cells a paused pass's new cheap generations hold count too
+        rows = sum(loop.size for loop in self.loops.values()) + (lane.size if lane is not None else 0)
         by_loop: dict[int, list[tuple[Task, int, Generate]]] = defaultdict(list)
         joining: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # mid -> (prompt, rows, new) admitted now
         for item in items:
@@ -159,7 +160,7 @@ class Admission:
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
                     self.loops[mid] = self._new_loop(mid)
                 cells = sum(loop.cells_after([*joining[m], ask] if m == mid else joining[m])
-                            for m, loop in self.loops.items())
+                            for m, loop in self.loops.items()) + (lane.cells_after() if lane is not None else 0)
                 if cells > self._max_cells:
                     break  # waits for rows to finish (in order)
                 joining[mid].append(ask)
