@@ -497,3 +497,22 @@ def test_store_growth_keeps_the_used_cells_and_zeros_the_rest(rows, cols):
         rest[:2, :, :5] = 0
         grew = new.shape != old.shape
         assert not grew or torch.count_nonzero(rest) == 0
+
+
+def test_packed_store_spare_leaves_room_for_what_other_loops_hold(tiny_engine):
+    """Under a KV budget shared by several loops (the scheduler's main loops and its lane), a store that grows for
+    prompts ending together keeps its spare within what the others leave (``held_elsewhere``); answers unchanged."""
+    cfg = G(max_new_tokens=8, stop_at_eos=False)
+    specs = [(f"prompt {i} " + "word " * 6, cfg, TapSpec(), 1, None) for i in range(3)]
+    cells = {}
+    for elsewhere in (0, 200):
+        loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2, max_cells=600)
+        loop.held_elsewhere = lambda e=elsewhere: e
+        tickets = loop.admit(specs)
+        loop.step()  # whole prompts: the three end in one pass and join together
+        cells[elsewhere] = loop.store.rows_cap * loop.store.cols_cap
+        while loop.busy:
+            loop.step()
+        for ticket, spec in zip(tickets, specs):
+            _same(ticket.result, _alone(tiny_engine, spec))
+    assert cells[200] <= 600 - 200 < cells[0] <= 600, cells

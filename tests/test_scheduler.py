@@ -486,3 +486,32 @@ def test_the_lane_keeps_within_the_kv_budget(world):
     alone = [engine.generate([p], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0].token_ids
              for p, n in ((long_prompt, 4), (short_prompt, 3))]
     assert long.result == alone[0] and short.result == alone[1]
+
+
+def test_an_interjected_program_cancelled_mid_pass_ends_at_the_next_pause(world, monkeypatch):
+    """A program started at a pause and cancelled before its generation ends (here the lane gets no time at a pause,
+    so its rows wait) ends at the next pause with CancelledError; the long one is untouched."""
+    import fastgate.scheduler.driver as driver
+
+    monkeypatch.setattr(driver, "_INTERJECT_S", 0.0)  # the lane joins at a pause, steps only at ticks
+    engine = world[0]
+    sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=8)
+    long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
+    calls = []
+
+    def feed():
+        calls.append(1)
+        if len(calls) == 1:
+            calls.append(sched.submit(None, "", program=_gen_program(f"Q: {QUESTIONS[1]}\nA:", 3)))
+        elif len(calls) == 3:
+            sched.cancel(calls[1])
+
+    sched.feed = feed
+    long = sched.submit(None, "", program=_gen_program(long_prompt, 4))
+    sched.step()
+    short = calls[1]
+    assert short.done and isinstance(short.error, CancelledError)
+    sched.run([long])
+    assert long.result == engine.generate([long_prompt], GenerationConfig(max_new_tokens=4, stop_at_eos=False)
+                                          ).sequences[0].token_ids
+    assert not sched.admission.busy

@@ -344,6 +344,9 @@ class PackedLoop(DecodeLoop):
         # nothing of the pass is in flight: the scheduler serves a new cheap request there in a loop of its own
         # (fastgate.scheduler.SchedulerConfig.interject); None: passes run through
         self.pause: Callable[[], None] | None = None
+        # the cells the scheduler's other loops hold (its admission counts every loop against one budget): the store's
+        # spare leaves room for them (None: this loop is the budget's only user)
+        self.held_elsewhere: Callable[[], int] | None = None
 
     def _new_store(self) -> SlotStore:
         """An empty store for the runner's model (rows and columns are reserved as rows join)."""
@@ -704,7 +707,8 @@ class PackedLoop(DecodeLoop):
         if self.max_cells is not None:
             queued = sum(len(j.ids) for j in waiting)
             held = sum(len(job.ids) for job in jobs) if held is None else held
-            bound = max(1, self.max_cells - held - self._prefill_cells(queued))
+            elsewhere = self.held_elsewhere() if self.held_elsewhere is not None else 0
+            bound = max(1, self.max_cells - held - self._prefill_cells(queued) - elsewhere)
         cols = max(self._final_cols(), *(kv.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
         m, rows = len(self.rows), len(self.rows) + sum(job.spec.k for job in jobs)
         # a growth makes room for the queued prompts' rows too: 16 prompts of a 16 x 700 prefill joining a few a pass

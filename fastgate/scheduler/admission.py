@@ -173,11 +173,22 @@ class Admission:
             self._join_loop(loop, group)
 
     def _new_loop(self, mid: int):
-        """A decode loop for rows of pre-answer layer ``mid``; its long passes pause for :attr:`pause`."""
+        """A decode loop for rows of pre-answer layer ``mid``; on a CPU its long passes pause for :attr:`pause`, and
+        its store's spare leaves room for what the other loops hold."""
         loop = self._loop_cls(self.engine, mid, max_cells=self._max_cells)
-        if self.pause is not None and self.layout == "packed":
-            loop.pause = self.pause
+        if self.layout == "packed":
+            # a GPU pass takes milliseconds, and the lane would share the main loop's static step (one CUDA graph
+            # pool, its outputs read a tick later): the pause is for CPUs, where a 512-token pass takes ~0.4 s
+            if self.pause is not None and cast(Engine, self.engine).runner.device.type == "cpu":
+                loop.pause = self.pause
+            loop.held_elsewhere = lambda: self._cells_besides(loop)
         return loop
+
+    def _cells_besides(self, loop) -> int:
+        """The cells every loop but ``loop`` (the lane included) can reach (``cells_after``)."""
+        lane = self.lane
+        others = [lp for lp in [*self.loops.values(), lane] if lp is not None and lp is not loop]
+        return sum(lp.cells_after() for lp in others)
 
     def _join_loop(self, loop, group: list[tuple[Task, int, Generate]]) -> None:
         """Generations ``group`` join ``loop``: each running there from now (a request that fails to join ends its

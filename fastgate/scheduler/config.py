@@ -54,13 +54,15 @@ class SchedulerConfig:
             queue's order, within half a step's budget (0: off). A cheap request's prompt (a closed-book question
             after a cached few-shot prefix: ~10 tokens) then waits for no older request's long prompt; the long
             prompts keep at least half of every step.
-        interject: packed layout, fused forward only: while at most this many programs are live, a pass that prefills
-            at least :data:`~fastgate.engine.packed.PAUSE_TOKENS` prompt tokens pauses between its layers for the
-            generations of requests that arrived since it began whose prompts are express (``express_prefill``, else
-            64 tokens left after the cached prefix) and short (at most 32 new tokens): they run to their end in a loop
-            of their own, and the pass goes on (0: off). A cheap question arriving while reading prompts prefill then
-            waits for no 512-token pass (~0.4 s on two cores); a busy server keeps its passes whole, where packing
-            the cheap rows into them costs less than passes of their own.
+        interject: packed layout, fused forward, on a CPU: while at most this many programs are live (those
+            submitted since the tick began included), a pass that prefills at least
+            :data:`~fastgate.engine.packed.PAUSE_TOKENS` prompt tokens pauses between its layers; there the programs
+            submitted since the tick began start, and their generations whose prompts are express
+            (``express_prefill``, else 64 tokens left after the cached prefix) and short (at most 32 new tokens) run
+            in a loop of their own, up to 0.1 s a pause (what is left goes on at the next pauses and ticks); then the
+            pass goes on (0: off). A cheap question arriving while reading prompts prefill then waits for no
+            512-token pass (~0.4 s on two cores); a busy server keeps its passes whole, where packing the cheap rows
+            into them costs less than passes of their own.
         prefill_order: packed layout only: ``program`` (default) prefills the prompts of the oldest request first,
             so a request's later generations (a RAG prompt after its gate) do not queue behind newer requests' first
             ones; ``arrival``: each prompt in the order its generation was asked for.

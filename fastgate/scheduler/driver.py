@@ -228,16 +228,19 @@ class Scheduler:
         longer generations, and everything of a busy server, wait for the next tick as before."""
         if self._interjecting:
             return  # the lane's own passes never pause, but a program's hook might step the engine
-        if self.feed is not None:
-            self.feed()
-        self._interjected = [t for t in self._interjected if not t.done]
-        # a busy server leaves new programs to the next tick: it packs their rows into its passes, for less than
-        # passes of their own
-        take = bool(self._inbox) and len(self._live) + len(self._inbox) <= self.config.interject
-        if not take and not self._interjected:
-            return
         self._interjecting = True
         try:
+            if self.feed is not None:
+                self.feed()
+            for task in self._interjected:
+                if task.cancelled and not task.done:
+                    self.finish(task, error=CancelledError("the request was cancelled"))
+            self._interjected = [t for t in self._interjected if not t.done]
+            # a busy server leaves new programs to the next tick: it packs their rows into its passes, for less than
+            # passes of their own
+            take = bool(self._inbox) and len(self._live) + len(self._inbox) <= self.config.interject
+            if not take and not self._interjected:
+                return
             new: list[Task] = []
             if take:
                 with self._lock:

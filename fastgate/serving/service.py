@@ -437,8 +437,16 @@ class AnswerService:
 
     def _new_scheduler(self, cls):
         sched = cls(self.runtime.engine, self.config.scheduler_config())
-        sched.feed = lambda: self._admit(block=False)  # a pass that pauses takes in the requests queued since it began
+        sched.feed = self._feed  # a pass that pauses takes in the requests queued since the tick began
         return sched
+
+    def _feed(self) -> None:
+        """Queued requests into the scheduler, from inside a paused pass (``--interject``): its step runs in
+        inference mode, and a method built here (its gate's modules) must not be made of inference tensors."""
+        import torch
+
+        with torch.inference_mode(False):
+            self._admit(block=False)
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).
