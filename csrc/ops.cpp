@@ -1603,6 +1603,18 @@ FASTGATE_INLINE int64_t value_tile_rows(int64_t i0, int64_t nv, int64_t start, f
 constexpr int64_t kRowsPerItem = 16;  // query rows of one work item (its G heads each)
 constexpr int kScoreTile = 8;         // query vectors whose scores one pass over the keys computes
 
+// The float32 kernels' score tile of query vectors i0 .. i0 + tile - 1 (row_of / head_of as the item's): a pointer to
+// each in q, kScoreTile of them (a short tile repeats its last vector); returns the key columns its widest row sees.
+template <class RowOf, class HeadOf>
+FASTGATE_INLINE int64_t score_tile_queries(const float* q, int64_t q_head, int64_t q_row, int64_t start, int64_t i0,
+                                           int tile, RowOf row_of, HeadOf head_of, const float** qv) {
+  for (int t = 0; t < kScoreTile; ++t) {
+    const int64_t i = i0 + std::min(t, tile - 1);
+    qv[t] = q + head_of(i) * q_head + row_of(i) * q_row;
+  }
+  return start + row_of(i0 + tile - 1) + 1;
+}
+
 // One work item: key / value head h's G query heads over query rows r0 .. r1 - 1 of the chunk.
 template <int D16>
 FASTGATE_BF16_TARGET void prefill_item(const uint16_t* q, int64_t q_head, int64_t q_row, const uint32_t* kp,
@@ -1767,8 +1779,7 @@ FASTGATE_AVX512_TARGET void prefill_item_f32(const float* q, int64_t q_head, int
   for (int64_t i0 = 0; i0 < nv; i0 += kScoreTile) {  // scores
     const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, nv - i0));
     const float* qv[kScoreTile];
-    for (int t = 0; t < kScoreTile; ++t) qv[t] = q + head_of(i0 + std::min(t, tile - 1)) * q_head + row_of(i0 + std::min(t, tile - 1)) * q_row;
-    const int64_t width = start + row_of(i0 + tile - 1) + 1;  // the tile's widest row
+    const int64_t width = score_tile_queries(q, q_head, q_row, start, i0, tile, row_of, head_of, qv);
     for (int64_t g = 0; g < (width + 15) / 16; ++g) {
       __m512 acc[kScoreTile];
       for (int t = 0; t < kScoreTile; ++t) acc[t] = _mm512_setzero_ps();
@@ -1870,8 +1881,7 @@ FASTGATE_AVX2_FMA_TARGET void prefill_item_f32x8(const float* q, int64_t q_head,
   for (int64_t i0 = 0; i0 < nv; i0 += kScoreTile) {  // scores
     const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, nv - i0));
     const float* qv[kScoreTile];
-    for (int t = 0; t < kScoreTile; ++t) qv[t] = q + head_of(i0 + std::min(t, tile - 1)) * q_head + row_of(i0 + std::min(t, tile - 1)) * q_row;
-    const int64_t width = start + row_of(i0 + tile - 1) + 1;  // the tile's widest row
+    const int64_t width = score_tile_queries(q, q_head, q_row, start, i0, tile, row_of, head_of, qv);
     for (int64_t g = 0; g < (width + 7) / 8; ++g) {
       f32x8 acc[kScoreTile];
       for (int t = 0; t < kScoreTile; ++t) acc[t] = f32x8{};
