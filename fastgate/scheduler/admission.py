@@ -237,6 +237,7 @@ class Admission:
         runner = eng.runner
         limit = self.config.express_prefill or LANE_PROMPT_TOKENS
         rows = sum(loop.size for loop in self.loops.values()) + self.lane.size
+        besides = self._cells_besides(self.lane) if self._max_cells is not None else 0  # the main loops' cells
         group, joining = [], []
         for item in items:
             task, _, req = item
@@ -253,8 +254,7 @@ class Admission:
                 continue
             if self._max_cells is not None:
                 ask = (self.kv.prompt_tokens(len(ids), new), req.k, new)
-                cells = sum(loop.cells_after() for loop in self.loops.values())
-                if cells + self.lane.cells_after([*joining, ask]) > self._max_cells:
+                if besides + self.lane.cells_after([*joining, ask]) > self._max_cells:
                     break
                 joining.append(ask)
             rows += req.k

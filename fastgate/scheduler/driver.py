@@ -180,25 +180,11 @@ class Scheduler:
 
         Running the cheap requests first keeps programs in step on the expensive ones: programs whose paths diverge
         (one retrieves before its next generation, another does not) still meet in the same engine call."""
-        with self._lock:
-            new, self._inbox = self._inbox, []
-        for task in new:
-            self._live.append(task)
-            self._advance(task, None, start=True)
-        for task in self._live:
-            if task.cancelled and not task.done:
-                self.finish(task, error=CancelledError("the request was cancelled"))
+        self._start_inbox()
+        self._end_cancelled(self._live)
         self._live = [t for t in self._live if not t.done]
         self.admission.drop_orphans()
-        ran = False
-        for _ in range(_CHEAP_ROUNDS):  # bounded: a program that only ever searches cannot hold the tick
-            pending = self._pending()
-            cheap = [item for item in pending if not isinstance(item[2], (Generate, PromptStates))]
-            if not cheap:
-                break
-            ran = True
-            self.batching.execute(cheap)
-            self._resume()
+        ran = self._run_cheap()
         pending = [item for item in self._pending() if isinstance(item[2], (Generate, PromptStates))]
         ran = self.admission.run_engine_calls(pending) or ran
         if self.admission.busy:
@@ -208,6 +194,35 @@ class Scheduler:
         if ran:
             self.ticks += 1
         return bool(self._live) or bool(self._inbox)
+
+    def _start_inbox(self) -> list[Task]:
+        """Start the programs submitted since the last look at the inbox; returns them."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        for task in new:
+            self._live.append(task)
+            self._advance(task, None, start=True)
+        return new
+
+    def _end_cancelled(self, tasks: list[Task]) -> None:
+        """End the cancelled programs of ``tasks``."""
+        for task in tasks:
+            if task.cancelled and not task.done:
+                self.finish(task, error=CancelledError("the request was cancelled"))
+
+    def _run_cheap(self, tasks: list[Task] | None = None) -> bool:
+        """Run the cheap requests (searches, embeddings, gate ops, batch ops) of ``tasks`` (else every live
+        program), each kind as one call a round, resuming the programs they answer, until none asks for one; returns
+        whether any ran. Bounded: a program that only ever searches cannot hold the tick."""
+        ran = False
+        for _ in range(_CHEAP_ROUNDS):
+            cheap = [item for item in self._pending(tasks) if not isinstance(item[2], (Generate, PromptStates))]
+            if not cheap:
+                break
+            ran = True
+            self.batching.execute(cheap)
+            self._resume(tasks)
+        return ran
 
     def _pending(self, tasks: list[Task] | None = None) -> list[tuple[Task, int, Any]]:
         return [(t, i, r) for t in (self._live if tasks is None else tasks) if not t.done for i, r in t.pending()]
@@ -232,31 +247,18 @@ class Scheduler:
         try:
             if self.feed is not None:
                 self.feed()
-            for task in self._interjected:
-                if task.cancelled and not task.done:
-                    self.finish(task, error=CancelledError("the request was cancelled"))
+            self._end_cancelled(self._interjected)
             self._interjected = [t for t in self._interjected if not t.done]
             # a busy server leaves new programs to the next tick: it packs their rows into its passes, for less than
             # passes of their own
             take = bool(self._inbox) and len(self._live) + len(self._inbox) <= self.config.interject
             if not take and not self._interjected:
                 return
-            new: list[Task] = []
-            if take:
-                with self._lock:
-                    new, self._inbox = self._inbox, []
-            for task in new:
-                self._live.append(task)
-                self._advance(task, None, start=True)
+            new = self._start_inbox() if take else []
             tasks = self._interjected = [t for t in self._interjected + new if not t.done]
             deadline = time.perf_counter() + _INTERJECT_S
             while tasks:
-                for _ in range(_CHEAP_ROUNDS):
-                    cheap = [item for item in self._pending(tasks) if not isinstance(item[2], (Generate, PromptStates))]
-                    if not cheap:
-                        break
-                    self.batching.execute(cheap)
-                    self._resume(tasks)
+                self._run_cheap(tasks)
                 self.admission.join_lane([item for item in self._pending(tasks) if isinstance(item[2], Generate)])
                 if not self.admission.lane_busy or time.perf_counter() >= deadline:
                     break
