@@ -18,6 +18,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -1727,6 +1728,115 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
 #endif
 }
 
+// A packed pass's prompt chunks, each attending its own prompt, in one call: per chunk what prefill_attention_bf16
+// computes, work item for work item (the same bits), with every chunk's items over the pool at once (a pass of 12
+// short chunks made 12 calls a layer, each 3 items on 2 threads for SmolLM2) and the chunks' new keys / values
+// written into their buffers here. q: bf16 [H, T, D] of the pass with strides (q_head, q_row, 1); kn / vn: the
+// pass's new keys / values [Hkv, T, D] with strides (kn_head, kn_row, 1) / (vn_head, vn_row, 1); table: int64
+// [nseg, 6], a chunk a row: (its offset in the pass, n rows, start column, its key buffer, its value buffer, the
+// buffers' head stride), the buffers bf16 [Hkv, >= start + n, D] with columns D apart; out: bf16 [T, H, D]
+// contiguous, a chunk's rows at its offset. threads as prefill_attention_bf16's.
+void prefill_attention_segs_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uintptr_t kn_ptr, int64_t kn_head,
+                                 int64_t kn_row, uintptr_t vn_ptr, int64_t vn_head, int64_t vn_row,
+                                 uintptr_t table_ptr, int64_t nseg, uintptr_t out_ptr, int64_t H, int64_t Hkv,
+                                 int64_t D, double scale, int64_t threads) {
+#ifdef FASTGATE_BF16_KERNEL
+  if (!prefill_attention_bf16_supported())
+    throw std::invalid_argument("prefill_attention_segs_bf16: this CPU has no AVX512-BF16");
+  if (nseg < 0) throw std::invalid_argument("prefill_attention_segs_bf16: negative chunk count");
+  struct Seg {
+    int64_t off, n, start, S, spad, per_head, head;
+    uint16_t* k;
+    uint16_t* v;
+    size_t kp0;
+  };
+  const int64_t* table = reinterpret_cast<const int64_t*>(table_ptr);
+  std::vector<Seg> segs;
+  size_t kp_size = 0;
+  int64_t max_spad = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t* row = table + 6 * s;
+    check_prefill_shape("prefill_attention_segs_bf16", row[1], row[2], H, Hkv, D);
+    if (row[0] < 0) throw std::invalid_argument("prefill_attention_segs_bf16: negative chunk offset");
+    if (row[1] == 0) continue;
+    Seg g;
+    g.off = row[0], g.n = row[1], g.start = row[2], g.S = g.start + g.n;
+    const int64_t groups = (g.S + 15) / 16;
+    g.spad = groups * 16, g.per_head = groups * (D / 2) * 16, g.head = row[5];
+    g.k = reinterpret_cast<uint16_t*>(static_cast<uintptr_t>(row[3]));
+    g.v = reinterpret_cast<uint16_t*>(static_cast<uintptr_t>(row[4]));
+    g.kp0 = kp_size;
+    kp_size += static_cast<size_t>(Hkv * g.per_head);
+    max_spad = std::max(max_spad, g.spad);
+    segs.push_back(g);
+  }
+  if (segs.empty()) return;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_ptr);
+  const uint16_t* kn = reinterpret_cast<const uint16_t*>(kn_ptr);
+  const uint16_t* vn = reinterpret_cast<const uint16_t*>(vn_ptr);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t G = H / Hkv, units = static_cast<int64_t>(segs.size()) * Hkv;
+  const float sc = static_cast<float>(scale);
+  py::gil_scoped_release release;
+  std::vector<uint32_t> kp(kp_size);
+  int64_t pack_work = 0;
+  for (const Seg& g : segs) pack_work += Hkv * g.S * D;
+  // the chunks' new columns into their buffers, then each (chunk, head)'s keys packed as the one-chunk call packs them
+  split_rows(units, pack_work, 1 << 16, [&](int64_t first, int64_t step) {
+    for (int64_t u = first; u < units; u += step) {
+      const Seg& g = segs[u / Hkv];
+      const int64_t h = u % Hkv;
+      for (int64_t r = 0; r < g.n; ++r) {
+        const int64_t dst = h * g.head + (g.start + r) * D;
+        std::memcpy(g.k + dst, kn + h * kn_head + (g.off + r) * kn_row, D * sizeof(uint16_t));
+        std::memcpy(g.v + dst, vn + h * vn_head + (g.off + r) * vn_row, D * sizeof(uint16_t));
+      }
+      pack_key_pairs(g.k + h * g.head, D, g.S, D, kp.data() + g.kp0 + h * g.per_head);
+    }
+    return true;
+  }, threads);
+  struct Item {
+    int64_t seg, h, r0, r1, width;
+  };
+  std::vector<Item> items;
+  int64_t item_work = 0;
+  for (size_t s = 0; s < segs.size(); ++s) {
+    const Seg& g = segs[s];
+    for (int64_t r0 = 0; r0 < g.n; r0 += kRowsPerItem)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t r1 = std::min(g.n, r0 + kRowsPerItem);
+        items.push_back({static_cast<int64_t>(s), h, r0, r1, g.start + r1});
+      }
+    item_work += Hkv * g.n * G * g.S * D * 2;
+  }
+  // the widest items first, as the one-chunk call orders its blocks
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.width > b.width; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  split_rows(n_items, item_work, 1 << 20, [&](int64_t first, int64_t step) {
+    std::vector<float> scores(G * kRowsPerItem * max_spad);  // per thread
+    for (int64_t it = first; it < n_items; it += step) {
+      const Item& m = items[it];
+      const Seg& g = segs[m.seg];
+      const uint16_t* qs = q + g.off * q_row;
+      const uint32_t* kph = kp.data() + g.kp0 + m.h * g.per_head;
+      const uint16_t* vh = g.v + m.h * g.head;
+      uint16_t* os = out + g.off * H * D;
+      if (D == 32)
+        prefill_item<2>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
+      else if (D == 64)
+        prefill_item<4>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
+      else
+        prefill_item<8>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
+    }
+    return true;
+  }, threads);
+#else
+  (void)q_ptr, (void)q_head, (void)q_row, (void)kn_ptr, (void)kn_head, (void)kn_row, (void)vn_ptr, (void)vn_head;
+  (void)vn_row, (void)table_ptr, (void)nseg, (void)out_ptr, (void)H, (void)Hkv, (void)D, (void)scale, (void)threads;
+  throw std::invalid_argument("prefill_attention_segs_bf16: not built for this platform");
+#endif
+}
+
 // The same attention over float32 queries, keys and values (op prefill_attention for a float32 model): torch's CPU
 // flash kernel ran a 700-token SmolLM2 prompt's layer (9 heads, 3 key / value heads, head dim 64) in 6.1 ms on two
 // Zen 4 cores (~90 GFLOP/s), ~1/6 of a 16 x 700 float32 prefill, and a chunk that continues a prompt through a mask
@@ -3383,6 +3493,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale"), py::arg("threads") = 0,
         "A prompt chunk's causal attention over bf16 keys / values, AVX512-BF16 scores, float32 softmax and values, "
         "bf16 out (pointers to checked torch tensors).");
+  m.def("prefill_attention_segs_bf16", &prefill_attention_segs_bf16, py::arg("q"), py::arg("q_head_stride"),
+        py::arg("q_row_stride"), py::arg("new_keys"), py::arg("new_keys_head_stride"), py::arg("new_keys_row_stride"),
+        py::arg("new_values"), py::arg("new_values_head_stride"), py::arg("new_values_row_stride"), py::arg("table"),
+        py::arg("chunks"), py::arg("out"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("scale"), py::arg("threads") = 0,
+        "A packed pass's prompt chunks in one call: each chunk's new keys / values into its buffers, then its causal "
+        "attention as prefill_attention_bf16 computes it (pointers to checked torch tensors; table int64 [chunks, 6]).");
   m.def("prefill_attention_f32", &prefill_attention_f32, py::arg("q"), py::arg("q_head_stride"),
         py::arg("q_row_stride"), py::arg("keys"), py::arg("values"), py::arg("kv_head_stride"), py::arg("kv_col_stride"),
         py::arg("out"), py::arg("n"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("start"),

@@ -321,3 +321,110 @@ def test_float32_packed_chunks_through_the_kernel_answer_as_sdpa(monkeypatch):
         for a, b in zip(got.sequences, want.sequences):
             assert a.token_ids == b.token_ids and len(a.token_ids) == 6
             assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
+def _pass_inputs(heads, kv_heads, dim, chunks, t, seed=0):
+    """A packed pass's query / new keys / new values as the fused pass hands them over (strided views of its
+    projections: keys after the rotary embedding, values from the product, so their strides differ) and each chunk's
+    buffers ``[1, Hkv, start + n + 3, D]`` (cached columns random, the chunk's own columns not yet written)."""
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.randn(t, heads + kv_heads, dim, generator=g).to(torch.bfloat16)  # [T, H + Hkv, D]
+    qkv = torch.randn(t, heads + 2 * kv_heads, dim, generator=g).to(torch.bfloat16)  # [T, H + 2 Hkv, D]
+    query = qk[:, :heads].transpose(0, 1)[None]  # [1, H, T, D]
+    key = qk[:, heads:].transpose(0, 1)[None]  # [1, Hkv, T, D]
+    value = qkv[:, heads + kv_heads:].transpose(0, 1)[None]  # [1, Hkv, T, D], other strides
+    bufs = [(torch.randn(1, kv_heads, start + n + 3, dim, generator=g).to(torch.bfloat16),
+             torch.randn(1, kv_heads, start + n + 3, dim, generator=g).to(torch.bfloat16)) for _, n, start in chunks]
+    return query, key, value, bufs
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (7, 1), (4, 4)])
+def test_all_chunks_in_one_call_are_each_chunks_call_bit_for_bit(monkeypatch, dim, heads, kv_heads):
+    """The packed pass's chunks in one C++ call (``prefill_attention.segs``): each chunk's buffers take its new keys
+    / values and its rows of the output are what its own call computes, bit for bit; chunks of one row, primes,
+    past a 16-row item, after a long cached prefix and from column 0, behind decode rows; one thread or two."""
+    chunks = [(3, 1, 0), (4, 17, 3), (21, 33, 700), (54, 16, 0), (70, 7, 769), (77, 0, 5), (77, 40, 1)]
+    t = 117
+    query, key, value, bufs = _pass_inputs(heads, kv_heads, dim, chunks, t, seed=dim + heads)
+    op = ext_prefill_attention(EXT)
+    expected_bufs = [(k.clone(), v.clone()) for k, v in bufs]
+    expected = torch.zeros(t, heads, dim, dtype=torch.bfloat16)
+    for (offset, n, start), (k_buf, v_buf) in zip(chunks, expected_bufs):
+        k_buf[:, :, start:start + n] = key[:, :, offset:offset + n]
+        v_buf[:, :, start:start + n] = value[:, :, offset:offset + n]
+        o = op(query[:, :, offset:offset + n], k_buf[:, :, :start + n], v_buf[:, :, :start + n], start, 0.3)
+        expected[offset:offset + n] = o[0].transpose(0, 1)
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        got_bufs = [(k.clone(), v.clone()) for k, v in bufs]
+        out = torch.zeros(t, heads, dim, dtype=torch.bfloat16)
+        assert op.segs(query, key, value, [(o, n, s, k, v) for (o, n, s), (k, v) in zip(chunks, got_bufs)], 0.3, out)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        for (k, v), (ek, ev) in zip(got_bufs, expected_bufs):
+            torch.testing.assert_close(k, ek, rtol=0, atol=0)
+            torch.testing.assert_close(v, ev, rtol=0, atol=0)
+
+
+@needs_kernel
+def test_all_chunks_call_declines_inputs_it_is_not_for():
+    """float32 rows, a head dim without tiles, a buffer whose columns are not contiguous: False, nothing written
+    (the pass then calls the op chunk by chunk)."""
+    op = ext_prefill_attention(EXT)
+    chunks = [(0, 5, 2), (5, 3, 0)]
+    query, key, value, bufs = _pass_inputs(4, 2, 64, chunks, 8)
+    before = [(k.clone(), v.clone()) for k, v in bufs]
+    out = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    rows = [(o, n, s, k, v) for (o, n, s), (k, v) in zip(chunks, bufs)]
+    assert not op.segs(query.float(), key.float(), value.float(), rows, None, out.float())
+    k0, v0 = bufs[0]
+    wide = [(0, 5, 2, k0.transpose(2, 3).contiguous().transpose(2, 3), v0), rows[1]]  # columns not D apart
+    assert not op.segs(query, key, value, wide, None, out)
+    assert not op.segs(query, key, value, [(6, 5, 2, k0, v0)], None, out)  # past the pass's rows
+    for (k, v), (bk, bv) in zip(bufs, before):
+        assert torch.equal(k, bk) and torch.equal(v, bv)
+    assert out.eq(0).all()
+    q32, k32, v32, b32 = _pass_inputs(4, 2, 16, [(0, 4, 0)], 4)  # head dim 16: no tiles
+    assert not op.segs(q32, k32, v32, [(0, 4, 0, *b32[0])], None, torch.zeros(4, 4, 16, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_packed_pass_takes_all_chunks_in_one_call_with_the_same_answers(monkeypatch):
+    """A bf16 packed loop (head dim 32) whose prompts start after a cached prefix: each layer's chunks go through the
+    one call, and every generated token and log-prob equals the chunk-by-chunk pass's."""
+    import dataclasses
+
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.testing import tiny_model
+
+    monkeypatch.delenv("FASTGATE_BACKEND", raising=False)
+    runner = ModelRunner(tiny_model(hidden=128, dtype=torch.bfloat16), step="eager")
+    assert runner.ops.backends["prefill_attention"] == "ext" and hasattr(runner.ops.prefill_attention, "segs")
+    prefix = "a shared block of words that every prompt starts with, cached once: "
+    runner.cache_prefix(prefix)
+    prompts = [prefix + p for p in ("one", "two words", "a longer question of many words here", "x " * 40)]
+    cfg = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
+    op, calls = runner.ops.prefill_attention, []
+
+    def counting(*args):
+        calls.append(op.segs(*args))
+        return calls[-1]
+
+    def run(segs):
+        def chunk(q, keys, values, start, scale=None, mask=None):
+            return op(q, keys, values, start, scale, mask)
+
+        if segs:
+            chunk.segs = counting
+        runner.ops = dataclasses.replace(runner.ops, prefill_attention=chunk)
+        loop = PackedLoop(runner, mid=runner.n_layers // 2)
+        done = loop.admit([(p, cfg, TapSpec(), 1, None) for p in prompts])
+        while loop.busy:
+            loop.step(16)
+        return [(s.token_ids, s.token_logprobs) for d in done for s in d.result.sequences]
+
+    assert run(segs=False) == run(segs=True)
+    assert calls and all(calls) and len(calls) % runner.n_layers == 0

@@ -231,6 +231,11 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask(), scale=scaling)  # [m, Hkv, G, D]
             out[:m] = o.reshape(m, heads, dim)
     sb = plan.seg_batch
+    segs = getattr(plan.prefill_attend, "segs", None) if sb is None and plan.segs else None
+    # every chunk in one call where the op has it (bf16 on a CPU with AVX512-BF16): its buffers' writes too
+    if segs is not None and segs(query, key, value, [(s.offset, s.n, s.start, *s.kv[layer]) for s in plan.segs],
+                                 scaling, out):
+        return out.unsqueeze(0), None
     if sb is None or sb.kv is None:
         for seg in plan.segs:  # each prompt's buffers take the chunk's columns (its later chunks and the store read)
             k_buf, v_buf = seg.kv[layer]  # [1, Hkv, P, D]

@@ -12,7 +12,11 @@ mean 0.00063 against 0.00071):
 - :func:`ext_prefill_attention`: the C++ kernel (``fastgate._C.prefill_attention_bf16``, csrc/ops.cpp) where the CPU
   has AVX512-BF16: the scores from bf16 dot products (exact bf16 products summed in float32: the float32 scores of
   the bf16 inputs) over keys repacked once per call, the upper triangle skipped: 2.8 ms for that layer, 3.9x SDPA.
-  Head dims 32, 64 and 128; every other input goes to the blocks.
+  Head dims 32, 64 and 128; every other input goes to the blocks. Its ``segs`` (``prefill_attention_segs_bf16``):
+  every chunk of a packed pass in one call a layer, their buffers' writes included, each chunk's work items those of
+  its own call (the same bits) spread over the pool together. A burst's 12 closed-book prompts (SmolLM2, ~12 tokens
+  each after the cached few-shot block) made 12 calls a layer of 3 items each on 2 threads: their pass 158 -> 152 ms
+  and 160 -> 146 ms (medians of 8 and 16, 2-core Zen 4 EPYC).
 - :func:`blocked_prefill_attention`: torch operations, for any CPU: the queries in blocks of :data:`BLOCK` rows, each
   block one float32 batched product against the columns it may see and one against the values (7.3 ms; oneDNN's
   float32 product runs at ~200 GFLOP/s, the bf16 one faster but rounding the scores to bf16). Rounding the
@@ -116,4 +120,47 @@ def ext_prefill_attention(ext: ModuleType) -> Callable[..., torch.Tensor]:
             raise ShapeError(str(exc)) from None
         return out.transpose(0, 1)[None]  # [1, H, n, D]
 
+    batched = getattr(ext, "prefill_attention_segs_bf16", None) if torch.bfloat16 in kernels else None
+    if batched is not None:  # an extension built before the batched call: each chunk its own call
+        prefill_attention.segs = _segs_call(batched)
     return prefill_attention
+
+
+Chunk = tuple[int, int, int, torch.Tensor, torch.Tensor]  # (offset, n, start, key buffer, value buffer)
+
+
+def _segs_call(run: Callable) -> Callable[..., bool]:
+    """The C++ call for a packed pass's bf16 chunks, all at once (:func:`ext_prefill_attention`'s ``segs``)."""
+
+    def segs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: list[Chunk], scale: float | None,
+             out: torch.Tensor) -> bool:
+        """Each chunk's new keys / values (``key`` / ``value [1, Hkv, T, D]`` of the pass, at its offset) into its
+        buffers ``[1, Hkv, P, D]`` at columns ``start .. start + n - 1``, and its rows of ``out [T, H, D]``: the
+        attention of ``query [1, H, T, D]``'s rows over its buffer's columns ``0 .. start + row``, what the per-chunk
+        call computes, bit for bit. Returns False, doing nothing, where an input is not the kernel's (the caller
+        then takes each chunk on its own)."""
+        _, heads, t, dim = query.shape
+        kv_heads = key.shape[1]
+        if not (dim in KERNEL_HEAD_DIMS and _bf16_on_cpu(query, key, value, out) and query.stride(-1) == 1
+                and key.stride(-1) == 1 and value.stride(-1) == 1 and key.shape == value.shape
+                and key.shape[2] == t and heads % kv_heads == 0 and out.shape == (t, heads, dim)
+                and out.is_contiguous()):
+            return False
+        rows = []
+        for offset, n, start, k_buf, v_buf in chunks:
+            if not (_bf16_on_cpu(k_buf, v_buf) and k_buf.dim() == 4 and k_buf.shape[0] == 1
+                    and k_buf.shape[1] == kv_heads and k_buf.shape[3] == dim and k_buf.shape[2] >= start + n
+                    and k_buf.stride(-1) == 1 and k_buf.stride(2) == dim and k_buf.stride() == v_buf.stride()
+                    and k_buf.shape == v_buf.shape and 0 <= offset and offset + n <= t and n >= 0 and start >= 0):
+                return False
+            rows.append((offset, n, start, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1)))
+        table = torch.tensor(rows, dtype=torch.int64)  # [chunks, 6]
+        try:
+            run(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
+                value.data_ptr(), value.stride(1), value.stride(2), table.data_ptr(), len(rows), out.data_ptr(),
+                heads, kv_heads, dim, dim ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+        except ValueError as exc:
+            raise ShapeError(str(exc)) from None
+        return True
+
+    return segs
