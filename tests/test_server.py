@@ -139,6 +139,31 @@ def test_timeout_cancels_the_program(tiny_engine, small_index):
         svc.stop()
 
 
+def test_a_result_that_fails_to_become_a_record_fails_its_request_only(tiny_engine, small_index, monkeypatch):
+    """Building a finished request's record raises: that request fails with the error (its client is not left
+    waiting for the timeout), the others in the same ticks are answered, and the service goes on."""
+    import fastgate.serving.runtime as runtime_module
+
+    real = runtime_module.result_record
+
+    def record(result, *args, **kwargs):
+        if result.question == QUESTIONS[1]:
+            raise ValueError("cannot make a record of this")
+        return real(result, *args, **kwargs)
+
+    monkeypatch.setattr(runtime_module, "result_record", record)
+    svc = _service(tiny_engine, small_index).start()
+    try:
+        futures = [svc.submit(q) for q in QUESTIONS[:3]]
+        with pytest.raises(ValueError, match="cannot make a record"):
+            futures[1].result(timeout=60)
+        assert [f.result(timeout=60)["question"] for f in (futures[0], futures[2])] == [QUESTIONS[0], QUESTIONS[2]]
+        assert svc.metrics.failed == 1 and svc.live_programs == 0
+        assert svc.submit(QUESTIONS[3]).result(timeout=60)["answer"] is not None
+    finally:
+        svc.stop()
+
+
 def test_overload_and_stop(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index, max_queue=2)
     svc._method(svc._request(None, None))

@@ -494,11 +494,20 @@ class AnswerService:
 
     def _done(self, task) -> None:
         """A program ended: resolve its future now (the others keep running)."""
-        from fastgate.serving.runtime import result_record
-
         job = self._running.pop(id(task), None)
         if job is None or job.future.done():
             return
+        try:
+            self._resolve(job, task)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be made a record: the client gets it
+            if not job.future.done():  # (popped from the running jobs: no later failure would resolve it)
+                job.future.set_exception(exc)
+                self.metrics.finished(time.perf_counter() - job.submitted, retrieved=False, failed=True)
+
+    def _resolve(self, job, task) -> None:
+        """Resolve ``job``'s future with its ended program's result or error."""
+        from fastgate.serving.runtime import result_record
+
         latency = time.perf_counter() - job.submitted
         if task.error is not None:
             job.future.set_exception(task.error)
