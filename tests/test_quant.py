@@ -257,3 +257,31 @@ def test_the_traced_static_step_runs_quantized_weights_as_the_eager_pass(weights
     got, loop = run(StepConfig("compiled", backend="aot_eager"))
     assert got == eager and all(len(t) == 8 for t in got)
     assert loop.static_steps > 0 and loop.static.compiled
+
+
+def test_a_load_hands_the_freed_heap_back(tmp_path, monkeypatch):
+    """``load`` gives the C heap's free pages back after quantizing (the checkpoint's weights it replaced), and a
+    runner after joining its fused layers' weights: once each; ``return_freed_memory`` itself says whether it could
+    (glibc on Linux: yes)."""
+    import sys
+
+    import fastgate.assets.models as fm
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model()
+    lm.model.save_pretrained(tmp_path / "tiny")
+    lm.tokenizer.save_pretrained(tmp_path / "tiny")
+    calls = []
+    monkeypatch.setattr(fm, "return_freed_memory", lambda: calls.append(1) or True)
+    loaded = fm.load(str(tmp_path / "tiny"), device="cpu", dtype="float32", weights="int8")
+    assert loaded.weights == "int8" and calls == [1]
+    import fastgate.engine.model_runner as mr
+
+    monkeypatch.setattr(mr, "return_freed_memory", lambda: calls.append(2) or True)
+    mr.ModelRunner(loaded)  # its fused layers' joins free the parts' own weights: given back too
+    assert calls == [1, 2]
+    monkeypatch.undo()
+    import platform
+
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert fm.return_freed_memory() is glibc

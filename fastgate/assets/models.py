@@ -59,6 +59,7 @@ __all__ = [
     "quiet_transformers",
     "remove_stale",
     "resolve_device",
+    "return_freed_memory",
     "resolve_device_dtype",
 ]
 
@@ -495,6 +496,28 @@ def gguf_int4_codes(path: Path | str, model) -> dict[str, Int4Codes]:
     return out
 
 
+def return_freed_memory() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``); returns whether it could.
+
+    Why: glibc keeps memory a process freed for its next allocations, and a model load frees a lot of it at once: the
+    weights as the checkpoint holds them, where :func:`fastgate.assets.quant.quantize_model` replaced them by codes
+    and copies. Measured on a 2-core EPYC after :func:`load` in ``auto`` (int4-dense): qwen2.5-0.5b 2.94 GB resident
+    before, 2.23 GB after; SmolLM2-135M 1.16 -> 0.94 GB. Nothing is moved or copied; elsewhere than glibc (macOS,
+    musl) a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
          probe: bool = True, weights: str = "auto") -> LoadedModel:
     """Load a model by embedded name (``smollm2-135m``, ``gemma3-270m``) or local HF directory.
@@ -551,5 +574,6 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if held.weights in ("int4", "int4-dense") and name_or_path in MODELS:
         codes = gguf_int4_codes(locate_gguf(MODELS[name_or_path]), model)
     quantize_model(model, held.weights, codes=codes)
+    return_freed_memory()  # the checkpoint's weights as loaded, freed where quantize_model replaced them
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
                        dtype_reason=choice.reason, weights=held.weights, weights_reason=held.reason)
