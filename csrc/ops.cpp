@@ -1658,6 +1658,19 @@ FASTGATE_BF16_TARGET void prefill_item(const uint16_t* q, int64_t q_head, int64_
     value_tile<D16, TV>(p, width, v, v_col, o);
   }
 }
+
+// prefill_item for head dim D (32, 64 or 128: its value tiles are sized per head dim)
+FASTGATE_BF16_TARGET inline void prefill_item_d(int64_t D, const uint16_t* q, int64_t q_head, int64_t q_row,
+                                                const uint32_t* kp, const uint16_t* v, int64_t v_col, int64_t start,
+                                                int64_t r0, int64_t r1, int64_t h, int64_t G, int64_t H, float scale,
+                                                float* scores, int64_t spad, uint16_t* out) {
+  if (D == 32)
+    prefill_item<2>(q, q_head, q_row, kp, v, v_col, start, r0, r1, h, G, H, scale, scores, spad, out);
+  else if (D == 64)
+    prefill_item<4>(q, q_head, q_row, kp, v, v_col, start, r0, r1, h, G, H, scale, scores, spad, out);
+  else
+    prefill_item<8>(q, q_head, q_row, kp, v, v_col, start, r0, r1, h, G, H, scale, scores, spad, out);
+}
 #endif
 
 #ifdef FASTGATE_BF16_KERNEL
@@ -1712,14 +1725,8 @@ void prefill_attention_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row, uint
   prefill_items(n, S, Hkv, G, D, spad, threads,
                 [&](int64_t h) { pack_key_pairs(k + h * kv_head, kv_col, S, D, kp.data() + h * per_head); },
                 [&](int64_t h, int64_t r0, int64_t r1, float* scores) {
-                  const uint32_t* kph = kp.data() + h * per_head;
-                  const uint16_t* vh = v + h * kv_head;
-                  if (D == 32)
-                    prefill_item<2>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
-                  else if (D == 64)
-                    prefill_item<4>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
-                  else
-                    prefill_item<8>(q, q_head, q_row, kph, vh, kv_col, start, r0, r1, h, G, H, sc, scores, spad, out);
+                  prefill_item_d(D, q, q_head, q_row, kp.data() + h * per_head, v + h * kv_head, kv_col, start, r0,
+                                 r1, h, G, H, sc, scores, spad, out);
                 });
 #else
   (void)q_ptr, (void)q_head, (void)q_row, (void)k_ptr, (void)v_ptr, (void)kv_head, (void)kv_col, (void)out_ptr;
@@ -1817,16 +1824,8 @@ void prefill_attention_segs_bf16(uintptr_t q_ptr, int64_t q_head, int64_t q_row,
     for (int64_t it = first; it < n_items; it += step) {
       const Item& m = items[it];
       const Seg& g = segs[m.seg];
-      const uint16_t* qs = q + g.off * q_row;
-      const uint32_t* kph = kp.data() + g.kp0 + m.h * g.per_head;
-      const uint16_t* vh = g.v + m.h * g.head;
-      uint16_t* os = out + g.off * H * D;
-      if (D == 32)
-        prefill_item<2>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
-      else if (D == 64)
-        prefill_item<4>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
-      else
-        prefill_item<8>(qs, q_head, q_row, kph, vh, D, g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, os);
+      prefill_item_d(D, q + g.off * q_row, q_head, q_row, kp.data() + g.kp0 + m.h * g.per_head, g.v + m.h * g.head, D,
+                     g.start, m.r0, m.r1, m.h, G, H, sc, scores.data(), g.spad, out + g.off * H * D);
     }
     return true;
   }, threads);

@@ -234,9 +234,10 @@ class ModelRunner:
             raise InputError(f"forward='fused': {type(self.model).__name__} is not covered by fastgate.engine.fused")
         self.fused = (fused_forward(self.model) if self.forward_mode == "fused"
                       or (self.forward_mode == "auto" and fusable(self.model)) else None)
-        # the fused layers' joins replaced the parts' own weights and de-quantized copies by views of one tensor:
-        # the parts' buffers are free now (qwen2.5-0.5b int4-dense: 0.55 GB resident given back)
-        return_freed_memory()
+        if self.fused is not None:
+            # its layers' joins replaced the parts' own weights and de-quantized copies by views of one tensor: the
+            # parts' buffers are free now (qwen2.5-0.5b int4-dense: 0.55 GB resident given back)
+            return_freed_memory()
 
     def static_step(self, mid: int) -> StaticStep | None:
         """The static decode step keeping layer ``mid``'s EOS states (None when decode steps run eager)."""
