@@ -515,3 +515,68 @@ def test_an_interjected_program_cancelled_mid_pass_ends_at_the_next_pause(world,
     assert long.result == engine.generate([long_prompt], GenerationConfig(max_new_tokens=4, stop_at_eos=False)
                                           ).sequences[0].token_ids
     assert not sched.admission.busy
+
+
+class _ResultFails:
+    """A method whose result cannot be built for one question (its program runs as the real method's)."""
+
+    def __init__(self, method, question: str) -> None:
+        self._method, self._question = method, question
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    def result(self, question, *args, **kwargs):
+        if question == self._question:
+            raise ValueError("this result cannot be built")
+        return self._method.result(question, *args, **kwargs)
+
+
+def test_a_result_that_cannot_be_built_or_a_raising_on_done_ends_only_its_own_question(methods, caplog):
+    """Building a program's result is the program's: when it raises, that question ends with the error and the
+    others are answered. A caller's ``on_done`` that raises is logged; the scheduler and the other programs go on."""
+    never = methods[0]
+    broken = _ResultFails(never, QUESTIONS[1])
+    sched = Scheduler(never.engine)
+    told = []
+
+    def raising(task):
+        told.append(task)
+        raise RuntimeError("the caller's callback failed")
+
+    tasks = [sched.submit(broken, q, on_done=raising if i == 2 else told.append) for i, q in enumerate(QUESTIONS[:4])]
+    with caplog.at_level("ERROR", logger="fastgate.scheduler.driver"):
+        sched.run(tasks)
+    assert isinstance(tasks[1].error, ValueError) and tasks[1].result is None
+    for i in (0, 2, 3):
+        assert tasks[i].error is None and tasks[i].result.answer == never.answer(QUESTIONS[i]).answer
+    assert {id(t) for t in told} == {id(t) for t in tasks}  # every on_done was called once the program ended
+    assert "on_done" in caplog.text and "the caller's callback failed" in caplog.text
+    assert sched.idle
+
+
+def test_a_paused_pass_is_not_charged_the_time_of_its_pauses(world, monkeypatch):
+    """The time a long pass spends paused (the interjected programs' lane steps, here a clock that jumps 100 s during
+    the first pause) is not counted in its rows' ``generation_s``."""
+    import time as real_time
+
+    import fastgate.scheduler.admission as admission
+
+    jump = [0.0]
+
+    class Clock:  # admission's clock only: the driver's lane deadline keeps the real one
+        @staticmethod
+        def perf_counter():
+            return real_time.perf_counter() + jump[0]
+
+    monkeypatch.setattr(admission, "time", Clock)
+    engine = world[0]
+    sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=8)
+    long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
+    sched.feed = lambda: jump.__setitem__(0, 100.0)
+    long = sched.submit(None, "", program=_gen_program(long_prompt, 2))
+    sched.step()  # the long prompt's pass, which pauses between its layers
+    assert jump[0] == 100.0 and sched.admission.paused_s >= 100.0
+    sched.run([long])
+    assert long.error is None
+    assert 0.0 < long.trace.timings["generation_s"] < 100.0  # without the pause's time taken out: >= 100

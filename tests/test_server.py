@@ -422,5 +422,27 @@ def test_a_paused_pass_takes_in_the_requests_queued_since_it_began(tiny_engine, 
     assert off._new_scheduler(Scheduler).admission.pause is None
 
 
+def test_a_request_given_up_during_a_paused_pass_is_cancelled_at_that_pause(tiny_engine, small_index, monkeypatch):
+    """A client that goes away (or a request past its timeout) while a long pass is paused has its program cancelled
+    at the pause, where the lane could otherwise run it on until the tick ends."""
+    from fastgate.scheduler import CancelledError, Scheduler
+
+    svc = _service(tiny_engine, small_index)
+    svc._scheduler = sched = svc._new_scheduler(Scheduler)
+    monkeypatch.setattr(AnswerService, "running", property(lambda self: True))
+    future = svc.submit(QUESTIONS[1])
+    sched.feed()  # a pause: the request starts
+    (job,) = svc._running.values()
+    assert not job.task.cancelled
+    svc.cancel(future)  # running: the worker cancels its program
+    sched.feed()  # the next pause
+    assert job.task.cancelled
+    while not job.task.done:
+        sched.step()
+    assert isinstance(job.task.error, CancelledError)
+    with pytest.raises(CancelledError):
+        future.result(timeout=0)
+
+
 def service_answer(svc: AnswerService, question: str) -> str:
     return svc._method(svc._request(None, None)).answer_batch([question])[0].answer

@@ -72,6 +72,7 @@ class Admission:
         # and the loop whose passes run the generations it takes there (join_lane)
         self.pause: Callable[[], None] | None = None
         self.lane: Any = None
+        self.paused_s = 0.0  # seconds spent in pauses so far (not charged to the paused pass's rows)
         if engine.remote:
             self.continuous, self.layout = False, "remote"
             self._cell, self._max_cells = 0, None
@@ -180,9 +181,18 @@ class Admission:
             # a GPU pass takes milliseconds, and the lane would share the main loop's static step (one CUDA graph
             # pool, its outputs read a tick later): the pause is for CPUs, where a 512-token pass takes ~0.4 s
             if self.pause is not None and cast(Engine, self.engine).runner.device.type == "cpu":
-                loop.pause = self.pause
+                loop.pause = self._paused
             loop.held_elsewhere = lambda: self._cells_besides(loop)
         return loop
+
+    def _paused(self) -> None:
+        """What a long pass calls between its layers: :attr:`pause`, its time kept in :attr:`paused_s` (the lane's
+        steps there are the interjected programs' time, not the paused pass's)."""
+        t0 = time.perf_counter()
+        try:
+            cast(Callable[[], None], self.pause)()
+        finally:
+            self.paused_s += time.perf_counter() - t0
 
     def _cells_besides(self, loop) -> int:
         """The cells every loop but ``loop`` (the lane included) can reach (``cells_after``)."""
@@ -302,7 +312,7 @@ class Admission:
         call = self.counters.next_call()
         members = [(ticket.owner[0], ticket) for lp, ticket in self._inflight.values() if lp is loop]
         rows = loop.size
-        t0 = time.perf_counter()
+        t0, paused = time.perf_counter(), self.paused_s
         try:
             # the loops take no bound (WHOLE_PROMPTS) as None: every queued prompt whole
             done = loop.step(self.step_budget(loop) or None)
@@ -316,7 +326,7 @@ class Admission:
                 if not task.done:
                     self.delivery.finish(task, error=exc)
             return
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 - (self.paused_s - paused)  # the pauses' time is the lane's programs'
         self.counters.generated(rows, frozenset(t.method.name for t, _ in members if t.method is not None))
         for task, _ in members:
             task.count_time(call, "generation_s", elapsed)

@@ -15,6 +15,7 @@ results back through the driver's :class:`~fastgate.scheduler.task.Delivery` met
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -29,6 +30,8 @@ from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
 from fastgate.scheduler.task import CancelledError, Counters, Task
 
 __all__ = ["Scheduler"]
+
+_log = logging.getLogger(__name__)
 
 _CHEAP_ROUNDS = 16  # rounds of searches / gate ops / embeddings per tick before the engine calls run
 # the longest a paused pass waits for the lane at one pause (its layers pause ~every 13 ms on two cores): a cheap
@@ -312,13 +315,20 @@ class Scheduler:
             if not isinstance(answer, Answer):
                 task.error = InputError(f"program of {task.method.name} returned {type(answer).__name__}, not Answer")
             else:
-                task.trace.use(answer.passages)
-                task.result = task.method.result(task.question, answer.text, task.trace,
-                                                 {**task.trace.timings, "total_s": task.finished - task.submitted})
-                if answer.details:
-                    task.result.details = dict(answer.details)
+                try:
+                    task.trace.use(answer.passages)
+                    task.result = task.method.result(task.question, answer.text, task.trace,
+                                                     {**task.trace.timings, "total_s": task.finished - task.submitted})
+                    if answer.details:
+                        task.result.details = dict(answer.details)
+                except Exception as exc:  # noqa: BLE001 - a result that cannot be built fails that question only
+                    task.result, task.error = None, exc
         if task.on_done is not None:
-            task.on_done(task)
+            try:
+                task.on_done(task)
+            except Exception:  # noqa: BLE001 - the caller's callback: raised here it would end the other programs
+                _log.exception("on_done of a %s program raised; the scheduler goes on",
+                               task.method.name if task.method is not None else "bare")
 
     def deliver(self, task: Task, i: int, req: Any, out: Any, elapsed: float) -> None:
         """Put ``out``, the result of ``task``'s ``i``-th pending request ``req``, in its slot; count it in the

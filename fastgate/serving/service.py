@@ -441,12 +441,15 @@ class AnswerService:
         return sched
 
     def _feed(self) -> None:
-        """Queued requests into the scheduler, from inside a paused pass (``--interject``): its step runs in
-        inference mode, and a method built here (its gate's modules) must not be made of inference tensors."""
+        """Queued requests into the scheduler, and the cancellations and timeouts since the tick began, from inside a
+        paused pass (``--interject``): a request answered in the pass's lane is cancelled there, not a tick later. Its
+        step runs in inference mode, and a method built here (its gate's modules) must not be made of inference
+        tensors."""
         import torch
 
         with torch.inference_mode(False):
             self._admit(block=False)
+        self._expire()
 
     def _admit(self, block: bool) -> None:
         """Move queued requests into the scheduler (up to ``max_live`` running).
