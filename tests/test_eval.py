@@ -80,6 +80,13 @@ def test_store_drops_a_cut_last_line_and_rejects_garbage(tmp_path):
     path.write_text("not json\n")
     with pytest.raises(InputError, match="not a result record"):
         ResultsStore(path)
+    path.write_bytes(json.dumps(_record(qid="a")).encode() + b"\n\xc9\xff binary\n")  # not UTF-8 text at all
+    with pytest.raises(InputError, match=r"results\.jsonl:2 is not a result record"):
+        ResultsStore(path)
+    # a record holding characters str.splitlines() splits on (U+2028, U+0085), written raw (ensure_ascii=False)
+    path.unlink()
+    ResultsStore(path).append([{**_record(qid="c"), "answer": "line\u2028sep\x85next"}])
+    assert ResultsStore(path).records[("dtr", "c")]["answer"] == "line\u2028sep\x85next"
 
 
 def test_settings_must_match(tmp_path):
@@ -87,6 +94,9 @@ def test_settings_must_match(tmp_path):
     check_settings(tmp_path, EvalSettings(model="tiny"))  # same settings: fine
     with pytest.raises(InputError, match="other settings.*seed"):
         check_settings(tmp_path, EvalSettings(model="tiny", seed=3))
+    (tmp_path / "eval.json").write_bytes(b"{\xc9\xff binary")  # not UTF-8 text at all
+    with pytest.raises(InputError, match="eval.json is corrupt"):
+        check_settings(tmp_path, EvalSettings(model="tiny"))
 
 
 def test_sample_examples_is_a_stable_prefix():

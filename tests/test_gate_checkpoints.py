@@ -49,6 +49,9 @@ def test_missing_and_corrupt(tmp_path, ckpt_dir, tiny):
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_probe_checkpoint(path)
+    (path / "config.json").write_bytes(b"{\xc9\xff\x00 binary")  # not UTF-8 text at all
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_probe_checkpoint(path)
     (path / "config.json").unlink()
     with pytest.raises(CheckpointError, match="no config.json"):
         load_probe_checkpoint(path)

@@ -79,6 +79,9 @@ def test_fit_separates_and_checkpoint_round_trip(tmp_path, tiny):
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="missing or corrupt"):
         load_read_checkpoint(path, "all")
+    (path / "config.json").write_bytes(b"{\xc9\xff\x00 binary")  # not UTF-8 text at all
+    with pytest.raises(CheckpointError, match="missing or corrupt"):
+        load_read_checkpoint(path, "all")
     with pytest.raises(InputError, match="missing"):
         m.logits([{"bm25_top": 1.0}])
     gate = ReadGate(m, threshold=0.0)

@@ -28,6 +28,9 @@ def test_jsonl_corpus_reports_line_numbers(tmp_path):
         read_jsonl_corpus(path)
     with pytest.raises(CorpusError, match="not found"):
         read_jsonl_corpus(tmp_path / "nope.jsonl")
+    path.write_bytes(b'{"id": "a", "text": "x"}\n{"id": "b", "text": "\xc9\xff"}\n')  # line 2 is not UTF-8
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:2: not UTF-8 text"):
+        read_jsonl_corpus(path)
 
 
 def test_bm25_known_top_hit(small_index):
@@ -85,6 +88,9 @@ def test_missing_and_corrupt_indexes_fail_clearly(tmp_path, small_index):
     broken = tmp_path / "broken"
     shutil.copytree(small_index / "dense", broken)
     (broken / "fastgate_index.json").write_text("{not json")
+    with pytest.raises(IndexError_, match="corrupt"):
+        DenseRetriever(broken)
+    (broken / "fastgate_index.json").write_bytes(b"{\xc9\xff binary")  # not UTF-8 text at all
     with pytest.raises(IndexError_, match="corrupt"):
         DenseRetriever(broken)
     shutil.copytree(small_index / "dense", tmp_path / "dense2")

@@ -57,8 +57,12 @@ def wiki_summaries() -> list[Passage]:
 def iter_jsonl_objects(path: Path, fields: str) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line of a JSONL file; errors name the line and the ``fields``
     expected."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # lines decoded one by one: a line that is not UTF-8 is named, not a traceback
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
             try:

@@ -429,7 +429,7 @@ def corpus_answerability(examples: list[QAExample], retriever, *, depth: int = A
             stored = json.loads(cache_path.read_text())
             if stored.get("depth") == depth and stored.get("version") == _SPLIT_VERSION:
                 ranks = {k: Ranks(*v) for k, v in stored["ranks"].items()}
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError):
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):  # ValueError: not JSON, not UTF-8
             ranks = {}  # a corrupt cache is recomputed
     todo = [e for e in examples if e.id not in ranks]
     if todo:

@@ -124,13 +124,13 @@ class ResultsStore:
             with open(self.path, "r+b") as f:  # drop the partial last line
                 f.truncate(cut)
             data = data[:cut]
-        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        for n, line in enumerate(data.split(b"\n"), 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
+            try:  # ValueError: not JSON, or not UTF-8 text at all
+                rec = json.loads(line.decode("utf-8"))
                 self.records[(rec["run"], rec["id"])] = rec
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:
                 raise InputError(f"{self.path}:{n} is not a result record ({exc}); move the file away to start "
                                  "over") from None
 
@@ -171,7 +171,7 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
     if path.exists():
         try:
             theirs = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # not JSON, or not UTF-8 text at all
             raise InputError(f"{path} is corrupt ({exc}); remove it or use another --out") from None
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:

@@ -160,7 +160,7 @@ def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind
         config = json.loads((root / CONFIG).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{root} has no {CONFIG}; is it a fastgate prober checkpoint?") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
         raise CheckpointError(f"cannot read {root / CONFIG}: {exc}") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise CheckpointError(f"{root / CONFIG} is not a {FORMAT} config")

@@ -540,7 +540,7 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
         doc = json.loads(cfg.read_text())
         if doc.get("kind") != "read":
             raise CheckpointError(f"{cfg} is not a read-gate checkpoint (kind {doc.get('kind')!r})")
-    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
         raise CheckpointError(f"read-gate checkpoint {cfg} is missing or corrupt: {exc}") from None
     made = doc.get("decide", "answer")  # checkpoints from before the prefill mode decide after the answer
     if made != decide:

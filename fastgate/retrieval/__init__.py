@@ -94,7 +94,7 @@ def _up_to_date(manifest: Path, kind: str, fingerprint: str, hnsw: bool) -> bool
     """Whether the index's manifest names this corpus and, for ``dense``, the asked index type."""
     try:
         current = json.loads(manifest.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not JSON or not UTF-8: rebuilt
         return False
     same_type = kind != "dense" or current.get("index_type") == ("hnsw" if hnsw else "flat_ip")
     return current.get("corpus_fingerprint") == fingerprint and same_type

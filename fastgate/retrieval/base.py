@@ -129,7 +129,7 @@ def read_manifest(path: Path, kind: str) -> dict[str, Any]:
         raise IndexError_(f"{path} is not a complete {kind} index (no {MANIFEST}); rebuild it with `fastgate index`")
     try:
         manifest = json.loads(manifest_file.read_text())
-    except (json.JSONDecodeError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
         raise IndexError_(f"{manifest_file} is corrupt ({exc}); rebuild it with `fastgate index`") from None
     if manifest.get("kind") != kind:
         raise IndexError_(f"{path} holds a {manifest.get('kind')!r} index, not {kind!r}")
