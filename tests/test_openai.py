@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+import httpx  # noqa: E402
+
 from fastgate.methods import METHODS  # noqa: E402
 from fastgate.prompts import closed_book_prompt  # noqa: E402
 from fastgate.serving.runtime import Runtime  # noqa: E402
@@ -172,6 +174,12 @@ def test_invalid_requests_get_openai_style_errors(client):
         assert message in err.value.message, (kwargs, err.value.message)
     with pytest.raises(openai.BadRequestError, match="one prompt"):
         client.completions.create(model="fastgate-never", prompt=["a?", "b?"])
+    for path in ("chat/completions", "completions"):  # a body that is not UTF-8: OpenAI's error format, not FastAPI's
+        r = httpx.post(f"{client.base_url}{path}", content=b'{"model": "fastgate-never", "prompt": "\xc9\xff"}',
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "not JSON in UTF-8" in r.json()["error"]["message"]
+    assert httpx.get(f"{client.base_url}no/such/path", timeout=30).status_code == 404  # other HTTP errors: FastAPI's
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_program(client, service):

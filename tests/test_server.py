@@ -206,6 +206,7 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
 
 @pytest.mark.parametrize("payload,status,message", [
     (b"not json", 422, "JSON"),
+    (b'{"question": "\xc9\xff"}', 422, "not JSON in UTF-8"),  # a body FastAPI cannot decode at all
     ({}, 422, "question"),
     ({"question": "x" * (1 << 20)}, 422, "question"),
     ({"question": 7}, 422, "question"),

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgate.entrypoints.http.common import OPENAI_PATHS, NotAnswered
 from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
@@ -132,4 +134,16 @@ class ErrorMap:
             message, param = validation_message(exc)
             if request.url.path in OPENAI_PATHS:
                 return self.openai(ApiError(400, message, param, "invalid_value"))
+            return self.native(ApiError(422, message))
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _unparsed(request: Request, exc: StarletteHTTPException):
+            # FastAPI answers a body it cannot decode at all (not UTF-8) with a bare 400 {"detail": ...}; such a body
+            # is invalid input like any other: the path's own error format and status. Other HTTP errors (404, 405)
+            # stay FastAPI's.
+            if exc.status_code != 400:
+                return await http_exception_handler(request, exc)
+            message = f"invalid request: the body is not JSON in UTF-8 ({exc.detail})"
+            if request.url.path in OPENAI_PATHS:
+                return self.openai(ApiError(400, message, None, "invalid_value"))
             return self.native(ApiError(422, message))
