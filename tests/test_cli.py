@@ -29,6 +29,8 @@ def run_main(capsys, *argv):
         (["ask", "Who?", "--method", "cbdr", "--param", "checkpoint=/no/such/dir"], "no checkpoint directory"),
         (["ask", "Who?", "--method", "seakr", "--param", "samples=1"], "samples must be >= 2"),
         (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle, sum or adaptive"),
+        (["ask", "Who?", "--method", "dtr", "--param", "tau=nan"], "parameter tau must be a number, got 'nan'"),
+        (["ask", "Who?", "--method", "never", "--device", "tpu"], "unknown device 'tpu'"),
     ],
 )
 def test_ask_bad_input(capsys, argv, message):
@@ -37,6 +39,12 @@ def test_ask_bad_input(capsys, argv, message):
     assert message in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("fastgate: error: ")
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_ask_on_cuda_without_it(capsys):
+    code, _, err = run_main(capsys, "ask", "Who?", "--method", "never", "--device", "cuda")
+    assert code == 2 and "CUDA is not available here" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -311,3 +311,12 @@ def test_calibrated_seakr_delta_follows_the_sample_count():
     assert calibrated_params("smollm2-135m", "seakr", {"samples": 3, "delta": 0.5})["delta"] == 0.5  # user wins
     assert table[3] != table[20]
     assert "delta" not in calibrated_params("other-model", "seakr", {"samples": 3})
+
+
+def test_a_nan_threshold_is_refused_and_infinite_ones_kept():
+    """NaN compares false with every score (a gate that silently never fires); +-inf are thresholds sweeps use."""
+    for value in (float("nan"), "nan", "NaN"):
+        with pytest.raises(InputError, match="parameter tau must be a number"):
+            make_config("dtr", {"tau": value})
+    assert make_config("dtr", {"tau": "inf"}).tau == float("inf")
+    assert make_config("flare", {"theta": 0.5}).theta == 0.5

@@ -44,7 +44,7 @@ from fastgate.assets.quant import (
     q4_k_codes,
     quantize_model,
 )
-from fastgate.errors import ModelError, UnknownNameError
+from fastgate.errors import InputError, ModelError, UnknownNameError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -274,8 +274,23 @@ class LoadedModel:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """``auto``: CUDA when available, else the CPU."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    """``auto``: CUDA when available, else the CPU.
+
+    Raises:
+        InputError: a name torch does not know, or a CUDA device this machine does not have."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}: use auto, cpu or cuda (cuda:N for the N-th GPU)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+            raise InputError(f"device {device!r}: CUDA is not available here ({why}); use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:

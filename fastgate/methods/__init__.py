@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from typing import Any
@@ -55,6 +56,16 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
                                                                     None)
     if kind is None:
         return value
+    if kind is float:  # NaN compares false with every threshold: a gate would silently never (or always) fire
+        number = _coerce_plain(name, value, float)
+        if math.isnan(number):
+            raise InputError(f"parameter {name} must be a number, got {value!r} (inf and -inf are allowed)")
+        return number
+    return _coerce_plain(name, value, kind)
+
+
+def _coerce_plain(name: str, value: Any, kind: type) -> Any:
+    """:func:`_coerce` for the field type ``kind``."""
     if not isinstance(value, str):
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
