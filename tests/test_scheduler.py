@@ -580,3 +580,24 @@ def test_a_paused_pass_is_not_charged_the_time_of_its_pauses(world, monkeypatch)
     sched.run([long])
     assert long.error is None
     assert 0.0 < long.trace.timings["generation_s"] < 100.0  # without the pause's time taken out: >= 100
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_cancelled_generation_frees_its_cache_without_another_step(world, layout):
+    """A generation cancelled mid-decode (its request timed out, its client went away) ends at the next tick, and
+    the loop's cache goes with it then: a server left with no live program takes no further step, and an idle loop
+    holds no cache."""
+    engine = world[0]
+    sched = Scheduler(engine, layout=layout)
+    task = sched.submit(None, "", program=_gen_program(f"Q: {QUESTIONS[1]}\nA:", 40))
+    for _ in range(3):
+        sched.step()
+    assert not task.done and sched.admission.kv_bytes > 0
+    sched.cancel(task)
+    sched.step()
+    assert isinstance(task.error, CancelledError) and sched.idle
+    assert sched.admission.kv_bytes == 0 and not sched.admission.busy
+    again = sched.submit(None, "", program=_gen_program(f"Q: {QUESTIONS[1]}\nA:", 3))  # the loop still serves
+    sched.run([again])
+    assert again.result == engine.generate([f"Q: {QUESTIONS[1]}\nA:"], GenerationConfig(
+        max_new_tokens=3, stop_at_eos=False)).sequences[0].token_ids

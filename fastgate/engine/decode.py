@@ -456,6 +456,21 @@ class DecodeLoop:
         for row in ticket.rows:
             row.state, row.final = RowState.DONE, True
 
+    def drop_ended(self) -> None:
+        """Free now what the loop holds for cancelled generations when nothing else runs in it: cancelled rows and
+        prefills otherwise leave at the next step, and a scheduler with no live program takes none (a server whose
+        last requests timed out kept their cache while idle). An idle loop holds no cache."""
+        self._drop_cancelled_prefills()
+        if not self.busy:
+            self._clear_rows()
+
+    def _drop_cancelled_prefills(self) -> None:
+        self.prefilling = [job for job in self.prefilling if not all(t.cancelled for t in job.tickets)]
+
+    def _clear_rows(self) -> None:
+        """Every row leaves (all have ended)."""
+        self._select([])
+
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
     def step(self, prefill_budget: int | None = None) -> list[Ticket]:

@@ -542,6 +542,16 @@ class PackedLoop(DecodeLoop):
             self._compact([])
         return done
 
+    def _drop_cancelled_prefills(self) -> None:
+        self.prefilling = [job for job in self.prefilling if not job.ticket.cancelled]
+
+    def _clear_rows(self) -> None:
+        """Every row leaves (all have ended); with no prompt queued the store goes too."""
+        if self.rows:
+            self._compact([])
+        elif not self.prefilling and self.store.rows_cap:
+            self.store = self._new_store()
+
     def _compact(self, keep: list[int]) -> list[int]:
         """Keep rows ``keep``: each row that leaves takes the last kept row into its place (one row's copy of
         the store). Returns the old index of each row now in the loop, in its new order."""

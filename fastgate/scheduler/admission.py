@@ -356,8 +356,14 @@ class Admission:
 
     def drop_orphans(self) -> None:
         """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
+        stopped = False
         for key, (loop, ticket) in list(self._inflight.items()):
             if ticket.owner[0].done:
                 loop.cancel(ticket)
                 del self._inflight[key]
+                stopped = True
+        if stopped:  # a loop left with cancelled rows only frees their cache now: no step may come (an idle server)
+            for loop in [*self.loops.values(), self.lane]:
+                if loop is not None:
+                    loop.drop_ended()
 
