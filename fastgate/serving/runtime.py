@@ -148,6 +148,10 @@ class Runtime:
             model = remote.model
         self.model = model
         self.device = device
+        if remote is None and engine is None:
+            from fastgate.assets.models import resolve_device
+
+            resolve_device(device)  # an unknown device, or CUDA where there is none, fails now, before a download
         self.dtype = canonical_dtype(dtype)  # an unknown name fails now, before anything loads
         self.step = StepConfig(mode=step).mode  # and so does an unknown step
         self.weights = canonical_weights(weights)  # and an unknown weight format
