@@ -447,3 +447,26 @@ def test_a_request_given_up_during_a_paused_pass_is_cancelled_at_that_pause(tiny
 
 def service_answer(svc: AnswerService, question: str) -> str:
     return svc._method(svc._request(None, None)).answer_batch([question])[0].answer
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads():
+    """A port another server holds is one clear error, found before the service starts (a model load takes seconds;
+    uvicorn's own bind failure came after it, in its own words)."""
+    import socket
+
+    from fastgate.entrypoints.http.app import serve
+
+    class Service:  # never started: the port is checked first
+        started = False
+
+        def start(self):
+            self.started = True
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        service = Service()
+        with pytest.raises(InputError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve(service, host="127.0.0.1", port=port)
+        assert not service.started

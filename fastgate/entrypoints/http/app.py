@@ -69,9 +69,30 @@ def serve(service: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_
     require_serving()
     import uvicorn
 
+    _check_port(host, port)  # before the model loads: a busy port is known in a millisecond
     app = create_app(service)
     service.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         service.stop()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raise :class:`~fastgate.errors.InputError` when ``host:port`` cannot be listened on (as uvicorn binds it)."""
+    import socket
+
+    from fastgate.errors import InputError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a socket in TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise InputError(f"cannot listen on {host}:{port}: {exc.strerror} (another server on that port? pass "
+                             "--port)") from None
