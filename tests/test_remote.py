@@ -312,3 +312,17 @@ def test_the_remote_flags_are_generated_from_the_remote_config():
     assert config == RemoteConfig("http://h:1/v1", "m/x", max_retries=5)
     assert (args.api_timeout_s, args.api_concurrency) == (RemoteConfig.timeout_s, RemoteConfig.concurrency)
     assert user_calibration_file("m/x").name == "m--x.json"
+
+
+def test_an_html_error_page_becomes_one_line_of_its_text():
+    """A server that is not an OpenAI one (an HTML error page) is reported in one line, tags dropped."""
+    import httpx
+
+    from fastgate.engine.remote import _message
+
+    page = ("<!DOCTYPE HTML>\n<html lang=\"en\">\n  <head><title>Error response</title></head>\n  <body>\n"
+            "    <h1>Error response</h1>\n    <p>Error code: 501</p>\n  </body>\n</html>\n")
+    message = _message(httpx.Response(501, text=page))
+    assert message == "Error response Error response Error code: 501"
+    assert _message(httpx.Response(502, text="")) == "(an empty body)"
+    assert _message(httpx.Response(400, json={"error": {"message": "bad model"}})) == "bad model"

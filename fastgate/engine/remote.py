@@ -37,6 +37,7 @@ differently from the local engine's, so only greedy generations are expected to 
 from __future__ import annotations
 
 import email.utils
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -423,8 +424,9 @@ def _message(resp) -> str:
     """The error message of an OpenAI-style error body, else the start of the body."""
     try:
         body = resp.json()
-    except ValueError:
-        return resp.text[:200]
+    except ValueError:  # an HTML or text error page: its text on one line (an error is one line), tags dropped
+        text = " ".join(re.sub(r"<[^>]*>", " ", resp.text).split())
+        return text[:200] or "(an empty body)"
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and err.get("message"):
         return str(err["message"])[:300]
