@@ -319,4 +319,6 @@ def test_a_nan_threshold_is_refused_and_infinite_ones_kept():
         with pytest.raises(InputError, match="parameter tau must be a number"):
             make_config("dtr", {"tau": value})
     assert make_config("dtr", {"tau": "inf"}).tau == float("inf")
+    with pytest.raises(InputError, match="out of range for a float"):
+        make_config("dtr", {"tau": 10 ** 400})
     assert make_config("flare", {"theta": 0.5}).theta == 0.5

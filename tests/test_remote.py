@@ -236,7 +236,8 @@ def test_eval_records_name_the_engine_and_refuse_a_resume_on_another(tiny_engine
     examples = [QAExample("q1", QUESTIONS[0], ("Paris",)), QAExample("q2", QUESTIONS[1], ("Shakespeare",))]
     run = RunSpec("never", None)
     store = ResultsStore(tmp_path / "results.jsonl")
-    through = Runtime("tiny", index=str(small_index), engine=remote)
+    # a remote engine's records name no dtype: the local --device (here one this machine may lack) is not read
+    through = Runtime("tiny", index=str(small_index), engine=remote, device="cuda:7")
     local = Runtime("tiny", index=str(small_index), engine=tiny_engine)
     evaluate(through, [run], examples[:1], store, progress=False)
     rec = next(iter(store.records.values()))

@@ -470,3 +470,26 @@ def test_serve_on_a_busy_port_fails_before_the_model_loads():
         with pytest.raises(InputError, match=f"cannot listen on 127.0.0.1:{port}"):
             serve(service, host="127.0.0.1", port=port)
         assert not service.started
+
+
+def test_a_port_check_binds_as_the_server_would():
+    """The port check tries every address the host names as asyncio binds them: IPv6 sockets IPv6 only (``::`` is
+    free while only IPv4's wildcard is taken), ``""`` every interface; a port out of range is refused, not wrapped."""
+    import socket
+
+    from fastgate.entrypoints.http.app import _check_port
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for host in ("0.0.0.0", ""):
+            with pytest.raises(InputError, match="Address already in use"):
+                _check_port(host, port)
+        if socket.has_ipv6:
+            try:
+                _check_port("::", port)
+            except InputError as exc:  # a machine without IPv6 configured: nothing to show
+                assert "in use" not in str(exc)
+    with pytest.raises(InputError, match="between 0 and 65535"):
+        _check_port("127.0.0.1", 70000)

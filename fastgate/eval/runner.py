@@ -421,7 +421,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
     # every record names the weights' dtype, and a resume under another is refused. Records from before they named it
     # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
     dtype = runtime.dtype_name  # None on a remote engine: the server's weights are not known here
-    legacy = "bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32"
+    # (read only where the dtype is known: a remote engine's device flag names no device here)
+    legacy = None if dtype is None else ("bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32")
     weights = getattr(runtime, "weights_name", None)  # float, int8, int4... (None on a remote engine), beside the dtype
     engine = getattr(runtime, "engine_name", "local")  # records name the engine; a resume on another is refused
     summaries = []

@@ -68,7 +68,10 @@ def _coerce_plain(name: str, value: Any, kind: type) -> Any:
     """:func:`_coerce` for the field type ``kind``."""
     if not isinstance(value, str):
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float (a JSON request can send one)
+                raise InputError(f"parameter {name} is out of range for a float, got {value!r}") from None
         if kind is str and isinstance(value, os.PathLike):
             return os.fspath(value)
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):

@@ -79,20 +79,27 @@ def serve(service: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_
 
 
 def _check_port(host: str, port: int) -> None:
-    """Raise :class:`~fastgate.errors.InputError` when ``host:port`` cannot be listened on (as uvicorn binds it)."""
+    """Raise :class:`~fastgate.errors.InputError` when ``host:port`` cannot be listened on: every address the host
+    resolves to is bound as asyncio's server binds it (``SO_REUSEADDR``; IPv6 sockets IPv6 only; ``""``: every
+    interface)."""
+    import errno
     import socket
 
     from fastgate.errors import InputError
 
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap it
+        raise InputError(f"port must be between 0 and 65535, got {port}")
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a socket in TIME_WAIT is no conflict
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            raise InputError(f"cannot listen on {host}:{port}: {exc.strerror} (another server on that port? pass "
-                             "--port)") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a socket in TIME_WAIT is no conflict
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                hint = " (another server on that port? pass --port)" if exc.errno == errno.EADDRINUSE else ""
+                raise InputError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None

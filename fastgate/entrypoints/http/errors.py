@@ -138,10 +138,10 @@ class ErrorMap:
 
         @app.exception_handler(StarletteHTTPException)
         async def _unparsed(request: Request, exc: StarletteHTTPException):
-            # FastAPI answers a body it cannot decode at all (not UTF-8) with a bare 400 {"detail": ...}; such a body
-            # is invalid input like any other: the path's own error format and status. Other HTTP errors (404, 405)
-            # stay FastAPI's.
-            if exc.status_code != 400:
+            # FastAPI answers a body it cannot decode at all (not UTF-8) with a bare 400 {"detail": ...}, raised from
+            # the UnicodeDecodeError; such a body is invalid input like any other: the path's own error format and
+            # status. Every other HTTP error (404, 405, another 400) stays FastAPI's.
+            if exc.status_code != 400 or not isinstance(exc.__cause__, UnicodeDecodeError):
                 return await http_exception_handler(request, exc)
             message = f"invalid request: the body is not JSON in UTF-8 ({exc.detail})"
             if request.url.path in OPENAI_PATHS:
