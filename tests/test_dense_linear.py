@@ -164,3 +164,108 @@ def test_fused_pass_through_the_reordered_weights_is_bitwise_the_reference(weigh
     for (ids_a, lp_a, sum_a), (ids_b, lp_b, sum_b) in zip(reordered, plain):
         assert ids_a == ids_b and lp_a == lp_b
         assert torch.equal(sum_a, sum_b)
+
+
+def _hf_logits(lm) -> torch.Tensor:
+    ids = lm.tokenizer(["Who wrote Hamlet? " * 7, "The river rises " * 11], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        return lm.model(**ids).logits  # [2, T, V]: HF's modules, q/k/v and gate/up one after the other
+
+
+@needs_onednn
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_adopted_copies_are_held_once_with_the_same_bits(attention_bias):
+    """The registry's op takes over int4-dense's kept copies at the fused pass's first bind (OnednnDense.adopt): no
+    layer keeps a plain copy afterwards (the joins' parts neither), and the fused pass, HF's own forward (its parts
+    take their columns of the join's product) and a prompt's states give the bits they gave with the plain copies."""
+    lm = tiny_model(dtype=torch.bfloat16, attention_bias=attention_bias)
+    quantize_model(lm.model, "int4-dense")
+    runner = ModelRunner(lm, prefix_cache=0, step="eager")
+    assert isinstance(runner.ops.dense_linear, dense.OnednnDense)
+    plain_logits = _hf_logits(lm)  # before any bind: the parts' own plain copies
+    plain_states = runner.prompt_states(["Who wrote Hamlet? " * 5, "a", "The river rises " * 9], layer=2)
+    fused = runner.fused
+    quantized = [m for layer in fused.layers for m in layer.linears if hasattr(m, "has_kept")]
+    parts = [p for m in quantized for p, _, _ in getattr(m, "kept_parts", ())]
+    assert parts and all(m.dense is not None for m in quantized + parts)
+    plain = _generate(lm, torch_dense_linear, 45)  # the reference op adopts nothing
+    assert all(m.dense is not None for m in quantized + parts)
+    adopted = _generate(lm, runner.ops.dense_linear, 45)
+    assert all(m.dense is None and m.has_kept(torch.bfloat16) for m in quantized + parts)
+    assert all(isinstance(m._kept_product, ReorderedLinear) and m._kept_product.weight is None for m in quantized)
+    for (ids_a, lp_a, sum_a), (ids_b, lp_b, sum_b) in zip(adopted, plain):
+        assert ids_a == ids_b and lp_a == lp_b
+        assert torch.equal(sum_a, sum_b)
+    assert torch.equal(_hf_logits(lm), plain_logits)
+    states = runner.prompt_states(["Who wrote Hamlet? " * 5, "a", "The river rises " * 9], layer=2)
+    assert torch.equal(states, plain_states)
+    part = parts[0]
+    part.refresh()  # new codes: a plain copy made again from them
+    assert part.dense is not None and part._kept_product is None
+
+
+@needs_onednn
+def test_a_join_whose_columns_differ_keeps_its_plain_copies(monkeypatch):
+    lm = tiny_model(dtype=torch.bfloat16)
+    quantize_model(lm.model, "int4-dense")
+    runner = ModelRunner(lm, prefix_cache=0, step="eager")
+    monkeypatch.setattr(dense, "columns_agree", lambda weight, edges: False)
+    _generate(lm, runner.ops.dense_linear, 45)
+    for layer in runner.fused.layers:
+        joins = [m for m in layer.linears if getattr(m, "kept_parts", None)]
+        singles = [m for m in layer.linears if hasattr(m, "has_kept") and not getattr(m, "kept_parts", None)]
+        assert joins and all(m.dense is not None for m in joins)
+        assert all(p.dense is not None for m in joins for p, _, _ in m.kept_parts)
+        assert all(m.dense is None for m in singles)  # a layer of its own is adopted all the same
+
+
+@needs_onednn
+@pytest.mark.parametrize("edges", [[(0, 64), (64, 80), (80, 96)], [(0, 1), (1, 97)], [(0, 769)]])
+def test_shared_columns_compute_once_a_rows_and_drop_the_product(edges):
+    n = edges[-1][1]
+    weight = _weight(n, 64)
+    calls = []
+
+    def product(x):
+        calls.append(x.shape[0])
+        return F.linear(x, weight)  # [M, N]
+
+    shared = dense.SharedColumns(product, edges)
+    parts = [shared.part(i) for i in range(len(edges))]
+    assert dense.columns_agree(weight, edges)
+    for m in (1, 7, 97):
+        x = torch.randn((m, 64 + 3)).to(torch.bfloat16)[:, 3:]  # rows with a stride, as HF's reshape can give
+        got = [p(x) for p in parts]
+        assert calls == [m]  # once for every part
+        assert shared._y is None and shared._rows is None  # every part took its columns: nothing kept
+        for (s, e), y in zip(edges, got):
+            assert y.is_contiguous() and torch.equal(y, F.linear(x, weight[s:e]))
+        calls.clear()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    parts[0](x)
+    x.mul_(2)  # the rows changed in place between two parts' calls: computed again
+    assert torch.equal(parts[-1](x), F.linear(x, weight[edges[-1][0]:edges[-1][1]]))
+    assert calls == [5, 5]
+    calls.clear()
+    parts[0](x)  # the rows the last part took: the kept product
+    assert calls == ([] if len(parts) > 1 else [5])
+    parts[0](x)  # the same part again on the same rows (a new forward): computed again
+    assert calls == ([5] if len(parts) > 1 else [5, 5])
+    with torch.inference_mode():  # no version counter there: the rows' storage and shape
+        y = torch.randn(3, 64).to(torch.bfloat16)
+        assert all(torch.equal(p(y), F.linear(y, weight[s:e])) for p, (s, e) in zip(parts, edges))
+
+
+@needs_onednn
+def test_a_released_weight_is_made_again_for_other_inputs():
+    weight = _weight(24, 64)
+    product = ReorderedLinear(weight)
+    made = []
+    product.release(lambda: made.append(1) or weight.clone())
+    assert product.weight is None and product.reordered is not None
+    x = torch.randn(3, 2, 64).to(torch.bfloat16)  # [3, 2, K]: not 2-D, the plain weight made again
+    assert torch.equal(product(x), F.linear(x, weight)) and made == [1]
+    rows = torch.randn(9, 64).to(torch.bfloat16)
+    assert torch.equal(product(rows), F.linear(rows, weight)) and made == [1]
+    with pytest.raises(ValueError, match="no reordered weight"):
+        ReorderedLinear(weight.float()).release(lambda: weight)

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -229,7 +230,14 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 class _KeptCopy(nn.Module):
     """What :class:`Int8Linear` and :class:`Int4Linear` share for ``int4-dense``: their weight kept in a float dtype
     beside the codes (``dense``, a buffer that moves with the module and stays out of the state dict; None unless
-    the format asks), so products beyond the kernels' rows skip de-quantizing every call, with the same results."""
+    the format asks), so products beyond the kernels' rows skip de-quantizing every call, with the same results.
+
+    The copy may instead be held by a product that gives its ``F.linear`` bits (:meth:`release_dense`: oneDNN's
+    reordered layout of it, :mod:`fastgate.ops.dense`, or a joined layer's product of which this layer takes its
+    columns): the plain copy is then dropped, so the weight is held once beside the codes, not twice."""
+
+    _kept_product: Callable[[torch.Tensor], torch.Tensor] | None = None  # holds the copy instead (release_dense)
+    _kept_dtype: torch.dtype | None = None  # the released copy's dtype
 
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``[N, K]`` in ``dtype`` as the layer's dense product computes it."""
@@ -240,15 +248,40 @@ class _KeptCopy(nn.Module):
         if "dense" not in self._buffers:
             self.register_buffer("dense", None, persistent=False)
         self._buffers["dense"] = None if dtype is None else (self._weight_in(dtype) if dense is None else dense)
+        self._kept_product = self._kept_dtype = None  # a plain copy (or none) again
+
+    def release_dense(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Drop the plain kept copy: from now on ``product`` (``x [M, K] -> [M, N]``, ``F.linear(x, copy)``'s bits
+        for CPU rows of the copy's dtype) computes every product the copy computed."""
+        dense = self._buffers.get("dense")
+        if dense is None:
+            raise ValueError("release_dense: the layer keeps no plain copy")
+        self._buffers["dense"] = None
+        self._kept_product, self._kept_dtype = product, dense.dtype
 
     def _follow_codes(self) -> None:
-        """After new codes (``refresh``): a kept copy is made again from them."""
-        if self.dense is not None:
-            self.keep_dense(self.dense.dtype)
+        """After new codes (``refresh``): a kept copy is made again from them (a plain one)."""
+        dtype = self.dense.dtype if self.dense is not None else self._kept_dtype
+        if dtype is not None:
+            self.keep_dense(dtype)
 
     def _kept(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The kept copy where it is in ``dtype``, else None."""
+        """The plain kept copy where it is in ``dtype``, else None."""
         return self.dense if self.dense is not None and self.dense.dtype == dtype else None
+
+    def has_kept(self, dtype: torch.dtype) -> bool:
+        """Whether the layer keeps its weight in ``dtype``: a plain copy, or a product holding it."""
+        return self._kept(dtype) is not None or (self._kept_product is not None and self._kept_dtype == dtype)
+
+    def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, the weight in x's dtype)`` without scales or bias, ``x [M, K] -> [M, N]``: by the kept copy
+        (plain, or the product holding it) where there is one in that dtype, else of the weight de-quantized now."""
+        dense = self._kept(x.dtype)
+        if dense is not None:
+            return F.linear(x, dense)  # [M, N]
+        if self._kept_product is not None and x.dtype == self._kept_dtype and x.device.type == "cpu":
+            return self._kept_product(x)  # [M, N]
+        return F.linear(x, self._weight_in(x.dtype))  # [M, N]
 
 
 class Int8Linear(_KeptCopy):
@@ -314,8 +347,7 @@ class Int8Linear(_KeptCopy):
             xb = x2.to(torch.bfloat16)  # a no-op for bf16 rows
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale_bf16).to(x2.dtype)  # [M, N]
         else:
-            dense = self._kept(x2.dtype)
-            y = F.linear(x2, self._weight_in(x2.dtype) if dense is None else dense) * self.scale.to(x2.dtype)  # [M, N]
+            y = self._dense_linear(x2) * self.scale.to(x2.dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -515,8 +547,7 @@ class Int4Linear(_KeptCopy):
                 y = y[:, :self.out_features]
             y = y.to(x2.dtype)
         else:
-            dense = self._kept(x2.dtype)
-            y = F.linear(x2, self._weight_in(x2.dtype) if dense is None else dense)  # [M, N]
+            y = self._dense_linear(x2)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgate.assets.models import return_freed_memory
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
 from fastgate.ops import reference
 from fastgate.ops.decoder import DecoderLayerWeights, is_silu
@@ -106,10 +107,12 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
         fused = _join_int4(parts) if type(parts[0]) is Int4Linear else _join_int8(parts)
         if dense is not None:
             fused.keep_dense(dense.dtype)
-            start = 0
+            start, kept_parts = 0, []
             for p in parts:
                 p.keep_dense(dense.dtype, fused.dense[start:start + p.out_features])
+                kept_parts.append((p, start, start + p.out_features))
                 start += p.out_features
+            fused.kept_parts = kept_parts  # the op dense_linear may hold the join's copy for them too (adopt)
         return fused
     weight = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
@@ -223,11 +226,28 @@ def _op_rows(layer: Int4Linear | Int8Linear, op, dtype: torch.dtype) -> int:
     where it keeps a copy in the rows' dtype (int4-dense) up to the op's own ``float32_rows`` / ``bf16_rows`` (the C++
     kernels beat streaming the copy further: fastgate.ops.quant.F32_KERNEL_ROWS, F32_INT8_ROWS, BF16_KERNEL_ROWS)."""
     rows = layer.kernel_rows
-    if dtype is torch.float32 and layer._kept(torch.float32) is not None:
+    if dtype is torch.float32 and layer.has_kept(torch.float32):
         rows = max(rows, getattr(op, "float32_rows", 0))
-    elif dtype is torch.bfloat16 and layer._kept(torch.bfloat16) is not None:
+    elif dtype is torch.bfloat16 and layer.has_kept(torch.bfloat16):
         rows = max(rows, getattr(op, "bf16_rows", 0))
     return rows
+
+
+_QUANT = (Int4Linear, Int8Linear)
+
+
+def _kept_product(layer: Int4Linear | Int8Linear, dtype: torch.dtype, dense_linear):
+    """The product of ``layer``'s kept copy in ``dtype`` (None: it keeps none) by the op ``dense_linear``: the product
+    already holding the copy (the op adopted it before), else the op's adoption of it where the op adopts (the
+    plain copy then dropped: :meth:`fastgate.ops.dense.OnednnDense.adopt`), else the op's product of the plain copy."""
+    if not layer.has_kept(dtype):
+        return None
+    dense = layer._kept(dtype)
+    if dense is None:
+        return layer._kept_product
+    adopt = getattr(dense_linear, "adopt", None)
+    adopted = adopt(layer) if adopt is not None else None
+    return adopted if adopted is not None else dense_linear(dense)
 
 
 def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=torch_int8_matmul,
@@ -248,7 +268,6 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
         bias = bias.to(dtype)  # the layers add bias.to(y.dtype), y in the rows' dtype
     if (type(linear) is Int4Linear and linear.scale_zeros.shape[1] == linear.out_features
             and _op_takes(int4_matmul, dtype)):
-        dense = linear._kept(dtype)
         if linear.packed.device.type != "cpu":
             return None, 0, None
         bind = getattr(int4_matmul, "bind", None)  # the op for this one layer, its checks made once
@@ -258,18 +277,18 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
             small = product  # [M, N]
         else:
             small = lambda x: product(x) + bias  # noqa: E731
-        if dense is None:
+        dense_product = _kept_product(linear, dtype, dense_linear)
+        if dense_product is None:
             large = None
         elif bias is None:
-            large = dense_linear(dense)  # [M, N]
+            large = dense_product  # [M, N]
         else:
-            dense_product = dense_linear(dense)
             # the layer adds it after (its roundings); in place: a new [M, N] tensor a call cost page faults
             large = lambda x: dense_product(x).add_(bias)  # noqa: E731
         return small, rows, large
     if type(linear) is Int8Linear and linear._k_ok and linear.q.device.type == "cpu" and _op_takes(int8_matmul, dtype):
-        scale, dense = (linear.scale if dtype is torch.float32 else linear.scale_bf16), linear._kept(dtype)
-        dense_product = None if dense is None else dense_linear(dense)
+        scale = linear.scale if dtype is torch.float32 else linear.scale_bf16
+        dense_product = _kept_product(linear, dtype, dense_linear)
         # the scale and bias in place, the bits of ``y * scale + bias``: the products' outputs are fresh tensors, and a
         # new [M, N] one per operation cost a 440-token chunk of qwen2.5-0.5b ~1 ms a layer in page faults
         if bias is None:
@@ -278,7 +297,7 @@ def _row_products(linear: nn.Module, int4_matmul=torch_int4_matmul, int8_matmul=
         else:
             small = lambda x: int8_matmul(x, linear).add_(bias)  # noqa: E731
             large = lambda x: dense_product(x).mul_(scale).add_(bias)  # noqa: E731
-        return small, linear.kernel_rows, None if dense is None else large
+        return small, linear.kernel_rows, None if dense_product is None else large
     if type(linear) is nn.Linear and linear.weight.dtype is dtype:
         product = dense_linear(linear.weight.detach(), bias)  # [M, N]
         return product, 1 << 30, product
@@ -458,14 +477,23 @@ class FusedForward:
             self._selections[key] = selected
         return selected
 
+    def _plain_copies(self) -> int:
+        """How many of the layers' products keep a plain de-quantized copy (int4-dense)."""
+        return sum(m.dense is not None for layer in self.layers for m in layer.linears if isinstance(m, _QUANT))
+
     def _products(self, matmuls: tuple, dtype: torch.dtype = torch.bfloat16) -> list[list[tuple]]:
         """Every layer's four products (:func:`_row_products`) of ``dtype`` rows with the quantized ones through
         ``matmuls``."""
         key = (matmuls, dtype)
         bound = self._bound.get(key)
         if bound is None:
+            plain = self._plain_copies()
             bound = self._bound[key] = [[_row_products(m, *matmuls, dtype=dtype) for m in layer.linears]
                                         for layer in self.layers]
+            if self._plain_copies() < plain:
+                # kept copies handed to reordered weights (fastgate.ops.dense.OnednnDense.adopt): their plain copies'
+                # pages go back to the OS now (glibc keeps them otherwise: qwen2.5-0.5b 3.43 -> 2.86 GB resident)
+                return_freed_memory()
         return bound
 
     def _stack(self, decode_layers):

@@ -16,24 +16,30 @@ the core a product's second thread needs. Where the extension is built the regis
 (``rest``), called before each product to send those workers to sleep at once. A 497-row norm then a 576 -> 3,072
 product: 4,625 -> 4,477 us; a norm then torch's SwiGLU of [497, 1,536]: 763 -> 517 us (2-core Zen 4 EPYC).
 
-The reordered weight is made at a bound product's first call (a process that only decodes never makes it) and kept
-beside the plain one: the plain copy stays the layer's (its own ``forward``, the HF module path). Where the CPU has
-no bf16 oneDNN product, under the ``torch`` backend, for float32 rows and for any input the reordered weight does not
-take (another dtype or device, not 2-D), the product is ``F.linear`` of the plain weight. The registry binds the
-reordered product only where a probe finds it ``F.linear``'s bits (:func:`onednn_agrees`), and each weight shape is
-probed again at its first product (:class:`ReorderedLinear`).
+The reordered weight is made at a bound product's first call (a process that only decodes never makes it). A bf16
+model's own weight stays beside it (the model's parameter, its modules' path). A quantized layer's kept copy
+(int4-dense) is handed to it instead (:meth:`OnednnDense.adopt`, when a fused pass binds the layer): the plain copy is
+dropped and the layer's own ``forward`` (HF's module path) multiplies the reordered weight; a join's parts (q/k/v,
+gate/up) take their columns of the join's product (:class:`SharedColumns`), so each weight is held once. Where the
+CPU has no bf16 oneDNN product, under the ``torch`` backend, for float32 rows and for any input the reordered weight
+does not take (another dtype or device, not 2-D), the product is ``F.linear`` of the plain weight (made again from
+the codes where it was handed over). The registry binds the reordered product only where a probe finds it
+``F.linear``'s bits (:func:`onednn_agrees`), and each weight shape is probed again at its first product
+(:class:`ReorderedLinear`).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ReorderedLinear", "onednn_agrees", "onednn_dense_linear", "resting_dense_linear", "torch_dense_linear"]
+__all__ = ["OnednnDense", "ReorderedLinear", "SharedColumns", "columns_agree", "onednn_agrees", "onednn_dense_linear",
+           "resting_dense_linear", "torch_dense_linear"]
 
 # rows a probe multiplies: one, a few, past a 32-row block, a prime, a prompt chunk's
 _PROBE_ROWS = (1, 3, 33, 97, 515)
@@ -41,6 +47,7 @@ _PROBE_ROWS = (1, 3, 33, 97, 515)
 Product: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N]
 
 _shape_agrees: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias) -> the reordered product gave F.linear's bits
+_columns_agree: dict[tuple, bool] = {}  # (N, K, dtype, edges) -> row blocks' products are the whole one's columns
 
 
 def torch_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
@@ -85,6 +92,8 @@ class ReorderedLinear:
             raise ValueError(f"dense_linear needs a weight [N, K] and a bias [N], got {tuple(weight.shape)} and "
                              f"{None if bias is None else tuple(bias.shape)}")
         self.weight, self.bias = weight, bias
+        self.in_features = weight.shape[1]
+        self._plain: Callable[[], torch.Tensor] | None = None  # makes the plain weight again once it is released
         self.rest = rest  # called before each product: the extension's spinning workers sleep (module docstring)
         self.reordered: torch.Tensor | None = None  # made at the first bf16 product
         self._ok = (weight.dtype is torch.bfloat16 and weight.device.type == "cpu"
@@ -103,14 +112,22 @@ class ReorderedLinear:
         self.reordered = reordered
         return True
 
+    def release(self, plain: Callable[[], torch.Tensor]) -> None:
+        """Drop the plain weight (its owner drops its own reference: the weight is then held once, reordered);
+        ``plain()`` makes it again, equal, for an input the reordered product does not take. Made first if not yet;
+        raises where this shape's reordered product does not agree (the plain weight is then the only one)."""
+        if self.reordered is None and not (self._ok and self._make()):
+            raise ValueError("release: no reordered weight agrees for this shape")
+        self.weight, self._plain = None, plain
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rest is not None:
             self.rest()
         if (self._ok and x.dtype is torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-                and x.shape[1] == self.weight.shape[1] and x.shape[0] > 0
+                and x.shape[1] == self.in_features and x.shape[0] > 0
                 and (self.reordered is not None or self._make())):
             return _product(x, self.reordered, self.bias)  # [M, N]
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight if self.weight is not None else self._plain(), self.bias)
 
 
 def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -121,6 +138,101 @@ def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     if weight.dtype is torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
         return ReorderedLinear(weight, bias, rest)
     return resting_dense_linear(weight, bias, rest)
+
+
+class SharedColumns:
+    """The product of a joined weight (q, k and v side by side; gate and up) whose parts' layers each take their
+    columns, ``x [M, K] -> [M, N_i]``, computed once for the parts called on the same rows.
+
+    Why: a fused pass multiplies the joined weight, HF's modules (a prompt's states, a shared prefix) the parts, one
+    after the other on the same rows. Where the joined weight is kept once, reordered, the parts have no weight of
+    their own; computing the joined product for each part would triple q/k/v's work. The product is kept until every
+    part took its columns (then dropped), or until other rows come: the rows are recognized by their storage, shape,
+    strides and version counter (they are held meanwhile, so their storage cannot be reused; an inference-mode tensor
+    has no version counter, and HF's modules change no rows between the parts' calls). Each part's columns are
+    ``F.linear`` of its own rows of the weight bit for bit where :func:`columns_agree` says so (the caller checks)."""
+
+    def __init__(self, product: Product, edges: list[tuple[int, int]]) -> None:
+        self.product, self.edges = product, edges
+        self._lock = threading.Lock()  # two threads' HF forwards on one model: neither takes the other's product
+        self._rows: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._y: torch.Tensor | None = None
+        self._taken: set[int] = set()
+
+    def part(self, i: int) -> Product:
+        """The product of part ``i`` (``edges[i]`` of the joined columns)."""
+        return functools.partial(self._columns, i)
+
+    def _columns(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        key = (x.data_ptr(), x.dtype, x.device, tuple(x.shape), x.stride(), None if x.is_inference() else x._version)
+        with self._lock:
+            if self._rows is None or key != self._key or i in self._taken:
+                self._rows, self._key, self._y, self._taken = x, key, self.product(x), set()  # [M, N]
+            y = self._y
+            self._taken.add(i)
+            if len(self._taken) == len(self.edges):  # every part has its columns: nothing kept between passes
+                self._rows = self._key = self._y = None
+        start, end = self.edges[i]
+        return y[:, start:end].contiguous()  # [M, N_i]
+
+
+def columns_agree(weight: torch.Tensor, edges: list[tuple[int, int]]) -> bool:
+    """Whether ``F.linear`` of each row block ``weight[start:end]`` gives the columns ``start:end`` of
+    ``F.linear(x, weight)`` bit for bit, on random rows of :data:`_PROBE_ROWS` (probed once a shape and process)."""
+    key = (*weight.shape, weight.dtype, tuple(edges))
+    if key not in _columns_agree:
+        gen = torch.Generator().manual_seed(1)
+        ok = True
+        for m in _PROBE_ROWS:
+            x = torch.randn((m, weight.shape[1]), generator=gen).to(weight.dtype)  # [M, K]
+            y = F.linear(x, weight)  # [M, N]
+            ok = ok and all(torch.equal(F.linear(x, weight[s:e]), y[:, s:e]) for s, e in edges)
+        _columns_agree[key] = ok
+    return _columns_agree[key]
+
+
+class OnednnDense:
+    """The op ``dense_linear`` where oneDNN multiplies bf16 here (the registry asks :func:`onednn_agrees`):
+    ``op(weight, bias)`` is :func:`onednn_dense_linear`'s product, ``rest`` called before each CPU product, and
+    :meth:`adopt` hands a quantized layer's kept copy to the reordered weight so the layer holds it once."""
+
+    def __init__(self, rest: Callable[[], None] | None = None) -> None:
+        self.rest = rest
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
+        return onednn_dense_linear(weight, bias, self.rest)
+
+    def adopt(self, layer) -> Product | None:
+        """The product of ``layer``'s kept bf16 copy (``layer.dense [N, K]``, :class:`fastgate.assets.quant.Int8Linear`
+        or ``Int4Linear``) with the plain copy dropped: the layer, and the layers whose copies are row blocks of it
+        (``layer.kept_parts``: ``(part, start, end)``, a fused pass's join), compute with the reordered weight from
+        now on (:meth:`ReorderedLinear.release`, :class:`SharedColumns`), the same bits. None where the copy stays
+        plain (not a bf16 CPU copy, this shape's reordered product or its columns do not agree): bind the op itself.
+
+        Why: the plain copy stayed the layer's beside the reordered one, made at the first product of many rows:
+        qwen2.5-0.5b in ``auto`` held 942 MB of bf16 weights twice."""
+        dense = layer._kept(torch.bfloat16)
+        if dense is None or dense.device.type != "cpu" or dense.dim() != 2 or not dense.is_contiguous():
+            return None
+        parts = list(getattr(layer, "kept_parts", ()))
+        if parts:
+            edges = [(start, end) for _, start, end in parts]
+            views = [p._kept(torch.bfloat16) for p, _, _ in parts]
+            if (any(v is None or v.data_ptr() != dense[s:e].data_ptr() or v.shape != dense[s:e].shape
+                    for v, (s, e) in zip(views, edges)) or not columns_agree(dense, edges)):
+                return None
+        product = ReorderedLinear(dense, None, self.rest)
+        try:
+            product.release(functools.partial(layer._weight_in, torch.bfloat16))
+        except ValueError:
+            return None
+        if parts:
+            shared = SharedColumns(product, edges)
+            for i, (part, _, _) in enumerate(parts):
+                part.release_dense(shared.part(i))
+        layer.release_dense(product)
+        return product
 
 
 def resting_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,

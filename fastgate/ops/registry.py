@@ -353,14 +353,13 @@ def build_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
             if chosen["token_logprobs"] is not reference.token_logprobs:
                 names["token_logprobs"] = "ext"
     if backend != "torch" and device.type == "cpu":  # bf16 rows' dense products with the weight reordered once
-        from fastgate.ops.dense import onednn_agrees, onednn_dense_linear, resting_dense_linear
+        from fastgate.ops.dense import OnednnDense, onednn_agrees, resting_dense_linear
 
         # the extension's pooled calls (norm, rotary embedding, attention) alternate with these products in a chunk
         # pass: its spinning workers are sent to sleep before each (fastgate.ops.dense, rest), whichever product
         rest = getattr(ext, "pool_rest", None) if ext is not None else None
         if onednn_agrees():
-            chosen["dense_linear"] = (onednn_dense_linear if rest is None
-                                      else functools.partial(onednn_dense_linear, rest=rest))
+            chosen["dense_linear"] = OnednnDense(rest)  # may also hold a quantized layer's kept copy (adopt)
             names["dense_linear"] = "onednn"
         elif rest is not None:  # F.linear's bits: recorded as the reference ("torch")
             chosen["dense_linear"] = functools.partial(resting_dense_linear, rest=rest)
