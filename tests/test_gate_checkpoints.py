@@ -95,3 +95,26 @@ def test_shipped_checkpoints_load():
     assert ckpt.extra["n_rows"] > 1000 and 0.5 < ckpt.extra["val_accuracy"][str(ckpt.layers[0])] <= 1.0
     assert resolve_checkpoint("", "smollm2-135m", "confidence", "cbdr", "x") == path
     assert default_checkpoint("no-such-model", "confidence") is None
+
+
+def test_a_checkpoint_for_another_model_is_refused_without_a_calibration_warning(tmp_path, tiny_engine,
+                                                                                 small_index, caplog):
+    """The method is built before a missing calibration is reported: a checkpoint for another model gets its one
+    error, not a warning about its threshold first; a checkpoint of this model still gets the warning."""
+    import logging
+
+    from fastgate.serving.runtime import AnswerRequest, Runtime
+    from fastgate.testing import tiny_model
+
+    wider = tiny_model(hidden=32)
+    other = save_probe_checkpoint(tmp_path / "other", random_probe_params(2, wider.hidden_size, 8), kind="probing",
+                                  model=wider, layers=(2, 3))
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    caplog.set_level(logging.WARNING, logger="fastgate.calibration")
+    with pytest.raises(CheckpointError, match="hidden size"):
+        runtime.build(AnswerRequest("probing", "bm25", (("checkpoint", str(other)),)))
+    assert not [r for r in caplog.records if "no calibration" in r.getMessage()]
+    own = save_probe_checkpoint(tmp_path / "own", random_probe_params(2, tiny_engine.lm.hidden_size, 8),
+                                kind="probing", model=tiny_engine.lm, layers=(2, 3))
+    runtime.build(AnswerRequest("probing", "bm25", (("checkpoint", str(own)),)))
+    assert [r for r in caplog.records if "no calibration of probing" in r.getMessage()]

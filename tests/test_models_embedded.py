@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import fastgate.assets.models as fm
-from fastgate.errors import ModelError, UnknownNameError
+from fastgate.errors import InputError, ModelError, UnknownNameError
 
 PART_BYTES = [b"GGUF" + b"a" * 60, b"b" * 64, b"c" * 17]
 
@@ -256,3 +256,17 @@ def test_one_builder_admits_one_at_a_time_and_leaves_no_lock_file(tmp_path):
         t.join()
     assert len(entered) == 12 and not overlaps
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_or_absent_device_fails_before_the_model_is_prepared(monkeypatch):
+    """A first use of an embedded model converts its GGUF (~100 s): a device that cannot be used is said first."""
+    prepared = []
+    monkeypatch.setattr(fm, "prepare", lambda name: prepared.append(name) or (_ for _ in ()).throw(AssertionError))
+    with pytest.raises(InputError, match="unknown device 'tpu'"):
+        fm.load("smollm2-135m", device="tpu")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="CUDA is not available"):
+            fm.load("smollm2-135m", device="cuda")
+    assert prepared == []

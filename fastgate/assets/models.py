@@ -555,6 +555,7 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     weights = canonical_weights(weights)  # an unknown format fails before anything loads
+    dev = resolve_device(device)  # so does an unknown or absent device: before a first use converts the model (~100 s)
     local = Path(name_or_path).expanduser()
     if name_or_path in MODELS:
         path = prepare(name_or_path)
@@ -571,7 +572,6 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
             fingerprint = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else ""
     else:
         raise UnknownNameError("model", name_or_path, [*MODELS, "<local HF directory>"])
-    dev = resolve_device(device)
     shape = _linear_shape(Path(path))
     choice = choose_dtype(dtype, dev, probe=(lambda: probe_bf16(64, *shape)) if probe else None)
     try:

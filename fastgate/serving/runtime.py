@@ -251,25 +251,25 @@ class Runtime:
             self.setup_s += time.perf_counter() - t0
         return self._retrievers[kind]
 
-    def calibrated(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    def calibrated(self, method: str, params: dict[str, Any], warn: bool = True) -> dict[str, Any]:
         """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults``); loads
-        the model (its name picks the calibration)."""
+        the model (its name picks the calibration). ``warn``: say once when no calibration applies."""
         from fastgate.methods.calibration import calibrated_params
 
-        return params if self.paper_defaults else calibrated_params(self.lm.name, method, params)
+        return params if self.paper_defaults else calibrated_params(self.lm.name, method, params, warn=warn)
 
-    def effective_params(self, request: AnswerRequest) -> dict[str, Any]:
+    def effective_params(self, request: AnswerRequest, warn: bool = True) -> dict[str, Any]:
         """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""
-        return self.calibrated(request.method, request.param_dict)
+        return self.calibrated(request.method, request.param_dict, warn)
 
-    def method_config(self, request: AnswerRequest):
+    def method_config(self, request: AnswerRequest, warn: bool = True):
         """The typed config the method of ``request`` is built with: the one it carries, else built now from
         :meth:`effective_params`."""
         if request.config is not None:
             return request.config
         from fastgate.methods import make_config
 
-        return make_config(request.method, self.effective_params(request))
+        return make_config(request.method, self.effective_params(request, warn))
 
     def build(self, request: AnswerRequest):
         """Construct the method of ``request`` on this runtime's engine."""
@@ -277,8 +277,11 @@ class Runtime:
 
         retriever = self.retriever(request.retriever) if request.retriever is not None else None
         others = {kind: self.retriever(kind) for kind in METHODS[request.method].uses_retrievers}
-        return build_method(request.method, self.engine, retriever, retrievers=others or None,
-                            config=self.method_config(request))
+        method = build_method(request.method, self.engine, retriever, retrievers=others or None,
+                              config=self.method_config(request, warn=False))
+        if request.config is None:  # a missing calibration said once the method is built: a checkpoint for another
+            self.effective_params(request)  # model is refused by the build, without a warning about its calibration
+        return method
 
 
 def result_record(result, model: str, retriever: str | None, setup_s: float = 0.0,
