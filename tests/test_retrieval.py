@@ -33,6 +33,20 @@ def test_jsonl_corpus_reports_line_numbers(tmp_path):
         read_jsonl_corpus(path)
 
 
+def test_passages_without_text_are_skipped_and_said(tmp_path, caplog):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "  \\n\\t "}\n{"id": "c", "text": ""}\n'
+                    '{"id": "d", "title": "D", "text": "y"}\n')
+    with caplog.at_level("WARNING", logger="fastgate.assets.corpus"):
+        passages = read_jsonl_corpus(path)
+    assert [p.id for p in passages] == ["a", "d"]
+    assert [r.getMessage() for r in caplog.records] == [f"fastgate: warning: {path}: skipped 2 passage(s) with no "
+                                                       "text (lines 2, 3)"]
+    path.write_text('{"id": "a", "text": " "}\n')
+    with pytest.raises(CorpusError, match="the corpus is empty"):
+        read_jsonl_corpus(path)
+
+
 def test_bm25_known_top_hit(small_index):
     r = BM25Retriever(small_index / "bm25")
     assert isinstance(r, Retriever)

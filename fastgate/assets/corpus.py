@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,7 @@ def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
     if not path.is_file():
         raise CorpusError(f"corpus file not found: {path}")
     seen: set[str] = set()
+    blank: list[int] = []  # lines whose text is empty or whitespace: nothing to find or read there
     for lineno, obj in iter_jsonl_objects(path, "id, title, text"):
         missing = [k for k in ("id", "text") if k not in obj]
         if missing:
@@ -90,7 +92,14 @@ def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
         if pid in seen:
             raise CorpusError(f"{path}:{lineno}: duplicate id {pid!r}")
         seen.add(pid)
+        if not text.strip():  # skipped, as the shipped corpus skips its empty summaries; said once at the end
+            blank.append(lineno)
+            continue
         yield Passage(id=pid, title=title, text=text)
+    if blank:
+        lines = ", ".join(map(str, blank[:5])) + (f" and {len(blank) - 5} more" if len(blank) > 5 else "")
+        logging.getLogger(__name__).warning("fastgate: warning: %s: skipped %d passage(s) with no text (line%s %s)",
+                                            path, len(blank), "s" if len(blank) > 1 else "", lines)
 
 
 def read_jsonl_corpus(path: str | Path) -> list[Passage]:
