@@ -516,3 +516,23 @@ def test_packed_store_spare_leaves_room_for_what_other_loops_hold(tiny_engine):
         for ticket, spec in zip(tickets, specs):
             _same(ticket.result, _alone(tiny_engine, spec))
     assert cells[200] <= 600 - 200 < cells[0] <= 600, cells
+
+
+def test_a_cancelled_prefill_gives_its_share_of_the_budget_back(tiny_engine):
+    """A queued prefill bounds the running loop's spare by what its cache may take; cancelled before it ran and dropped
+    (drop_ended), the loop's spare is its whole budget again, and the running rows' answer is unchanged."""
+    cfg = G(max_new_tokens=6, stop_at_eos=False)
+    running = ("a short prompt", cfg, TapSpec(), 1, None)
+    loop = DecodeLoop(tiny_engine, mid=tiny_engine.n_layers // 2, max_cells=3000)
+    (ticket,) = loop.admit([running])
+    loop.step()  # prefilled whole, its row decoding
+    bounds = lambda: {layer.max_cells for layer in loop.cache.layers if hasattr(layer, "max_cells")}  # noqa: E731
+    assert bounds() == {3000}
+    (late,) = loop.admit([("a long prompt " + "word " * 60, cfg, TapSpec(), 1, None)])
+    assert max(bounds()) < 3000
+    late.cancelled = True
+    loop.drop_ended()
+    assert not loop.prefilling and bounds() == {3000}
+    while loop.busy:
+        loop.step()
+    _same(ticket.result, _alone(tiny_engine, running))

@@ -465,7 +465,10 @@ class DecodeLoop:
             self._clear_rows()
 
     def _drop_cancelled_prefills(self) -> None:
-        self.prefilling = [job for job in self.prefilling if not all(t.cancelled for t in job.tickets)]
+        kept = [job for job in self.prefilling if not all(t.cancelled for t in job.tickets)]
+        if len(kept) < len(self.prefilling):
+            self.prefilling = kept
+            self._cap()  # what the dropped prefills' caches would have taken is the loop's spare again
 
     def _clear_rows(self) -> None:
         """Every row leaves (all have ended)."""
