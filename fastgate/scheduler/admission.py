@@ -354,16 +354,17 @@ class Admission:
                 self.delivery.emit(ticket.owner[0], {"event": "answer", "text": text, "stop": list(req.config.stop),
                                              "done": False})
 
-    def drop_orphans(self) -> None:
-        """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere)."""
+    def drop_orphans(self, lane_only: bool = False) -> None:
+        """Stop the rows of generations whose program has ended (cancelled, timed out or failed elsewhere).
+        ``lane_only``: those of the lane only (at a pause: the main loops are inside the paused pass)."""
         stopped = False
         for key, (loop, ticket) in list(self._inflight.items()):
-            if ticket.owner[0].done:
+            if ticket.owner[0].done and (not lane_only or loop is self.lane):
                 loop.cancel(ticket)
                 del self._inflight[key]
                 stopped = True
         if stopped:  # a loop left with cancelled rows only frees their cache now: no step may come (an idle server)
-            for loop in [*self.loops.values(), self.lane]:
+            for loop in [self.lane] if lane_only else [*self.loops.values(), self.lane]:
                 if loop is not None:
                     loop.drop_ended()
 

@@ -252,6 +252,7 @@ class Scheduler:
                 self.feed()
             self._end_cancelled(self._interjected)
             self._interjected = [t for t in self._interjected if not t.done]
+            self.admission.drop_orphans(lane_only=True)  # their lane rows stop now, not at the next tick
             # a busy server leaves new programs to the next tick: it packs their rows into its passes, for less than
             # passes of their own
             take = bool(self._inbox) and len(self._live) + len(self._inbox) <= self.config.interject
