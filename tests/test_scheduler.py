@@ -490,17 +490,19 @@ def test_the_lane_keeps_within_the_kv_budget(world):
 
 def test_an_interjected_program_cancelled_mid_pass_ends_at_the_next_pause(world, monkeypatch):
     """A program started at a pause and cancelled before its generation ends (here the lane gets no time at a pause,
-    so its rows wait) ends at the next pause with CancelledError; the long one is untouched."""
+    so its rows wait) ends at the next pause with CancelledError, and its lane rows stop at that pause (only the
+    lane's: the main loops are inside the paused pass), not at the next tick; the long one is untouched."""
     import fastgate.scheduler.driver as driver
 
     monkeypatch.setattr(driver, "_INTERJECT_S", 0.0)  # the lane joins at a pause, steps only at ticks
     engine = world[0]
     sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=8)
     long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
-    calls = []
+    calls, lane_at = [], []
 
     def feed():
         calls.append(1)
+        lane_at.append(sched.admission.lane_busy)
         if len(calls) == 1:
             calls.append(sched.submit(None, "", program=_gen_program(f"Q: {QUESTIONS[1]}\nA:", 3)))
         elif len(calls) == 3:
@@ -511,38 +513,11 @@ def test_an_interjected_program_cancelled_mid_pass_ends_at_the_next_pause(world,
     sched.step()
     short = calls[1]
     assert short.done and isinstance(short.error, CancelledError)
-    sched.run([long])
-    assert long.result == engine.generate([long_prompt], GenerationConfig(max_new_tokens=4, stop_at_eos=False)
-                                          ).sequences[0].token_ids
-    assert not sched.admission.busy
-
-
-def test_a_program_cancelled_at_a_pause_leaves_the_lane_at_that_pause(world, monkeypatch):
-    """Its lane rows stop at the pause that ends it (the main loops are inside the paused pass: only the lane's),
-    not at the next tick: the lane holds nothing for it at the next pause."""
-    import fastgate.scheduler.driver as driver
-
-    monkeypatch.setattr(driver, "_INTERJECT_S", 0.0)  # the lane joins at a pause, steps only at ticks
-    engine = world[0]
-    sched = Scheduler(engine, prefill_budget=512, express_prefill=64, interject=8)
-    long_prompt = "Q: " + " ".join(f"word{i}" for i in range(120)) + "\nA:"
-    started, lane_at = [], []
-
-    def feed():
-        lane_at.append(sched.admission.lane_busy)
-        if len(lane_at) == 1:
-            started.append(sched.submit(None, "", program=_gen_program(f"Q: {QUESTIONS[1]}\nA:", 3)))
-        elif len(lane_at) == 2:
-            sched.cancel(started[0])
-
-    sched.feed = feed
-    long = sched.submit(None, "", program=_gen_program(long_prompt, 4))
-    sched.step()
-    assert started[0].done and isinstance(started[0].error, CancelledError)
     assert lane_at[1] and not any(lane_at[2:]), lane_at  # in the lane at the second pause, gone from the third
     sched.run([long])
     assert long.result == engine.generate([long_prompt], GenerationConfig(max_new_tokens=4, stop_at_eos=False)
                                           ).sequences[0].token_ids
+    assert not sched.admission.busy
 
 
 class _ResultFails:
