@@ -5,6 +5,8 @@ reference."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -188,10 +190,13 @@ def test_adopted_copies_are_held_once_with_the_same_bits(attention_bias):
     quantized = [m for layer in fused.layers for m in layer.linears if hasattr(m, "has_kept")]
     parts = [p for m in quantized for p, _, _ in getattr(m, "kept_parts", ())]
     assert parts and all(m.dense is not None for m in quantized + parts)
-    plain = _generate(lm, torch_dense_linear, 45)  # the reference op adopts nothing
+    plain = _generate(lm, torch_dense_linear, 45)  # the reference op adopts nothing (its products hold the copies)
     assert all(m.dense is not None for m in quantized + parts)
+    copies = [weakref.ref(m.dense) for m in quantized]
     adopted = _generate(lm, runner.ops.dense_linear, 45)
     assert all(m.dense is None and m.has_kept(torch.bfloat16) for m in quantized + parts)
+    gc.collect()
+    assert all(ref() is None for ref in copies)  # freed: the products bound before with the reference op went too
     assert all(isinstance(m._kept_product, ReorderedLinear) and m._kept_product.weight is None for m in quantized)
     for (ids_a, lp_a, sum_a), (ids_b, lp_b, sum_b) in zip(adopted, plain):
         assert ids_a == ids_b and lp_a == lp_b
@@ -200,8 +205,44 @@ def test_adopted_copies_are_held_once_with_the_same_bits(attention_bias):
     states = runner.prompt_states(["Who wrote Hamlet? " * 5, "a", "The river rises " * 9], layer=2)
     assert torch.equal(states, plain_states)
     part = parts[0]
-    part.refresh()  # new codes: a plain copy made again from them
+    shared = part._kept_product.shared
+    part.refresh()  # new codes: a plain copy made again from them, and the join's product waits for it no more
     assert part.dense is not None and part._kept_product is None
+    siblings = [p for m in quantized for p, _, _ in getattr(m, "kept_parts", ()) if p._kept_product is not None
+                and p._kept_product.shared is shared]
+    x = torch.randn(9, part.in_features).to(torch.bfloat16)
+    for p in siblings:
+        p(x)
+    assert shared._y is None  # the parts still sharing it took their columns: nothing kept
+
+
+@needs_onednn
+def test_a_model_cast_after_the_adoption_computes_as_one_never_adopted():
+    """``model.to(float32)`` after the adoption: the released copies become plain ones first, so they are cast as the
+    buffers were (the same logits as a model whose copies were never adopted)."""
+    lms = [tiny_model(dtype=torch.bfloat16) for _ in range(2)]
+    for lm in lms:
+        quantize_model(lm.model, "int4-dense")
+    runner = ModelRunner(lms[0], prefix_cache=0, step="eager")
+    _generate(lms[0], runner.ops.dense_linear, 45)
+    assert all(m.dense is None for m in lms[0].model.model.layers.modules() if hasattr(m, "has_kept"))
+    for lm in lms:
+        lm.model.to(torch.float32)
+    assert all(m.dense is not None and m.dense.dtype is torch.float32
+               for m in lms[0].model.modules() if hasattr(m, "has_kept"))
+    ids = lms[0].tokenizer(["Who wrote Hamlet? " * 7], return_tensors="pt")
+    with torch.inference_mode():
+        assert torch.equal(lms[0].model(**ids).logits, lms[1].model(**ids).logits)
+
+
+@needs_onednn
+def test_a_compiled_step_keeps_the_copies_plain():
+    """A compiled decode step traces HF's modules: its runner's op adopts nothing (an adopted product is not
+    traceable); an eager runner's does."""
+    lm = tiny_model(dtype=torch.bfloat16)
+    quantize_model(lm.model, "int4-dense")
+    assert ModelRunner(lm, prefix_cache=0, step="compiled").ops.dense_linear.adopts is False
+    assert ModelRunner(lm, prefix_cache=0, step="eager").ops.dense_linear.adopts is True
 
 
 @needs_onednn

@@ -248,6 +248,9 @@ class _KeptCopy(nn.Module):
         if "dense" not in self._buffers:
             self.register_buffer("dense", None, persistent=False)
         self._buffers["dense"] = None if dtype is None else (self._weight_in(dtype) if dense is None else dense)
+        detach = getattr(self._kept_product, "detach", None)  # a join's shared product waits for this part no more
+        if detach is not None:
+            detach()
         self._kept_product = self._kept_dtype = None  # a plain copy (or none) again
 
     def release_dense(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -258,6 +261,13 @@ class _KeptCopy(nn.Module):
             raise ValueError("release_dense: the layer keeps no plain copy")
         self._buffers["dense"] = None
         self._kept_product, self._kept_dtype = product, dense.dtype
+
+    def _apply(self, fn, recurse=True):
+        """``to``, ``float``, ``cuda``...: a released copy becomes a plain one first, so that it moves and casts as
+        the buffer did (the product holding it stays where and what it was)."""
+        if self._kept_product is not None:
+            self.keep_dense(self._kept_dtype)
+        return super()._apply(fn, recurse)
 
     def _follow_codes(self) -> None:
         """After new codes (``refresh``): a kept copy is made again from them (a plain one)."""
@@ -279,7 +289,8 @@ class _KeptCopy(nn.Module):
         dense = self._kept(x.dtype)
         if dense is not None:
             return F.linear(x, dense)  # [M, N]
-        if self._kept_product is not None and x.dtype == self._kept_dtype and x.device.type == "cpu":
+        if (self._kept_product is not None and x.dtype == self._kept_dtype and x.device.type == "cpu"
+                and not torch.compiler.is_compiling()):  # a traced step multiplies the weight made again (its bits)
             return self._kept_product(x)  # [M, N]
         return F.linear(x, self._weight_in(x.dtype))  # [M, N]
 

@@ -491,8 +491,11 @@ class FusedForward:
             bound = self._bound[key] = [[_row_products(m, *matmuls, dtype=dtype) for m in layer.linears]
                                         for layer in self.layers]
             if self._plain_copies() < plain:
-                # kept copies handed to reordered weights (fastgate.ops.dense.OnednnDense.adopt): their plain copies'
+                # kept copies handed to reordered weights (fastgate.ops.dense.OnednnDense.adopt): products bound
+                # before with another op hold the plain copies, so they are bound again when asked; the copies'
                 # pages go back to the OS now (glibc keeps them otherwise: qwen2.5-0.5b 3.43 -> 2.86 GB resident)
+                self._bound = {key: bound}
+                self._selections.clear()
                 return_freed_memory()
         return bound
 

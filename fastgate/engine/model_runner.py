@@ -16,6 +16,7 @@ that share one prefill. ``generate(output_hidden_states=True)`` materialises eve
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import OrderedDict
 
@@ -228,6 +229,10 @@ class ModelRunner:
         self.step_config = step if isinstance(step, StepConfig) else StepConfig(mode=step)
         self.compiled = (compiled_by_default(model.device) if self.step_config.mode == "auto"
                          else self.step_config.mode == "compiled")
+        if self.compiled and hasattr(self.ops.dense_linear, "keeping_copies"):
+            # a compiled step traces HF's modules: their kept copies stay plain tensors it traces (an adopted one's
+            # product is not traceable, fastgate.ops.dense.OnednnDense)
+            self.ops = dataclasses.replace(self.ops, dense_linear=self.ops.dense_linear.keeping_copies())
         self._static: dict[int, StaticStep] = {}  # EOS layer -> its static step (traced per bucket on first use)
         self.forward_mode = canonical_forward(forward)
         if self.forward_mode == "fused" and not fusable(self.model):

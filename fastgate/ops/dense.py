@@ -20,7 +20,8 @@ The reordered weight is made at a bound product's first call (a process that onl
 model's own weight stays beside it (the model's parameter, its modules' path). A quantized layer's kept copy
 (int4-dense) is handed to it instead (:meth:`OnednnDense.adopt`, when a fused pass binds the layer): the plain copy is
 dropped and the layer's own ``forward`` (HF's module path) multiplies the reordered weight; a join's parts (q/k/v,
-gate/up) take their columns of the join's product (:class:`SharedColumns`), so each weight is held once. Where the
+gate/up) take their columns of the join's product (:class:`SharedColumns`), so each weight is held once (a later
+binding by any op, the reference's too, then multiplies the reordered weight: the same bits). Where the
 CPU has no bf16 oneDNN product, under the ``torch`` backend, for float32 rows and for any input the reordered weight
 does not take (another dtype or device, not 2-D), the product is ``F.linear`` of the plain weight (made again from
 the codes where it was handed over). The registry binds the reordered product only where a probe finds it
@@ -48,6 +49,7 @@ Product: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N
 
 _shape_agrees: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias) -> the reordered product gave F.linear's bits
 _columns_agree: dict[tuple, bool] = {}  # (N, K, dtype, edges) -> row blocks' products are the whole one's columns
+_adopting = threading.Lock()  # OnednnDense.adopt
 
 
 def torch_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
@@ -159,10 +161,16 @@ class SharedColumns:
         self._key: tuple | None = None
         self._y: torch.Tensor | None = None
         self._taken: set[int] = set()
+        self._waiting = set(range(len(edges)))  # the parts that take columns (a part given its own copy leaves)
 
-    def part(self, i: int) -> Product:
+    def part(self, i: int) -> _Part:
         """The product of part ``i`` (``edges[i]`` of the joined columns)."""
-        return functools.partial(self._columns, i)
+        return _Part(self, i)
+
+    def _leave(self, i: int) -> None:
+        with self._lock:
+            self._waiting.discard(i)
+            self._rows = self._key = self._y = None
 
     def _columns(self, i: int, x: torch.Tensor) -> torch.Tensor:
         key = (x.data_ptr(), x.dtype, x.device, tuple(x.shape), x.stride(), None if x.is_inference() else x._version)
@@ -171,10 +179,23 @@ class SharedColumns:
                 self._rows, self._key, self._y, self._taken = x, key, self.product(x), set()  # [M, N]
             y = self._y
             self._taken.add(i)
-            if len(self._taken) == len(self.edges):  # every part has its columns: nothing kept between passes
+            if self._taken >= self._waiting:  # every part has its columns: nothing kept between passes
                 self._rows = self._key = self._y = None
         start, end = self.edges[i]
         return y[:, start:end].contiguous()  # [M, N_i]
+
+
+class _Part:
+    """Part ``i``'s product of a :class:`SharedColumns`; ``detach()`` when the part holds its own copy again."""
+
+    def __init__(self, shared: SharedColumns, i: int) -> None:
+        self.shared, self.i = shared, i
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared._columns(self.i, x)  # [M, N_i]
+
+    def detach(self) -> None:
+        self.shared._leave(self.i)
 
 
 def columns_agree(weight: torch.Tensor, edges: list[tuple[int, int]]) -> bool:
@@ -197,11 +218,16 @@ class OnednnDense:
     ``op(weight, bias)`` is :func:`onednn_dense_linear`'s product, ``rest`` called before each CPU product, and
     :meth:`adopt` hands a quantized layer's kept copy to the reordered weight so the layer holds it once."""
 
-    def __init__(self, rest: Callable[[], None] | None = None) -> None:
+    def __init__(self, rest: Callable[[], None] | None = None, adopts: bool = True) -> None:
         self.rest = rest
+        self.adopts = adopts  # False: the layers' copies stay plain (a compiled step traces HF's modules)
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
         return onednn_dense_linear(weight, bias, self.rest)
+
+    def keeping_copies(self) -> OnednnDense:
+        """This op, adopting nothing."""
+        return OnednnDense(self.rest, adopts=False)
 
     def adopt(self, layer) -> Product | None:
         """The product of ``layer``'s kept bf16 copy (``layer.dense [N, K]``, :class:`fastgate.assets.quant.Int8Linear`
@@ -212,6 +238,14 @@ class OnednnDense:
 
         Why: the plain copy stayed the layer's beside the reordered one, made at the first product of many rows:
         qwen2.5-0.5b in ``auto`` held 942 MB of bf16 weights twice."""
+        if not self.adopts:
+            return None
+        with _adopting:  # two first binds at once: one adopts, the other finds the copy gone and takes its product
+            if layer._kept(torch.bfloat16) is None and layer.has_kept(torch.bfloat16):
+                return layer._kept_product
+            return self._adopt(layer)
+
+    def _adopt(self, layer) -> Product | None:
         dense = layer._kept(torch.bfloat16)
         if dense is None or dense.device.type != "cpu" or dense.dim() != 2 or not dense.is_contiguous():
             return None
