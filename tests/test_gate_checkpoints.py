@@ -104,6 +104,7 @@ def test_a_checkpoint_for_another_model_is_refused_without_a_calibration_warning
     import logging
 
     from fastgate.serving.runtime import AnswerRequest, Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
     from fastgate.testing import tiny_model
 
     wider = tiny_model(hidden=32)
@@ -113,6 +114,10 @@ def test_a_checkpoint_for_another_model_is_refused_without_a_calibration_warning
     caplog.set_level(logging.WARNING, logger="fastgate.calibration")
     with pytest.raises(CheckpointError, match="hidden size"):
         runtime.build(AnswerRequest("probing", "bm25", (("checkpoint", str(other)),)))
+    service = AnswerService(ServiceConfig(method="probing", params=(("checkpoint", str(other)),),
+                                          index=str(small_index)), runtime)
+    with pytest.raises(CheckpointError, match="hidden size"):  # a server's default method, built at its start
+        service.start()
     assert not [r for r in caplog.records if "no calibration" in r.getMessage()]
     own = save_probe_checkpoint(tmp_path / "own", random_probe_params(2, tiny_engine.lm.hidden_size, 8),
                                 kind="probing", model=tiny_engine.lm, layers=(2, 3))

@@ -279,8 +279,9 @@ class Runtime:
         others = {kind: self.retriever(kind) for kind in METHODS[request.method].uses_retrievers}
         method = build_method(request.method, self.engine, retriever, retrievers=others or None,
                               config=self.method_config(request, warn=False))
-        if request.config is None:  # a missing calibration said once the method is built: a checkpoint for another
-            self.effective_params(request)  # model is refused by the build, without a warning about its calibration
+        # a missing calibration is said once the method is built: a checkpoint for another model is refused by the
+        # build, without a warning about its calibration first
+        self.effective_params(request)
         return method
 
 

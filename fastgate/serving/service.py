@@ -20,6 +20,7 @@ at the next tick and consumes no more work. Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import threading
@@ -288,7 +289,7 @@ class AnswerService:
 
         def validated():  # the method's config is built here, once, and travels with the request
             req = check_request(name, params, None, self.runtime.model, remote=remote,
-                                calibrate=self.runtime.calibrated)
+                                calibrate=functools.partial(self.runtime.calibrated, warn=False))  # said at build
             _check_int_params(req, self.config.max_int_param)
             return req
 
