@@ -192,12 +192,13 @@ def test_adopted_copies_are_held_once_with_the_same_bits(attention_bias):
     assert parts and all(m.dense is not None for m in quantized + parts)
     plain = _generate(lm, torch_dense_linear, 45)  # the reference op adopts nothing (its products hold the copies)
     assert all(m.dense is not None for m in quantized + parts)
-    copies = [weakref.ref(m.dense) for m in quantized]
+    copies = [weakref.ref(m.dense) for m in [*quantized, lm.model.lm_head]]
     adopted = _generate(lm, runner.ops.dense_linear, 45)
     assert all(m.dense is None and m.has_kept(torch.bfloat16) for m in quantized + parts)
     gc.collect()
     assert all(ref() is None for ref in copies)  # freed: the products bound before with the reference op went too
-    assert all(isinstance(m._kept_product, ReorderedLinear) and m._kept_product.weight is None for m in quantized)
+    assert all(isinstance(m._kept_product, ReorderedLinear) and m._kept_product.weight is None
+               for m in [*quantized, lm.model.lm_head])  # the head too: HF's logits below go through it
     for (ids_a, lp_a, sum_a), (ids_b, lp_b, sum_b) in zip(adopted, plain):
         assert ids_a == ids_b and lp_a == lp_b
         assert torch.equal(sum_a, sum_b)
