@@ -91,6 +91,72 @@ def test_mixed_methods_share_generation_calls_and_answer_as_alone(tiny_engine, s
         svc.stop()
 
 
+def _quantized_engine():
+    """A fresh bf16 tiny model with int4-dense weights (the server's CPU form: oneDNN's reordered copies and the C++
+    kernels' tiles are made at its first passes), its own engine."""
+    import torch
+
+    from fastgate.assets.quant import quantize_model
+    from fastgate.engine.local import Engine
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model(n_layers=2, hidden=128, dtype=torch.bfloat16)
+    quantize_model(lm.model, "int4-dense")
+    return Engine(lm)
+
+
+def _adopted(engine) -> int:
+    """How many quantized layers' kept copies a product holds (oneDNN's reordered weight, fastgate.ops.dense)."""
+    return sum(getattr(m, "_kept_product", None) is not None for m in engine.lm.model.modules())
+
+
+def test_start_warms_up_off_the_books_and_answers_as_a_cold_start(small_index):
+    """The warm-up answers a question and reads one on a scheduler of its own: the service's scheduler and metrics
+    see none of it, and every later answer is the one a server without it gives, bit for bit."""
+    def records(svc):
+        out = []
+        for method in ("dtr", "always"):
+            for r in [svc.submit(q, method).result(timeout=120) for q in QUESTIONS[:4]]:
+                out.append({k: v for k, v in r.items() if k not in ("timings", "latency_s")})
+        return out
+
+    services, held = [], []
+    try:
+        for no_warmup in (True, False):
+            runtime = Runtime("tiny", index=str(small_index), engine=_quantized_engine())
+            cfg = ServiceConfig(method="dtr", params=(("tau", 1e9),), index=str(small_index), no_warmup=no_warmup)
+            services.append(svc := AnswerService(cfg, runtime).start())
+            assert (svc.warmup_s is None) is no_warmup
+            held.append(_adopted(runtime.engine))
+            assert svc.metrics.answered == 0 and svc.scheduler.generation_calls == 0 and svc.scheduler.ticks == 0
+        cold, warm = (records(svc) for svc in services)
+        assert warm == cold
+        assert [r["retrieved"] for r in cold] == [False] * 4 + [True] * 4  # dtr closed-book, always reads
+        assert services[1].metrics.answered == 8
+        # where this CPU hands the kept copies to oneDNN, the warm-up did it before the first request
+        assert held[0] == 0 and held[1] == _adopted(services[0].runtime.engine)
+    finally:
+        for svc in services:
+            svc.stop()
+
+
+def test_a_failed_warm_up_is_said_and_the_server_serves(tiny_engine, small_index, monkeypatch, caplog):
+    from fastgate.scheduler import Scheduler
+
+    def broken(self, method, questions):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(Scheduler, "answer", broken)
+    with caplog.at_level("WARNING", logger="fastgate.serving"):
+        svc = _service(tiny_engine, small_index).start()
+    try:
+        assert svc.warmup_s is None
+        assert "the warm-up failed (RuntimeError: no room); serving without it" in caplog.text
+        assert svc.submit("Who wrote Hamlet?", "never").result(timeout=60)["answer"] is not None
+    finally:
+        svc.stop()
+
+
 def test_a_closed_book_answer_does_not_wait_for_the_retrieving_ones(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index).start()
     try:

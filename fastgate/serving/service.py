@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import queue
 import threading
@@ -37,7 +38,10 @@ from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
 
-__all__ = ["AnswerService", "OverloadedError", "ServiceConfig"]
+__all__ = ["WARMUP_QUESTION", "AnswerService", "OverloadedError", "ServiceConfig"]
+
+_log = logging.getLogger("fastgate.serving")
+WARMUP_QUESTION = "Who wrote Hamlet?"  # answered (and read) once at start: see AnswerService._warm_up
 
 
 class OverloadedError(FastgateError):
@@ -82,6 +86,11 @@ class ServiceConfig(RuntimeConfig):
     # not the library's 0: a cheap question arriving while up to 8 programs run is answered inside the reading prompts'
     # pass instead of after it (docs/RESULTS.md); beyond 8, packing it into the next pass costs less
     interject: int = _scheduler_setting("interject", 8)
+    # a server is ready when its first request costs what later ones do (the one-time work of a model's first passes
+    # took ~7 s of qwen2.5-0.5b's first answer on a 2-core CPU)
+    no_warmup: bool = setting(False, "serve at once, without answering a warm-up question with the default method and "
+                                     "reading one through its retriever first (the first requests then pay for the "
+                                     "model's one-time work: seconds on a CPU)")
     # KV cache of the decode loop (the library's is unbounded); generations wait beyond it (SmolLM2: ~45 KiB/token)
     kv_budget_mb: float = setting(2048.0, "KV cache of the decode loop in MiB; generations wait for room beyond it, "
                                           "one that cannot fit alone gets 422 (default: %(default)s)")
@@ -170,6 +179,7 @@ class AnswerService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics = _Metrics()
+        self.warmup_s: float | None = None  # how long start()'s warm-up took (None: none ran, or it failed)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> AnswerService:
@@ -179,11 +189,35 @@ class AnswerService:
         from fastgate.scheduler import Scheduler
 
         self._method(self._request(self.config.method, None))
+        if not self.config.no_warmup and self.runtime.remote is None:
+            self._warm_up(Scheduler)
         self._scheduler = self._new_scheduler(Scheduler)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
         self._thread.start()
         return self
+
+    def _warm_up(self, scheduler_cls) -> None:
+        """Answer :data:`WARMUP_QUESTION` with the default method and read it through the default method's retriever
+        (``always``), on a scheduler of the service's settings dropped after, so that the first request does not pay
+        for the one-time work of the model's first passes: oneDNN's reordered weights, the quantized kernels' tiles,
+        the few-shot block's cached prefix, each prompt chunk's first product, the indexes' first reads. That work
+        changes no result (the same bits as without it: tests/test_server.py), and these answers count in no metric.
+        A failure is said and serving starts anyway (the requests then say their own errors)."""
+        from fastgate.serving.runtime import check_request
+
+        start = time.perf_counter()
+        try:
+            default = self._request(self.config.method, None)
+            sched = self._new_scheduler(scheduler_cls)
+            sched.answer(self._method(default), [WARMUP_QUESTION])
+            retriever = default.retriever or check_request("always", {}).retriever
+            reader = self.runtime.build(check_request("always", {}, retriever, self.runtime.model))
+            sched.answer(reader, [WARMUP_QUESTION])
+        except Exception as exc:  # noqa: BLE001 - said, and the server starts: a request gets its own error
+            _log.warning("fastgate: warning: the warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
+            return
+        self.warmup_s = time.perf_counter() - start
 
     def stop(self, drain: bool = True) -> None:
         """Stop the worker; with ``drain`` the queued requests are answered first, else they fail."""

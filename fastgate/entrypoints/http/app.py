@@ -12,6 +12,8 @@ missing one is reported with its install hint.
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime
 import os
+import sys
+import time
 from typing import Any
 
 from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
@@ -71,7 +73,11 @@ def serve(service: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_
 
     _check_port(host, port)  # before the model loads: a busy port is known in a millisecond
     app = create_app(service)
+    started = time.perf_counter()
     service.start()
+    if log_level in ("info", "debug", "trace"):
+        warm = f" (warm-up {service.warmup_s:.1f} s)" if getattr(service, "warmup_s", None) is not None else ""
+        print(f"fastgate: ready in {time.perf_counter() - started:.1f} s{warm}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
