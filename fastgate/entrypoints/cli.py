@@ -28,7 +28,8 @@ DEFAULT_EVAL_METHODS = ("never", "always", "dtr")
 
 # ``fastgate serve``'s flags that are fields of ServiceConfig (generated from them: fastgate.settings), in --help order
 _SERVE_LIMITS = ("max_live", "max_rows", "admit_every", "prefill_budget", "decoding_prefill_budget", "kv_budget_mb",
-                 "layout", "prefill_order", "express_prefill", "interject", "admit_wait_ms", "max_queue", "timeout_s")
+                 "layout", "prefill_order", "express_prefill", "interject", "admit_wait_ms", "max_queue", "timeout_s",
+                 "no_warmup")
 _MODEL_SETTINGS = ("model", "device", "dtype", "step", "weights")  # ask, eval and serve
 SERVE_SETTINGS = ("method", "index", "paper_defaults", *_SERVE_LIMITS, *_MODEL_SETTINGS)
 
