@@ -4,6 +4,8 @@ chat and completions, streaming and not, method parameters in ``extra_body``, th
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -179,6 +181,20 @@ def test_invalid_requests_get_openai_style_errors(client):
                        headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         assert "not JSON in UTF-8" in r.json()["error"]["message"]
+    lm = next(m.id for m in client.models.list().data if m.id not in ("fastgate-never", "fastgate-dtr")
+              and not m.id.startswith("fastgate-"))
+    for path, body in [  # a lone surrogate (valid JSON): 400 in OpenAI's format, not a plain-text 500
+        ("chat/completions", {"model": "fastgate-never", "messages": [{"role": "user", "content": "Capital \ud800?"}]}),
+        ("chat/completions", {"model": "fastgate-never", "stream": True,
+                              "messages": [{"role": "user", "content": [{"type": "text", "text": "Capital \ud800?"}]}]}),
+        ("completions", {"model": "fastgate-dtr", "prompt": "Capital \ud800?"}),
+        ("completions", {"model": lm, "prompt": "Capital \ud800?", "max_tokens": 4}),
+    ]:
+        content = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as the escape \ud800
+        r = httpx.post(f"{client.base_url}{path}", content=content, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", (path, r.text)
+        assert "lone surrogate U+D800" in r.json()["error"]["message"]
     assert httpx.get(f"{client.base_url}no/such/path", timeout=30).status_code == 404  # other HTTP errors: FastAPI's
 
 

@@ -284,6 +284,9 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
     ({"question": "ok?", "max_tokens": -1}, 422, "max_tokens"),
     ({"question": "ok?", "surprise": 1}, 422, "surprise"),
     ({"question": "  \n "}, 422, "empty"),
+    (b'{"question": "Capital \\ud800 of France?"}', 422, "valid string"),  # valid JSON: a lone surrogate
+    ({"question": "ok?", "method": "never", "params": {"max_answer_tokens": 400}}, 422, "limit of 256 tokens"),
+    ({"question": "ok?", "method": "seakr", "params": {"answer_tokens": 300}}, 422, "answer_tokens=300"),
 ])
 def test_http_bad_requests(server, payload, status, message):
     url, _ = server
@@ -325,6 +328,46 @@ def test_http_timeout_gives_504(tiny_engine, small_index):
     assert r.status_code == 504 and "not answered" in r.json()["error"]
     job = svc._queue.get_nowait()
     assert job.future.cancelled()  # dropped: it will not be run
+
+
+def test_text_no_tokenizer_takes_is_refused_before_it_is_queued(service):
+    """A lone surrogate (valid JSON, ``"\\ud800"``, but no UTF-8 encodes it) made the tokenizer raise TypeError
+    inside the scheduler's batched call, which failed every request running with it."""
+    from fastgate.config import GenerationConfig
+
+    depth = service.queue_depth
+    with pytest.raises(InputError, match="lone surrogate U[+]DC00 at character 4"):
+        service.submit("Who \udc00 wrote Hamlet?")
+    with pytest.raises(InputError, match="the prompt is not valid Unicode text"):
+        service.submit_completion("Capital \ud800 of France?", GenerationConfig(max_new_tokens=4))
+    assert service.queue_depth == depth and service.submit("Who wrote Hamlet?").result(timeout=60)["answer"]
+
+
+def test_a_client_that_goes_away_cancels_its_request(tiny_engine, small_index, caplog):
+    """Not streamed either: the request is cancelled once the client is gone (its work stops at the next tick), and
+    neither it nor a timed-out request leaves an error nobody read for asyncio to log."""
+    import gc
+
+    from fastgate.entrypoints.http import create_app
+    from fastgate.testing import serve_in_thread
+
+    svc = _service(tiny_engine, small_index, no_warmup=True).start()
+    slow = {"question": "capital of Kyrgyzstan", "method": "seakr",
+            "params": {"samples": 16, "step_tokens": 64, "max_steps": 8, "delta": -1e9, "answer_tokens": 128}}
+    try:
+        with serve_in_thread(create_app(svc, timeout_s=60)) as port, caplog.at_level("ERROR"):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"http://127.0.0.1:{port}/v1/answer", json=slow, timeout=1.0)  # gives up after 1 s
+            deadline = time.time() + 30
+            while (svc.live_programs or not svc.metrics.cancelled) and time.time() < deadline:
+                time.sleep(0.05)
+            assert svc.metrics.cancelled == 1 and svc.live_programs == 0 and svc.metrics.answered == 0
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert 'fastgate_requests_total{status="499"} 1.0' in text
+        gc.collect()
+        assert "never retrieved" not in caplog.text
+    finally:
+        svc.stop()
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])

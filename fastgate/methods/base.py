@@ -133,13 +133,24 @@ def black_box_refusal(method: str, engine: str) -> str:
             f"on a remote engine use one of: {', '.join(black_box_methods())}")
 
 
+def check_text(text: str, what: str) -> None:
+    """Raise :class:`InputError` when ``text`` is not Unicode text a tokenizer can take: a lone surrogate (JSON's
+    ``"\\ud800"``, which no UTF-8 encodes) made the tokenizer raise ``TypeError`` inside a batched call."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"the {what} is not valid Unicode text: a lone surrogate U+{ord(text[exc.start]):04X} at "
+                         f"character {exc.start}") from None
+
+
 def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str]) -> list[str]:
     """Strip ``questions`` and reject empty ones or ones that cannot fit the model context with the closed-book prompt
     around them and ``config.max_answer_tokens`` (passages may then be truncated). Needs only the tokenizer, so a
     server can check a request on its own thread while the engine decodes on another.
 
     Raises:
-        InputError: not a list of strings, an empty question, or one too long for the context.
+        InputError: not a list of strings, an empty question, one that is not Unicode text (a lone surrogate), or
+            one too long for the context.
     """
     if isinstance(questions, str):
         raise InputError("answer_batch takes a list of questions, not a string")
@@ -154,6 +165,7 @@ def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str
         q = q.strip()
         if not q:
             raise InputError("the question is empty")
+        check_text(q, "question")
         if len(q) > 8 * limit or engine.count_tokens(q) > limit:
             raise InputError(
                 f"the question is too long ({len(q)} characters); this model's context is "

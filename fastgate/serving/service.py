@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastgate.errors import FastgateError, InputError
-from fastgate.methods.base import check_questions
+from fastgate.methods.base import check_questions, check_text
 from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
@@ -41,6 +41,9 @@ from fastgate.settings import setting
 __all__ = ["WARMUP_QUESTION", "AnswerService", "OverloadedError", "ServiceConfig"]
 
 _log = logging.getLogger("fastgate.serving")
+# the methods' parameters that set how many tokens one generation may take: bounded as max_tokens is
+GENERATION_LENGTH_PARAMS = ("max_answer_tokens", "answer_tokens", "step_tokens", "sentence_tokens", "pseudo_tokens",
+                            "max_rationale_tokens")
 WARMUP_QUESTION = "Who wrote Hamlet?"  # answered (and read) once at start: see AnswerService._warm_up
 
 
@@ -376,6 +379,7 @@ class AnswerService:
             raise InputError("the prompt must be a non-empty string")
         if "\x00" in prompt:
             raise InputError("the prompt contains a NUL character")
+        check_text(prompt, "prompt")
         if len(prompt) > 8 * engine.lm.max_context:
             raise InputError(f"the prompt is too long ({len(prompt)} characters) for the {engine.lm.max_context}-"
                              "token context")
@@ -423,6 +427,11 @@ class AnswerService:
             if not 1 <= max_tokens <= self.config.max_tokens_limit:
                 raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
             params["max_answer_tokens"] = max_tokens
+        for name in GENERATION_LENGTH_PARAMS:  # max_tokens's bound, whichever way a generation's length is asked for
+            value = params.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.config.max_tokens_limit:
+                raise InputError(f"parameter {name}={value} is above this server's limit of "
+                                 f"{self.config.max_tokens_limit} tokens a generation")
         req = self._request(method, params)
         # checked with the tokenizer only: building a method or running the model here would race the worker's decode
         question = check_questions(self.runtime.engine, req.config, [question])[0]
@@ -463,6 +472,9 @@ class AnswerService:
                 try:
                     sched.step()
                 except Exception as exc:  # noqa: BLE001 - a failure outside any one program: fail what is running
+                    _log.error("fastgate: a scheduler tick failed (%s: %s): its %d running requests fail, a new "
+                               "scheduler takes the next ones", type(exc).__name__, exc, len(self._running),
+                               exc_info=exc)
                     for job in list(self._running.values()):
                         if not job.future.done():
                             job.future.set_exception(exc)

@@ -10,6 +10,8 @@ HTTP timeout; errors go through :class:`~fastgate.entrypoints.http.errors.ErrorM
 import time
 from typing import Any
 
+from fastapi import Request
+
 from fastgate.entrypoints.http.common import finite, wait_answer
 from fastgate.entrypoints.http.errors import NATIVE_RESPONSES, ErrorMap
 from fastgate.entrypoints.http.metrics import HttpMetrics
@@ -20,15 +22,16 @@ __all__ = ["add_answer_routes", "answer_question"]
 
 
 async def answer_question(service: Any, body: AnswerRequest, timeout_s: float, errors: ErrorMap,
-                          metrics: HttpMetrics) -> Any:
-    """The record answering ``body``, or an error response."""
+                          metrics: HttpMetrics, request: Any = None) -> Any:
+    """The record answering ``body``, or an error response; ``request``: the HTTP request (a client that goes away
+    cancels it)."""
     t0 = time.perf_counter()
     try:
         future = service.submit(body.question, body.method, body.params, body.max_tokens)
     except FastgateError as exc:
         return errors.native(exc, queued=False)
     try:
-        record = await wait_answer(service, future, timeout_s)
+        record = await wait_answer(service, future, timeout_s, request)
     except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
         return errors.native(exc)
     metrics.count(200)
@@ -41,7 +44,7 @@ def add_answer_routes(app: Any, service: Any, request_model: type[AnswerRequest]
     """Register ``POST /v1/answer`` on ``app``; ``request_model``: the server's :class:`AnswerRequest` (its limits,
     :func:`~fastgate.entrypoints.http.protocol.server_models`)."""
 
-    async def answer(body: request_model) -> Any:  # type: ignore[valid-type]
-        return await answer_question(service, body, timeout_s, errors, metrics)
+    async def answer(body: request_model, request: Request) -> Any:  # type: ignore[valid-type]
+        return await answer_question(service, body, timeout_s, errors, metrics, request)
 
     app.post("/v1/answer", response_model=AnswerResponse, responses=NATIVE_RESPONSES)(answer)

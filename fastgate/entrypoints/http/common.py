@@ -12,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from concurrent.futures import Future
 from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["MODEL_PREFIX", "OPENAI_PATHS", "NotAnswered", "finite", "require_serving", "sse", "version", "wait_answer"]
+__all__ = ["DISCONNECT_POLL_S", "MODEL_PREFIX", "OPENAI_PATHS", "ClientGone", "NotAnswered", "finite",
+           "require_serving", "sse", "version", "wait_answer"]
 
 MODEL_PREFIX = "fastgate-"  # OpenAI model names: fastgate-<method>
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")  # OpenAI's error format and 400 there
+# how often a request waiting for its answer checks that its client is still connected (a check costs microseconds)
+DISCONNECT_POLL_S = 0.25
 
 
 def require_serving() -> None:
@@ -41,14 +45,39 @@ class NotAnswered(Exception):
         self.timeout_s = timeout_s
 
 
-async def wait_answer(service: Any, future: Future, timeout_s: float) -> Any:
-    """The result of a submitted request, or :class:`NotAnswered` after ``timeout_s`` (the request is then cancelled:
-    dropped if queued, else its program stops at the next tick); the request's own error is raised as it is."""
-    try:
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
-    except asyncio.TimeoutError:
-        service.cancel(future)
-        raise NotAnswered(timeout_s) from None
+class ClientGone(Exception):
+    """The client closed its connection before its answer (the request has been cancelled)."""
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before the answer")
+
+
+async def wait_answer(service: Any, future: Future, timeout_s: float, request: Any = None) -> Any:
+    """The result of a submitted request, or :class:`NotAnswered` after ``timeout_s``; the request's own error is
+    raised as it is. ``request``: the HTTP request, checked every :data:`DISCONNECT_POLL_S`: a client that went away
+    raises :class:`ClientGone`. Either way the request is cancelled (dropped if queued, else its program stops at the
+    next tick), so an abandoned request (a remote engine's client that gave up and retries) does no more work."""
+    waited = asyncio.wrap_future(future)
+    waited.add_done_callback(_consume)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            service.cancel(future)
+            raise NotAnswered(timeout_s)
+        done, _ = await asyncio.wait((waited,), timeout=left if request is None else min(left, DISCONNECT_POLL_S))
+        if done:
+            return waited.result()
+        if request is not None and await request.is_disconnected():
+            service.cancel(future)
+            raise ClientGone
+
+
+def _consume(waited: asyncio.Future) -> None:
+    """Read a finished future's error: a request given up and then cancelled has one nobody awaits (asyncio would log
+    "Future exception was never retrieved" for each)."""
+    if not waited.cancelled():
+        waited.exception()
 
 
 def finite(obj: Any) -> Any:

@@ -3,6 +3,8 @@
 - an :class:`ApiError` a route raises: its own status;
 - ``OverloadedError`` (the queue is full): 503 with ``Retry-After`` (the service's estimate), code ``overloaded``;
 - ``InputError``, ``CheckpointError``: 422 natively, 400 on the OpenAI endpoints, code ``invalid_value``;
+- :class:`~fastgate.entrypoints.http.common.ClientGone` (the client closed the connection before its answer; the
+  request is cancelled): 499, code ``client_closed`` (nobody reads it: counted in the metrics);
 - :class:`~fastgate.entrypoints.http.common.NotAnswered` (the HTTP timeout) and the scheduler's ``CancelledError`` (the
   service's own timeout): 504 ``not answered within N s``, code ``timeout``;
 - any other ``FastgateError`` raised while submitting (e.g. the service is stopping): 503 with ``Retry-After: 5``,
@@ -30,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastgate.entrypoints.http.common import OPENAI_PATHS, NotAnswered
+from fastgate.entrypoints.http.common import OPENAI_PATHS, ClientGone, NotAnswered
 from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
 from fastgate.errors import CheckpointError, FastgateError, InputError
 from fastgate.scheduler import CancelledError as ProgramCancelled
@@ -96,6 +98,8 @@ class ErrorMap:
             return ApiError(400 if openai else 422, str(exc), code="invalid_value")
         if isinstance(exc, NotAnswered):
             return ApiError(504, str(exc), code="timeout")
+        if isinstance(exc, ClientGone):  # nobody reads it; nginx's status for it, counted as such in the metrics
+            return ApiError(499, str(exc), code="client_closed")
         if isinstance(exc, ProgramCancelled):  # the service's own timeout
             return ApiError(504, f"not answered within {self.service_timeout_s:g} s", code="timeout")
         if isinstance(exc, FastgateError) and not queued:  # e.g. the service is stopping

@@ -151,7 +151,7 @@ class OpenAIServing:
                 prompt = prompt[0]
             if is_plain_model(self.service, body.model):
                 return await plain_completion(self.service, body, prompt, self.timeout_s, self.errors, self.metrics,
-                                              self.replica)
+                                              self.replica, request)
             return await self.answer(False, body, prompt, body.max_tokens, [], request)
         except ApiError as exc:
             return self.errors.openai(exc)
@@ -224,7 +224,7 @@ class OpenAIServing:
                                include_usage, request, t0)
         future = self.submit(question, method, params, max_tokens, answer_tokens=top is not None)
         try:
-            record = await wait_answer(self.service, future, self.timeout_s)
+            record = await wait_answer(self.service, future, self.timeout_s, request)
         except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
             raise self.errors.error(exc, openai=True) from None
         self.metrics.count(200)

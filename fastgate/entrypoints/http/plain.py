@@ -85,9 +85,9 @@ def _config(body: CompletionRequest) -> tuple[GenerationConfig, int | None]:
 
 
 async def plain_completion(service: Any, body: CompletionRequest, prompt: str, timeout_s: float, errors: ErrorMap,
-                           metrics: HttpMetrics, replica: str | None) -> dict[str, Any]:
+                           metrics: HttpMetrics, replica: str | None, request: Any = None) -> dict[str, Any]:
     """A plain completion of ``prompt`` by the LM, with token log-probabilities if asked for; :class:`ApiError` when
-    it cannot be given."""
+    it cannot be given. ``request``: the HTTP request (a client that goes away cancels it)."""
     t0 = time.perf_counter()
     try:
         config, logprobs = _config(body)
@@ -95,7 +95,7 @@ async def plain_completion(service: Any, body: CompletionRequest, prompt: str, t
     except FastgateError as exc:
         raise errors.error(exc, openai=True, queued=False) from None
     try:
-        done = await wait_answer(service, future, timeout_s)
+        done = await wait_answer(service, future, timeout_s, request)
     except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
         raise errors.error(exc, openai=True) from None
     metrics.count(200)
