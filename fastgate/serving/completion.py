@@ -67,5 +67,10 @@ def completion_program(engine, prompt: str, config: GenerationConfig, seed: int 
             alternatives = [[(p, lp)] for p, lp in zip(pieces, seq.token_logprobs)]
         else:
             ranked = yield Batched(top, (prompt, config, list(seq.token_ids), top_n), phase="generation_s")
-            alternatives = [[(engine.token_pieces([i])[0], lp) for i, lp in step] for step in ranked]
+            alternatives = []
+            for chosen, own, step in zip(seq.token_ids, seq.token_logprobs, ranked):
+                # the chosen token's value is the loop's own, as in token_logprobs: the extra forward's differs by
+                # the products' rounding (a few hundredths of a nat in bf16), and clients match the two
+                step = sorted(((i, own if i == chosen else lp) for i, lp in step), key=lambda t: -t[1])
+                alternatives.append([(engine.token_pieces([i])[0], lp) for i, lp in step])
     return Completion(seq, pieces, alternatives)
