@@ -5,7 +5,6 @@ chat and completions, streaming and not, method parameters in ``extra_body``, th
 from __future__ import annotations
 
 import json
-
 import time
 
 import pytest
@@ -185,8 +184,8 @@ def test_invalid_requests_get_openai_style_errors(client):
               and not m.id.startswith("fastgate-"))
     for path, body in [  # a lone surrogate (valid JSON): 400 in OpenAI's format, not a plain-text 500
         ("chat/completions", {"model": "fastgate-never", "messages": [{"role": "user", "content": "Capital \ud800?"}]}),
-        ("chat/completions", {"model": "fastgate-never", "stream": True,
-                              "messages": [{"role": "user", "content": [{"type": "text", "text": "Capital \ud800?"}]}]}),
+        ("chat/completions", {"model": "fastgate-never", "stream": True, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Capital \ud800?"}]}]}),
         ("completions", {"model": "fastgate-dtr", "prompt": "Capital \ud800?"}),
         ("completions", {"model": lm, "prompt": "Capital \ud800?", "max_tokens": 4}),
     ]:
@@ -195,7 +194,22 @@ def test_invalid_requests_get_openai_style_errors(client):
                        timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", (path, r.text)
         assert "lone surrogate U+D800" in r.json()["error"]["message"]
-    assert httpx.get(f"{client.base_url}no/such/path", timeout=30).status_code == 404  # other HTTP errors: FastAPI's
+    for method, path, status, code in [("get", "no/such/path", 404, "not_found"),
+                                       ("post", "embeddings", 404, "not_found"),
+                                       ("get", "chat/completions", 405, "method_not_allowed")]:
+        r = getattr(httpx, method)(f"{client.base_url}{path}", timeout=30)  # OpenAI's paths: OpenAI's format
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert "allow" in r.headers  # the 405 says what is
+    root = str(client.base_url).removesuffix("v1/")
+    assert httpx.get(f"{root}no/such/path", timeout=30).json() == {"detail": "Not Found"}  # elsewhere: FastAPI's
+    r = httpx.post(f"{client.base_url}completions", content=b'{"model":', headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] is None  # not the offset as a field name
+    assert "not valid JSON at character 9" in r.json()["error"]["message"]
+    assert client.models.retrieve("fastgate-dtr").id == "fastgate-dtr"  # the OpenAI client's models.retrieve
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.code == "model_not_found"
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_program(client, service):

@@ -55,7 +55,8 @@ class ApiError(Exception):
 
 
 def _error_type(status: int) -> str:
-    return {400: "invalid_request_error", 404: "invalid_request_error", 503: "overloaded_error",
+    return {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+            503: "overloaded_error",
             504: "timeout_error"}.get(status, "server_error")
 
 
@@ -68,6 +69,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending field of a FastAPI ``RequestValidationError``."""
     parts, param = [], None
     for e in exc.errors()[:5]:
+        if e.get("type") == "json_invalid":  # its loc is ("body", offset): a place in the text, not a field
+            offset = [x for x in e.get("loc", ()) if x != "body"]
+            parts.append(f"the body is not valid JSON{f' at character {offset[0]}' if offset else ''} "
+                         f"({(e.get('ctx') or {}).get('error', e.get('msg', 'invalid'))})")
+            continue
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
@@ -112,12 +118,13 @@ class ErrorMap:
         self.count(err.status)
         return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
 
-    def openai(self, exc: BaseException, *, queued: bool = True) -> JSONResponse:
-        """The OpenAI error response of ``exc``."""
+    def openai(self, exc: BaseException, *, queued: bool = True, headers: dict[str, str] | None = None
+               ) -> JSONResponse:
+        """The OpenAI error response of ``exc`` (with ``headers`` too: a 405's ``Allow``)."""
         err = self.error(exc, openai=True, queued=queued)
         self.count(err.status)
         return JSONResponse(openai_error(err.status, err.message, err.param, err.code), status_code=err.status,
-                            headers=err.headers)
+                            headers={**(headers or {}), **(err.headers or {})} or None)
 
     def openai_event(self, exc: BaseException, *, code: bool = True) -> dict[str, Any]:
         """The OpenAI error body of ``exc`` as a stream's last event (the status is sent already: 200). ``code``:
@@ -144,7 +151,16 @@ class ErrorMap:
         async def _unparsed(request: Request, exc: StarletteHTTPException):
             # FastAPI answers a body it cannot decode at all (not UTF-8) with a bare 400 {"detail": ...}, raised from
             # the UnicodeDecodeError; such a body is invalid input like any other: the path's own error format and
-            # status. Every other HTTP error (404, 405, another 400) stays FastAPI's.
+            # status. A path or method OpenAI's API has and this server does not (/v1/embeddings, GET
+            # /v1/chat/completions) gets OpenAI's format, which its clients read; every other HTTP error stays
+            # FastAPI's.
+            path = request.url.path
+            if exc.status_code in (404, 405) and path.startswith("/v1/") and not path.startswith("/v1/answer"):
+                what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
+                return self.openai(ApiError(exc.status_code, f"{what}: {request.method} {path} (this server has "
+                                            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models)",
+                                            None, "not_found" if exc.status_code == 404 else "method_not_allowed"),
+                                   headers=exc.headers)
             if exc.status_code != 400 or not isinstance(exc.__cause__, UnicodeDecodeError):
                 return await http_exception_handler(request, exc)
             message = f"invalid request: the body is not JSON in UTF-8 ({exc.detail})"

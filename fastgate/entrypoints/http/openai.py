@@ -72,6 +72,7 @@ from fastgate.entrypoints.http.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    ModelCard,
     ModelList,
     OpenAIRequest,
     is_int,
@@ -115,6 +116,15 @@ class OpenAIServing:
                          "fastgate": {"method": None, "description": "plain completions of the LM, with token "
                                       "log-probabilities (/v1/completions only)", "default": False, "lm": lm}})
         return {"object": "list", "data": data}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{model_id}``: that model of :meth:`models`; :class:`ApiError` 404 for one not served."""
+        for card in self.models()["data"]:
+            if card["id"] == model_id:
+                return card
+        known = ", ".join(card["id"] for card in self.models()["data"])
+        raise ApiError(404, f"the model {model_id!r} does not exist; this server has: {known}", "model",
+                       "model_not_found")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         """``POST /v1/chat/completions``: the last message is the question."""
@@ -348,7 +358,14 @@ def add_openai_routes(app: Any, serving: OpenAIServing, chat_request: type[ChatC
     async def models() -> Any:
         return serving.models()
 
+    async def model(model_id: str) -> Any:  # the OpenAI client's models.retrieve
+        try:
+            return serving.model(model_id)
+        except ApiError as exc:
+            return serving.errors.openai(exc)
+
     app.post("/v1/chat/completions", response_model=ChatCompletion, responses=OPENAI_RESPONSES)(chat_completions)
     app.post("/v1/completions", response_model=Completion, responses=OPENAI_RESPONSES)(completions)
     app.get("/v1/models", response_model=ModelList)(models)
+    app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=OPENAI_RESPONSES)(model)
 
