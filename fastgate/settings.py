@@ -20,7 +20,19 @@ from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["add_setting_args", "parse_params", "setting"]
+__all__ = ["add_setting_args", "count", "parse_params", "setting"]
+
+
+def count(text: str) -> int:
+    """argparse ``type`` of a ``--n`` that counts questions from the start of a seeded order: an integer >= 0 (a
+    negative one sliced "all but the last N" silently)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of questions, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of questions >= 0, got {value}")
+    return value
 
 
 def setting(default: Any, help: str | None = None, *, flag: str | None = None,  # noqa: A002 - argparse's word

@@ -148,6 +148,21 @@ def test_conditional_entries_and_corrupt_files(monkeypatch, tmp_path):
     (tmp_path / "calibration" / "m.json").write_text("{broken")
     with pytest.raises(InputError, match="calibration file .* is corrupt"):
         calibrated_params("m", "read")
+    (tmp_path / "calibration" / "m.json").write_text(json.dumps(
+        {"model": "m", "entries": [{"method": "dtr", "when": ["k", 2], "params": {"tau": 0.3}}]}))
+    with pytest.raises(InputError, match="calibration file .*m.json is corrupt"):  # not an AttributeError
+        calibrated_params("m", "dtr")
+
+
+def test_a_condition_applies_however_its_value_is_typed(monkeypatch, tmp_path):
+    """`calibrate --param k=2` writes the string "2"; `ask --k 2` passes the integer, the library either."""
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path))
+    write_calibration("m", {"method": "dtr", "when": {"k": "2"}, "params": {"tau": 0.55}})
+    write_calibration("m", {"method": "dtr", "when": {"k": "3"}, "params": {"tau": 0.66}})  # 3: dtr's default k
+    for k in ("2", 2, "02"):
+        assert calibrated_params("m", "dtr", {"k": k})["tau"] == 0.55
+    assert calibrated_params("m", "dtr")["tau"] == 0.66 and calibrated_params("m", "dtr", {"k": 3})["tau"] == 0.66
+    assert calibrated_params("m", "dtr", {"k": "4"}, warn=False).get("tau") is None
 
 
 def test_shipped_files_keep_the_documented_values():

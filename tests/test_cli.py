@@ -145,3 +145,22 @@ def test_passive_omp_threads_says_whether_it_set_the_policy(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert entrypoints.passive_omp_threads() is True and entrypoints.OMP_POLICY_SET
     assert entrypoints.passive_omp_threads() is True  # a second call: still the one that set it
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["prepare", "--model", "nosuch"], "unknown embedded model 'nosuch'"),  # it converted nothing and exited 0
+    (["train", "prober", "--layers", "abc"], "--layers takes comma-separated layer numbers"),  # after the model loaded
+    (["train", "confidence", "--layers", "3,4"], "--layers takes one layer"),
+    (["calibrate", "--method", "dtr", "--data", "capitals", "--n", "-190"], "number of questions >= 0"),  # all but 190
+    (["train", "confidence", "--n", "-5"], "number of questions >= 0"),
+    (["train", "read", "--data", "nq:dev", "--n", "1.5"], "--n takes whole numbers"),  # a traceback
+])
+def test_bad_counts_layers_and_names_are_one_error_before_anything_loads(capsys, argv, message):
+    from fastgate.entrypoints.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err

@@ -373,3 +373,56 @@ def test_every_calibrated_value_is_a_valid_config():
                         assert getattr(config, key) == value
     # qwen2.5-0.5b's SeaKR δ is calibrated for the CPU budget's 3 samples
     assert calibrated_params("qwen2.5-0.5b", "seakr", {"samples": 3})["delta"] == 2.56
+
+
+# ---------------------------------------------------------------------------------------------------- resume safety
+def test_a_qa_file_with_a_repeated_id_is_refused_and_null_ids_are_line_numbers(tmp_path):
+    """Records are keyed by id: a repeated one made three questions score as the last one's record."""
+    from fastgate.errors import CorpusError
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"id": "x", "question": q, "answers": [a]}) + "\n"
+                            for q, a in [("capital of France?", "Paris"), ("capital of Germany?", "Berlin")]))
+    with pytest.raises(CorpusError, match="qa.jsonl:2: id 'x' is also line 1's"):
+        load_qa(path)
+    path.write_text("".join(json.dumps({"id": None, "question": q, "answers": ["a"]}) + "\n" for q in ("a?", "b?")))
+    assert [e.id for e in load_qa(path)] == ["qa-1", "qa-2"]  # not "None" twice
+
+
+def test_sample_examples_refuses_a_count_below_one():
+    with pytest.raises(InputError, match="positive integer"):
+        sample_examples(EXAMPLES, -2)  # [:-2] answered all but the last two
+
+
+def test_resume_refuses_records_of_another_question_or_corpus(runtime, tmp_path, small_corpus_file):
+    """An edited --data file (an id now names another question) or another --index under the same --out would mix
+    answers made for other questions or from other passages into one summary."""
+    from fastgate.retrieval import build_indexes
+
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run = RunSpec("dtr", "bm25", (("tau", "0"),))
+    evaluate(runtime, [run], EXAMPLES[:2], store, batch_size=2, progress=False)
+    assert len({r["corpus"] for r in store.records.values()}) == 1  # each record names the corpus it searched
+    edited = [QAExample("q1", "What is the capital of Italy?", ("Rome",)), *EXAMPLES[1:3]]
+    with pytest.raises(InputError, match="answered id q1 of dtr.* for the question 'What is the capital of France"):
+        evaluate(runtime, [run], edited, store, batch_size=2, progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text(small_corpus_file.read_text().replace("Seine", "Seine river"))
+    build_indexes(other, tmp_path / "other-index", kinds=("bm25",), progress=False)
+    elsewhere = Runtime("tiny", index=str(tmp_path / "other-index"), engine=runtime.engine)
+    with pytest.raises(InputError, match="searched another corpus"):
+        evaluate(elsewhere, [run], EXAMPLES[:3], store, batch_size=2, progress=False)
+    legacy = ResultsStore(tmp_path / "legacy.jsonl")  # records from before they named it are not checked
+    legacy.append([{k: v for k, v in r.items() if k != "corpus"} for r in store.records.values()])
+    evaluate(elsewhere, [run], EXAMPLES[:3], ResultsStore(legacy.path), batch_size=2, progress=False)
+    evaluate(runtime, [run], EXAMPLES[:3], store, batch_size=2, progress=False)  # the same corpus resumes
+
+
+def test_out_that_is_a_file_or_settings_that_are_not_an_object_are_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="is a file: an evaluation writes a directory"):
+        check_settings(tmp_path / "file", EvalSettings(model="tiny"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "eval.json").write_text("[]")
+    with pytest.raises(InputError, match="eval.json is corrupt .not a JSON object"):
+        check_settings(tmp_path / "d", EvalSettings(model="tiny"))

@@ -604,3 +604,16 @@ def test_a_cancelled_generation_frees_its_cache_without_another_step(world, layo
     sched.run([again])
     assert again.result == engine.generate([f"Q: {QUESTIONS[1]}\nA:"], GenerationConfig(
         max_new_tokens=3, stop_at_eos=False)).sequences[0].token_ids
+
+
+def test_answer_checks_the_questions_as_answer_batch_does(tiny_engine):
+    """A string was answered as its characters, an empty question as an empty prompt, None raised AttributeError."""
+    from fastgate.methods import build_method
+
+    method = build_method("never", tiny_engine)
+    sched = Scheduler(tiny_engine)
+    for questions, message in [("ab", "not a string"), ([""], "empty"), ([None], "must be a string"),
+                               ([], "no questions")]:
+        with pytest.raises(InputError, match=message):
+            sched.answer(method, questions)
+    assert sched.idle and sched.answer(method, ["  Who wrote Hamlet? "])[0].question == "Who wrote Hamlet?"

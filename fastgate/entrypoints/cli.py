@@ -69,7 +69,7 @@ def _remote(args: argparse.Namespace):
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
-    from fastgate.serving.runtime import Runtime, check_request, result_record
+    from fastgate.serving.runtime import Runtime, check_request, finite, result_record
 
     questions = [q.strip() for q in args.question]
     if not questions or any(not q for q in questions):
@@ -93,7 +93,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         record = result_record(r, runtime.model_name, request.retriever, runtime.setup_s, dtype=runtime.dtype_name,
                                engine=runtime.engine_name, weights=runtime.weights_name)
         if args.json:
-            print(json.dumps(record, ensure_ascii=False))
+            print(json.dumps(finite(record), ensure_ascii=False))  # strict JSON: an infinite threshold as null
         else:
             _print_human(record)
     return 0
@@ -265,9 +265,14 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fastgate.assets.models import MODELS, prepare
+    from fastgate.errors import UnknownNameError
     from fastgate.retrieval import RETRIEVERS, build_indexes
 
+    if args.model not in MODELS and not Path(args.model).is_dir():  # a local HF directory has nothing to convert
+        raise UnknownNameError("embedded model", args.model, list(MODELS))
     specs = []
     if args.benchmarks:  # every name is checked before any work starts
         from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark

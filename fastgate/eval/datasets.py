@@ -161,13 +161,17 @@ def load_qa(data: str | Path) -> list[QAExample]:
     if not path.is_file():
         raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}), a benchmark "
                           f"({', '.join(BENCHMARKS)}, as NAME[:SPLIT[:SUBSET]]) nor a JSONL file")
-    out = []
+    out, lines = [], {}
     for n, row in iter_jsonl_objects(path, "question, answers"):
         question, answers = row.get("question"), row.get("answers")
         if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
             raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
-        out.append(QAExample(str(row.get("id", f"{path.stem}-{n}")), question.strip(), tuple(str(a) for a in answers),
-                             source=path.stem))
+        qid = row.get("id")
+        qid = f"{path.stem}-{n}" if qid is None else str(qid)
+        if qid in lines:  # records are keyed by id: one would stand for both (scored and resumed as one)
+            raise CorpusError(f"{path}:{n}: id {qid!r} is also line {lines[qid]}'s; ids must be unique")
+        lines[qid] = n
+        out.append(QAExample(qid, question.strip(), tuple(str(a) for a in answers), source=path.stem))
     if not out:
         raise CorpusError(f"{path} has no questions")
     return out
@@ -178,6 +182,8 @@ def sample_examples(examples: list[QAExample], n: int | None, seed: int = 0) -> 
     ``n`` of a larger draw with the same seed are the same questions."""
     import random
 
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise InputError(f"the number of questions must be a positive integer, got {n!r}")  # [:-5]: all but five
     order = list(examples)
     random.Random(seed).shuffle(order)
     return order if n is None else order[:n]

@@ -168,11 +168,15 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
     """Write ``eval.json`` on first use; refuse to mix records made under different settings."""
     path = out_dir / "eval.json"
     mine = asdict(settings)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir} is a file: an evaluation writes a directory (--out)")
     if path.exists():
         try:
             theirs = json.loads(path.read_text())
         except ValueError as exc:  # not JSON, or not UTF-8 text at all
             raise InputError(f"{path} is corrupt ({exc}); remove it or use another --out") from None
+        if not isinstance(theirs, dict):
+            raise InputError(f"{path} is corrupt (not a JSON object of settings); remove it or use another --out")
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:
             what = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
@@ -354,6 +358,42 @@ def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> 
                          f"pass --dtype {was}")
 
 
+def _check_questions(store: ResultsStore, run: RunSpec, examples: Sequence[QAExample]) -> None:
+    """Refuse to resume ``run`` where a record's id now names another question (a ``--data`` file edited since: ids
+    default to line numbers, so a line inserted above shifts them)."""
+    for ex in examples:
+        rec = store.records.get((run.key, ex.id))
+        if rec is not None and rec.get("question") not in (None, ex.question):
+            raise InputError(f"{store.path} answered id {ex.id} of {run.key} for the question {rec['question']!r}, "
+                             f"but the data now has {ex.question!r} under that id (the data changed since): evaluate "
+                             "into a new --out directory")
+
+
+def _corpus(runtime, run: RunSpec) -> str | None:
+    """The fingerprint of the corpus ``run`` searches (its retrievers' indexes; None: it searches none, or a remote
+    or test runtime without an index of its own)."""
+    from fastgate.methods import METHODS
+    from fastgate.retrieval import corpus_fingerprint_of
+
+    kinds = sorted({run.retriever, *METHODS[run.method].uses_retrievers} - {None})
+    if not kinds or not hasattr(runtime, "index"):
+        return None
+    prints = {corpus_fingerprint_of(runtime.index, kind) for kind in kinds} - {None}
+    return ",".join(sorted(prints)) or None
+
+
+def _check_corpus(store: ResultsStore, run: RunSpec, corpus: str | None) -> None:
+    """Refuse to resume ``run`` over records that searched another corpus (``--index`` of another one). Records from
+    before they named it are not checked."""
+    if corpus is None:
+        return
+    for (key, qid), rec in store.records.items():
+        if key == run.key and rec.get("corpus", corpus) != corpus:
+            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) searched another "
+                             f"corpus (fingerprint {str(rec['corpus'])[:12]}; this index's {corpus[:12]}): evaluate "
+                             "into a new --out directory, or pass the --index they searched")
+
+
 def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:
     """Refuse to resume or summarise ``run`` over records made with the linear weights held otherwise (``int8``
     answers differ from ``float`` ones). Records written before they named it were made with ``float`` weights."""
@@ -441,13 +481,17 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             _check_dtype(store, run, dtype, legacy)
         if weights is not None:
             _check_weights(store, run, weights)
+        _check_questions(store, run, examples)
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
             method = runtime.build(AnswerRequest(run.method, run.retriever, run.params, config))  # built once
+            corpus = _corpus(runtime, run)  # read once the method has opened (or built) its indexes
+            _check_corpus(store, run, corpus)
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:
                 tags = {"params": params, "engine": engine, "schedule": schedule,
+                        **({"corpus": corpus} if corpus is not None else {}),
                         **({"dtype": dtype} if dtype is not None else {}),
                         **({"weights": weights} if weights is not None else {}),
                         **({"invocation": invocation} if invocation is not None else {})}

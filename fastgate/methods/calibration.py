@@ -42,9 +42,10 @@ def _read(path: Path) -> list[dict[str, Any]]:
     try:
         doc = json.loads(path.read_text())
         entries = doc["entries"]
-        if not isinstance(entries, list) or not all(isinstance(e, dict) and "method" in e and "params" in e
-                                                    for e in entries):
-            raise ValueError("entries must be a list of {method, params, ...}")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("method"), str)
+                                                    and isinstance(e.get("params"), dict)
+                                                    and isinstance(e.get("when") or {}, dict) for e in entries):
+            raise ValueError("entries must be a list of {method: str, params: {...}, when: {...} (optional)}")
         return entries
     except FileNotFoundError:
         return []
@@ -110,7 +111,25 @@ def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool
     if "checkpoint" in defaults and \
             checkpoint_key(when.get("checkpoint")) != checkpoint_key(params.get("checkpoint", defaults["checkpoint"])):
         return False
-    return all(params.get(k, defaults.get(k)) == v for k, v in when.items() if k != "checkpoint")
+    # typed as the parameter's default is: `--param k=2` (written "2"), `--k 2` and the library's 2 are one value
+    return all(_typed(params.get(k, defaults.get(k)), defaults.get(k)) == _typed(v, defaults.get(k))
+               for k, v in when.items() if k != "checkpoint")
+
+
+def _typed(value: Any, like: Any) -> Any:
+    """``value`` in the type of the parameter's default ``like`` (a string parsed: "2" is 2, "0.5" is 0.5, "true" is
+    True), to compare a condition with a request; as it is where it does not convert."""
+    if isinstance(value, str) and isinstance(like, bool):
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+            value.strip().lower(), value)
+    if isinstance(value, str) and isinstance(like, (int, float)):
+        try:
+            return type(like)(value)
+        except ValueError:
+            return value
+    if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 _WARNED: set[tuple[str, str, str]] = set()  # (model, method, checkpoint) already warned about in this process

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
 from fastgate.assets.paths import index_dir, one_builder
-from fastgate.errors import UnknownNameError
+from fastgate.errors import InputError, UnknownNameError
 from fastgate.retrieval.base import Hit, Retriever
 
-__all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes", "open_retriever"]
+__all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes",
+           "corpus_fingerprint_of", "open_retriever"]
 
 RETRIEVERS = ("bm25", "dense")
 
@@ -52,6 +53,17 @@ def open_retriever(kind: str = "bm25", index_root: str | Path | None = None, *, 
     return DenseRetriever(root / "dense", **kwargs)
 
 
+def corpus_fingerprint_of(index_root: str | Path | None, kind: str) -> str | None:
+    """The fingerprint of the corpus the ``kind`` index under ``index_root`` (default: the default corpus's) was built
+    from, as its manifest names it; None where there is no readable manifest (an index not built yet)."""
+    root = index_dir(DEFAULT_CORPUS) if index_root is None else Path(index_root)
+    try:
+        manifest = json.loads((root / kind / "fastgate_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest.get("corpus_fingerprint") if isinstance(manifest, dict) else None
+
+
 def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | None = None,
                   kinds: tuple[str, ...] = RETRIEVERS, *, hnsw: bool = False, progress: bool = True,
                   force: bool = False) -> dict[str, Path]:
@@ -61,6 +73,8 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     for kind in kinds:
         if kind not in RETRIEVERS:
             raise UnknownNameError("retriever", kind, RETRIEVERS)
+    if out_root is not None and Path(out_root).exists() and not Path(out_root).is_dir():
+        raise InputError(f"{out_root} is a file: the indexes go in a directory (--out)")
     name, passages = load_corpus(corpus)
     root = Path(out_root) if out_root is not None else index_dir(name)
     fingerprint = corpus_fingerprint(passages)

@@ -155,7 +155,10 @@ class Scheduler:
         return tasks
 
     def answer(self, method, questions: list[str]) -> list:
-        """Run ``method``'s program for each question; the results in order (an error of any is raised)."""
+        """Run ``method``'s program for each question; the results in order (an error of any is raised). The
+        questions are checked first as ``method.answer_batch`` checks them (a list of non-empty strings that fit the
+        context, stripped; :class:`~fastgate.errors.InputError` before anything runs)."""
+        questions = method.validate(questions)
         tasks = self.run([self.submit(method, q) for q in questions])
         for t in tasks:
             if t.error is not None:

@@ -9,6 +9,7 @@ method built for it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from fastgate.engine.static_step import STEP_MODES
 from fastgate.errors import UnknownNameError
 from fastgate.settings import setting
 
-__all__ = ["AnswerRequest", "Runtime", "RuntimeConfig", "check_request", "result_record"]
+__all__ = ["AnswerRequest", "Runtime", "RuntimeConfig", "check_request", "finite", "result_record"]
 
 
 @dataclass(frozen=True)
@@ -301,3 +302,15 @@ def result_record(result, model: str, retriever: str | None, setup_s: float = 0.
         record["engine"] = engine
     record["timings"] = {**record["timings"], "setup_s": setup_s}
     return record
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (an eigenscore with no valid sample is +inf) as None: JSON has no
+    infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj

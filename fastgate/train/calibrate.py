@@ -30,6 +30,7 @@ import numpy as np
 
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
+from fastgate.settings import count
 
 __all__ = ["CalibrationResult", "add_calibrate_parser", "choose_cut", "dev_curve"]
 
@@ -252,7 +253,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
                    help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions (default: nq:dev:balanced)")
-    p.add_argument("--n", type=int, default=200, help="questions of the seeded order (default: 200)")
+    p.add_argument("--n", type=count, default=200, help="questions of the seeded order (default: 200)")
     p.add_argument("--rule", choices=("rate", "best", "loss"), default="rate",
                    help="rate: retrieve on --rate of the questions; best: the largest gain over the random gate at "
                         "rates up to --rate; loss: the fewest retrievals within --max-loss of the better of never and "

@@ -9,8 +9,22 @@ import random
 from pathlib import Path
 
 from fastgate.assets.pins import DEFAULT_MODEL
+from fastgate.errors import InputError
+from fastgate.settings import count
 
 __all__ = ["add_train_parser"]
+
+
+def _layers(text: str | None, one: bool) -> tuple[int, ...] | None:
+    """``--layers``: comma-separated layer numbers >= 0 (one only where ``one``); None when not given."""
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise InputError(f"--layers takes comma-separated layer numbers >= 0, got {text!r}")
+    if one and len(parts) != 1:
+        raise InputError(f"--layers takes one layer for the confidence probe, got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _examples(args: argparse.Namespace):
@@ -78,6 +92,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from fastgate.train import FitConfig, fit_probers
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
+    asked = _layers(args.layers, one=args.kind != "prober")  # checked before the model loads
     examples = _examples(args)
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     engine = Engine(lm)
@@ -85,11 +100,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.kind == "prober":
         from fastgate.methods.probing import default_probe_layers
 
-        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else default_probe_layers(lm.n_layers)
+        layers = asked or default_probe_layers(lm.n_layers)
         kind = "probing"
     else:
-        layers = (int(args.layers) if args.layers else lm.n_layers // 2,)
+        layers = asked or (lm.n_layers // 2,)
         kind = "confidence"
+    if max(layers) >= lm.n_layers:
+        raise InputError(f"--layers {args.layers}: {lm.n_layers} layers in {args.model} (0 to {lm.n_layers - 1})")
     feats, labels, cache = _labelled_features(args, lm, engine, examples, kind, layers)
     print(f"{len(labels)} labelled rows, {int(labels.sum())} correct ({float(labels.float().mean()):.1%}); "
           f"cache {cache.root}")
@@ -121,8 +138,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     feats, labels, _ = _labelled_features(args, lm, engine, held_out, ckpt.kind, ckpt.layers, suffix="-heldout")
     threshold = args.threshold if args.threshold is not None else (0.0 if ckpt.kind == "probing" else 0.95)
     result = evaluate_gate(ckpt.params, feats, labels, kind=ckpt.kind, threshold=threshold)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "kind": ckpt.kind, "threshold": threshold,
-                      **result.to_dict()}))
+    from fastgate.serving.runtime import finite  # strict JSON: an AUROC of one-label data (NaN) as null
+
+    print(json.dumps(finite({"checkpoint": str(args.checkpoint), "kind": ckpt.kind, "threshold": threshold,
+                             **result.to_dict()})))
     return 0
 
 
@@ -158,7 +177,7 @@ def add_train_parser(sub) -> None:
     ev.add_argument("--model", default=DEFAULT_MODEL)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--data", default="default")
-    ev.add_argument("--n", type=int, default=0, help="held-out questions to use (0 = all)")
+    ev.add_argument("--n", type=count, default=0, help="held-out questions to use (0 = all)")
     ev.add_argument("--threshold", type=float, default=None, help="θ (probing, default 0) or β (confidence, 0.95)")
     ev.add_argument("--index", default=None)
     ev.add_argument("--k", type=int, default=3)
@@ -169,7 +188,7 @@ def add_train_parser(sub) -> None:
     rr.add_argument("--model", default=DEFAULT_MODEL)
     rr.add_argument("--device", default="auto")
     rr.add_argument("--data", default="default")
-    rr.add_argument("--n", type=int, default=200, help="training questions")
+    rr.add_argument("--n", type=count, default=200, help="training questions")
     rr.add_argument("--out", required=True, help="output directory (sentence-transformers layout)")
     rr.add_argument("--checkpoint", default=None, help="confidence model (default: the one shipped for --model)")
     rr.add_argument("--index", default=None)
@@ -189,7 +208,7 @@ def add_train_parser(sub) -> None:
         p.add_argument("--model", default=DEFAULT_MODEL)
         p.add_argument("--device", default="auto")
         p.add_argument("--data", default="default", help="capitals | fanoutqa | default (both) | a JSONL file")
-        p.add_argument("--n", type=int, default=0, help="training questions to use (0 = all of the training split)")
+        p.add_argument("--n", type=count, default=0, help="training questions to use (0 = all of the training split)")
         p.add_argument("--out", default=None,
                        help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-<kind>)")
         p.add_argument("--cache", default=None, help="feature cache directory (default: under $FASTGATE_HOME)")

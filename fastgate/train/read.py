@@ -306,7 +306,11 @@ def _cmd_read(args: argparse.Namespace) -> int:
     datas = _split(args.data, "--data")
     for data in datas:
         refuse_test_split(data, "fastgate train read")  # before the model loads
-    ns = [int(v) if v not in ("all", "0") else None for v in _split(str(args.n), "--n")]
+    ns = []
+    for v in _split(str(args.n), "--n"):
+        if v not in ("all", "0") and not (v.isascii() and v.isdigit()):
+            raise InputError(f"--n takes whole numbers of questions >= 0 or all, one or one per dev set; got {v!r}")
+        ns.append(None if v in ("all", "0") else int(v))
     if len(ns) == 1:
         ns = ns * len(datas)
     if len(ns) != len(datas):

@@ -4,19 +4,19 @@ extras are installed, waiting for an answer within the HTTP timeout, JSON-safe r
 events, the paths of the OpenAI endpoints and their model-name prefix, and the version the app reports.
 
 Imports nothing of :mod:`fastgate.entrypoints.http` (every other module of the package may import it); calls
-:mod:`fastgate.errors` only.
+:mod:`fastgate.errors` and :func:`fastgate.serving.runtime.finite` only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from concurrent.futures import Future
 from typing import Any
 
 from fastgate.errors import InputError
+from fastgate.serving.runtime import finite  # the records' JSON (re-exported: the routes import it from here)
 
 __all__ = ["DISCONNECT_POLL_S", "MODEL_PREFIX", "OPENAI_PATHS", "ClientGone", "NotAnswered", "finite",
            "require_serving", "sse", "version", "wait_answer"]
@@ -78,18 +78,6 @@ def _consume(waited: asyncio.Future) -> None:
     "Future exception was never retrieved" for each)."""
     if not waited.cancelled():
         waited.exception()
-
-
-def finite(obj: Any) -> Any:
-    """``obj`` with every non-finite float (an eigenscore with no valid sample is +inf) as None: JSON has no
-    infinity."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return obj
 
 
 def sse(obj: Any) -> str:
