@@ -314,6 +314,8 @@ def test_load_qa_heldout_is_the_documented_split():
     (["eval", "--method", "dtr", "--sweep", "theta=1,2"], "unknown parameter"),
     (["eval", "--method", "dtr", "--n", "0"], "--n must be >= 1"),
     (["eval", "--method", "dtr", "--data", "nowhere.jsonl"], "neither a built-in set"),
+    (["eval", "--method", "dtr", "--batch-size", "0", "--out", "/nonexistent/never-made"], "--batch-size must be"),
+    (["eval", "--method", "never", "--data", "nq:test", "--split", "dev"], "names split 'test' and --split says"),
 ])
 def test_eval_cli_rejects_bad_input_before_loading(capsys, argv, message):
     from fastgate.entrypoints.cli import main
@@ -426,3 +428,9 @@ def test_out_that_is_a_file_or_settings_that_are_not_an_object_are_refused(tmp_p
     (tmp_path / "d" / "eval.json").write_text("[]")
     with pytest.raises(InputError, match="eval.json is corrupt .not a JSON object"):
         check_settings(tmp_path / "d", EvalSettings(model="tiny"))
+
+
+def test_a_qa_file_may_start_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "a?", "answers": ["b"]}).encode() + b"\r\n")
+    assert [e.question for e in load_qa(path)] == ["a?"]

@@ -64,6 +64,8 @@ def iter_jsonl_objects(path: Path, fields: str) -> Iterator[tuple[int, dict]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise CorpusError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write first
             if not line.strip():
                 continue
             try:

@@ -155,6 +155,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise InputError("--sweep takes one --method, not --all or a list")
     if args.n is not None and args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
+    if args.batch_size < 1:  # before --out and its eval.json are made
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     params: dict[str, Any] = _parse_params(args.param)
     remote = _remote(args)
     model = remote.model if remote else args.model

@@ -274,6 +274,11 @@ def load_examples(data: str | Path, n: int | None, seed: int = 0, index: str | P
     """
     data = str(data)
     if is_benchmark(data):
+        parts = data.split(":")
+        for i, (flag, given) in enumerate((("--split", split), ("--subset", subset)), 1):
+            if given and len(parts) > i and parts[i] and parts[i] != given:  # nq:test --split dev: one was ignored
+                raise InputError(f"{data!r} names {flag.removeprefix('--')} {parts[i]!r} and {flag} says "
+                                 f"{given!r}: give one")
         spec = parse_benchmark(data, split, subset)
         return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
     if split is not None or subset is not None:
