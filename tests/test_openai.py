@@ -289,3 +289,26 @@ def test_fastgate_never_returns_its_answer_logprobs_in_chat_and_completion_forma
         assert err.value.param == "logprobs"
     with pytest.raises(openai.BadRequestError, match="plain completions"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}])
+
+
+def test_a_stream_whose_program_fails_ends_with_the_errors_own_code(tiny_engine, small_index):
+    """The service's own timeout cancels a streamed program: its last event carries code ``timeout`` as the same
+    error does outside a stream (it carried none)."""
+    from fastgate.entrypoints.http import create_app
+    from fastgate.testing import serve_in_thread
+
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    svc = AnswerService(ServiceConfig(method="dtr", index=str(small_index), timeout_s=0.5, no_warmup=True),
+                        runtime).start()
+    slow = {**SLOW_SEAKR, "samples": 16, "step_tokens": 64, "max_steps": 8, "answer_tokens": 128}
+    try:
+        with serve_in_thread(create_app(svc, timeout_s=60)) as port:
+            body = {"model": "fastgate-seakr", "stream": True, "messages": [{"role": "user", "content": "Kyrgyzstan?"}],
+                    **slow}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as r:
+                events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "timeout" and error["type"] == "timeout_error", error
+    finally:
+        svc.stop()

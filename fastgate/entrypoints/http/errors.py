@@ -126,14 +126,12 @@ class ErrorMap:
         return JSONResponse(openai_error(err.status, err.message, err.param, err.code), status_code=err.status,
                             headers={**(headers or {}), **(err.headers or {})} or None)
 
-    def openai_event(self, exc: BaseException, *, code: bool = True) -> dict[str, Any]:
-        """The OpenAI error body of ``exc`` as a stream's last event (the status is sent already: 200). ``code``:
-        with the param and code (a stream's own deadline), else the status's type and the message only (a program
-        that failed)."""
+    def openai_event(self, exc: BaseException) -> dict[str, Any]:
+        """The OpenAI error body of ``exc`` as a stream's last event (the status is sent already: 200), with the
+        param and code the same error has outside a stream (``timeout``, ``invalid_value``...); counted in the metrics
+        under the status it stands for, the request's outcome."""
         err = self.error(exc, openai=True)
         self.count(err.status)
-        if not code:
-            return openai_error(err.status, err.message)
         return openai_error(err.status, err.message, err.param, err.code)
 
     def install(self, app: Any) -> None:

@@ -290,7 +290,7 @@ class OpenAIServing:
                 try:
                     record = future.result()
                 except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
-                    yield sse(self.errors.openai_event(exc, code=False))
+                    yield sse(self.errors.openai_event(exc))
                     yield "data: [DONE]\n\n"
                     return
                 rest = text.finish(record["answer"])
