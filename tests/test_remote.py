@@ -327,3 +327,102 @@ def test_an_html_error_page_becomes_one_line_of_its_text():
     assert message == "Error response Error response Error code: 501"
     assert _message(httpx.Response(502, text="")) == "(an empty body)"
     assert _message(httpx.Response(400, json={"error": {"message": "bad model"}})) == "bad model"
+
+
+def test_a_refused_connection_is_retried_as_a_restart_and_malformed_answers_are_one_error():
+    """A server restarting refuses connections (not a 5xx): retried within --api-retries; an answer whose fields
+    have other types (tokens that are numbers) is a RemoteError, not an AttributeError's traceback."""
+    import socket
+
+    from fastgate.config import GenerationConfig
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=2, max_retry_wait_s=0.01))
+    with pytest.raises(RemoteError, match="cannot reach the server .ConnectError.*3 attempts"):
+        engine.connect()
+    assert engine.retries == 2
+
+    async def handler(body):
+        bad = _answer()
+        bad["choices"][0]["logprobs"]["tokens"] = [1, 2, 3]
+        return 200, bad, None
+
+    with _stub(handler) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=0))
+        with pytest.raises(RemoteError, match="the server's answer is malformed .AttributeError"):
+            engine.generate(["Q: x\nA:"], GenerationConfig(max_new_tokens=4))
+
+
+def test_the_timeout_bounds_the_whole_answer_of_a_server_that_trickles():
+    """httpx's timeout bounds each read: a server sending a byte every 0.1 s never reached a 0.5 s limit."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from fastgate.config import GenerationConfig
+    from fastgate.testing import serve_in_thread
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        async def trickle():
+            for _ in range(60):
+                yield b" "
+                await asyncio.sleep(0.1)
+        return StreamingResponse(trickle(), media_type="application/json")
+
+    with serve_in_thread(app) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", timeout_s=0.5, max_retries=0))
+        t0 = __import__("time").perf_counter()
+        with pytest.raises(RemoteError, match="no answer within 0.5 s"):
+            engine.generate(["Q: x\nA:"], GenerationConfig(max_new_tokens=4))
+        assert __import__("time").perf_counter() - t0 < 3
+
+
+def test_an_eval_goes_on_past_a_question_the_server_fails_and_a_rerun_retries_it(small_index, tmp_path):
+    from fastgate.eval.datasets import QAExample
+    from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
+    from fastgate.serving.runtime import Runtime
+
+    fail = {"on": True}
+
+    async def handler(body):
+        if fail["on"] and "Kyrgyzstan" in body["prompt"]:
+            return 500, {"error": {"message": "boom"}}, None
+        return 200, _answer(), None
+
+    examples = [QAExample(f"q{i}", q, ("Paris",)) for i, q in
+                enumerate(["capital of France?", "capital of Kyrgyzstan?", "Who wrote Hamlet?"])]
+    with _stub(handler) as port:
+        config = RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=0)
+        runtime = Runtime("stub", index=str(small_index), remote=config)
+        store = ResultsStore(tmp_path / "results.jsonl")
+        with pytest.raises(RemoteError, match="1 of 3 questions of never got no answer .* q1: .*rerun"):
+            evaluate(runtime, [RunSpec("never", None)], examples, store, batch_size=2, progress=False)
+        assert sorted(qid for _, qid in store.records) == ["q0", "q2"]  # the others recorded, the failed one not
+        fail["on"] = False
+        evaluate(runtime, [RunSpec("never", None)], examples, ResultsStore(store.path), batch_size=2, progress=False)
+    assert sorted(qid for _, qid in ResultsStore(store.path).records) == ["q0", "q1", "q2"]
+
+
+def test_a_server_on_a_remote_engine_lists_the_methods_it_runs_and_names_its_engine(fastgate_server, small_index):
+    from fastapi.testclient import TestClient
+
+    from fastgate.entrypoints.http import create_app
+    from fastgate.methods import METHODS
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
+
+    config = RemoteConfig(fastgate_server, "tiny")
+    front = AnswerService(ServiceConfig(method="never", index=str(small_index), remote=config),
+                          Runtime("tiny", index=str(small_index), remote=config)).start()
+    try:
+        with TestClient(create_app(front)) as client:
+            ids = {m["id"] for m in client.get("/v1/models").json()["data"]}
+            assert ids == {f"fastgate-{name}" for name, cls in METHODS.items() if cls.black_box}  # no probing...
+            body = client.post("/v1/answer", json={"question": "Who wrote Hamlet?"}).json()
+            assert body["engine"] == f"openai:{fastgate_server}:tiny", body  # FastAPI's response model dropped it
+    finally:
+        front.stop()

@@ -267,7 +267,7 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
     for r, d in zip(responses, direct * 2):
         body = r.json()
         assert body["answer"] == d.answer and body["question"] == d.question
-        assert set(body) == set(d.to_dict()) | {"model", "retriever"}
+        assert set(body) == set(d.to_dict()) | {"model", "retriever", "engine"} and body["engine"] == "local"
 
 
 @pytest.mark.parametrize("payload,status,message", [

@@ -68,9 +68,10 @@ class RemoteConfig:
     timeout_s: float = setting(60.0, "seconds per request (default: %(default)s)", flag="--api-timeout")
     # requests in flight at once: enough to keep a server's batch full without flooding it
     concurrency: int = setting(8, "requests in flight at once (default: %(default)s)", flag="--api-concurrency")
-    # on 429 / 5xx: rides out a server restart or a short overload, then the question fails
-    max_retries: int = setting(3, "retries of a request answered 429 or 5xx, waiting what Retry-After says "
-                                  "(default: %(default)s)", flag="--api-retries")
+    # on 429 / 5xx / a refused connection: rides out a server restart or a short overload, then the question fails
+    max_retries: int = setting(3, "retries of a request answered 429 or 5xx or whose connection is refused (a server "
+                                  "restarting), waiting what Retry-After says, else 0.5 s doubling (default: "
+                                  "%(default)s)", flag="--api-retries")
     max_retry_wait_s: float = 30.0  # the longest Retry-After honoured; longer ones are waited this long
     logprobs: int = 1  # asked per token; 1, not 0: llama.cpp's server returns no log-probabilities for 0
     context_tokens: int = 4096  # the server's context as the question-length check assumes it (the server checks too)
@@ -203,13 +204,30 @@ class RemoteEngine:
         client = self._http()
         for attempt in range(cfg.max_retries + 1):
             t0 = time.perf_counter()
+            hung = RemoteError(f"{self.name}: no answer within {cfg.timeout_s:g} s (the server hangs or is "
+                               "overloaded; --api-timeout sets the limit)")
             try:
                 with self._lock:
                     self.requests += 1
-                resp = client.post(self._url, json=body)
+                # streamed, so that the limit holds for the whole answer: httpx's timeout bounds each read, and a
+                # server sending a byte now and then never reached it
+                with client.stream("POST", self._url, json=body) as streamed:
+                    data = bytearray()
+                    for chunk in streamed.iter_bytes():
+                        data += chunk
+                        if time.perf_counter() - t0 > cfg.timeout_s:
+                            raise hung
+                    resp = httpx.Response(streamed.status_code, headers=streamed.headers, content=bytes(data))
             except httpx.TimeoutException:
-                raise RemoteError(f"{self.name}: no answer within {cfg.timeout_s:g} s (the server hangs or is "
-                                  "overloaded; --api-timeout sets the limit)") from None
+                raise hung from None
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # a server restarting: as a 5xx
+                if attempt < cfg.max_retries:
+                    with self._lock:
+                        self.retries += 1
+                    time.sleep(_retry_wait(None, attempt, cfg.max_retry_wait_s))
+                    continue
+                raise RemoteError(f"{self.name}: cannot reach the server ({type(exc).__name__}: {exc}; "
+                                  f"{attempt + 1} attempts)") from None
             except httpx.HTTPError as exc:
                 raise RemoteError(f"{self.name}: cannot reach the server ({type(exc).__name__}: {exc})") from None
             finally:
@@ -267,7 +285,16 @@ class RemoteEngine:
         return body
 
     def _parse(self, out: dict[str, Any], prompt: str, cfg: GenerationConfig | None = None) -> Generation:
-        """A :class:`Generation` from one completion response (one choice)."""
+        """A :class:`Generation` from one completion response (one choice); :class:`RemoteError` for an answer that
+        does not have the format's types (tokens that are not strings, log-probs or usage that are not numbers)."""
+        try:
+            return self._parse_fields(out, prompt, cfg)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise RemoteError(f"{self.name}: the server's answer is malformed ({type(exc).__name__}: {exc}): "
+                              f"{str(out)[:200]}") from None
+
+    def _parse_fields(self, out: dict[str, Any], prompt: str, cfg: GenerationConfig | None) -> Generation:
+        """:meth:`_parse`'s work: raises what a malformed field raises."""
         try:
             choice = out["choices"][0]
             text = choice.get("text") or ""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
-from fastgate.errors import InputError, disk_error
+from fastgate.errors import InputError, RemoteError, disk_error
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy, exact_match, token_f1
 
@@ -261,8 +261,10 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
     ``wall_s`` its share of the run's wall time: its group's time from the previous group's end over the group's
     answered records (a record with an error gets 0: :func:`summarize` counts answered questions), so that a run's
     seconds per question sum each second once. A question the method rejects is answered again alone and recorded
-    with its error if it fails alone too (:func:`_answer_one`), as a batch's are. On an error or an interrupt, the
-    records already ended are stored before it propagates."""
+    with its error if it fails alone too (:func:`_answer_one`), as a batch's are. A question a remote engine's server
+    fails (:class:`~fastgate.errors.RemoteError`: a timeout, a 5xx after the retries) is not recorded and the others
+    go on; the run then ends with one :class:`~fastgate.errors.RemoteError` naming them (a rerun retries them). On
+    another error or an interrupt, the records already ended are stored before it propagates."""
     from fastgate.scheduler import Scheduler
     from fastgate.serving.runtime import result_record
 
@@ -270,6 +272,7 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
     queue = list(reversed(todo))  # popped from the end: input order
     live: dict[Any, tuple[QAExample, float]] = {}  # task -> (question, when it joined)
     chunk: list[dict[str, Any]] = []
+    failed: list[tuple[QAExample, RemoteError]] = []  # questions a remote engine's server did not answer
     since = time.perf_counter()
 
     def flush() -> None:
@@ -302,6 +305,8 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
                                          time.perf_counter() - t0, 1))
                 elif isinstance(task.error, InputError):  # e.g. a prompt too long: alone, as a batch's rejected ones
                     chunk.extend(_answer_one(method, run, ex, model))
+                elif isinstance(task.error, RemoteError):  # the server failed this one: the others go on
+                    failed.append((ex, task.error))
                 else:
                     raise task.error
             if len(chunk) >= window or (chunk and not queue and not live):
@@ -310,6 +315,10 @@ def _answer_window(method, run: RunSpec, todo: Sequence[QAExample], window: int,
         if chunk:  # what ended before the error or the interrupt is kept
             flush()
         raise
+    if failed:  # not recorded: a rerun of the same command asks the server again for these only
+        ex, first = failed[0]
+        raise RemoteError(f"{len(failed)} of {len(todo)} questions of {run.key} got no answer from the server (the "
+                          f"first, {ex.id}: {first}); the others are recorded: rerun the same command to retry these")
 
 
 def _answer_one(method, run: RunSpec, ex: QAExample, model: str) -> list[dict[str, Any]]:

@@ -105,12 +105,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ endpoints
     def models(self) -> dict[str, Any]:
-        """``GET /v1/models``: one model per method, and the LM itself where it serves plain completions."""
+        """``GET /v1/models``: one model per method this server runs (on a remote engine, the black-box ones), and
+        the LM itself where it serves plain completions."""
         lm = self.service.model_name
+        remote = self.service.runtime.remote is not None  # methods reading hidden states are refused there
         data = [{"id": MODEL_PREFIX + name, "object": "model", "created": self.created_at, "owned_by": "fastgate",
                  "fastgate": {"method": name, "description": cls.description, "default": name == self.default_method,
                               "lm": lm}}
-                for name, cls in METHODS.items()]
+                for name, cls in METHODS.items() if cls.black_box or not remote]
         if is_plain_model(self.service, lm):  # the LM itself: plain completions with token log-probabilities
             data.append({"id": lm, "object": "model", "created": self.created_at, "owned_by": "fastgate",
                          "fastgate": {"method": None, "description": "plain completions of the LM, with token "

@@ -87,6 +87,7 @@ class AnswerResponse(BaseModel):
     finish_reason: str
     model: str
     retriever: str | None
+    engine: str | None = None  # local, or openai:<base-url>:<model> (the records' field; it was dropped here)
 
 
 class ErrorResponse(BaseModel):
