@@ -426,3 +426,12 @@ def test_a_server_on_a_remote_engine_lists_the_methods_it_runs_and_names_its_eng
             assert body["engine"] == f"openai:{fastgate_server}:tiny", body  # FastAPI's response model dropped it
     finally:
         front.stop()
+
+
+def test_a_failing_upstream_is_a_502_and_a_string_is_not_a_list_of_prompts(tiny_engine):
+    from fastgate.entrypoints.http.errors import ErrorMap
+
+    err = ErrorMap(60, lambda status: None).error(RemoteError("stub: the server answered 500 4 times"), openai=True)
+    assert (err.status, err.code) == (502, "upstream_error")  # not 500 "internal error": this server is fine
+    with pytest.raises(InputError, match="a list of prompts, not a string"):
+        tiny_engine.generate("Q: hi\nA:")  # ran as 8 one-character prompts

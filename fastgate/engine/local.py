@@ -145,6 +145,8 @@ class Engine:
             prompt i-1).
         """
 
+        if isinstance(prompts, str):  # a string is a sequence: it ran as one prompt per character
+            raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
         if not prompts:
             raise InputError("generate: no prompts")
         b = len(prompts)

@@ -3,6 +3,7 @@
 - an :class:`ApiError` a route raises: its own status;
 - ``OverloadedError`` (the queue is full): 503 with ``Retry-After`` (the service's estimate), code ``overloaded``;
 - ``InputError``, ``CheckpointError``: 422 natively, 400 on the OpenAI endpoints, code ``invalid_value``;
+- ``RemoteError`` (the server behind a remote engine failed, after its retries): 502, code ``upstream_error``;
 - :class:`~fastgate.entrypoints.http.common.ClientGone` (the client closed the connection before its answer; the
   request is cancelled): 499, code ``client_closed`` (nobody reads it: counted in the metrics);
 - :class:`~fastgate.entrypoints.http.common.NotAnswered` (the HTTP timeout) and the scheduler's ``CancelledError`` (the
@@ -34,15 +35,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgate.entrypoints.http.common import OPENAI_PATHS, ClientGone, NotAnswered
 from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
-from fastgate.errors import CheckpointError, FastgateError, InputError
+from fastgate.errors import CheckpointError, FastgateError, InputError, RemoteError
 from fastgate.scheduler import CancelledError as ProgramCancelled
 from fastgate.serving.service import OverloadedError
 
 __all__ = ["NATIVE_RESPONSES", "OPENAI_RESPONSES", "ApiError", "ErrorMap", "openai_error", "validation_message"]
 
 # the error responses each endpoint documents in /openapi.json
-NATIVE_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (422, 503, 504)}
-OPENAI_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (400, 404, 500, 503, 504)}
+NATIVE_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (422, 502, 503, 504)}
+OPENAI_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody} for s in (400, 404, 500, 502, 503, 504)}
 
 
 class ApiError(Exception):
@@ -56,7 +57,7 @@ class ApiError(Exception):
 
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-            503: "overloaded_error",
+            502: "upstream_error", 503: "overloaded_error",
             504: "timeout_error"}.get(status, "server_error")
 
 
@@ -104,6 +105,8 @@ class ErrorMap:
             return ApiError(400 if openai else 422, str(exc), code="invalid_value")
         if isinstance(exc, NotAnswered):
             return ApiError(504, str(exc), code="timeout")
+        if isinstance(exc, RemoteError):  # the server behind a remote engine failed: not this server's fault
+            return ApiError(502, str(exc), code="upstream_error")
         if isinstance(exc, ClientGone):  # nobody reads it; nginx's status for it, counted as such in the metrics
             return ApiError(499, str(exc), code="client_closed")
         if isinstance(exc, ProgramCancelled):  # the service's own timeout

@@ -178,7 +178,7 @@ class OpenAIServing:
             return self.default_method
         name = model[len(MODEL_PREFIX):] if model.startswith(MODEL_PREFIX) else None
         if name not in METHODS:
-            known = ", ".join(MODEL_PREFIX + m for m in METHODS)
+            known = ", ".join(card["id"] for card in self.models()["data"])  # the LM too, where it is served
             raise ApiError(404, f"the model {model!r} does not exist; this server has: {known}", "model",
                            "model_not_found")
         return name
