@@ -230,6 +230,8 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_program(client, servic
     assert service.metrics.cancelled == cancelled + 1 and service.metrics.answered == answered  # stopped, not run out
     whole = client.chat.completions.create(model="fastgate-never", messages=[{"role": "user", "content": "Hi?"}])
     assert whole.choices[0].message.content is not None  # still serving
+    metrics = httpx.get(str(client.base_url).removesuffix("v1/") + "metrics", timeout=30).text
+    assert 'fastgate_requests_total{status="499"}' in metrics  # counted as a non-streamed one is
 
 
 def test_plain_completions_of_the_lm_return_logprobs_to_the_openai_client(client, service):

@@ -120,7 +120,8 @@ def _typed(value: Any, like: Any) -> Any:
     """``value`` in the type of the parameter's default ``like`` (a string parsed: "2" is 2, "0.5" is 0.5, "true" is
     True), to compare a condition with a request; as it is where it does not convert."""
     if isinstance(value, str) and isinstance(like, bool):
-        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                "off": False}.get(
             value.strip().lower(), value)
     if isinstance(value, str) and isinstance(like, (int, float)):
         try:

@@ -38,7 +38,7 @@ from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
 
-__all__ = ["WARMUP_QUESTION", "AnswerService", "OverloadedError", "ServiceConfig"]
+__all__ = ["GENERATION_LENGTH_PARAMS", "WARMUP_QUESTION", "AnswerService", "OverloadedError", "ServiceConfig"]
 
 _log = logging.getLogger("fastgate.serving")
 # the methods' parameters that set how many tokens one generation may take: bounded as max_tokens is
@@ -202,21 +202,23 @@ class AnswerService:
 
     def _warm_up(self, scheduler_cls) -> None:
         """Answer :data:`WARMUP_QUESTION` with the default method and read it through the default method's retriever
-        (``always``), on a scheduler of the service's settings dropped after, so that the first request does not pay
-        for the one-time work of the model's first passes: oneDNN's reordered weights, the quantized kernels' tiles,
-        the few-shot block's cached prefix, each prompt chunk's first product, the indexes' first reads. That work
-        changes no result (the same bits as without it: tests/test_server.py), and these answers count in no metric.
-        A failure is said and serving starts anyway (the requests then say their own errors)."""
+        (``always``; not for a method that never retrieves), on a scheduler of the service's settings dropped after,
+        so that the first request does not pay for the one-time work of the model's first passes: oneDNN's reordered
+        weights, the quantized kernels' tiles, the few-shot block's cached prefix, each prompt chunk's first product,
+        the indexes' first reads. That work changes no result (the same bits as without it: tests/test_server.py),
+        and these answers count in no metric. A failure is said and serving starts anyway (the requests then say
+        their own errors)."""
         from fastgate.serving.runtime import check_request
 
         start = time.perf_counter()
         try:
             default = self._request(self.config.method, None)
-            sched = self._new_scheduler(scheduler_cls)
+            # a scheduler of the service's settings, without the service's queue (``feed``): nothing else runs
+            sched = scheduler_cls(self.runtime.engine, self.config.scheduler_config())
             sched.answer(self._method(default), [WARMUP_QUESTION])
-            retriever = default.retriever or check_request("always", {}).retriever
-            reader = self.runtime.build(check_request("always", {}, retriever, self.runtime.model))
-            sched.answer(reader, [WARMUP_QUESTION])
+            if default.retriever is not None:  # a method that never retrieves opens no index (nor builds one)
+                reader = self._method(check_request("always", {}, default.retriever, self.runtime.model))  # kept
+                sched.answer(reader, [WARMUP_QUESTION])
         except Exception as exc:  # noqa: BLE001 - said, and the server starts: a request gets its own error
             _log.warning("fastgate: warning: the warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
             return
@@ -427,12 +429,12 @@ class AnswerService:
             if not 1 <= max_tokens <= self.config.max_tokens_limit:
                 raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
             params["max_answer_tokens"] = max_tokens
+        req = self._request(method, params)
         for name in GENERATION_LENGTH_PARAMS:  # max_tokens's bound, whichever way a generation's length is asked for
-            value = params.get(name)
+            value = getattr(req.config, name, None) if name in params else None  # typed: "300" is 300
             if isinstance(value, int) and not isinstance(value, bool) and value > self.config.max_tokens_limit:
                 raise InputError(f"parameter {name}={value} is above this server's limit of "
                                  f"{self.config.max_tokens_limit} tokens a generation")
-        req = self._request(method, params)
         # checked with the tokenizer only: building a method or running the model here would race the worker's decode
         question = check_questions(self.runtime.engine, req.config, [question])[0]
         if not self.running:

@@ -156,10 +156,11 @@ class ErrorMap:
             # /v1/chat/completions) gets OpenAI's format, which its clients read; every other HTTP error stays
             # FastAPI's.
             path = request.url.path
-            if exc.status_code in (404, 405) and path.startswith("/v1/") and not path.startswith("/v1/answer"):
+            if exc.status_code in (404, 405) and path.startswith("/v1/") and path != "/v1/answer":
                 what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
                 return self.openai(ApiError(exc.status_code, f"{what}: {request.method} {path} (this server has "
-                                            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models)",
+                                            "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET "
+                                            "/v1/models/{id})",
                                             None, "not_found" if exc.status_code == 404 else "method_not_allowed"),
                                    headers=exc.headers)
             if exc.status_code != 400 or not isinstance(exc.__cause__, UnicodeDecodeError):

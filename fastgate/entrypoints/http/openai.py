@@ -309,6 +309,7 @@ class OpenAIServing:
             finally:  # the client went away (the response task is cancelled) or the stream ended
                 if not future.done():
                     service.cancel(future)
+                    self.errors.count(499)  # the client went away: counted as a non-streamed request's is
 
         return StreamingResponse(events_then_answer(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

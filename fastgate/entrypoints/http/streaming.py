@@ -12,11 +12,13 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+from fastgate.entrypoints.http.common import DISCONNECT_POLL_S
+
 __all__ = ["POLL_S", "AnswerStream", "Events", "chunk", "stable_text"]
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25  # while no event comes, a stream checks this often whether its client has gone
+POLL_S = DISCONNECT_POLL_S  # while no event comes, a stream checks this often whether its client has gone
 
 
 def stable_text(text: str, stop: list[str] | tuple[str, ...]) -> str:
