@@ -435,3 +435,19 @@ def test_a_failing_upstream_is_a_502_and_a_string_is_not_a_list_of_prompts(tiny_
     assert (err.status, err.code) == (502, "upstream_error")  # not 500 "internal error": this server is fine
     with pytest.raises(InputError, match="a list of prompts, not a string"):
         tiny_engine.generate("Q: hi\nA:")  # ran as 8 one-character prompts
+
+
+def test_eval_all_on_a_remote_engine_runs_the_methods_it_can(capsys, tmp_path):
+    """--all named every method and the run was refused for the ones reading hidden states."""
+    import socket
+
+    from fastgate.entrypoints.cli import main
+
+    with socket.socket() as s:  # nothing listens: the run stops at its first question, after the runs were chosen
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["eval", "--all", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--api-model",
+                 "x", "--api-retries", "0", "--n", "1", "--data", "capitals", "--out", str(tmp_path / "e"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot reach the server" in err, err
+    assert "--all on a remote engine: never, always, flare, dtr, scaar" in err and "evaluating 5 run(s)" in err

@@ -141,7 +141,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.all and args.method is not None:
         raise InputError("give either --method M or --all, not both")
-    if args.all:
+    if args.all and getattr(args, "engine", "local") != "local":  # the ones a remote engine runs, said
+        names = [name for name, cls in METHODS.items() if cls.black_box]
+        print(f"fastgate: --all on a remote engine: {', '.join(names)} (the others read hidden states)",
+              file=sys.stderr)
+    elif args.all:
         names = list(METHODS)
     elif args.method is not None:
         names = [m.strip() for m in args.method.split(",") if m.strip()]
