@@ -451,3 +451,39 @@ def test_eval_all_on_a_remote_engine_runs_the_methods_it_can(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and "cannot reach the server" in err, err
     assert "--all on a remote engine: never, always, flare, dtr, scaar" in err and "evaluating 5 run(s)" in err
+
+
+def test_a_request_the_server_is_slow_to_answer_holds_no_other_question():
+    """The scheduler keeps a remote request in flight across ticks: a question asked after a hanging one is answered
+    while the hanging one still waits (the tick waited for every request of its call, and the later ticks with it)."""
+    from fastgate.methods import NeverRetrieve
+    from fastgate.scheduler import Scheduler
+
+    release = threading.Event()
+
+    async def handler(body):
+        if "HANG" in body["prompt"]:
+            for _ in range(200):  # until released (at most 10 s)
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.05)
+        return 200, _answer(), None
+
+    with _stub(handler) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", timeout_s=30, max_retries=0))
+        method = NeverRetrieve(engine, None)
+        sched = Scheduler(engine)
+        hung = sched.submit(method, "HANG for a while?")
+        sched.step()  # its request is in flight
+        ok = sched.submit(method, "Who wrote Hamlet?")
+        for _ in range(2000):  # ticks of at most 10 ms each while nothing is answered
+            if ok.done:
+                break
+            sched.step()
+        assert ok.done and ok.error is None and ok.result.answer == "Paris"
+        assert not hung.done  # still in flight: it held nothing
+        release.set()
+        while not hung.done:
+            sched.step()
+    assert hung.error is None and hung.result.answer == "Paris" and not sched._live
+    assert not sched.batching._inflight  # nothing left behind

@@ -75,3 +75,11 @@ class ConcurrentEngine(LLMEngine, Protocol):
                       seeds: Sequence[int | None] | None = None) -> list[GenerationBatch | BaseException]:
         """One result per prompt, or the error that ended that prompt's request alone."""
         ...
+
+    def submit_each(self, prompts: list[str], configs: Sequence[GenerationConfig | None],
+                    taps: Sequence[TapSpec | None] | None = None, ks: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None) -> list[Any]:
+        """:meth:`generate_each`'s requests in flight without waiting: per prompt a handle with ``done()``,
+        ``result()`` (a :class:`GenerationBatch` or the prompt's error), ``futures`` and ``cancel()``, or the error
+        that refused it at once."""
+        ...

@@ -49,7 +49,7 @@ from fastgate.engine.generation import Generation, GenerationBatch
 from fastgate.errors import InputError, RemoteError, require
 from fastgate.settings import setting
 
-__all__ = ["RemoteConfig", "RemoteEngine", "RemoteLM", "token_bytes"]
+__all__ = ["InFlight", "RemoteConfig", "RemoteEngine", "RemoteLM", "token_bytes"]
 
 
 @dataclass(frozen=True)
@@ -338,19 +338,20 @@ class RemoteEngine:
             self._pieces.append(piece)
         return i
 
-    def generate_each(self, prompts: list[str], configs: Sequence[GenerationConfig | None],
-                      taps: Sequence[TapSpec | None] | None = None, ks: Sequence[int] | None = None,
-                      seeds: Sequence[int | None] | None = None) -> list[GenerationBatch | BaseException]:
-        """One :class:`GenerationBatch` (k sequences) or one exception per prompt; every request of the call is in
-        flight together (at most ``concurrency`` at a time)."""
+    def submit_each(self, prompts: list[str], configs: Sequence[GenerationConfig | None],
+                    taps: Sequence[TapSpec | None] | None = None, ks: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None) -> list[InFlight | BaseException]:
+        """Put every prompt's k requests in flight (at most ``concurrency`` at a time) without waiting: one
+        :class:`InFlight` per prompt, or the error that refused it at once (taps asked for; a server that fails the
+        first connection check)."""
         from concurrent.futures import ThreadPoolExecutor
 
         n = len(prompts)
         taps = list(taps) if taps is not None else [None] * n
         ks = list(ks) if ks is not None else [1] * n
         seeds = list(seeds) if seeds is not None else [None] * n
-        out: list[GenerationBatch | BaseException | None] = [None] * n
-        jobs: list[tuple[int, int, dict[str, Any]]] = []  # (prompt, sample, body)
+        out: list[InFlight | BaseException | None] = [None] * n
+        jobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # each prompt's bodies, one a sample
         for i, (prompt, cfg) in enumerate(zip(prompts, configs)):
             cfg = cfg or GenerationConfig()
             t = taps[i]
@@ -358,33 +359,28 @@ class RemoteEngine:
                 out[i] = InputError(f"the remote engine {self.name} {_HIDDEN_STATES} (taps asked for)")
                 continue
             seed = seeds[i] if seeds[i] is not None else cfg.seed
-            for j in range(ks[i]):
-                jobs.append((i, j, self._body(prompt, cfg, None if seed is None else seed + j)))
-        t0 = time.perf_counter()
-        if jobs and not self._checked:
+            jobs[i] = [self._body(prompt, cfg, None if seed is None else seed + j) for j in range(ks[i])]
+        if any(jobs) and not self._checked:
             try:
                 self.connect()
             except RemoteError as exc:
                 return [exc if o is None else o for o in out]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="fastgate-remote")
-        futures = [self._pool.submit(self._post, body) for _, _, body in jobs]
-        answers: dict[int, list[Generation]] = {}
-        for (i, _, _), fut in zip(jobs, futures):
-            if isinstance(out[i], BaseException):
-                continue
-            try:
-                gen = self._parse(fut.result(), prompts[i], configs[i] or GenerationConfig())
-            except Exception as exc:  # noqa: BLE001 - that prompt's own failure
-                out[i] = exc
-                continue
-            answers.setdefault(i, []).append(gen)
-        elapsed = time.perf_counter() - t0
-        for i, seqs in answers.items():
+        t0 = time.perf_counter()
+        for i, bodies in enumerate(jobs):
             if out[i] is None:
-                out[i] = GenerationBatch(sequences=seqs, steps=max(len(s.token_ids) for s in seqs),
-                                         timings={"total_s": elapsed, "http_s": elapsed})
+                out[i] = InFlight(self, prompts[i], configs[i] or GenerationConfig(),
+                                  [self._pool.submit(self._post, body) for body in bodies], t0)
         return out  # type: ignore[return-value]
+
+    def generate_each(self, prompts: list[str], configs: Sequence[GenerationConfig | None],
+                      taps: Sequence[TapSpec | None] | None = None, ks: Sequence[int] | None = None,
+                      seeds: Sequence[int | None] | None = None) -> list[GenerationBatch | BaseException]:
+        """One :class:`GenerationBatch` (k sequences) or one exception per prompt; every request of the call is in
+        flight together (at most ``concurrency`` at a time), and the call returns once every one has ended."""
+        return [h if isinstance(h, BaseException) else h.wait()
+                for h in self.submit_each(prompts, configs, taps, ks, seeds)]
 
     def generate(self, prompts: list[str], config: GenerationConfig | Sequence[GenerationConfig] | None = None,
                  taps: TapSpec | Sequence[TapSpec | None] | None = None, k: int | Sequence[int] = 1,
@@ -408,6 +404,41 @@ class RemoteEngine:
         seqs = [s for part in parts for s in part.sequences]  # type: ignore[union-attr]
         return GenerationBatch(sequences=seqs, steps=max(part.steps for part in parts),  # type: ignore[union-attr]
                                timings=dict(parts[0].timings))  # type: ignore[union-attr]
+
+
+class InFlight:
+    """One prompt's k requests in flight (:meth:`RemoteEngine.submit_each`): :meth:`done` once every one has ended,
+    then :meth:`result`. The scheduler keeps it across ticks, so a slow request holds no other question."""
+
+    def __init__(self, engine: RemoteEngine, prompt: str, config: GenerationConfig, futures: list, t0: float) -> None:
+        self.engine, self.prompt, self.config, self.futures, self.t0 = engine, prompt, config, futures, t0
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self, timeout: float | None = None) -> GenerationBatch | BaseException:
+        """:meth:`result` once every request has ended (at most ``timeout`` seconds: None if they have not)."""
+        from concurrent.futures import wait
+
+        wait(self.futures, timeout=timeout)
+        return self.result() if self.done() else None  # type: ignore[return-value]
+
+    def result(self) -> GenerationBatch | BaseException:
+        """The k sequences, or the first request's failure (its own error: a timeout, a 5xx, a malformed answer)."""
+        seqs = []
+        for fut in self.futures:
+            try:
+                seqs.append(self.engine._parse(fut.result(), self.prompt, self.config))
+            except Exception as exc:  # noqa: BLE001 - that prompt's own failure
+                return exc
+        elapsed = time.perf_counter() - self.t0
+        return GenerationBatch(sequences=seqs, steps=max(len(s.token_ids) for s in seqs),
+                               timings={"total_s": elapsed, "http_s": elapsed})
+
+    def cancel(self) -> None:
+        """Drop the requests not started yet (one already sent runs to its end: its answer is not read)."""
+        for fut in self.futures:
+            fut.cancel()
 
 
 def _read_logprobs(lp: Any) -> tuple[list[bytes] | None, list[float]]:

@@ -42,8 +42,8 @@ class Admission:
 
     Chooses, once, how generations run on ``engine``: the loop's layout, continuous or closed calls, the KV budget in
     cells. A remote engine (:mod:`fastgate.engine.remote`) has no model here: each tick's generations go out as one
-    call of concurrent requests (``generate_each``), whose failures end only their own questions; no decode loop, no
-    KV.
+    call of concurrent requests (``submit_each``, each in flight across ticks until answered), whose failures end only
+    their own questions; no decode loop, no KV.
 
     Args:
         engine: the engine the loops run on.

@@ -4,9 +4,10 @@ Owns the grouping keys (:func:`group_key`: one ``search_batch`` per (retriever, 
 one score launch per gate kind, one call per batch op, one engine call for generations), the nine runners that make
 each group's call and split its result back per request (:func:`split` for a generation batch, :func:`slices` for
 the others), and the search for the one request that failed a batched call (the others still run). Calls the engine
-(``generate``, ``generate_each`` for a remote engine, ``prompt_states``), the retrievers, the encoders and the gates;
-the driver (:mod:`fastgate.scheduler.driver`) and admission call :meth:`BatchingTable.execute`, and each result goes
-back through the :class:`~fastgate.scheduler.task.Delivery` the table was given (the driver).
+(``generate``; ``submit_each`` for a remote engine, whose requests stay in flight across ticks; ``prompt_states``),
+the retrievers, the encoders and the gates; the driver (:mod:`fastgate.scheduler.driver`) and admission call
+:meth:`BatchingTable.execute`, and each result goes back through the :class:`~fastgate.scheduler.task.Delivery` the
+table was given (the driver).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ if TYPE_CHECKING:
     from fastgate.scheduler.config import SchedulerConfig
     from fastgate.scheduler.task import Counters, Delivery, Task
 
-__all__ = ["PHASES", "RUNNERS", "BatchingTable", "Failed", "group_key", "mid_layer", "slices", "split"]
+__all__ = ["IN_FLIGHT", "PHASES", "REMOTE_POLL_S", "RUNNERS", "BatchingTable", "Failed", "group_key", "mid_layer",
+           "slices", "split"]
+
+IN_FLIGHT = object()  # a remote engine's request not answered yet (BatchingTable._run_remote): its task waits
+REMOTE_POLL_S = 0.01  # a tick with every remote request still in flight waits this long for the first answer
 
 PHASES = {Generate: "generation_s", PromptStates: "generation_s", Search: "retrieval_s",
           SearchVectors: "retrieval_s", PassageVectors: "retrieval_s", Embed: "retrieval_s", Score: "gate_s",
@@ -64,6 +69,9 @@ class BatchingTable:
         self.counters = counters
         self.delivery = delivery
         self._methods: frozenset[str] = frozenset()  # the methods of the call running now (for the counters)
+        # a remote engine's generations in flight across ticks, by request (the request kept: its id stays its own)
+        self._inflight: dict[int, tuple[Generate, Any]] = {}
+        self._whole_group = False  # the call running now has every pending generation (not one retried alone)
 
     def execute(self, pending: list[tuple[Task, int, Any]]) -> None:
         """Run ``pending`` ((task, slot, request) each) as one call per group; deliver each result to its task."""
@@ -75,6 +83,7 @@ class BatchingTable:
             self.counters.next_call()
             self._methods = frozenset(t.method.name for t, _, _ in items if t.method is not None)
             t0 = time.perf_counter()
+            self._whole_group = True
             try:
                 outs = run(self, [r for _, _, r in items])
             except Exception as exc:
@@ -84,12 +93,17 @@ class BatchingTable:
                 for item in items:  # find the request that failed; the others still run
                     self._execute_one(item)
                 continue
+            finally:
+                self._whole_group = False
             elapsed = time.perf_counter() - t0
             for (task, i, req), out in zip(items, outs):
+                if out is IN_FLIGHT:  # a remote engine's request not answered yet: its task waits for a later tick
+                    continue
                 if isinstance(out, Failed):  # that request's own error (a remote engine's request)
                     self.delivery.finish(task, error=out.error)
                     continue
-                self.delivery.deliver(task, i, req, out, elapsed)
+                own = out.timings.get("total_s") if isinstance(out, GenerationBatch) and self.engine.remote else None
+                self.delivery.deliver(task, i, req, out, elapsed if own is None else own)  # its own time in flight
 
     def _execute_one(self, item: tuple[Task, int, Any]) -> None:
         """Run one request alone (after its group's call failed): its error ends its own task only."""
@@ -104,6 +118,8 @@ class BatchingTable:
         except Exception as exc:
             self.delivery.finish(task, error=exc)
             return
+        if out is IN_FLIGHT:
+            return
         if isinstance(out, Failed):
             self.delivery.finish(task, error=out.error)
             return
@@ -111,13 +127,44 @@ class BatchingTable:
 
 
     # ------------------------------------------------------------------ runners: one batched call per group
+    def _run_remote(self, reqs: list[Generate]) -> list[GenerationBatch | Failed | object]:
+        """A remote engine's generations: the new ones put in flight, each answered one handed back (or its own
+        error, ending its question only), the others :data:`IN_FLIGHT` for a later tick, so that a request the
+        server is slow to answer holds no other question (it held every question of its tick and of the next ones,
+        up to ``--api-timeout``). With nothing answered yet, waits up to :data:`REMOTE_POLL_S` for the first answer
+        (a tick that returned at once would spin)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        engine = cast(ConcurrentEngine, self.engine)
+        if self._whole_group:  # requests no longer pending (their questions ended or were cancelled): dropped
+            asked = {id(r) for r in reqs}
+            for key in [k for k in self._inflight if k not in asked]:
+                handle = self._inflight.pop(key)[1]
+                if not isinstance(handle, BaseException):
+                    handle.cancel()
+        new = [r for r in reqs if id(r) not in self._inflight]
+        if new:
+            handles = engine.submit_each([r.prompt for r in new], [r.config for r in new], [r.taps for r in new],
+                                         [r.k for r in new], [r.seed for r in new])
+            for r, h in zip(new, handles):
+                self._inflight[id(r)] = (r, h)
+            self.counters.generated(sum(r.k for r in new), self._methods)
+        handles = [self._inflight[id(r)][1] for r in reqs]
+        if not any(isinstance(h, BaseException) or h.done() for h in handles):
+            wait([f for h in handles for f in h.futures], timeout=REMOTE_POLL_S, return_when=FIRST_COMPLETED)
+        out: list[GenerationBatch | Failed | object] = []
+        for r, h in zip(reqs, handles):
+            if isinstance(h, BaseException) or h.done():
+                del self._inflight[id(r)]
+                result = h if isinstance(h, BaseException) else h.result()
+                out.append(Failed(result) if isinstance(result, BaseException) else result)
+            else:
+                out.append(IN_FLIGHT)
+        return out
+
     def _run_generate(self, reqs: list[Generate]) -> list[GenerationBatch]:
-        if self.engine.remote:  # every request in flight at once; one that fails ends its own question only
-            engine = cast(ConcurrentEngine, self.engine)
-            parts = engine.generate_each([r.prompt for r in reqs], [r.config for r in reqs], [r.taps for r in reqs],
-                                         [r.k for r in reqs], [r.seed for r in reqs])
-            self.counters.generated(sum(r.k for r in reqs), self._methods)
-            return [Failed(p) if isinstance(p, BaseException) else p for p in parts]  # type: ignore[misc]
+        if self.engine.remote:
+            return self._run_remote(reqs)  # type: ignore[return-value]
         out: list[GenerationBatch | None] = [None] * len(reqs)
         # rows asking for pre-answer / EOS states must share their layer; others join any call
         mid_of = [mid_layer(self.engine, r) for r in reqs]
