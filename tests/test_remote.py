@@ -141,6 +141,22 @@ def _answer(text: str = " Paris", logprobs: bool = True) -> dict:
             "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
 
 
+def _hanging(at_most_s: float):
+    """A stub handler answering at once, except prompts holding "HANG": held until the event is set (at most
+    ``at_most_s``); the event and the handler."""
+    release = threading.Event()
+
+    async def handler(body):
+        if "HANG" in body["prompt"]:
+            for _ in range(int(at_most_s / 0.05)):
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.05)
+        return 200, _answer(), None
+
+    return release, handler
+
+
 def test_a_server_answering_429_is_retried_after_its_retry_after():
     from fastgate.config import GenerationConfig
 
@@ -167,16 +183,7 @@ def test_a_hanging_server_times_out_and_only_that_question_fails():
     from fastgate.methods import NeverRetrieve
     from fastgate.scheduler import Scheduler
 
-    release = threading.Event()
-
-    async def handler(body):
-        if "HANG" in body["prompt"]:
-            for _ in range(100):  # until the test ends (at most 5 s)
-                if release.is_set():
-                    break
-                await asyncio.sleep(0.05)
-        return 200, _answer(), None
-
+    release, handler = _hanging(5.0)
     with _stub(handler) as port:
         engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", timeout_s=0.5, max_retries=0))
         method = NeverRetrieve(engine, None)
@@ -459,16 +466,7 @@ def test_a_request_the_server_is_slow_to_answer_holds_no_other_question():
     from fastgate.methods import NeverRetrieve
     from fastgate.scheduler import Scheduler
 
-    release = threading.Event()
-
-    async def handler(body):
-        if "HANG" in body["prompt"]:
-            for _ in range(200):  # until released (at most 10 s)
-                if release.is_set():
-                    break
-                await asyncio.sleep(0.05)
-        return 200, _answer(), None
-
+    release, handler = _hanging(10.0)
     with _stub(handler) as port:
         engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", timeout_s=30, max_retries=0))
         method = NeverRetrieve(engine, None)
