@@ -26,9 +26,13 @@ How a generation maps back:
 - ``prompt_tokens`` is the server's ``usage.prompt_tokens``; ``truncated`` what a fastgate server reports (others
   refuse prompts longer than their context, and that question fails with their message).
 
-Concurrency: :meth:`RemoteEngine.generate_each` sends the generations of one call as concurrent requests (at most
-``concurrency`` at a time), each with a timeout and retries on 429 / 5xx that wait what ``Retry-After`` says, and
-returns one result or one error per prompt: the scheduler fails only the questions whose requests failed.
+Concurrency: :meth:`RemoteEngine.submit_each` sends the generations of one call as concurrent requests (at most
+``concurrency`` at a time), each with a timeout and retries on 429 / 5xx / a refused connection that wait what
+``Retry-After`` says, and hands back one :class:`InFlight` per prompt, which the scheduler keeps across its ticks
+until answered (:meth:`RemoteEngine.generate_each` waits for all): the scheduler fails only the questions whose
+requests failed, and a slow one holds no other. The requests run on a small pool of daemon threads of this module's
+own (:class:`_DaemonPool`) rather than ``concurrent.futures.ThreadPoolExecutor``, whose threads Python joins at
+exit: an interrupted ``fastgate eval`` waited there for the requests in flight, up to ``--api-timeout``.
 Sampling (``do_sample``) passes ``temperature``, ``top_p``, ``top_k`` (a vLLM / llama.cpp extension) and the seed
 (sample j of a prompt seeded ``seed + j``); greedy generations send ``temperature: 0``. A server's sampler draws
 differently from the local engine's, so only greedy generations are expected to match.
@@ -344,8 +348,6 @@ class RemoteEngine:
         """Put every prompt's k requests in flight (at most ``concurrency`` at a time) without waiting: one
         :class:`InFlight` per prompt, or the error that refused it at once (taps asked for; a server that fails the
         first connection check)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         n = len(prompts)
         taps = list(taps) if taps is not None else [None] * n
         ks = list(ks) if ks is not None else [1] * n
@@ -366,7 +368,7 @@ class RemoteEngine:
             except RemoteError as exc:
                 return [exc if o is None else o for o in out]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="fastgate-remote")
+            self._pool = _DaemonPool(self.config.concurrency, "fastgate-remote")
         t0 = time.perf_counter()
         for i, bodies in enumerate(jobs):
             if out[i] is None:
@@ -404,6 +406,60 @@ class RemoteEngine:
         seqs = [s for part in parts for s in part.sequences]  # type: ignore[union-attr]
         return GenerationBatch(sequences=seqs, steps=max(part.steps for part in parts),  # type: ignore[union-attr]
                                timings=dict(parts[0].timings))  # type: ignore[union-attr]
+
+
+class _DaemonPool:
+    """``workers`` daemon threads running submitted calls in order, each call's :class:`concurrent.futures.Future`
+    returned at once (the part of ``ThreadPoolExecutor`` the engine uses). Daemon threads: a process that exits does
+    not wait for the requests they hold (see the module docstring)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        import queue
+
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller reads it from the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Cancel the calls not started (``cancel_futures``) and end the threads once their calls return."""
+        import queue
+
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
 
 
 class InFlight:
