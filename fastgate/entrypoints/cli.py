@@ -141,7 +141,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.all and args.method is not None:
         raise InputError("give either --method M or --all, not both")
-    if args.all and getattr(args, "engine", "local") != "local":  # the ones a remote engine runs, said
+    remote = _remote(args)
+    if args.all and remote is not None:  # the ones a remote engine runs, said
         names = [name for name, cls in METHODS.items() if cls.black_box]
         print(f"fastgate: --all on a remote engine: {', '.join(names)} (the others read hidden states)",
               file=sys.stderr)
@@ -162,7 +163,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1:  # before --out and its eval.json are made
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     params: dict[str, Any] = _parse_params(args.param)
-    remote = _remote(args)
     model = remote.model if remote else args.model
     budget = args.budget
     if budget == "auto":

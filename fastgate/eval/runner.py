@@ -394,13 +394,11 @@ def _corpus(runtime, run: RunSpec) -> str | None:
 def _check_corpus(store: ResultsStore, run: RunSpec, corpus: str | None) -> None:
     """Refuse to resume ``run`` over records that searched another corpus (``--index`` of another one). Records from
     before they named it are not checked."""
-    if corpus is None:
-        return
-    for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get("corpus", corpus) != corpus:
-            raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) searched another "
-                             f"corpus (fingerprint {str(rec['corpus'])[:12]}; this index's {corpus[:12]}): evaluate "
-                             "into a new --out directory, or pass the --index they searched")
+    if corpus is not None and (other := _other_value(store, run, "corpus", corpus, legacy=corpus)):
+        qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) searched another "
+                         f"corpus (fingerprint {str(was)[:12]}; this index's {corpus[:12]}): evaluate into a new "
+                         "--out directory, or pass the --index they searched")
 
 
 def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:

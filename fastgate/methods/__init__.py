@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import typing
 from typing import Any
 
 from fastgate.errors import InputError, UnknownNameError
-from fastgate.methods.base import Method, MethodConfig, MethodResult
+from fastgate.methods.base import Method, MethodConfig, MethodResult, coerce_param
 from fastgate.methods.cbdr import Cbdr, CbdrConfig
 from fastgate.methods.dtr import Dtr, DtrConfig
 from fastgate.methods.flare import Flare, FlareConfig
@@ -49,46 +47,6 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """A parameter value of the field's type: strings (CLI, query strings) are parsed; other values must already have
-    the type (an int is accepted for a float), so a JSON request cannot slip a float into ``k``."""
-    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", str(annotation)),
-                                                                    None)
-    if kind is None:
-        return value
-    if kind is float:  # NaN compares false with every threshold: a gate would silently never (or always) fire
-        number = _coerce_plain(name, value, float)
-        if math.isnan(number):
-            raise InputError(f"parameter {name} must be a number, got {value!r} (inf and -inf are allowed)")
-        return number
-    return _coerce_plain(name, value, kind)
-
-
-def _coerce_plain(name: str, value: Any, kind: type) -> Any:
-    """:func:`_coerce` for the field type ``kind``."""
-    if not isinstance(value, str):
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:  # an integer beyond any float (a JSON request can send one)
-                raise InputError(f"parameter {name} is out of range for a float, got {value!r}") from None
-        if kind is str and isinstance(value, os.PathLike):
-            return os.fspath(value)
-        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-            return value
-        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}")
-    try:
-        if kind is bool:
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        return kind(value)
-    except ValueError:
-        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}") from None
-
-
 def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConfig:
     """Build a method's typed config from ``name=value`` parameters (strings are converted to the field's type)."""
     if method not in METHODS:
@@ -100,7 +58,7 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
     unknown = sorted(set(params) - valid)
     if unknown:
         raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
-    return cls(**{k: _coerce(k, v, hints[k]) for k, v in params.items()})
+    return cls(**{k: coerce_param(k, v, hints[k]) for k, v in params.items()})
 
 
 def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None,

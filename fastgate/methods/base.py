@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -16,7 +18,7 @@ from fastgate.prompts import ANSWER_STOP, COT_FEW_SHOT, FEW_SHOT_QA, closed_book
 from fastgate.retrieval.base import Hit, Retriever
 
 __all__ = ["GateThreshold", "Method", "MethodConfig", "MethodResult", "append_sentence", "black_box_methods",
-           "black_box_refusal", "check_questions", "method_class"]
+           "black_box_refusal", "check_questions", "check_text", "coerce_param", "method_class"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,50 @@ def _method_classes() -> list[type[Method]]:
             out.append(cls)
         todo.extend(cls.__subclasses__())
     return out
+
+
+def coerce_param(name: str, value: Any, annotation: Any) -> Any:
+    """A parameter value of the field's type: strings (CLI, query strings) are parsed; other values must already have
+    the type (an int is accepted for a float), so a JSON request cannot slip a float into ``k``. One parser for
+    :func:`fastgate.methods.make_config` and the calibration's conditions (fastgate.methods.calibration).
+
+    Raises:
+        InputError: a value that is not of the field's type and does not parse as it."""
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", str(annotation)),
+                                                                    None)
+    if kind is None:
+        return value
+    if kind is float:  # NaN compares false with every threshold: a gate would silently never (or always) fire
+        number = _coerce_plain(name, value, float)
+        if math.isnan(number):
+            raise InputError(f"parameter {name} must be a number, got {value!r} (inf and -inf are allowed)")
+        return number
+    return _coerce_plain(name, value, kind)
+
+
+def _coerce_plain(name: str, value: Any, kind: type) -> Any:
+    """:func:`coerce_param` for the field type ``kind``."""
+    if not isinstance(value, str):
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float (a JSON request can send one)
+                raise InputError(f"parameter {name} is out of range for a float, got {value!r}") from None
+        if kind is str and isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+            return value
+        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}")
+    try:
+        if kind is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return kind(value)
+    except ValueError:
+        raise InputError(f"parameter {name} expects {kind.__name__}, got {value!r}") from None
 
 
 def method_class(name: str) -> type[Method] | None:

@@ -16,8 +16,10 @@ a caller of :func:`calibrated_params`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -111,26 +113,29 @@ def _applies(entry: dict[str, Any], method: str, params: dict[str, Any]) -> bool
     if "checkpoint" in defaults and \
             checkpoint_key(when.get("checkpoint")) != checkpoint_key(params.get("checkpoint", defaults["checkpoint"])):
         return False
-    # typed as the parameter's default is: `--param k=2` (written "2"), `--k 2` and the library's 2 are one value
-    return all(_typed(params.get(k, defaults.get(k)), defaults.get(k)) == _typed(v, defaults.get(k))
+    # typed as the config types them (make_config's parser): `--param k=2` (written "2"), `--k 2` and 2 are one value
+    return all(_typed(method, k, params.get(k, defaults.get(k))) == _typed(method, k, v)
                for k, v in when.items() if k != "checkpoint")
 
 
-def _typed(value: Any, like: Any) -> Any:
-    """``value`` in the type of the parameter's default ``like`` (a string parsed: "2" is 2, "0.5" is 0.5, "true" is
-    True), to compare a condition with a request; as it is where it does not convert."""
-    if isinstance(value, str) and isinstance(like, bool):
-        return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
-                "off": False}.get(
-            value.strip().lower(), value)
-    if isinstance(value, str) and isinstance(like, (int, float)):
-        try:
-            return type(like)(value)
-        except ValueError:
-            return value
-    if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+def _typed(method: str, name: str, value: Any) -> Any:
+    """``value`` as ``method``'s config types parameter ``name`` (:func:`fastgate.methods.base.coerce_param`); as it
+    is where the method has no such parameter or the value does not parse as it."""
+    from fastgate.methods.base import coerce_param
+
+    try:
+        return coerce_param(name, value, _hints(method).get(name))
+    except InputError:
+        return value
+
+
+@functools.cache
+def _hints(method: str) -> dict[str, Any]:
+    """The type annotations of ``method``'s config fields (none for an unknown method)."""
+    from fastgate.methods.base import method_class
+
+    cls = method_class(method)
+    return typing.get_type_hints(cls.config_class) if cls is not None else {}
 
 
 _WARNED: set[tuple[str, str, str]] = set()  # (model, method, checkpoint) already warned about in this process
