@@ -281,11 +281,31 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
         assert set(body) == set(d.to_dict()) | {"model", "retriever", "engine"} and body["engine"] == "local"
 
 
+def test_http_refuses_a_body_over_the_limit_unread_and_keeps_serving(server):
+    url, _ = server
+    big = {"question": "x" * (1 << 20)}  # 1 MiB of question: over ServiceConfig.max_body_bytes with its JSON
+
+    def chunked():  # no Content-Length: counted as it arrives, refused at the first chunk past the limit
+        for _ in range(64):
+            yield b" " * (1 << 16)
+
+    with httpx.Client(timeout=60) as client:
+        declared = client.post(f"{url}/v1/answer", json=big)
+        streamed = client.post(f"{url}/v1/answer", content=chunked(), headers={"Content-Type": "application/json"})
+        openai = client.post(f"{url}/v1/chat/completions",
+                             json={"model": "fastgate-dtr", "messages": [{"role": "user", "content": big["question"]}]})
+        after = client.post(f"{url}/v1/answer", json={"question": "What is the capital of France?"})
+    for r in (declared, streamed):
+        assert r.status_code == 413 and "at most 1,048,576 bytes" in r.json()["error"]
+    assert openai.status_code == 413 and openai.json()["error"]["code"] == "body_too_large"
+    assert after.status_code == 200 and after.json()["answer"]
+
+
 @pytest.mark.parametrize("payload,status,message", [
     (b"not json", 422, "JSON"),
     (b'{"question": "\xc9\xff"}', 422, "not JSON in UTF-8"),  # a body FastAPI cannot decode at all
     ({}, 422, "question"),
-    ({"question": "x" * (1 << 20)}, 422, "question"),
+    ({"question": "x" * 500_000}, 422, "question"),
     ({"question": 7}, 422, "question"),
     ({"question": "ok?", "method": 3}, 422, "method"),
     ({"question": "ok?", "method": "magic"}, 422, "unknown method 'magic'"),

@@ -111,6 +111,7 @@ class ServiceConfig(RuntimeConfig):
     timeout_s: float = setting(120.0, "seconds before 504 (default: %(default)s)", flag="--timeout")
     max_question_chars: int = 4000  # longer questions are refused before tokenisation (also bounded by the context)
     max_tokens_limit: int = 256  # the most answer tokens a request may ask for
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 unread: a question is 4,000 characters at most
     max_int_param: int = 1024  # requests cannot set an integer parameter above this (k, samples, ...)
     methods_cached: int = 8  # built (method, parameters) pipelines kept; building one is cheap but not free
     params: tuple[tuple[str, Any], ...] = ()  # server-wide parameters of the default method (requests override)
@@ -119,7 +120,7 @@ class ServiceConfig(RuntimeConfig):
 
     def __post_init__(self) -> None:
         for name in ("max_live", "max_queue", "max_question_chars", "max_tokens_limit", "max_int_param",
-                     "methods_cached"):
+                     "methods_cached", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1")
         if not self.kv_budget_mb > 0:

@@ -44,7 +44,7 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
 
     app = FastAPI(title="fastgate", version=version(),
                   description="Adaptive retrieval-augmented generation gated on the model's own signals.")
-    errors.install(app)
+    errors.install(app, cfg.max_body_bytes)
     add_answer_routes(app, service, models.answer, timeout, errors, http_metrics)
 
     @app.get("/healthz")

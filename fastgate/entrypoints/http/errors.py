@@ -12,7 +12,9 @@
   code ``unavailable``;
 - anything else: 500 ``internal error: <type>: <message>``, code ``internal_error`` (the server keeps serving).
 
-Invalid request bodies (FastAPI's validation) get 422 on the native endpoints and 400 on the OpenAI ones. The two
+Invalid request bodies (FastAPI's validation) get 422 on the native endpoints and 400 on the OpenAI ones; a body
+larger than ``ServiceConfig.max_body_bytes`` gets 413, code ``body_too_large``, before more of it is read (a question
+is at most 4,000 characters: nothing valid comes near 1 MiB, and without a bound uvicorn holds any body whole). The two
 formats: native ``{"error": message}``; OpenAI ``{"error": {"message", "type", "param", "code"}}``. Every error
 response is counted in the app's metrics by its status.
 
@@ -39,7 +41,8 @@ from fastgate.errors import CheckpointError, FastgateError, InputError, RemoteEr
 from fastgate.scheduler import CancelledError as ProgramCancelled
 from fastgate.serving.service import OverloadedError
 
-__all__ = ["NATIVE_RESPONSES", "OPENAI_RESPONSES", "ApiError", "ErrorMap", "openai_error", "validation_message"]
+__all__ = ["NATIVE_RESPONSES", "OPENAI_RESPONSES", "ApiError", "BodyLimit", "ErrorMap", "openai_error",
+           "validation_message"]
 
 # the error responses each endpoint documents in /openapi.json
 NATIVE_RESPONSES: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (422, 502, 503, 504)}
@@ -57,6 +60,7 @@ class ApiError(Exception):
 
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+            413: "invalid_request_error",
             502: "upstream_error", 503: "overloaded_error",
             504: "timeout_error"}.get(status, "server_error")
 
@@ -137,9 +141,11 @@ class ErrorMap:
         self.count(err.status)
         return openai_error(err.status, err.message, err.param, err.code)
 
-    def install(self, app: Any) -> None:
+    def install(self, app: Any, max_body_bytes: int | None = None) -> None:
         """Answer invalid request bodies on ``app``: 400 in OpenAI's format on its paths (OpenAI clients expect it),
-        else 422 natively."""
+        else 422 natively; bodies over ``max_body_bytes`` with 413 (:class:`BodyLimit`)."""
+        if max_body_bytes is not None:
+            app.add_middleware(BodyLimit, max_bytes=max_body_bytes, errors=self)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,6 +162,8 @@ class ErrorMap:
             # /v1/chat/completions) gets OpenAI's format, which its clients read; every other HTTP error stays
             # FastAPI's.
             path = request.url.path
+            if isinstance(exc.__cause__, _TooLarge):  # FastAPI turned BodyLimit's error into a 400 "error parsing"
+                return exc.__cause__.response(path, self)
             if exc.status_code in (404, 405) and path.startswith("/v1/") and path != "/v1/answer":
                 what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
                 return self.openai(ApiError(exc.status_code, f"{what}: {request.method} {path} (this server has "
@@ -169,3 +177,61 @@ class ErrorMap:
             if request.url.path in OPENAI_PATHS:
                 return self.openai(ApiError(400, message, None, "invalid_value"))
             return self.native(ApiError(422, message))
+
+
+class _TooLarge(Exception):
+    """Raised from a request's ``receive`` once its body passed the limit (FastAPI's body parsing re-raises it as a
+    400 HTTPException from it: :meth:`ErrorMap.install`'s handler answers that one)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"request body too large: at most {max_bytes:,} bytes")
+
+    def response(self, path: str, errors: ErrorMap) -> JSONResponse:
+        """The 413 response in ``path``'s error format; the connection is closed (the rest of the body is unread)."""
+        err = ApiError(413, str(self), None, "body_too_large", headers={"Connection": "close"})
+        return errors.openai(err) if path in OPENAI_PATHS else errors.native(err)
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is larger than ``max_bytes`` gets 413 (in its path's error format).
+
+    A declared ``Content-Length`` over the limit is refused before anything is read; a chunked body is counted as it
+    arrives and refused at the first message past the limit (the route reading it never sees the rest). A plain ASGI
+    middleware, not a ``BaseHTTPMiddleware``: that one would buffer streamed responses."""
+
+    def __init__(self, app: Any, max_bytes: int, errors: ErrorMap) -> None:
+        self.app, self.max_bytes, self.errors = app, max_bytes, errors
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen, started = 0, False
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+            return message
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:  # raised through a route that reads its body itself (FastAPI's parsing: the handler's 400)
+            if started:  # a route answered before reading its whole body: nothing left to say
+                return
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        await _TooLarge(self.max_bytes).response(scope.get("path", ""), self.errors)(scope, receive, send)
