@@ -284,6 +284,11 @@ def test_fastgate_never_returns_its_answer_logprobs_in_chat_and_completion_forma
     assert b"".join(pieces).decode("utf-8", "replace").strip() == chat.choices[0].message.content
     comp = client.completions.create(model="fastgate-never", prompt=q, max_tokens=6, logprobs=0)
     assert comp.choices[0].logprobs.token_logprobs == pytest.approx([c.logprob for c in content], abs=1e-6)
+    text, lp = comp.choices[0].text, comp.choices[0].logprobs  # the offsets index the answer as returned: stripped
+    assert lp.text_offset == sorted(lp.text_offset) and 0 <= lp.text_offset[-1] <= len(text)
+    for i, (token, offset) in enumerate(zip(lp.tokens, lp.text_offset)):
+        clean = b"".join(pieces[:i]).decode("utf-8", "ignore").encode() == b"".join(pieces[:i])
+        assert token.startswith("bytes:") or not clean or text[offset:].startswith(token.lstrip()), (text, lp)
     for bad in ({"model": "fastgate-never", "logprobs": 3}, {"model": "fastgate-dtr", "logprobs": 1},
                 {"model": "tiny", "logprobs": 6}):
         with pytest.raises(openai.BadRequestError, match="logprobs") as err:
@@ -314,3 +319,13 @@ def test_a_stream_whose_program_fails_ends_with_the_errors_own_code(tiny_engine,
         assert error["code"] == "timeout" and error["type"] == "timeout_error", error
     finally:
         svc.stop()
+
+
+def test_completion_logprobs_offsets_count_from_the_stripped_answer():
+    from fastgate.entrypoints.http.logprobs import completion_logprobs
+
+    pieces, lps = [b" ", b" Par", b"is", b"\xe2\x82", b"\xac!", b"\xad", b"x"], [-0.1] * 7
+    # "  Paris€!\ufffdx": the euro sign split across two tokens counts where it is whole; an invalid byte as one U+FFFD
+    assert completion_logprobs(pieces, lps, None)["text_offset"] == [0, 1, 5, 7, 7, 9, 10]
+    # as returned stripped ("Paris€!\ufffdx"), the two leading spaces are not in the text
+    assert completion_logprobs(pieces, lps, None, stripped=True)["text_offset"] == [0, 0, 3, 5, 5, 7, 8]

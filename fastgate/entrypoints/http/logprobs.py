@@ -8,6 +8,7 @@ Imports nothing of fastgate; :mod:`fastgate.entrypoints.http.openai` and :mod:`f
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,14 +24,23 @@ def openai_token(piece: bytes) -> str:
 
 
 def completion_logprobs(pieces: Sequence[bytes], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[bytes, float]]] | None) -> dict[str, Any]:
+                        top: Sequence[Sequence[tuple[bytes, float]]] | None, *, stripped: bool = False
+                        ) -> dict[str, Any]:
     """``choices[i].logprobs`` of a completion: ``tokens``, ``token_logprobs``, ``top_logprobs`` (one ``{token:
-    log-prob}`` per token, or None when none were asked for) and ``text_offset`` (characters into the text)."""
+    log-prob}`` per token, or None when none were asked for) and ``text_offset`` (characters into the text);
+    ``stripped``: the text is the tokens' with its leading whitespace removed (a method's answer, " Paris" -> "Paris"),
+    so the offsets count from its first character and a token inside that whitespace is at 0."""
     tokens = [openai_token(p) for p in pieces]
-    offsets, pos = [], 0
-    for t in tokens:
+    # a token's offset: the characters its predecessors' bytes decode to, as the text was decoded (invalid bytes one
+    # U+FFFD each; a character split across tokens counted where it is complete)
+    decoder, offsets, pos = codecs.getincrementaldecoder("utf-8")("replace"), [], 0
+    for p in pieces:
         offsets.append(pos)
-        pos += len(t) if not t.startswith("bytes:") else 0
+        pos += len(decoder.decode(p))
+    if stripped:
+        text = b"".join(pieces).decode("utf-8", "replace")
+        lead = len(text) - len(text.lstrip())
+        offsets = [max(o - lead, 0) for o in offsets]
     tops = None
     if top is not None:
         tops = [{openai_token(p): float(lp) for p, lp in step} for step in top]

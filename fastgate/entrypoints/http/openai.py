@@ -246,7 +246,8 @@ class OpenAIServing:
         if top is not None and tokens is not None:  # the greedy answer: its chosen tokens are the top ones
             pieces, lps = tokens
             alts = [[(p, lp)] for p, lp in zip(pieces, lps)] if top else None
-            logprobs = chat_logprobs(pieces, lps, alts) if chat else completion_logprobs(pieces, lps, alts)
+            logprobs = chat_logprobs(pieces, lps, alts) if chat else completion_logprobs(pieces, lps, alts,
+                                                                                         stripped=True)
         answer, finish = record["answer"], record.get("finish_reason", "stop")
         choice = {"index": 0, "message": {"role": "assistant", "content": answer}} if chat else \
             {"index": 0, "text": answer}
