@@ -230,6 +230,28 @@ def test_inputs_the_kernels_do_not_take_go_to_torch_s_kernels():
     assert calls == ["int4", "int8"]
 
 
+@pytest.mark.parametrize("k", [7, 17, 769])
+def test_torch_s_int8_product_of_a_k_its_kernel_does_not_take_is_the_dense_one(k):
+    """bf16 rows of a K that is not a multiple of 16: aten._weight_int8pack_mm crashed the process; the torch op (and
+    the C++ op's fallback, which calls it) multiply the de-quantized weight instead."""
+    layer = Int8Linear(*quantize_int8(torch.randn(11, k, generator=torch.Generator().manual_seed(k))))
+    for rows in (torch.randn(2, k, dtype=torch.bfloat16), torch.randn(k, 3, dtype=torch.bfloat16).T):  # [M, K], a view
+        ref = int8_reference(rows, layer.q, layer.scale)
+        _close_to_definition(torch_int8_matmul(rows, layer), ref)
+        _close_to_definition(build_ops("auto", torch.device("cpu")).int8_matmul(rows, layer), ref)
+
+
+def test_a_bound_int4_product_sends_rows_its_kernel_does_not_take_to_the_op():
+    """Rows whose row stride is below K (an expanded row, a transposed [1, K] view): the bound product's check is the
+    op's, so they take the op's fallback instead of reaching the kernel (which refused them)."""
+    op = ext_int4_matmul(_ext())
+    layer = _int4(7, 64, seed=3)
+    bound = op.bind(layer)
+    for x in (torch.randn(1, 64, dtype=torch.bfloat16).expand(3, 64), torch.randn(64, 1, dtype=torch.bfloat16).T):
+        assert x.stride(0) < 64
+        assert torch.equal(bound(x), op(x, layer)) and torch.equal(bound(x), torch_int4_matmul(x, layer))
+
+
 def test_the_registry_binds_the_kernels_where_the_cpu_has_avx512_bf16_or_avx2():
     """bf16 rows' kernels where the CPU has AVX512-BF16, float32 rows' where it has AVX2 and FMA: either binds the
     ops to the extension (tests/test_quant_f32_kernels.py has the float32 side)."""

@@ -85,10 +85,13 @@ def torch_int4_matmul(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
 
 def torch_int8_matmul(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     """``x [M, K]`` on a CPU times ``layer``'s int8 weight: ``[M, N]`` in ``x``'s dtype. bf16 rows by torch's kernel;
-    float32 rows by the dense product of the codes (the kept copy where there is one), then the scales."""
+    float32 rows by the dense product of the codes (the kept copy where there is one), then the scales; bf16 rows of
+    a ``K`` torch's kernel does not take (not a multiple of 16: it crashes the process) by the dense product too."""
     if x.dtype is torch.float32:
         dense = layer._kept(torch.float32)
         return F.linear(x, layer.q.to(torch.float32) if dense is None else dense) * layer.scale  # [M, N]
+    if not layer._k_ok:  # in float32, rounded once: what the kernel computes
+        return (F.linear(x.float(), layer.q.to(torch.float32)) * layer.scale).to(x.dtype)  # [M, N]
     return torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.q, layer.scale_bf16)
 
 
@@ -260,9 +263,9 @@ def ext_int4_matmul(ext: ModuleType, fuse_norm: bool = False, *, bf16: bool = Tr
         ptrs = _KernelArgs(layer)
         empty, bf16_t, threads = torch.empty, torch.bfloat16, torch.get_num_threads
 
-        def takes(x: torch.Tensor) -> bool:  # CPU rows of K in a dtype bound here, unit stride; the same buffers
+        def takes(x: torch.Tensor) -> bool:  # _rows_ok's rows in a dtype bound here; the same buffers
             return (x.dtype in runs and x.is_cpu and x.dim() == 2 and x.shape[1] == k
-                    and x.stride(1) == 1 and buffers["q"] is q and buffers["scale"] is scale
+                    and x.stride(1) == 1 and x.stride(0) >= k and buffers["q"] is q and buffers["scale"] is scale
                     and buffers["zero"] is zero)
 
         def product(x: torch.Tensor) -> torch.Tensor:
