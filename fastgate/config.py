@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
+from typing import Any
 
 from fastgate.errors import InputError
 
@@ -23,6 +27,24 @@ class GenerationConfig:
     stop_at_eos: bool = True  # EOS ends a sequence (turn off to force max_new_tokens)
 
     def __post_init__(self) -> None:
+        # typed first: a string stop would stop at each of its characters, a float length slice nothing, a NaN
+        # temperature fail inside the sampler
+        for name in ("max_new_tokens", "top_k"):
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise InputError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("do_sample", "stop_at_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one stop string, not its characters
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) for x in stop):
+            raise InputError(f"stop must be a tuple of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.do_sample and self.temperature <= 0:
@@ -51,3 +73,10 @@ class TapSpec:
     def needs_flush(self) -> bool:
         """Whether a finished sequence's last token must still be fed (to record its state)."""
         return bool(self.layers) or self.eos_state
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int (numpy's integers too); bools, floats and strings are refused."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    return operator.index(value)

@@ -191,6 +191,47 @@ def test_prompt_truncation_is_reported(tiny, tiny_engine):
     assert seq[0].prompt_tokens <= tiny.max_context - 4
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_new_tokens": "5"}, "max_new_tokens must be an integer"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),  # generated 3 tokens, or failed to slice a prompt
+    ({"do_sample": True, "temperature": float("nan")}, "temperature must be a finite number"),  # failed in the sampler
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"stop": None}, "stop must be a tuple of strings"),
+    ({"stop": ("\n", 1)}, "stop must be a tuple of strings"),
+    ({"do_sample": 1}, "do_sample must be True or False"),
+])
+def test_generation_config_refuses_values_of_the_wrong_type(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        GenerationConfig(**kwargs)
+
+
+def test_generation_config_takes_one_stop_string_and_numpy_integers(tiny_engine):
+    import numpy as np
+
+    assert GenerationConfig(stop="Paris").stop == ("Paris",)  # one stop string, not one per character ("P", ...)
+    assert GenerationConfig(stop=["a", "b"]).stop == ("a", "b")
+    cfg = GenerationConfig(max_new_tokens=np.int64(3), top_k=np.int32(2), seed=np.int64(1))
+    assert (cfg.max_new_tokens, cfg.top_k, cfg.seed) == (3, 2, 1) and type(cfg.max_new_tokens) is int
+    seq = tiny_engine.generate(["Q: What is the capital"], GenerationConfig(max_new_tokens=4, stop="Paris",
+                                                                           stop_at_eos=False)).sequences[0]
+    assert seq.stop_string in (None, "Paris")
+    assert len(tiny_engine.generate(["Hi"], cfg, k=np.int64(2)).sequences) == 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"prompts": [None]}, "prompts must be strings, got NoneType"),
+    ({"prompts": ["Hi", b"abc"]}, "prompts must be strings, got bytes"),
+    ({"prompts": ["Hi"], "seeds": 5}, "seeds must be one integer"),
+    ({"prompts": ["Hi"], "seeds": ["a"]}, "seed must be an integer"),
+    ({"prompts": ["Hi"], "k": True}, "k must be an integer"),
+    ({"prompts": ["Hi"], "k": [1.5]}, "k must be an integer"),
+])
+def test_generate_refuses_arguments_of_the_wrong_type(tiny_engine, kwargs, message):
+    with pytest.raises(InputError, match=message):
+        tiny_engine.generate(**kwargs)
+
+
 def test_bad_arguments(tiny_engine):
     with pytest.raises(InputError):
         tiny_engine.generate([], GenerationConfig())

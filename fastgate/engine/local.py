@@ -13,6 +13,7 @@ them from this module.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,13 @@ from fastgate.errors import InputError
 from fastgate.ops.reference import accumulate_taps
 
 __all__ = ["Engine", "FinishReason", "Generation", "GenerationBatch", "accumulate_taps"]
+
+
+def _count(name: str, value) -> int:
+    """``value`` as an int (numpy's integers too): a sample count or a seed; bools, floats and strings are refused."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InputError(f"generate: {name} must be an integer, got {value!r:.60}")
+    return operator.index(value)
 
 
 def _per_prompt(value, kind: type, n: int, what: str) -> list:
@@ -149,18 +157,26 @@ class Engine:
             raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
         if not prompts:
             raise InputError("generate: no prompts")
+        odd = [p for p in prompts if not isinstance(p, str)]
+        if odd:
+            raise InputError(f"generate: prompts must be strings, got {type(odd[0]).__name__} {odd[0]!r:.60}")
         b = len(prompts)
+        one_k = not isinstance(k, (list, tuple))  # an int (numpy's too), or one per prompt
         per_row = not (config is None or isinstance(config, GenerationConfig)) or not (
-            taps is None or isinstance(taps, TapSpec)) or not isinstance(k, int)
+            taps is None or isinstance(taps, TapSpec)) or not one_k
         cfgs = _per_prompt(config, GenerationConfig, b, "configs")
         row_taps = _per_prompt(taps, TapSpec, b, "taps")
-        ks = [k] * b if isinstance(k, int) else list(k)
+        ks = [_count("k", x) for x in ([k] * b if one_k else k)]
         if len(ks) != b:
             raise InputError(f"generate: {len(ks)} sample counts for {b} prompts")
-        if any(not isinstance(x, int) or x < 1 for x in ks):
+        if any(x < 1 for x in ks):
             raise InputError(f"k must be >= 1, got {k}")
-        if seeds is not None and len(seeds) != b:
-            raise InputError(f"generate: {len(seeds)} seeds for {b} prompts")
+        if seeds is not None:
+            if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
+                raise InputError(f"generate: seeds must be one integer (or None) per prompt, got {seeds!r:.60}")
+            seeds = [None if s is None else _count("seed", s) for s in seeds]
+            if len(seeds) != b:
+                raise InputError(f"generate: {len(seeds)} seeds for {b} prompts")
         mids = {t.mid_layer if t.mid_layer is not None else self.n_layers // 2
                 for t in row_taps if t.pre_answer or t.eos_state}
         if len(mids) > 1:
