@@ -35,6 +35,37 @@ def test_overwrite_keeps_a_valid_checkpoint(ckpt_dir, tiny):
     assert ckpt.layers == (1, 2) and torch.equal(ckpt.params.w1, new.w1)
 
 
+def test_save_never_deletes_a_users_files_and_replaces_a_checkpoint_in_place(tmp_path, tiny):
+    """--out on a directory of other files was emptied (its subdirectories failed the save half way, leaving a
+    `.old` that failed every later save); a checkpoint directory keeps what else the user put in it."""
+    from fastgate.errors import InputError
+    from fastgate.gates.checkpoints import check_checkpoint_out
+
+    params = random_probe_params(2, tiny.hidden_size, 8, seed=3)
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "report.md").write_text("keep")
+    for _ in range(2):
+        with pytest.raises(InputError, match="not a fastgate prober checkpoint"):
+            save_probe_checkpoint(mine, params, kind="probing", model=tiny, layers=(1, 2))
+    assert sorted(p.name for p in mine.iterdir()) == ["report.md", "sub"] and (mine / "report.md").read_text() == "keep"
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # nothing left beside it
+    with pytest.raises(InputError, match="not a directory"):
+        check_checkpoint_out(mine / "report.md")
+    ckpt = tmp_path / "ckpt"
+    save_probe_checkpoint(ckpt, params, kind="probing", model=tiny, layers=(1, 2))
+    assert oct(ckpt.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode
+    (ckpt / "notes.txt").write_text("mine")
+    new = random_probe_params(2, tiny.hidden_size, 8, seed=4)
+    save_probe_checkpoint(ckpt, new, kind="probing", model=tiny, layers=(1, 2))
+    assert torch.equal(load_probe_checkpoint(ckpt, tiny).params.w1, new.w1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "notes.txt", "weights.safetensors"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_probe_checkpoint(empty, params, kind="probing", model=tiny, layers=(1, 2))
+    assert load_probe_checkpoint(empty, tiny).layers == (1, 2)
+
+
 def test_missing_and_corrupt(tmp_path, ckpt_dir, tiny):
     path, _ = ckpt_dir
     with pytest.raises(CheckpointError, match="no checkpoint directory"):

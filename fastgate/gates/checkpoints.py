@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,12 +22,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fastgate.errors import CheckpointError, ShapeError
+from fastgate.errors import CheckpointError, InputError, ShapeError
 from fastgate.ops.reference import ProbeParams
 
 __all__ = [
     "ProbeCheckpoint",
     "check_checkpoint_matches",
+    "check_checkpoint_out",
     "checkpoint_summary",
     "Prober",
     "load_probe_checkpoint",
@@ -122,25 +124,49 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     if params.d != model.hidden_size:
         raise ShapeError(f"probers take d={params.d} but model {model.name} has hidden size {model.hidden_size}")
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    save_file({name: t.detach().cpu().contiguous() for name, t in zip(ProbeParams._fields, params)}, tmp / WEIGHTS)
-    config = {
-        "format": FORMAT, "version": VERSION, "kind": kind, "model": model.name,
-        "model_fingerprint": model.fingerprint, "hidden_size": model.hidden_size, "model_layers": model.n_layers,
-        "layers": list(layers), "h": params.h, "weights_sha256": _sha256(tmp / WEIGHTS), "extra": extra or {},
-    }
-    (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if out.exists():
-        backup = out.with_name(out.name + ".old")
-        os.replace(out, backup)
-        os.replace(tmp, out)
-        for f in backup.iterdir():
-            f.unlink()
-        backup.rmdir()
-    else:
-        os.replace(tmp, out)
+        check_checkpoint_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh = not out.exists()
+    # a new directory is built beside its place and moved in whole; an existing checkpoint gets its two files
+    # replaced one by one (anything else the user keeps there stays): weights first, so a crash between the two
+    # leaves a config whose SHA-256 refuses the new weights instead of a checkpoint mixing the two
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if fresh else out))
+    try:
+        save_file({name: t.detach().cpu().contiguous() for name, t in zip(ProbeParams._fields, params)}, tmp / WEIGHTS)
+        config = {
+            "format": FORMAT, "version": VERSION, "kind": kind, "model": model.name,
+            "model_fingerprint": model.fingerprint, "hidden_size": model.hidden_size, "model_layers": model.n_layers,
+            "layers": list(layers), "h": params.h, "weights_sha256": _sha256(tmp / WEIGHTS), "extra": extra or {},
+        }
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if fresh:
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared checkpoint out
+            os.replace(tmp, out)
+        else:
+            os.replace(tmp / WEIGHTS, out / WEIGHTS)
+            os.replace(tmp / CONFIG, out / CONFIG)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_checkpoint_out(out: Path) -> None:
+    """``out`` may receive a checkpoint: an empty directory or a prober checkpoint (never a user's other files).
+
+    Raises:
+        InputError: a file, or a directory holding something other than a fastgate prober checkpoint."""
+    if not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory: choose another --out")
+    if not any(out.iterdir()):
+        return
+    try:
+        ours = json.loads((out / CONFIG).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise InputError(f"{out} holds files that are not a fastgate prober checkpoint: not overwriting them; "
+                         "choose another --out (a new or empty directory, or a checkpoint to replace)")
 
 
 def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind | None = None) -> ProbeCheckpoint:

@@ -88,11 +88,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from fastgate.assets.models import load
     from fastgate.engine.local import Engine
-    from fastgate.gates.checkpoints import save_probe_checkpoint
+    from fastgate.gates.checkpoints import check_checkpoint_out, save_probe_checkpoint
     from fastgate.train import FitConfig, fit_probers
 
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
     asked = _layers(args.layers, one=args.kind != "prober")  # checked before the model loads
+    if args.out and Path(args.out).exists():
+        check_checkpoint_out(Path(args.out))  # before the training's minutes, not after them
     examples = _examples(args)
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     engine = Engine(lm)
