@@ -279,6 +279,13 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
                                                                                              "dense": "dense"}
     assert main(argv) == 0  # resumed: nothing recomputed
     assert len((tmp_path / "pass" / "results.jsonl").read_text().splitlines()) == 12
+    # the numeric form is a flag here as in eval (a store's refusal to resume names it): it reaches the model's load
+    import fastgate.assets.models
+
+    asked = []
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: asked.append(kw) or tiny)
+    assert main(argv + ["--weights", "float", "--dtype", "float32"]) == 0
+    assert asked and asked[-1]["weights"] == "float" and asked[-1]["dtype"] == "float32"
     assert len((tmp_path / "pass-dense-reads" / "results.jsonl").read_text().splitlines()) == 12
     # without --out the checkpoint goes under $FASTGATE_HOME, never relative to the working directory
     cwd = tmp_path / "cwd"

@@ -146,7 +146,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     where = f" behind {remote.base_url}" if remote is not None else ""
     print(f"calibrating {args.method} ({spec.param}) for {model}{where} on {len(examples)} question(s) of {data}: "
           f"{run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} (resumable)")
-    runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote)
+    runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
+                      weights=args.weights)
     t0 = time.perf_counter()
     evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
              timed=False)  # its records are read for their answers and scores
@@ -269,6 +270,11 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--write", default=None, help="calibration file (default: $FASTGATE_HOME/calibration/<model>.json)")
     p.add_argument("--dry-run", action="store_true", help="show the threshold, write nothing")
     p.add_argument("--device", default="auto")
+    from fastgate.serving.runtime import RuntimeConfig
+    from fastgate.settings import add_setting_args
+
+    # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
+    add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
     p.add_argument("--index", default=None)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)

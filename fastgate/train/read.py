@@ -324,7 +324,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     for name in names:
         if name not in FEATURE_SETS:
             raise InputError(f"--features: unknown set {name!r} (known: {', '.join(FEATURE_SETS)})")
-    runtime = Runtime(args.model, device=args.device, index=args.index)
+    runtime = Runtime(args.model, device=args.device, index=args.index, dtype=args.dtype, weights=args.weights)
 
     def store_dir(data: str) -> Path:
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", data).strip("-")  # nq:dev:balanced -> nq-dev-balanced
@@ -481,6 +481,11 @@ def add_read_parser(kinds) -> None:
     p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--device", default="auto")
+    from fastgate.serving.runtime import RuntimeConfig
+    from fastgate.settings import add_setting_args
+
+    # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
+    add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
     p.add_argument("--decide", choices=("answer", "prefill"), default="answer",
                    help="answer: the gate after the closed-book answer; prefill: the gate on the closed-book prompt's "
                         "pre-answer state and the search scores, before generating (read[decide=prefill])")
