@@ -237,3 +237,16 @@ def test_training_and_calibration_refuse_test_splits(data, capsys, monkeypatch, 
         assert err.startswith("fastgate: error: ") and "refuses --data " + data in err and "\n" not in err
         if data.startswith("nq"):
             assert "use nq:dev" in err
+
+
+@pytest.mark.parametrize("data", ["default", "capitals", "fanoutqa"])
+def test_fitting_on_a_built_in_set_leaves_its_held_out_fifth_out(data):
+    """`train read` and `calibrate` loaded the built-in sets whole: they fitted on the `heldout` questions that
+    evaluations report on (prober and confidence training always dropped them)."""
+    from fastgate.eval.datasets import is_held_out, load_fit_examples, load_qa
+
+    name, examples = load_fit_examples(data, None, "calibration")
+    held = {e.id for e in load_qa("heldout")}
+    assert name == data and examples and not any(is_held_out(e) or e.id in held for e in examples)
+    assert len(examples) == sum(not is_held_out(e) for e in load_qa(data))
+    assert len(load_fit_examples(data, 10, "calibration")[1]) == 10

@@ -39,6 +39,7 @@ __all__ = [
     "fanoutqa_subquestions",
     "is_held_out",
     "is_benchmark",
+    "load_fit_examples",
     "load_benchmark",
     "load_examples",
     "load_qa",
@@ -252,7 +253,7 @@ def refuse_test_split(data: str | Path, what: str) -> None:
     name = str(data)
     if name == "heldout":
         raise InputError(f"{what} refuses --data heldout: it is the split evaluations report on (use default, "
-                         "capitals, fanoutqa or a benchmark's dev split)")
+                         "capitals or fanoutqa, whose held-out fifth training leaves out, or a benchmark's dev split)")
     if is_benchmark(name):
         spec = parse_benchmark(name)
         if spec.split == "test":
@@ -284,6 +285,21 @@ def load_examples(data: str | Path, n: int | None, seed: int = 0, index: str | P
     if split is not None or subset is not None:
         raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
     return data, sample_examples(load_qa(data), n, seed)
+
+
+def load_fit_examples(data: str | Path, n: int | None, what: str, seed: int = 0,
+                      index: str | Path | None = None) -> tuple[str, list[QAExample]]:
+    """:func:`load_examples` for fitting (``fastgate train read``, ``fastgate calibrate``; ``what`` names it in
+    errors): a test split is refused (:func:`refuse_test_split`) and a built-in set loses its held-out fifth
+    (:func:`is_held_out`, ``heldout``: what evaluations report on) before ``n`` are sampled.
+
+    Raises:
+        InputError: a test split, or what :func:`load_examples` refuses."""
+    refuse_test_split(data, what)
+    name = str(data)
+    if name in QA_SETS and not Path(name).is_file():
+        return name, sample_examples(split_examples(load_qa(name))[0], n, seed)
+    return load_examples(data, n, seed, index)
 
 
 def parse_benchmark(data: str, split: str | None = None, subset: str | None = None) -> BenchmarkSpec:

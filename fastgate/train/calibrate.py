@@ -85,10 +85,9 @@ def dev_curve(scores: np.ndarray, retrieve_above: bool, skip_acc: np.ndarray | N
 
 
 def _examples(data: str, n: int | None, seed: int, index: str | None):
-    from fastgate.eval.datasets import load_examples, refuse_test_split
+    from fastgate.eval.datasets import load_fit_examples
 
-    refuse_test_split(data, "calibration")
-    return load_examples(data, n, seed, index)
+    return load_fit_examples(data, n, "calibration", seed, index)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

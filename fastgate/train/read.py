@@ -49,12 +49,11 @@ def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path,
     """Run (or resume) the collecting pass, reading the top-k passages of ``reads`` (``bm25``, or ``dense`` for the
     dense-only gate, which reads dense passages: its labels must come from the passages it will read); returns its
     records in question order."""
-    from fastgate.eval.datasets import load_examples, refuse_test_split
+    from fastgate.eval.datasets import load_fit_examples
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.serving.runtime import check_request
 
-    refuse_test_split(data, "the read gate's training pass")
-    data, examples = load_examples(data, n, seed, index)
+    data, examples = load_fit_examples(data, n, "the read gate's training pass", seed, index)
     req = check_request("read", {"base": base, "collect": True}, reads, runtime.model)
     run = RunSpec(req.method, req.retriever, req.params)
     check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
