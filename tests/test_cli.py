@@ -154,6 +154,9 @@ def test_passive_omp_threads_says_whether_it_set_the_policy(monkeypatch):
     (["calibrate", "--method", "dtr", "--data", "capitals", "--n", "-190"], "number of questions >= 0"),  # all but 190
     (["train", "confidence", "--n", "-5"], "number of questions >= 0"),
     (["train", "read", "--data", "nq:dev", "--n", "1.5"], "--n takes whole numbers"),  # a traceback
+    (["train", "read", "--data", "nq:dev", "--l2", "-50"], "--l2 must be a finite number >= 0"),  # diverged, saved
+    (["train", "read", "--data", "nq:dev", "--price", "nan"], "--price must be a finite number"),  # NaN calibration
+    (["train", "read", "--data", "nq:dev", "--adapt", "1.5"], "--adapt must be in [0, 1)"),  # refused after the pass
 ])
 def test_bad_counts_layers_and_names_are_one_error_before_anything_loads(capsys, argv, message):
     from fastgate.entrypoints.cli import main

@@ -127,8 +127,22 @@ def test_gain_model_scores_expected_gain_and_round_trips(tmp_path, tiny):
         GainModel(m.fix, fit_read_model(rows, fixed, FEATURE_SETS["dense"]))
 
 
+def test_fitting_refuses_features_that_are_not_finite_and_a_negative_penalty():
+    from fastgate.gates.read import fit_read_model
+
+    rows = [{"a": float(i), "b": 1.0} for i in range(20)]
+    labels = [i % 2 for i in range(20)]
+    assert fit_read_model(rows, labels, ("a", "b")).weights[0] != 0.0
+    rows[3]["b"] = math.nan  # one NaN made every weight NaN: a gate that never reads
+    rows[5]["b"] = math.inf
+    with pytest.raises(InputError, match="feature b is not a finite number in 2 of 20 rows"):
+        fit_read_model(rows, labels, ("a", "b"))
+    with pytest.raises(InputError, match="L2 penalty"):
+        fit_read_model(rows[:3], labels[:3], ("a",), l2=-50.0)
+
+
 def test_choose_price_is_the_highest_price_within_the_loss_on_every_set():
-    from fastgate.train.read import choose_price, price_table
+    from fastgate.train.read import choose_price, price_meets, price_table
 
     # set a: reading fixes questions 0-1 (scored high) and breaks question 2; set b: reading fixes question 4 only
     scores = np.array([0.9, 0.8, 0.1, 0.0, 0.5, 0.2, 0.05, -0.3])
@@ -142,9 +156,15 @@ def test_choose_price_is_the_highest_price_within_the_loss_on_every_set():
     assert table["b"]["reads"] == 0.25 and table["b"]["acc"] == 0.25 and table["b"]["never"] == 0.0
     assert choose_price(scores, cb, rd, groups, max_loss=0.2) == pytest.approx((0.5 + 0.2) / 2)
     assert choose_price(scores, cb, rd, groups, max_loss=0.25) > 0.9  # a quarter point each: reading nothing holds
-    # nothing holds: read everything (below the lowest score)
-    assert choose_price(np.array([0.0, 1.0]), np.array([1.0, 0.0]), np.array([0.0, 0.0]), np.array(["c", "c"]),
-                        max_loss=-0.5) < 0.0
+    # nothing holds: the price whose worst set loses least, said so (it read everything, breaking 2 of set a's 10
+    # answers, 20 points, to fix 1 of set b's 100 scored below them)
+    scores = np.concatenate([np.arange(10.0, 20.0), [5.0], np.linspace(0.0, 4.0, 99)])
+    groups = np.array(["a"] * 10 + ["b"] * 100)
+    cb = np.array([1.0, 1.0] + [0.0] * 108)
+    rd = np.array([0.0] * 10 + [1.0] + [0.0] * 99)
+    price = choose_price(scores, cb, rd, groups, max_loss=0.0)
+    assert price > 19.0 and not price_meets(scores, cb, rd, groups, price, 0.0)  # reads nothing: b loses 1 point
+    assert price_meets(scores, cb, rd, groups, price, 0.01)
 
 
 def _checkpoint(tmp_path, tiny, weight: float) -> str:

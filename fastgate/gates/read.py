@@ -428,8 +428,16 @@ def fit_read_model(rows: Sequence[Mapping[str, float]], labels: Sequence[int], f
     """
     if len(rows) != len(labels) or not rows:
         raise InputError(f"read gate: {len(rows)} feature rows and {len(labels)} labels")
+    if not (l2 >= 0 and math.isfinite(l2)):  # a negative penalty diverges (weights of 1e211, saved as they were)
+        raise InputError(f"read gate: the L2 penalty must be a finite number >= 0, got {l2}")
     x = np.array([[float(r[f]) for f in features] for r in rows], dtype=np.float64)  # [N, F]
     y = np.asarray(labels, dtype=np.float64)  # [N]
+    odd = ~np.isfinite(x)  # one NaN made every weight NaN: a gate that scores NaN never reads
+    if odd.any():
+        worst = int(odd.sum(0).argmax())
+        raise InputError(f"read gate: feature {features[worst]} is not a finite number in {int(odd[:, worst].sum())} "
+                         f"of {len(rows)} rows ({int(odd.any(1).sum())} rows with one): records of another fastgate, "
+                         "or edited by hand?")
     mean, std = x.mean(0), x.std(0)
     std[std < 1e-9] = 1.0  # a constant feature: left at 0 after centring
     z = (x - mean) / std

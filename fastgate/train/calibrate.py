@@ -175,8 +175,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     result = CalibrationResult(args.method, spec.param, value, pick["rate"], len(usable), args.rule,
                                None if "acc" not in pick else pick["acc"] - pick["random"])
     if args.rule == "loss":
+        held = pick["acc"] >= max(skip_acc.mean(), read_acc.mean()) - args.max_loss - 1e-12
         print(f"rule loss: the fewest retrievals within {100 * args.max_loss:.1f} point(s) of the better of never "
-              f"({skip_acc.mean():.3f}) and always ({read_acc.mean():.3f}) on these dev questions")
+              f"({skip_acc.mean():.3f}) and always ({read_acc.mean():.3f}) on these dev questions"
+              + ("" if held else ": no threshold holds it, this one loses least"))
     _print_curve(curve, pick, spec, args.method)
     when = dict(sorted(user.items()))
     if args.method == "read":  # the threshold belongs to one trained gate: its base and feature set

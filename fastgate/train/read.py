@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from fastgate.assets.pins import DEFAULT_MODEL
 __all__ = [
     "add_read_parser",
     "choose_price",
+    "price_meets",
     "collect_rows",
     "answerable_labels",
     "backfill_passage_features",
@@ -227,13 +229,24 @@ def choose_price(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.
     """The highest price (fewest reads) at which every dev set's ACC, reading iff ``score >= price``, is within
     ``max_loss`` of the better of ``never`` and ``always`` on that set; candidates are the midpoints between the
     sorted scores. One rule for every set and answerable share: what a read must be expected to add to be worth
-    its cost, chosen where no dev set pays for the reads it skips."""
+    its cost, chosen where no dev set pays for the reads it skips. Where no price holds, the one whose worst set
+    loses least (:func:`price_meets`, false there, says so)."""
     s = np.unique(scores)
     candidates = np.concatenate([[s[-1] + 1.0], (s[1:] + s[:-1])[::-1] / 2, [s[0] - 1.0]])  # high to low price
+    worst = []
     for c in candidates:
-        if all(row["loss"] <= max_loss + 1e-12 for row in price_table(scores, cb, rd, groups, float(c))):
+        loss = max(row["loss"] for row in price_table(scores, cb, rd, groups, float(c)))
+        if loss <= max_loss + 1e-12:
             return float(c)
-    return float(candidates[-1])  # nothing holds: read everything
+        worst.append(loss)
+    # nothing holds (reading everything was taken before; it may lose most: reads that break answers)
+    return float(candidates[int(np.argmin(worst))])
+
+
+def price_meets(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, price: float,
+                max_loss: float) -> bool:
+    """Whether every dev set is within ``max_loss`` of the better of ``never`` and ``always`` at ``price``."""
+    return all(row["loss"] <= max_loss + 1e-12 for row in price_table(scores, cb, rd, groups, price))
 
 
 def learning_curve(rows, fixed, broken, cb, rd, groups, features, price: float, l2: float, seed: int = 0,
@@ -319,6 +332,13 @@ def _cmd_read(args: argparse.Namespace) -> int:
         raise InputError(f"--rank must be >= 1, got {args.rank}")
     if not 0.0 <= args.max_loss < 1.0:
         raise InputError(f"--max-loss must be in [0, 1), got {args.max_loss}")
+    # before the pass's minutes: a negative --l2 diverged, a NaN --price was written as the calibration
+    if not (args.l2 >= 0 and math.isfinite(args.l2)):
+        raise InputError(f"--l2 must be a finite number >= 0, got {args.l2}")
+    if args.price is not None and not math.isfinite(args.price):
+        raise InputError(f"--price must be a finite number (an accuracy gain), got {args.price}")
+    if not 0.0 <= args.adapt < 1.0:
+        raise InputError(f"--adapt must be in [0, 1) (0: a plain gain model), got {args.adapt}")
     names = _split(args.features, "--features")
     for name in names:
         if name not in FEATURE_SETS:
@@ -391,6 +411,9 @@ def _cmd_read(args: argparse.Namespace) -> int:
         table = price_table(oof, cb, rd, groups, price)
         how = "given (--price)" if args.price is not None else \
             f"the highest within {100 * args.max_loss:.1f} point(s) of the better of never and always on every set"
+        if args.price is None and not price_meets(oof, cb, rd, groups, price, args.max_loss):
+            how = (f"no price keeps every set within {100 * args.max_loss:.1f} point(s) of the better of never and "
+                   "always: the one whose worst set loses least")
         print(f"{name:>6}  price of a read {price:.4f} ({how}); out-of-fold on these dev questions, {reads[name]} "
               "reads:")
         _print_table(table)
