@@ -278,7 +278,8 @@ def test_http_concurrent_answers_match_the_cli_records(server, service):
     for r, d in zip(responses, direct * 2):
         body = r.json()
         assert body["answer"] == d.answer and body["question"] == d.question
-        assert set(body) == set(d.to_dict()) | {"model", "retriever", "engine"} and body["engine"] == "local"
+        assert set(body) == set(d.to_dict()) | {"model", "retriever", "engine", "dtype", "weights"}
+        assert body["engine"] == "local" and body["dtype"] == "float32" and body["weights"]  # as ask --json does
 
 
 def test_http_refuses_a_body_over_the_limit_unread_and_keeps_serving(server):

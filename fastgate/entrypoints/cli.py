@@ -242,9 +242,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from fastgate.entrypoints.ray_serve import RayServeConfig, _ray
 
         _ray()  # not installed: the install hint now, before anything starts
-        ray_config = RayServeConfig(replicas=args.replicas, address=args.address, host=args.host, port=args.port,
-                                    num_cpus=args.num_cpus)
-    elif args.replicas != 1 or args.address is not None:
+        replicas = {} if args.replicas is None else {"replicas": args.replicas}  # RayServeConfig's default
+        ray_config = RayServeConfig(address=args.address, host=args.host, port=args.port, num_cpus=args.num_cpus,
+                                    **replicas)
+    elif args.replicas is not None or args.address is not None:
         raise InputError("--replicas and --address need --ray")
     if args.host not in LOOPBACK:
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
@@ -423,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray", action="store_true",
                     help="run --replicas engine replicas on Ray Serve behind its HTTP proxy (pip install "
                          "'fastgate[ray]')")
-    sv.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: %(default)s)")
+    sv.add_argument("--replicas", type=int, default=None,
+                    help="with --ray: engine replicas (default: 2, RayServeConfig's)")
     sv.add_argument("--address", default=None,
                     help="with --ray: an existing Ray cluster (auto, or HOST:PORT of `ray start --head`); default: "
                          "start a local Ray")

@@ -570,7 +570,8 @@ class AnswerService:
             job.future.set_result(task.result)
             self.metrics.finished(latency, retrieved=False)
             return
-        record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name)
+        record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name,
+                               dtype=self.runtime.dtype_name, weights=self.runtime.weights_name)
         if job.answer_tokens:
             seq = task.trace.answer
             record["_answer_tokens"] = None if seq is None else (

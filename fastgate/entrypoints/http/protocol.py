@@ -88,6 +88,8 @@ class AnswerResponse(BaseModel):
     model: str
     retriever: str | None
     engine: str | None = None  # local, or openai:<base-url>:<model> (the records' field; it was dropped here)
+    dtype: str | None = None  # the engine's numeric form, as `ask --json` and every eval record name it
+    weights: str | None = None
 
 
 class ErrorResponse(BaseModel):
