@@ -153,3 +153,24 @@ def test_reranker_preferences_and_fine_tune(tmp_path, tiny_engine, small_index):
     v = emb.encode(["capital of France", "Jupiter is a planet.", "Paris is the capital of France."])
     assert v.shape == (3, 384)
     assert (tmp_path / "rr" / "modules.json").is_file() and (tmp_path / "rr" / "1_Pooling").is_dir()
+
+
+def test_train_confidence_keeps_the_rows_of_ids_holding_a_hash(monkeypatch, tmp_path, tiny, capsys):
+    """Example ids with "#" (cap#0, ...) lost every row: the rows were matched to examples by the id's part before
+    the first "#", which only prober rows ("<id>#rag") carry."""
+    import json
+
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare")] * 10
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"id": f"cap#{i}", "question": f"{q} ({i})", "answers": [a]}) + "\n"
+                            for i, (q, a) in enumerate(qa)))
+    assert main(["train", "confidence", "--model", "tiny", "--data", str(data), "--epochs", "1",
+                 "--out", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    trained = int(out.split(" training questions")[0].split()[-1])
+    assert trained > 4 and f"{trained} labelled rows" in out

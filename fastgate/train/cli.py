@@ -70,7 +70,8 @@ def _labelled_features(args: argparse.Namespace, lm, engine, examples, kind: str
         confidence_features(engine, examples, layers[0], cache, batch_size=getattr(args, "batch_size", 32))
     wanted = {e.id for e in examples}
     ids, feats, labels = cache.load()
-    keep = torch.tensor([i.split("#")[0] in wanted for i in ids])
+    # a prober row's id is its example's plus "#rag" or "#closed" (the example's own id may hold "#" too)
+    keep = torch.tensor([(i.rpartition("#")[0] if kind == "probing" else i) in wanted for i in ids])
     return feats[keep], labels[keep], cache
 
 
