@@ -315,6 +315,12 @@ def test_train_read_cli_collects_fits_and_resumes(monkeypatch, tmp_path, tiny, s
     assert f"checkpoint: {tmp_path / 'home' / 'checkpoints' / 'tiny-read-dtr'}" in capsys.readouterr().out
     assert load_read_checkpoint(tmp_path / "home" / "checkpoints" / "tiny-read-dtr", "all", model=tiny, base="dtr")
     assert list(cwd.iterdir()) == []
+    # a model given as a directory: the pass goes under $FASTGATE_HOME by the model's name, not beside the model
+    model_dir = tmp_path / "models" / "my-tiny"
+    plain = [a for a in argv if a not in ("--cache", str(tmp_path / "pass"))]
+    assert main([*plain[:3], str(model_dir), *plain[4:]]) == 0
+    assert not (tmp_path / "models").exists()
+    assert sorted(p.name for p in (tmp_path / "home" / "features").iterdir())[0].startswith("tiny-read-dtr-")
 
 
 def test_train_read_pools_dev_sets_and_writes_its_price_as_the_checkpoints_calibration(monkeypatch, tmp_path, tiny,

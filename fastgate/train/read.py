@@ -349,7 +349,8 @@ def _cmd_read(args: argparse.Namespace) -> int:
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", data).strip("-")  # nq:dev:balanced -> nq-dev-balanced
         if args.cache:
             return Path(args.cache) if len(datas) == 1 else Path(args.cache) / name
-        return home() / "features" / f"{args.model}-read-{args.base}-{name}"
+        # the model's name, as the checkpoint's default directory: --model /path/to/hf-dir wrote beside the model
+        return home() / "features" / f"{runtime.model_name}-read-{args.base}-{name}"
 
     # a gate is trained on labels from the passages it will read: BM25's for `all`, dense's for `dense` (its own pass)
     reads = {name: "dense" if name == "dense" else "bm25" for name in names}
