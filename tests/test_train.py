@@ -46,6 +46,22 @@ def test_held_out_split_is_stable_and_disjoint():
     assert [is_held_out(e) for e in caps] == [is_held_out(e) for e in country_capitals()]
 
 
+def test_a_corrupt_feature_cache_is_a_clear_error(tmp_path, tiny_engine):
+    """An empty meta.json (a process killed while writing it) and a truncated chunk raised JSONDecodeError and
+    SafetensorError tracebacks."""
+    meta = {"kind": "confidence", "model": tiny_engine.lm.fingerprint, "layer": 2}
+    cache = FeatureCache(tmp_path / "c", meta)
+    confidence_features(tiny_engine, EXAMPLES[:2], 2, cache, max_tokens=4, batch_size=2, progress=False)
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.suffix == ".tmp"] == []
+    chunk = next((tmp_path / "c").glob("chunk_*.safetensors"))
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    with pytest.raises(CheckpointError, match="chunk .* is corrupt"):
+        FeatureCache(tmp_path / "c", meta)
+    (tmp_path / "c" / "meta.json").write_text("")
+    with pytest.raises(CheckpointError, match="meta.json is unreadable"):
+        FeatureCache(tmp_path / "c", meta)
+
+
 def test_confidence_features_resume_without_redoing(tmp_path, tiny_engine):
     meta = {"kind": "confidence", "model": tiny_engine.lm.fingerprint, "layer": 2}
     spy = _CountingEngine(tiny_engine)

@@ -38,12 +38,18 @@ class FeatureCache:
         self.root.mkdir(parents=True, exist_ok=True)
         meta_path = self.root / "meta.json"
         if meta_path.exists():
-            old = json.loads(meta_path.read_text())
+            try:
+                old = json.loads(meta_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"the feature cache's {meta_path} is unreadable ({exc}): delete {self.root} "
+                                      "(its features are computed again) or use another --cache") from None
             if old != meta:
                 raise CheckpointError(f"the feature cache {self.root} was made for {old}, not {meta}; use another "
                                       "--cache directory or delete it")
-        else:
-            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        else:  # whole or absent: a process killed while writing it left an empty file that failed every later run
+            tmp = meta_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta, indent=2) + "\n")
+            os.replace(tmp, meta_path)
         self.meta = meta
         self._chunks = sorted(self.root.glob("chunk_*.safetensors"))
         self.done: set[str] = set()  # example ids whose rows are in a chunk
@@ -52,10 +58,14 @@ class FeatureCache:
 
     @staticmethod
     def _meta(path: Path, key: str) -> list[str]:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), "pt") as f:
-            return json.loads(f.metadata()[key])
+        try:
+            with safe_open(str(path), "pt") as f:
+                return json.loads(f.metadata()[key])
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"the feature cache's chunk {path} is corrupt ({exc}): delete it (its questions "
+                                  "are computed again) or use another --cache") from None
 
     def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor, examples: Sequence[str]) -> None:
         """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples``."""
@@ -75,12 +85,17 @@ class FeatureCache:
 
     def load(self) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """All rows: ``(ids, features [N, ...], labels [N])``."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         ids: list[str] = []
         feats, labels = [], []
         for path in self._chunks:
-            t = load_file(str(path))
+            try:
+                t = load_file(str(path))
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"the feature cache's chunk {path} is corrupt ({exc}): delete it (its questions "
+                                      "are computed again) or use another --cache") from None
             ids.extend(self._meta(path, "ids"))
             feats.append(t["features"])
             labels.append(t["labels"])
