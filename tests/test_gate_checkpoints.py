@@ -66,6 +66,27 @@ def test_save_never_deletes_a_users_files_and_replaces_a_checkpoint_in_place(tmp
     assert load_probe_checkpoint(empty, tiny).layers == (1, 2)
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"kind": None}, "kind must be one of probing, confidence"),  # KeyError 'kind'
+    ({"kind": "read"}, "kind must be one of"),  # loaded, then judged as a confidence model
+    ({"layers": ["a", "b"]}, "layers must be a list of layer numbers"),  # ValueError
+    ({"extra": [1]}, "extra must be an object"),  # TypeError
+    ({"model_layers": "4"}, "model_layers must be an integer"),
+])
+def test_a_hand_edited_config_is_a_checkpoint_error(tmp_path, tiny, edit, message):
+    import json
+
+    path = tmp_path / "ck"
+    save_probe_checkpoint(path, random_probe_params(2, tiny.hidden_size, 8, seed=1), kind="probing", model=tiny,
+                          layers=(1, 2))
+    config = json.loads((path / "config.json").read_text())
+    config.update(edit)
+    config = {k: v for k, v in config.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_probe_checkpoint(path)
+
+
 def test_missing_and_corrupt(tmp_path, ckpt_dir, tiny):
     path, _ = ckpt_dir
     with pytest.raises(CheckpointError, match="no checkpoint directory"):

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -205,13 +206,25 @@ def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind
         params.validate()
     except (SafetensorError, KeyError, ShapeError, OSError) as exc:
         raise CheckpointError(f"cannot load {weights}: {exc}") from None
-    layers = tuple(int(x) for x in config.get("layers", []))
+    # the config's own fields, typed: a hand-edited or foreign one is a CheckpointError, never a KeyError / TypeError
+    layers, extra = config.get("layers", []), config.get("extra", {})
+    if config.get("kind") not in typing.get_args(Kind):
+        raise CheckpointError(f"{root / CONFIG}: kind must be one of {', '.join(typing.get_args(Kind))}, "
+                              f"got {config.get('kind')!r}")
+    if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise CheckpointError(f"{root / CONFIG}: layers must be a list of layer numbers, got {layers!r}")
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{root / CONFIG}: extra must be an object, got {extra!r}")
+    for name in ("hidden_size", "model_layers"):
+        if not isinstance(config.get(name, 0), int) or isinstance(config.get(name, 0), bool):
+            raise CheckpointError(f"{root / CONFIG}: {name} must be an integer, got {config.get(name)!r}")
+    layers = tuple(layers)
     if len(layers) != params.n_layers or params.d != config.get("hidden_size"):
         raise CheckpointError(f"{root}: config says layers={list(layers)}, d={config.get('hidden_size')} but the "
                               f"weights hold {params.n_layers} probers of d={params.d}")
-    ckpt = ProbeCheckpoint(params, config["kind"], config.get("model", ""), config.get("model_fingerprint", ""),
-                           int(config["hidden_size"]), int(config.get("model_layers", 0)), layers,
-                           dict(config.get("extra", {})), str(root))
+    ckpt = ProbeCheckpoint(params, config["kind"], str(config.get("model", "")),
+                           str(config.get("model_fingerprint", "")), int(config["hidden_size"]),
+                           int(config.get("model_layers", 0)), layers, dict(extra), str(root))
     if model is not None:
         check_checkpoint_matches(ckpt, model)
     return ckpt
