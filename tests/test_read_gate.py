@@ -357,6 +357,14 @@ def test_train_read_pools_dev_sets_and_writes_its_price_as_the_checkpoints_calib
     training = json.loads((out / "training.json").read_text())
     price = training["report"]["all"]["price"]
     assert training["command"].startswith("fastgate train read --model tiny --decide answer --base dtr --data ")
+    # the recorded command makes it again: from the same store, into the same directory (it left --cache, --out and
+    # --index out, answering everything again elsewhere)
+    import shlex
+
+    again = shlex.split(training["command"])[1:]
+    assert {"--cache", "--out", "--index", "--batch-size"} <= set(again)
+    assert main(again) == 0
+    assert json.loads((out / "training.json").read_text())["report"]["all"]["price"] == price
     assert [r["n"] for r in training["report"]["all"]["out_of_fold"]] == [12, 10]
     assert training["report"]["all"]["learning_curve"][-1]["train"] == 22 - 3 - 2  # a fifth of each set held out
     assert isinstance(load_read_checkpoint(out, "all", model=tiny, base="dtr"), GainModel)

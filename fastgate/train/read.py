@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -449,7 +450,8 @@ def _cmd_read(args: argparse.Namespace) -> int:
     meta = {"data": ",".join(datas), "n": len(rows), "seed": args.seed, "fixed": int(fixed.sum()),
             "broken": int(broken.sum()), "l2": args.l2, "closed_book_acc": round(float(cb.mean()), 4),
             "read_acc": round(float(rd.mean()), 4), "sets": sets, "labels_from_reads": reads,
-            "price": {k: round(v, 6) for k, v in prices.items()}, "max_loss": args.max_loss,
+            "price": {k: round(v, 6) for k, v in prices.items()},
+            **({"max_loss": args.max_loss} if args.price is None else {"price_given": True}),
             "answerable": int(answerable.sum())}
     if prefill:
         meta = {**meta, "layer": projection.layer, "rank": projection.rank,
@@ -470,11 +472,15 @@ def _cmd_read(args: argparse.Namespace) -> int:
 
 def _command(args, model_name: str) -> str:
     """The command that makes this checkpoint again (the training passes resume from their records)."""
+    # every flag that changes what is made or where it goes: the same numeric form, store, index and destination
     extra = (f" --layer {args.layer}" if args.layer is not None else "") + (
-        f" --price {args.price}" if args.price is not None else "")
+        f" --price {args.price}" if args.price is not None else f" --max-loss {args.max_loss}")
+    where = "".join(f" --{flag.replace('_', '-')} {shlex.quote(str(getattr(args, flag)))}"
+                    for flag in ("dtype", "weights", "cache", "index", "out") if getattr(args, flag) is not None)
     return (f"fastgate train read --model {model_name} --decide {args.decide} --base {args.base} --data {args.data} "
-            f"--n {args.n} --features {args.features} --max-loss {args.max_loss} --l2 {args.l2} --seed {args.seed}"
-            + (f" --rank {args.rank}" if args.decide == "prefill" else "") + f" --adapt {args.adapt}" + extra)
+            f"--n {args.n} --features {args.features} --l2 {args.l2} --seed {args.seed}"
+            + (f" --rank {args.rank}" if args.decide == "prefill" else "") + f" --adapt {args.adapt}" + extra
+            + where + f" --batch-size {args.batch_size}" + (" --no-calibrate" if args.no_calibrate else ""))
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
