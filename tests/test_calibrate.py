@@ -103,9 +103,17 @@ def test_best_rule_runs_always_and_reports_the_gain(cli, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "random" in out and "points over the random gate" in out
     runs = {json.loads(line)["run"] for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()}
-    assert runs == {"dtr[tau=1e9]", "always"}
+    assert runs == {"dtr[tau=1e9]", "always[retriever=dense]"}  # DTR reads dense passages: so does its `always`
     entry = calibration_entries("tiny")[0]
     assert entry["rule"] == "best" and entry["rate"] <= 0.8 and "dev_gain_over_random" in entry
+
+
+def test_the_rules_replay_reads_of_the_calibrated_runs_own_retriever(cli, capsys, tmp_path):
+    """`always` read BM25 passages whatever the calibrated run reads: a method on dense passages was judged against
+    another retriever's reads."""
+    assert cli("--method", "dtr", "--retriever", "bm25", "--rule", "best", "--rate", "0.8") == 0
+    runs = {json.loads(line)["run"] for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()}
+    assert runs == {"dtr[tau=1e9,retriever=bm25]", "always"}
 
 
 def test_loss_rule_retrieves_least_within_the_loss(cli, capsys, tmp_path):
@@ -113,7 +121,7 @@ def test_loss_rule_retrieves_least_within_the_loss(cli, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "rule loss: the fewest retrievals within 1.0 point(s)" in out
     recs = [json.loads(line) for line in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
-    assert {r["run"] for r in recs} == {"dtr[tau=1e9]", "always"}
+    assert {r["run"] for r in recs} == {"dtr[tau=1e9]", "always[retriever=dense]"}
     entry = calibration_entries("tiny")[0]
     assert entry["rule"] == "loss" and entry["max_loss"] == 0.01
     # the tiny model answers nothing right either way: retrieving on no question loses nothing

@@ -135,7 +135,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     run = RunSpec(req.method, req.retriever, req.params)
     runs = [run]
     if args.rule in ("best", "loss"):
-        runs.append(RunSpec("always", check_request("always", {}, None, model, remote=engine).retriever, ()))
+        # `always` reads the passages the calibrated run reads (its retriever; the dense-only read gate's dense
+        # top-k): a replayed read is that run's read, not BM25's
+        reads = "dense" if req.method == "read" and dict(req.params).get("features") == "dense" else req.retriever
+        runs.append(RunSpec("always", check_request("always", {}, reads, model, remote=engine).retriever, ()))
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
         f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
@@ -158,7 +161,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     skip_acc = read_acc = None
     if args.rule in ("best", "loss"):
         skip_acc = np.array([float(recs[i]["acc"]) for i in usable])
-        read_acc = np.array([float(store.records[("always", examples[i].id)]["acc"]) for i in usable])
+        read_acc = np.array([float(store.records[(runs[1].key, examples[i].id)]["acc"]) for i in usable])
     curve = dev_curve(scores, spec.retrieve_above, skip_acc, read_acc)
     k_cap = int(math.floor(args.rate * len(usable) + 1e-9))
     if args.rule == "best":
