@@ -154,6 +154,7 @@ def test_passive_omp_threads_says_whether_it_set_the_policy(monkeypatch):
     (["calibrate", "--method", "dtr", "--data", "capitals", "--n", "-190"], "number of questions >= 0"),  # all but 190
     (["train", "confidence", "--n", "-5"], "number of questions >= 0"),
     (["train", "read", "--data", "nq:dev", "--n", "1.5"], "--n takes whole numbers"),  # a traceback
+    (["train", "read", "--data", "nq:dev,nq:dev:all"], "--data names one dev set more than once"),  # pooled twice
     (["train", "read", "--data", "nq:dev", "--l2", "-50"], "--l2 must be a finite number >= 0"),  # diverged, saved
     (["train", "read", "--data", "nq:dev", "--price", "nan"], "--price must be a finite number"),  # NaN calibration
     (["train", "read", "--data", "nq:dev", "--adapt", "1.5"], "--adapt must be in [0, 1)"),  # refused after the pass

@@ -373,7 +373,7 @@ def test_train_read_pools_dev_sets_and_writes_its_price_as_the_checkpoints_calib
     with pytest.raises(InputError, match="no calibrated threshold"):
         calibrated_params("tiny", "read", {"checkpoint": str(tmp_path / "elsewhere")})
     capsys.readouterr()
-    assert main(argv[:5] + [f"{files[0]},{files[1]},{files[0]}", "--n", "1,2"] + argv[8:]) == 2
+    assert main(argv[:5] + [f"{files[0]},{files[1]},capitals", "--n", "1,2"] + argv[8:]) == 2
     assert "--n gives 2 counts for 3 dev sets" in capsys.readouterr().err
     assert main(["train", "read", "--model", "tiny", "--data", f"{files[0]},nq:test"]) == 2
     assert "refuses" in capsys.readouterr().err

@@ -319,6 +319,13 @@ def _cmd_read(args: argparse.Namespace) -> int:
     datas = _split(args.data, "--data")
     for data in datas:
         refuse_test_split(data, "fastgate train read")  # before the model loads
+    from fastgate.eval.datasets import is_benchmark, parse_benchmark
+
+    canonical = [str(parse_benchmark(d)) if is_benchmark(d) else str(Path(d).resolve()) if Path(d).is_file() else d
+                 for d in datas]
+    twice = sorted({d for d, c in zip(datas, canonical) if canonical.count(c) > 1})
+    if twice:  # one set under two names (nq:dev and nq:dev:all) pooled its questions twice
+        raise InputError(f"--data names one dev set more than once ({', '.join(twice)})")
     ns = []
     for v in _split(str(args.n), "--n"):
         if v not in ("all", "0") and not (v.isascii() and v.isdigit()):
