@@ -65,8 +65,8 @@ def _scheduler_setting(name: str, default: Any = dataclasses.MISSING) -> Any:
 @dataclass(frozen=True)
 class ServiceConfig(RuntimeConfig):
     """How the service batches, bounds and answers requests, and what its runtime loads (the fields of
-    :class:`~fastgate.serving.runtime.RuntimeConfig`: model, device, dtype, step, index, paper_defaults). The fields
-    with a help line are ``fastgate serve``'s flags (:func:`fastgate.settings.add_setting_args`); those of the
+    :class:`~fastgate.serving.runtime.RuntimeConfig`: model, device, dtype, step, weights, index, paper_defaults). The
+    fields with a help line are ``fastgate serve``'s flags (:func:`fastgate.settings.add_setting_args`); those of the
     scheduler are checked by :class:`~fastgate.scheduler.SchedulerConfig` (:meth:`scheduler_config`)."""
 
     # the method of requests that name none: the gate `fastgate ask` uses by default
