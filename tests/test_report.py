@@ -34,6 +34,12 @@ def test_time_matched_coin_by_hand():
     assert dear.share == 1.0 and dear.coin_acc == pytest.approx(0.75) and dear.diff == pytest.approx(-0.25)
     cheap = time_matched_coin(GATED, NEVER, ALWAYS, IDS, s_run=0.05, s_never=0.1, s_always=[1.1])
     assert cheap.share == 0.0 and cheap.diff == pytest.approx(0.25)
+    # ... and the table says so: the clipped share alone read as a coin that had cost what the run cost
+    from fastgate.eval.report import time_matched_section
+
+    assert dear.unclipped == pytest.approx(2.9) and "100.0% (costs 290%)" in time_matched_section([dear])
+    assert "0.0% (costs -5%)" in time_matched_section([cheap])
+    assert "(costs" not in time_matched_section([t])
     assert 0 < cheap.p_value < 1 and cheap.p_value == pytest.approx(math.erfc(0.25 / cheap.diff_se / math.sqrt(2)))
     # a gate that beats the coin clearly on many questions has a small p
     many = 50
@@ -51,6 +57,33 @@ def test_time_matched_coin_by_hand():
 def test_oracle_reads_only_where_reading_fixes_the_answer():
     o = oracle_point(NEVER, ALWAYS, IDS, 0.1, 1.1)
     assert o.rate == pytest.approx(0.5) and o.acc == pytest.approx(0.75) and o.s_per_q == pytest.approx(0.6)
+    assert oracle_point(NEVER, ALWAYS, IDS + ["q0", "q0"], 0.1, 1.1) == o  # a question counted once
+
+
+def test_no_p_where_the_paired_differences_do_not_vary():
+    """Two questions, each +1 over the coin: the SE is 0 and the normal approximation said p 0."""
+    gated, never, always = _recs([1, 1]), _recs([0, 0]), _recs([0, 0])
+    t = time_matched_coin(gated, never, always, ["q0", "q1"], s_run=0.5, s_never=0.1, s_always=[1.1])
+    assert t.diff == 1.0 and t.diff_se == 0.0 and math.isnan(t.p_value)
+
+
+def test_metrics_skip_a_gold_that_normalises_to_nothing():
+    from fastgate.eval.metrics import accuracy, exact_match
+
+    assert exact_match("", ["*"]) == 0.0 and exact_match("*", ["*", "Paris"]) == 0.0  # SQuAD's rule said 1
+    assert exact_match("the Paris.", ["*", "Paris"]) == 1.0 and accuracy("*", ["*"]) == 0.0
+    assert accuracy("Sir Miles Davis", ["M"]) == 0.0 and accuracy("It was 12", ["2"]) == 0.0  # whole words
+
+
+def test_a_permutation_p_at_its_floor_prints_as_a_bound():
+    from fastgate.eval.gate_quality import _perm
+
+    class G:
+        n_permutations, perm_p = 10_000, 1 / 10_001
+
+    assert _perm(G) == "≤ 1e-04"
+    G.perm_p = 0.03
+    assert _perm(G) == "0.03"
 
 
 @pytest.fixture()

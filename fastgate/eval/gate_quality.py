@@ -188,6 +188,13 @@ def _area_above(curve: np.ndarray, lo: float, hi: float) -> float:
     return float(np.sum((gap[1:] + gap[:-1]) / 2) / (len(curve) - 1)) if len(curve) > 1 else 0.0
 
 
+def _perm(g: GateQuality) -> str:
+    """The permutation p as printed: at its floor (no shuffle as extreme) the bound, not an estimate ("<= 1e-04")."""
+    if g.n_permutations > 0 and g.perm_p == g.perm_p and g.perm_p <= 1.0 / (1 + g.n_permutations) + 1e-15:
+        return f"≤ {1.0 / (1 + g.n_permutations):.0e}"
+    return _fmt(g.perm_p, ".2g")
+
+
 def _permutation_p(d: np.ndarray, gain: np.ndarray, n_permutations: int, seed: int) -> float:
     """Two-sided: the share of shuffles of ``d`` whose replayed gain is at least as far from a coin's as ``d``'s,
     counting ``d`` itself ((1 + hits) / (1 + permutations))."""
@@ -327,7 +334,7 @@ def gate_quality_table(results: Sequence[GateQuality], labels: Sequence[str] | N
             "| curve area above random / oracle's |")
     rule = "|---|---|" + "---:|" * 11
     rows = [f"| {name} | {g.gate or '–'} | {g.n} | {g.rate:.1%} | {g.acc:.3f} | {g.random_acc:.3f} "
-            f"| {_points(g.diff, g.diff_se)} | {_points(g.replay_diff)} ({_fmt(g.perm_p, '.2g')}) "
+            f"| {_points(g.diff, g.diff_se)} | {_points(g.replay_diff)} ({_perm(g)}) "
             f"| {g.oracle_acc:.3f} | {_fmt(g.auroc_wrong, '.2f')} | {_fmt(g.auroc_fixes, '.2f')} "
             f"| {_fmt(g.auroc_answerable, '.2f')} | {_fmt(g.area, '+.2f')} |" for name, g in zip(names, results)]
     return "\n".join([head, rule, *rows]) + "\n"

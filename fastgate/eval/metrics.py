@@ -19,8 +19,11 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match(answer: str, golds: Sequence[str]) -> float:
+    """1 if the normalised answer equals a normalised gold answer. A gold that normalises to nothing (NQ's "*") is
+    skipped, as :func:`accuracy` skips it: SQuAD's rule matched it with any empty or punctuation-only answer (an
+    error record's "" among them)."""
     a = normalize_answer(answer)
-    return float(any(a == normalize_answer(g) for g in golds))
+    return float(any(g and a == g for g in map(normalize_answer, golds)))
 
 
 def token_f1(answer: str, golds: Sequence[str]) -> float:
@@ -37,6 +40,7 @@ def token_f1(answer: str, golds: Sequence[str]) -> float:
 
 
 def accuracy(answer: str, golds: Sequence[str]) -> float:
-    """1 if a normalised gold answer occurs in the normalised answer (the papers' ACC), else 0."""
+    """1 if a normalised gold answer occurs in the normalised answer as a whole word sequence (the papers' ACC: "2"
+    is not in "12", "m" not in "sir miles"), else 0."""
     a = f" {normalize_answer(answer)} "
     return float(any(normalize_answer(g) and f" {normalize_answer(g)} " in a for g in golds))

@@ -132,6 +132,7 @@ class TimeMatched:
     always_s: float  # what the coin pays for always: the mean of its passes
     always_passes: tuple[float, ...]  # always's seconds per question, first pass then again at the end
     share: float  # p: the coin's probability of answering like always, clipped to [0, 1]
+    unclipped: float  # (t_run - t_never) / (t_always - t_never): above 1, the run cost more than always
     coin_acc: float  # (1 - p) * never + p * always, mean over the questions
     coin_se: float  # standard error of that mean (over the questions)
     acc: float
@@ -144,8 +145,8 @@ class TimeMatched:
 def _p_two_sided(diff: float, se: float) -> float:
     if se != se:
         return float("nan")
-    if se == 0:
-        return 1.0 if diff == 0 else 0.0
+    if se == 0:  # no spread among the paired differences: the normal approximation says nothing
+        return 1.0 if diff == 0 else float("nan")
     return math.erfc(abs(diff / se) / math.sqrt(2))
 
 
@@ -166,11 +167,12 @@ def time_matched_coin(gated: Mapping[str, Record], never: Mapping[str, Record], 
     t_always = float(np.mean(s_always))
     span = t_always - s_never
     if not (span == span and s_run == s_run):
-        share = float("nan")
+        share = unclipped = float("nan")
     elif span <= 0:  # always no dearer than never here: a coin can cost anything between, p is undefined
-        share = float("nan")
+        share = unclipped = float("nan")
     else:
-        share = min(1.0, max(0.0, (s_run - s_never) / span))
+        unclipped = (s_run - s_never) / span
+        share = min(1.0, max(0.0, unclipped))
     acc = np.array([float(gated[q].get("acc") or 0.0) for q in qids])
     nv = np.array([float(never[q].get("acc") or 0.0) for q in qids])
     al = np.array([float(always[q].get("acc") or 0.0) for q in qids])
@@ -184,7 +186,8 @@ def time_matched_coin(gated: Mapping[str, Record], never: Mapping[str, Record], 
 
     diff_se = se(diffs)
     return TimeMatched(run=run, n=n, s_per_q=float(s_run), never_s=float(s_never), always_s=t_always,
-                       always_passes=tuple(float(x) for x in s_always), share=share, coin_acc=float(coin.mean()),
+                       always_passes=tuple(float(x) for x in s_always), share=share, unclipped=float(unclipped),
+                       coin_acc=float(coin.mean()),
                        coin_se=se(coin), acc=float(acc.mean()), diff=diff, diff_se=diff_se,
                        p_value=_p_two_sided(diff, diff_se), one_sitting=one_sitting)
 
@@ -200,7 +203,7 @@ class Oracle:
 
 def oracle_point(never: Mapping[str, Record], always: Mapping[str, Record], ids: Sequence[str], s_never: float,
                  s_always: float) -> Oracle:
-    qids = [q for q in ids if q in never and q in always]
+    qids = [q for q in dict.fromkeys(ids) if q in never and q in always]
     nv = np.array([float(never[q].get("acc") or 0.0) for q in qids])
     al = np.array([float(always[q].get("acc") or 0.0) for q in qids])
     fix = (nv <= 0) & (al > 0)
@@ -211,6 +214,14 @@ def oracle_point(never: Mapping[str, Record], always: Mapping[str, Record], ids:
 
 def _f(x: float, spec: str) -> str:
     return "–" if x is None or x != x else format(x, spec)
+
+
+def _share(t: TimeMatched) -> str:
+    """The coin's share; a run outside the never-always span says where it is (the clipped share alone read as a
+    match: a run costing 1.5x always showed "100.0%" and a difference as if a coin had cost what it cost)."""
+    if t.unclipped == t.unclipped and not 0.0 <= t.unclipped <= 1.0:
+        return f"{t.share:.1%} (costs {t.unclipped:.0%})"
+    return _f(t.share, ".1%")
 
 
 def _pts(x: float, se: float) -> str:
@@ -241,9 +252,9 @@ def cost_section(table: Sequence[RunSummary], again: RunSummary | None) -> str:
 
 def time_matched_section(results: Sequence[TimeMatched], oracle: Oracle | None = None) -> str:
     """The markdown of the time-matched coins (part of the coin section)."""
-    head = ("| run | s/question | coin: share answered as always | coin ACC (± SE) | ACC | ACC − coin (± SE) "
-            "| p | timed in one sitting |")
-    rows = [f"| {t.run} | {_f(t.s_per_q, '.3f')} | {_f(t.share, '.1%')} | {_f(t.coin_acc, '.3f')} ± "
+    head = ("| run | s/question | coin: share answered as always | coin's expected ACC (± SE over questions) | ACC "
+            "| ACC − coin (± SE) | p | timed in one sitting |")
+    rows = [f"| {t.run} | {_f(t.s_per_q, '.3f')} | {_share(t)} | {_f(t.coin_acc, '.3f')} ± "
             f"{_f(t.coin_se, '.3f')} | {t.acc:.3f} | {_pts(t.diff, t.diff_se)} | {_f(t.p_value, '.2g')} "
             f"| {'yes' if t.one_sitting else 'no'} |" for t in results]
     first = next((t for t in results if " (vs " not in t.run), results[0] if results else None)
@@ -260,7 +271,9 @@ def time_matched_section(results: Sequence[TimeMatched], oracle: Oracle | None =
     return ("### Against a coin matched on time\n\n"
             "The mix of `never` and `always` that costs what the run cost: p = (t_run − t_never) / (t_always − "
             "t_never), clipped to [0, 1]; per question (1 − p)·never + p·always, paired with the run's answers; p "
-            "two-sided from the paired differences (normal approximation; the timings' noise is not in the SE)."
+            "two-sided from the paired differences (normal approximation; the timings' noise is not in the SE). A run "
+            "that cost more than `always` (or less than `never`) is matched with `always` (`never`), its share "
+            "marked with what it cost on that line (\"costs 156%\")."
             + times + orc + "\n\n" + "\n".join([head, "|---|" + "---:|" * 6 + "---|", *rows]) + "\n")
 
 
@@ -282,9 +295,11 @@ def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: floa
         ax.scatter([oracle.s_per_q], [oracle.acc], marker="*", s=90, color="0.2", zorder=3,
                    label=f"oracle (reads {oracle.rate:.0%})")
     pts = [s for s in summaries if s.s_per_q == s.s_per_q]
-    ax.scatter([s.s_per_q for s in pts], [s.acc for s in pts], zorder=4, edgecolor="k")
-    for s in pts:
-        ax.annotate(s.run, (s.s_per_q, s.acc), textcoords="offset points", xytext=(4, 4), fontsize=7,
+    # `always` where the line ends (the mean of its passes, what the coins pay), not at its first pass's time
+    xs = [always_s if s.run == "always" else s.s_per_q for s in pts]
+    ax.scatter(xs, [s.acc for s in pts], zorder=4, edgecolor="k")
+    for s, x in zip(pts, xs):
+        ax.annotate(s.run, (x, s.acc), textcoords="offset points", xytext=(4, 4), fontsize=7,
                     annotation_clip=False)
     ax.set_xlabel("seconds per question (measured)")
     ax.set_ylabel("accuracy (ACC)")

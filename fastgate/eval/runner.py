@@ -28,6 +28,7 @@ from typing import Any
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError, RemoteError, disk_error
 from fastgate.eval.datasets import QAExample
+from fastgate.eval.gate_quality import decision
 from fastgate.eval.metrics import accuracy, exact_match, token_f1
 
 # how an evaluation feeds a run's questions to the engine: ``window``, a fixed number in flight (a new one joins as one
@@ -564,7 +565,7 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
     latencies = [r["latency_s"] for r in ok]
     return RunSummary(
         run=run.key, method=run.method, n=n, em=mean("em"), f1=mean("f1"), acc=mean("acc"),
-        retrieval_rate=sum(bool(r.get("retrieved")) for r in records) / n,
+        retrieval_rate=sum(decision(r) for r in records) / n,  # the coins' own rule, one definition of a read
         retrievals_per_q=mean("retrieval_calls"), lm_calls_per_q=mean("lm_calls"),
         tokens_per_q=mean("generated_tokens"),
         latency_p50_s=_percentile(latencies, 0.5), latency_p95_s=_percentile(latencies, 0.95),
