@@ -86,7 +86,14 @@ def test_scaar_contribution_thresholds_and_pfq():
     (score,) = gate.word_scores([sw], [r]).tolist()
     # "big": 0.6 < 0.5·e^0.3 = 0.675 -> hallucinated, triggers; "Paris": 0.95 < 0.5·e^0.8 = 1.11 too
     assert gate.step(score).retrieve
-    assert score == pytest.approx(min(np.array([0.95, 0.6, 0.6, 0.6]) - th))
+    # the score is the θ at which the rule flips, min_w P'(w)·e^{-r(w)}: whatever θ is, retrieve iff score < θ
+    assert score == pytest.approx(min(np.array([0.95, 0.6, 0.6, 0.6]) * np.exp(-r)))
+    assert gate.step(score).threshold == 0.5 and score == pytest.approx(0.95 * math.exp(-0.8))  # "Paris"
+    for theta in (0.0, 0.3, score - 1e-9, score + 1e-9, 0.9):
+        other = ScaarGate(_FakeEmbedder(sims), theta=theta, alpha=0.5)
+        (x,) = other.word_scores([sw], [r]).tolist()
+        rule = bool((np.array([0.95, 0.6, 0.6, 0.6]) < other.thresholds(r)).any())  # any P'(w) < θ_w
+        assert x == score and other.step(x).retrieve == rule
     # PFQ: top 50% by contribution = Paris, big; both below their thresholds -> only the question stays
     assert gate.query("Q", sw, r) == "Q"
     confident = _words([1.0, 1.0, 1.0, 1.0], ["Paris", "is", "pretty", "big"])

@@ -164,23 +164,10 @@ def test_same_answer_alone_and_in_a_batch_of_8(name, tiny_engine, bm25, checkpoi
     key = EXTREMES[name][0]
     probe = build_method(name, tiny_engine, bm25, _params(name, checkpoints))
     batch_q = QUESTIONS + ["capital of Germany", "Eiffel Tower", "Burkina Faso", "planet Jupiter"]
-    if name == "scaar":  # retrieve iff θ > min_w P'(w)·e^{-r(w)}: split the batch at the median of that critical θ
-        import numpy as np
-
-        from fastgate.config import GenerationConfig
-        from fastgate.gates.words import sentence_words
-        from fastgate.prompts import SENTENCE_STOP, cot_prompt
-
-        first = tiny_engine.generate([cot_prompt(q) for q in batch_q], GenerationConfig(max_new_tokens=8,
-                                                                                        stop=SENTENCE_STOP))
-        words = sentence_words(tiny_engine, probe.ops, first.sequences)
-        crit = sorted(float((w.prob * np.exp(-r)).min()) for w, r in zip(words, probe.gate.contributions(batch_q,
-                                                                                                          words)))
-        candidates = [(crit[3] + crit[4]) / 2]
-    else:
-        scores = sorted(r.gate_steps[0].score for r in probe.answer_batch(batch_q))
-        mid = (scores[3] + scores[4]) / 2  # a threshold in the middle of the first gate scores
-        candidates = [{"probing": -mid}.get(name, mid)]
+    # SCAAR's score is the θ at which its rule flips: like the others, a threshold in the middle of the scores
+    scores = sorted(r.gate_steps[0].score for r in probe.answer_batch(batch_q))
+    mid = (scores[3] + scores[4]) / 2  # a threshold in the middle of the first gate scores
+    candidates = [{"probing": -mid}.get(name, mid)]
     for value in candidates:
         method = build_method(name, tiny_engine, bm25, _params(name, checkpoints, **{key: value}))
         batch = method.answer_batch(batch_q)

@@ -128,7 +128,9 @@ class ScaarGate(_WordGate):
     ``r(w) = clip(1 − sim([q, s], [q, s∖w]), 0, 1)`` with ``sim`` the cosine of the embedder's vectors (SCAAR eq. 1
     uses a cross-encoder; none ships offline). ``θ_w = θ·e^{r(w)}`` (eq. 3 as printed, ``weighting="literal"``) or
     ``θ·e^{r'(w)}`` with eq. 2's length-normalised ``r' = |s|·r/Σr`` (``weighting="normalized"``). The reported
-    score is ``min_w (P'(w) − θ_w)``: retrieve iff it is < 0.
+    score is the θ at which the rule flips, ``min_w P'(w)·e^{−r(w)}`` (``r'`` when normalised): retrieve iff it is
+    < θ, the same decision as "any ``P'(w) < θ_w``", and a score that does not depend on θ, so ``fastgate calibrate``
+    (which scores at θ = 0) cuts the rule's own quantity (``min_w P'(w)`` before, which ignored the contributions).
 
     Args:
         embedder: anything with ``encode(list[str]) -> [n, dim]`` unit vectors (the packaged MiniLM by default).
@@ -167,16 +169,20 @@ class ScaarGate(_WordGate):
             out.append(np.clip(1.0 - rest @ ref, 0.0, 1.0))  # [W]
         return out
 
-    def thresholds(self, r: np.ndarray) -> np.ndarray:
-        """θ_w per word ``[W]``."""
+    def scales(self, r: np.ndarray) -> np.ndarray:
+        """``e^{r(w)}`` (or ``e^{r'(w)}``) per word ``[W]``: θ_w / θ."""
         if self.weighting == "normalized":
             total = float(r.sum())
             r = len(r) * r / total if total > 0 else np.ones_like(r)
-        return self.theta * np.exp(r)
+        return np.exp(r)
+
+    def thresholds(self, r: np.ndarray) -> np.ndarray:
+        """θ_w per word ``[W]``."""
+        return self.theta * self.scales(r)
 
     def word_scores(self, sentences: list[SentenceWords], contribs: list[np.ndarray]) -> torch.Tensor:
-        """``min_w (P'(w) − θ_w)`` per sentence ``[N]`` (1 for a sentence without words)."""
-        scores = [float((s.prob - self.thresholds(r)).min()) if len(s.words) else 1.0
+        """``min_w P'(w)·e^{−r(w)}`` per sentence ``[N]`` (1 for a sentence without words)."""
+        scores = [float((s.prob / self.scales(r)).min()) if len(s.words) else 1.0
                   for s, r in zip(sentences, contribs)]
         return torch.tensor(scores, dtype=torch.float64)
 
@@ -185,7 +191,7 @@ class ScaarGate(_WordGate):
         return self.word_scores(sentences, self.contributions([q for q, _ in signals], sentences))
 
     def step(self, score: float, signal=None) -> GateStep:
-        return GateStep(self.name, float(score), 0.0, bool(score < 0))
+        return GateStep(self.name, float(score), self.theta, bool(score < self.theta))
 
     def decide(self, signals: Sequence[tuple[str, Generation]]) -> list[WordStep]:
         """Steps with SCAAR's Percentile-Filtered Query, from one alignment and one batched encode."""
@@ -194,8 +200,8 @@ class ScaarGate(_WordGate):
         contribs = self.contributions(questions, sentences)
         out = []
         for q, s, r, x in zip(questions, sentences, contribs, self.word_scores(sentences, contribs).tolist()):
-            out.append(WordStep(self.name, float(torch.tensor(x, dtype=torch.float32)), 0.0, bool(x < 0),
-                                self.query(q, s, r)))
+            out.append(WordStep(self.name, float(torch.tensor(x, dtype=torch.float32)), self.theta,
+                                bool(x < self.theta), self.query(q, s, r)))
         return out
 
     def query(self, question: str, sentence: SentenceWords, r: np.ndarray) -> str:

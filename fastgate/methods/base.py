@@ -27,7 +27,7 @@ class GateThreshold:
 
     param: str  # the config field
     skip: float  # a value at which the first gate never retrieves, so that a calibration pass sees every score
-    retrieve_above: bool  # True: retrieve iff score >= threshold; False: iff score <= threshold
+    retrieve_above: bool  # True: retrieve iff score >= threshold; False: iff score < threshold (<= for CBDR)
     negate: bool = False  # the parameter is minus the threshold (Probing-RAG: retrieve iff score > -θ)
 
     def value(self, cut: float) -> float:
