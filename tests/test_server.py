@@ -258,6 +258,41 @@ def test_overload_and_stop(tiny_engine, small_index):
             f.result(timeout=5)
 
 
+def test_a_request_accepted_as_the_service_stops_is_answered_or_failed(tiny_engine, small_index):
+    """submit checked "running", then stop() drained the queue, then submit put its request there: nobody read it and
+    its future never resolved. The check and the put are one step now, which stop() waits for."""
+    svc = _service(tiny_engine, small_index).start()
+    real = svc._queue.put_nowait
+
+    def slow_put(job):  # widen the window between submit's check and its put
+        time.sleep(0.5)
+        real(job)
+
+    svc._queue.put_nowait = slow_put
+    with ThreadPoolExecutor(1) as pool:
+        submitted = pool.submit(svc.submit, QUESTIONS[0])
+        time.sleep(0.1)
+        svc.stop(drain=True)
+        future = submitted.result(timeout=30)
+    assert future.result(timeout=10)["answer"] is not None  # drained: answered
+    with pytest.raises(Exception, match="not running"):
+        svc.submit(QUESTIONS[1])
+    assert svc.kv_used_bytes == 0 and svc.queue_depth == 0
+
+
+def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
+    svc = _service(tiny_engine, small_index).start()
+    futures = [svc.submit(q, method="seakr", params={"samples": 4, "max_steps": 4}) for q in QUESTIONS[:2]]
+    deadline = time.time() + 30
+    while svc.kv_used_bytes == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    svc.stop(drain=False)
+    for f in futures:
+        with pytest.raises(Exception, match="stopped"):
+            f.result(timeout=10)
+    assert svc.kv_used_bytes == 0 and svc.live_programs == 0
+
+
 # ---------------------------------------------------------------------------------------------------- HTTP
 @pytest.fixture(scope="module")
 def server(service):

@@ -182,6 +182,10 @@ class AnswerService:
         self._top = None  # the top-logprobs pass of plain completions, built on first use
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # submit's "running?" and its put, and stop's closing, under one lock: a request checked as accepted just
+        # before stop() drained the queue was put into a queue nobody read (its future never resolved)
+        self._accepting = threading.Lock()
+        self._closing = False
         self.metrics = _Metrics()
         self.warmup_s: float | None = None  # how long start()'s warm-up took (None: none ran, or it failed)
 
@@ -197,6 +201,7 @@ class AnswerService:
             self._warm_up(Scheduler)
         self._scheduler = self._new_scheduler(Scheduler)
         self._stop.clear()
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="fastgate-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -229,6 +234,8 @@ class AnswerService:
         """Stop the worker; with ``drain`` the queued requests are answered first, else they fail."""
         if self._thread is None:
             return
+        with self._accepting:  # no request is accepted from here on; those already queued are answered or failed
+            self._closing = True
         if drain:
             while (not self._queue.empty() or self._running) and self._thread.is_alive():
                 time.sleep(0.01)
@@ -246,6 +253,9 @@ class AnswerService:
             if not job.future.done():
                 job.future.set_exception(FastgateError("the service stopped before answering"))
         self._running.clear()
+        # the programs that ran hold their KV rows in this scheduler, which nothing steps any more: dropped with it
+        # (start() builds a new one; kv_used_bytes is 0 when stopped)
+        self._scheduler = None
 
     @property
     def running(self) -> bool:
@@ -390,8 +400,6 @@ class AnswerService:
             raise InputError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if config.max_new_tokens > self.config.max_tokens_limit:
             raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
-        if not self.running:
-            raise FastgateError("the service is not running")
         with self._lock:
             if self._top is None:
                 self._top = TopLogprobs(engine)
@@ -438,20 +446,24 @@ class AnswerService:
                                  f"{self.config.max_tokens_limit} tokens a generation")
         # checked with the tokenizer only: building a method or running the model here would race the worker's decode
         question = check_questions(self.runtime.engine, req.config, [question])[0]
-        if not self.running:
-            raise FastgateError("the service is not running")
         future: Future = Future()
         self._enqueue(_Queued(question, req, future, time.perf_counter(), listener=listener,
                               answer_tokens=answer_tokens))
         return future
 
     def _enqueue(self, job: _Queued) -> None:
-        """Put ``job`` on the queue, or count it rejected and raise :class:`OverloadedError` when the queue is full."""
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.rejected()
-            raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
+        """Put ``job`` on the queue, or count it rejected and raise :class:`OverloadedError` when the queue is full.
+
+        Raises:
+            FastgateError: the service is not running, or is stopping."""
+        with self._accepting:
+            if self._closing or not self.running:
+                raise FastgateError("the service is stopping" if self.running else "the service is not running")
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                self.metrics.rejected()
+                raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
 
     def cancel(self, future: Future) -> None:
         """Give up on a submitted request (timed out, or its client went away): dropped if still queued, else its
