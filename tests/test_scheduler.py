@@ -171,6 +171,44 @@ def test_a_failing_program_ends_only_itself(world):
     assert isinstance(tasks[2].error, RuntimeError)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_bad_tap_layer_or_a_cleanup_that_raises_ends_only_its_own_program(world, layout, caplog):
+    """A tap layer the model lacks reached the decode loop, whose KeyError / IndexError failed every program sharing
+    it; a cancelled program whose cleanup raised stopped the tick, the others kept their KV rows and never ended."""
+    from fastgate.config import TapSpec
+    from fastgate.scheduler import SchedulerConfig
+
+    engine = world[0]
+
+    def ok(q):
+        out = yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=6, stop_at_eos=False))
+        return out.sequences[0].text
+
+    def bad_taps(q):
+        yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=3), TapSpec(layers=(99,)))
+        return "unreachable"
+
+    def stubborn(q):
+        try:
+            yield Generate(f"Q: {q}\nA:", GenerationConfig(max_new_tokens=50, stop_at_eos=False))
+        finally:
+            raise RuntimeError("cleanup failed")
+
+    sched = Scheduler(engine, SchedulerConfig(layout=layout, prefill_budget=512))
+    tasks = [Task(None, "", program=ok("a")), Task(None, "", program=bad_taps("b")),
+             Task(None, "", program=stubborn("c")), Task(None, "", program=ok("d"))]
+    for t in tasks:
+        sched._inbox.append(t)
+    sched.step()
+    sched.cancel(tasks[2])
+    with caplog.at_level("WARNING"):
+        sched.run(tasks)
+    assert isinstance(tasks[0].result, str) and isinstance(tasks[3].result, str)
+    assert isinstance(tasks[1].error, InputError) and "tap layer 99 out of range" in str(tasks[1].error)
+    assert tasks[2].finished and "cleanup raised" in caplog.text
+    assert sched.kv_bytes == 0 and sched.idle
+
+
 def test_cancelled_program_stops_consuming_work(world):
     engine = world[0]
     steps = []

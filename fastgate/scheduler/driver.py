@@ -297,12 +297,24 @@ class Scheduler:
         try:
             for r in parts:
                 group_key(r)  # not a request: that program's error, found before it reaches a batch
+                if isinstance(r, Generate):
+                    self._check_taps(r.taps)
         except InputError as exc:
             self.finish(task, error=exc)
             return
         task.wait_on(request)
         if task.fanout and not task.waiting:
             self._advance(task, [])
+
+    def _check_taps(self, taps) -> None:
+        """A generation's tap layers exist in the model (``Engine.generate``'s check): found in a decode loop instead,
+        a bad layer failed every program sharing that loop with a KeyError / IndexError."""
+        n_layers = getattr(self.engine, "n_layers", None)
+        if not n_layers:  # a remote engine (0): no taps reach it, it refuses them itself
+            return
+        for layer in (*taps.layers, *([taps.mid_layer] if taps.mid_layer is not None else [])):
+            if not 0 <= layer <= n_layers:
+                raise InputError(f"tap layer {layer} out of range 0..{n_layers}")
 
     # ------------------------------------------------------------------ Delivery: the parts hand results back here
     def finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:

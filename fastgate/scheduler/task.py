@@ -10,6 +10,7 @@ advances them, the batching table (:mod:`fastgate.scheduler.batching`) and admis
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
@@ -109,7 +110,13 @@ class Task:
         self.finished = time.perf_counter()
         self._waiting, self._results = None, []
         if self._gen is not None and error is not None:
-            self._gen.close()
+            try:
+                self._gen.close()
+            except Exception as exc:  # noqa: BLE001 - a program's own cleanup failed: it ends regardless
+                # (raised, it stopped the tick: the other programs never finished and kept their KV rows)
+                logging.getLogger("fastgate.scheduler").warning(
+                    "fastgate: warning: a program's cleanup raised on %s (%s: %s); it ends anyway",
+                    type(error).__name__, type(exc).__name__, exc)
 
     # ------------------------------------------------------------------ result slots
     def pending(self) -> list[tuple[int, Any]]:
