@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fastgate.errors import InputError
+from fastgate.eval.metrics import decision
 
 __all__ = [
     "BASELINES",
@@ -85,13 +86,6 @@ class GateQuality:
     oracle_accs: tuple[float, ...]  # the oracle at the same rates
     area: float  # area of the curve above the random line / the oracle curve's (1: oracle, 0: a coin, < 0: worse)
     n_scored: int  # questions whose record has a gate step
-
-
-def decision(record: Record) -> bool:
-    """Whether a record's run used retrieval for its answer: ``retrieved``, else ``retrieval_calls > 0``."""
-    if "retrieved" in record:
-        return bool(record["retrieved"])
-    return (record.get("retrieval_calls") or 0) > 0
 
 
 def _acc(record: Record) -> float:

@@ -1,13 +1,15 @@
-"""Answer scoring: SQuAD-style normalisation, exact match, token F1 and ACC (a gold answer appears in the answer)."""
+"""Answer scoring: SQuAD-style normalisation, exact match, token F1 and ACC (a gold answer appears in the answer), and
+whether a record read (:func:`decision`)."""
 
 from __future__ import annotations
 
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["accuracy", "exact_match", "normalize_answer", "token_f1"]
+__all__ = ["accuracy", "decision", "exact_match", "normalize_answer", "token_f1"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -44,3 +46,11 @@ def accuracy(answer: str, golds: Sequence[str]) -> float:
     is not in "12", "m" not in "sir miles"), else 0."""
     a = f" {normalize_answer(answer)} "
     return float(any(normalize_answer(g) and f" {normalize_answer(g)} " in a for g in golds))
+
+
+def decision(record: Mapping[str, Any]) -> bool:
+    """Whether a record's run used retrieval for its answer: ``retrieved``, else ``retrieval_calls > 0`` (one rule
+    for the summary's reading rate and the coins')."""
+    if "retrieved" in record:
+        return bool(record["retrieved"])
+    return (record.get("retrieval_calls") or 0) > 0

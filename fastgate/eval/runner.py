@@ -28,8 +28,7 @@ from typing import Any
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError, RemoteError, disk_error
 from fastgate.eval.datasets import QAExample
-from fastgate.eval.gate_quality import decision
-from fastgate.eval.metrics import accuracy, exact_match, token_f1
+from fastgate.eval.metrics import accuracy, decision, exact_match, token_f1
 
 # how an evaluation feeds a run's questions to the engine: ``window``, a fixed number in flight (a new one joins as one
 # ends; the default: what a busy server's engine sees), or ``batches`` one after another (each waits for its slowest)
