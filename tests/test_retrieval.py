@@ -66,6 +66,31 @@ def test_bm25_query_syntax_cannot_break_search(small_index):
     assert query_terms("Zürich's CAFÉ!") == "zürich s café"
     with pytest.raises(InputError):
         r.search("x", k=0)
+    with pytest.raises(InputError):
+        r.search("x", k=True)  # True is an int: it searched for one passage (dense raised a TypeError)
+
+
+def test_bm25_finds_words_of_scripts_with_combining_marks(tmp_path):
+    """Python's word pattern leaves combining marks out: हिन्दी became "ह न द" and matched nothing, as did Thai and
+    Arabic with its vowel marks."""
+    rows = [{"id": "h1", "title": "हिन्दी", "text": "हिन्दी भारत की राजभाषा है।"},
+            {"id": "t1", "title": "ไทย", "text": "กรุงเทพมหานคร เป็นเมืองหลวง"},
+            {"id": "a1", "title": "عربي", "text": "القاهرةُ عاصمةُ مصر"},
+            {"id": "r1", "title": "Москва", "text": "Москва — столица России."}]
+    corpus = tmp_path / "intl.jsonl"
+    corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    build_indexes(corpus, tmp_path / "index", kinds=("bm25",), progress=False)
+    r = BM25Retriever(tmp_path / "index" / "bm25")
+    for query, want in [("हिन्दी", "h1"), ("राजभाषा", "h1"), ("กรุงเทพมหานคร", "t1"), ("القاهرةُ", "a1"),
+                        ("Москва?", "r1")]:
+        assert [h.id for h in r.search(query, k=1)] == [want], query
+
+
+def test_dense_search_of_an_empty_query_finds_nothing(small_index):
+    d = DenseRetriever(small_index / "dense")
+    assert d.search("", k=3) == [] and d.search("  ", k=3) == []  # it ranked passages by the embedding of ""
+    both = d.search_batch(["", "capital of Germany"], k=1)
+    assert both[0] == [] and both[1] == d.search("capital of Germany", k=1)
 
 
 def test_dense_known_top_hit(small_index):
@@ -120,6 +145,20 @@ def test_missing_and_corrupt_indexes_fail_clearly(tmp_path, small_index):
     (wrong / "fastgate_index.json").write_text(json.dumps(manifest))
     with pytest.raises(IndexError_, match="rebuild"):
         BM25Retriever(wrong)
+    manifest["n_passages"] = "7"
+    (wrong / "fastgate_index.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexError_, match="no passage count"):  # said "has 7 documents but its manifest says 7"
+        BM25Retriever(wrong)
+    for doc in ([], "x", None):  # valid JSON, not an object: AttributeError 'list' object has no attribute 'get'
+        (wrong / "fastgate_index.json").write_text(json.dumps(doc))
+        with pytest.raises(IndexError_, match="not a manifest"):
+            BM25Retriever(wrong)
+    lost = tmp_path / "lost"
+    shutil.copytree(small_index / "bm25", lost)
+    for f in lost.glob("*.pos"):  # a lost segment file: the index opens (tantivy reads it lazily), every search
+        f.unlink()  # failed with a raw ValueError (a 500 on every request of a server)
+    with pytest.raises(IndexError_, match="cannot be searched"):
+        BM25Retriever(lost).search("capital", k=3)
 
 
 def test_build_indexes_skips_up_to_date_and_rejects_unknown(tmp_path, small_corpus_file, capsys):

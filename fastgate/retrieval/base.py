@@ -59,7 +59,7 @@ class Retriever(Protocol):
 
 
 def check_k(k: int) -> None:
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # True is an int
         raise InputError(f"k must be a positive integer, got {k!r}")
 
 
@@ -131,6 +131,8 @@ def read_manifest(path: Path, kind: str) -> dict[str, Any]:
         manifest = json.loads(manifest_file.read_text())
     except (ValueError, OSError) as exc:  # ValueError: not JSON, or not UTF-8 text at all
         raise IndexError_(f"{manifest_file} is corrupt ({exc}); rebuild it with `fastgate index`") from None
+    if not isinstance(manifest, dict):
+        raise IndexError_(f"{manifest_file} is not a manifest (a JSON object); rebuild it with `fastgate index`")
     if manifest.get("kind") != kind:
         raise IndexError_(f"{path} holds a {manifest.get('kind')!r} index, not {kind!r}")
     if manifest.get("format") != INDEX_FORMAT:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,12 +13,16 @@ from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifes
 __all__ = ["BM25Retriever", "build_bm25_index", "query_terms"]
 
 _HINT = "pip install tantivy"
-_WORD = re.compile(r"\w+", re.UNICODE)
+def _term_char(ch: str) -> bool:
+    """A character of a word as the index's tokenizer reads it: letters and digits, and the combining marks (vowel
+    signs, viramas, diacritics) that Python's word pattern leaves out: it split हिन्दी, กรุงเทพมหานคร and القاهرةُ, which
+    the index holds whole, into terms that matched nothing."""
+    return ch.isalnum() or unicodedata.category(ch).startswith("M")
 
 
 def query_terms(query: str) -> str:
-    """Reduce free text to space-separated word terms, so no query-syntax character can break parsing."""
-    return " ".join(_WORD.findall(query.lower()))
+    """Reduce free text to space-separated lower-case word terms, so no query-syntax character can break parsing."""
+    return " ".join("".join(ch if _term_char(ch) else " " for ch in query.lower()).split())
 
 
 def _schema(tantivy):
@@ -69,7 +73,11 @@ class BM25Retriever:
             self._searcher = self._index.searcher()
         except (ValueError, OSError, RuntimeError) as exc:
             raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
-        if self._searcher.num_docs != self.manifest.get("n_passages"):
+        count = self.manifest.get("n_passages")
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise IndexError_(f"the manifest of the bm25 index at {self.index_dir} has no passage count "
+                              f"(n_passages: {count!r}); rebuild it")
+        if self._searcher.num_docs != count:
             raise IndexError_(
                 f"bm25 index at {self.index_dir} has {self._searcher.num_docs} documents but its manifest says "
                 f"{self.manifest.get('n_passages')}; rebuild it"
@@ -85,10 +93,14 @@ class BM25Retriever:
             return []
         q = self._index.parse_query(terms, ["title", "text"])
         hits = []
-        for score, address in self._searcher.search(q, k).hits:
-            doc = self._searcher.doc(address)
-            passage = Passage(id=doc["id"][0], title=doc["title"][0], text=doc["text"][0])
-            hits.append(Hit(passage, float(score)))
+        try:  # a segment file lost after the index opened (tantivy reads them lazily): every search would fail
+            for score, address in self._searcher.search(q, k).hits:
+                doc = self._searcher.doc(address)
+                passage = Passage(id=doc["id"][0], title=doc["title"][0], text=doc["text"][0])
+                hits.append(Hit(passage, float(score)))
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise IndexError_(f"the bm25 index at {self.index_dir} cannot be searched ({exc}); rebuild it with "
+                              "`fastgate index`") from None
         return hits
 
     def search_batch(self, queries: list[str], k: int = 3) -> list[list[Hit]]:

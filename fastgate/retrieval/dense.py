@@ -138,4 +138,10 @@ class DenseRetriever:
         check_k(k)
         if not queries:
             return []
-        return self.search_vectors(self.embedder.encode(queries), k)
+        # an empty query has no meaning to search for (BM25 finds nothing): the embedding of "" ranked passages anyway
+        asked = [i for i, q in enumerate(queries) if q.strip()]
+        out: list[list[Hit]] = [[] for _ in queries]
+        if asked:
+            for i, hits in zip(asked, self.search_vectors(self.embedder.encode([queries[i] for i in asked]), k)):
+                out[i] = hits
+        return out

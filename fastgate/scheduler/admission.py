@@ -154,9 +154,9 @@ class Admission:
                 alone = self._empty_loop.cells_after([ask])
                 if alone > self._max_cells:
                     self.delivery.finish(item[0], error=InputError(
-                        f"this generation needs {alone * self._cell / 2**20:.0f} MiB of KV cache ({k} rows of "
+                        f"this generation needs {_mib(alone * self._cell)} of KV cache ({k} rows of "
                         f"{self.kv.row_columns(prompt, new)} tokens), more than the budget of "
-                        f"{self.config.kv_budget / 2**20:.0f} MiB"))
+                        f"{_mib(self.config.kv_budget)}"))
                     continue
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
                     self.loops[mid] = self._new_loop(mid)
@@ -368,3 +368,8 @@ class Admission:
                 if loop is not None:
                     loop.drop_ended()
 
+
+def _mib(nbytes: float) -> str:
+    """A size in MiB as a person reads it: "0 MiB ... budget of 0 MiB" said nothing below a MiB."""
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
