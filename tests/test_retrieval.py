@@ -305,3 +305,21 @@ def test_a_lock_that_cannot_be_made_does_not_stop_a_build(tmp_path, small_corpus
     monkeypatch.setattr(os, "open", no_lock)
     built = build_indexes(small_corpus_file, tmp_path / "idx", kinds=("bm25",), progress=False)["bm25"]
     assert BM25Retriever(built).search("Hamlet", k=1)[0].id == "p5"
+
+
+def test_a_runtime_refuses_indexes_of_two_corpora_side_by_side(tmp_path, small_corpus_file, tiny_engine):
+    """A build interrupted between its two kinds (or one kind re-indexed with another corpus) left BM25 and dense
+    indexes of different passages under one root; both opened and were combined without a word."""
+    from fastgate.serving.runtime import Runtime
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "o1", "title": "Other", "text": "Another corpus entirely."}) + "\n")
+    root = tmp_path / "index"
+    build_indexes(small_corpus_file, root, progress=False)
+    runtime = Runtime("tiny", index=str(root), engine=tiny_engine)
+    assert runtime.retriever("bm25") and runtime.retriever("dense")  # one corpus: fine
+    build_indexes(other, root, kinds=("bm25",), progress=False, force=True)
+    mixed = Runtime("tiny", index=str(root), engine=tiny_engine)
+    mixed.retriever("dense")
+    with pytest.raises(IndexError_, match="different corpora"):
+        mixed.retriever("bm25")

@@ -250,7 +250,25 @@ class Runtime:
             t0 = time.perf_counter()
             self._retrievers[kind] = open_retriever(kind, self.index)
             self.setup_s += time.perf_counter() - t0
+            self._check_one_corpus()
         return self._retrievers[kind]
+
+    def _check_one_corpus(self) -> None:
+        """The indexes this runtime opened were built from one corpus: a build interrupted between its two kinds, or a
+        re-index of one kind with another corpus, left BM25 and dense indexes of different passages side by side,
+        which the read gate and DTR combine (its passage ids then name other passages).
+
+        Raises:
+            IndexError_: the opened indexes name different corpora."""
+        from fastgate.errors import IndexError_
+        from fastgate.retrieval import corpus_fingerprint_of
+
+        prints = {kind: corpus_fingerprint_of(self.index, kind) for kind in self._retrievers}
+        known = {p for p in prints.values() if p}
+        if len(known) > 1:
+            raise IndexError_(f"the indexes under {self.index or 'the default index root'} were built from different "
+                              f"corpora ({', '.join(f'{k}: {v}' for k, v in sorted(prints.items()))}); rebuild them "
+                              "together with `fastgate index --corpus FILE --retriever all --force`")
 
     def calibrated(self, method: str, params: dict[str, Any], warn: bool = True) -> dict[str, Any]:
         """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults``); loads
