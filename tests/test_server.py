@@ -280,6 +280,20 @@ def test_a_request_accepted_as_the_service_stops_is_answered_or_failed(tiny_engi
     assert svc.kv_used_bytes == 0 and svc.queue_depth == 0
 
 
+def test_a_method_that_fails_to_build_fails_its_request_and_is_counted(tiny_engine, small_index, monkeypatch):
+    svc = _service(tiny_engine, small_index).start()
+    try:
+        def broken(request):
+            raise RuntimeError("checkpoint unreadable")
+
+        monkeypatch.setattr(svc, "_method", broken)
+        with pytest.raises(RuntimeError, match="unreadable"):
+            svc.submit(QUESTIONS[0]).result(timeout=30)
+        assert svc.metrics.failed == 1  # it was in no metric
+    finally:
+        svc.stop()
+
+
 def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index).start()
     futures = [svc.submit(q, method="seakr", params={"samples": 4, "max_steps": 4}) for q in QUESTIONS[:2]]

@@ -543,6 +543,7 @@ class AnswerService:
                 method = self._method(job.request)
             except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint that fails to load
                 job.future.set_exception(exc)
+                self.metrics.finished(time.perf_counter() - job.submitted, retrieved=False, failed=True)  # counted
                 continue
             job.task = self._scheduler.submit(method, job.question, on_done=self._done, listener=job.listener)
             self._running[id(job.task)] = job
