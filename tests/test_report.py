@@ -164,10 +164,19 @@ def _full(run, qid, acc, retrieved, *, method=None, retriever="bm25", params=Non
     return rec
 
 
-def test_a_run_reading_dense_passages_is_measured_against_always_reading_dense(tmp_path, capsys):
+def test_a_run_reading_dense_passages_is_measured_against_always_reading_dense(tmp_path, capsys, monkeypatch):
+    import fastgate.eval.report as report
     from fastgate.eval.datasets import QAExample
     from fastgate.eval.report import write_report
     from fastgate.eval.runner import ResultsStore, RunSpec
+
+    plotted, real_plot = {}, report.plot_cost
+
+    def spy(*args, **kwargs):
+        plotted.update(kwargs)
+        return real_plot(*args, **kwargs)
+
+    monkeypatch.setattr(report, "plot_cost", spy)
 
     examples = [QAExample(f"q{i}", f"question {i}?", ("a",)) for i in range(4)]
     store = ResultsStore(tmp_path / "results.jsonl")
@@ -195,6 +204,7 @@ def test_a_run_reading_dense_passages_is_measured_against_always_reading_dense(t
     assert dense["always_passes"] == [2.0] and dense["share"] == pytest.approx(0.4 / 1.9)
     assert timed["flare"]["always_passes"] == [1.0] and timed["flare"]["share"] == pytest.approx(0.4 / 0.9)
     assert timed["flare"]["one_sitting"] is True
+    assert plotted["dense"] == (2.0, pytest.approx(0.75))  # cost.png draws the line the dense run's coin lies on
     capsys.readouterr()
 
 

@@ -278,9 +278,11 @@ def time_matched_section(results: Sequence[TimeMatched], oracle: Oracle | None =
 
 
 def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: float, always_acc: float,
-              oracle: Oracle | None, path: str | Path, title: str) -> Path:
+              oracle: Oracle | None, path: str | Path, title: str,
+              dense: tuple[float, float] | None = None) -> Path:
     """Accuracy against seconds per question: each run, the ``never``–``always`` line (the time-matched coins) and
-    the oracle point; written beside ``path`` and renamed into it."""
+    the oracle point; ``dense``: (seconds, ACC) of ``always[retriever=dense]``, whose line the dense runs' coins lie
+    on; written beside ``path`` and renamed into it."""
     try:
         import matplotlib
 
@@ -291,12 +293,16 @@ def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: floa
     fig, ax = plt.subplots(figsize=(6.4, 4.6), dpi=120)
     ax.plot([never.s_per_q, always_s], [never.acc, always_acc], "--", color="0.4", lw=1, zorder=1,
             label="coin matched on time (never → always)")
+    if dense is not None:
+        ax.plot([never.s_per_q, dense[0]], [never.acc, dense[1]], ":", color="0.4", lw=1, zorder=1,
+                label="coin of the dense runs (never → always, dense)")
     if oracle is not None and oracle.rate == oracle.rate:
         ax.scatter([oracle.s_per_q], [oracle.acc], marker="*", s=90, color="0.2", zorder=3,
                    label=f"oracle (reads {oracle.rate:.0%})")
     pts = [s for s in summaries if s.s_per_q == s.s_per_q]
     # `always` where the line ends (the mean of its passes, what the coins pay), not at its first pass's time
-    xs = [always_s if s.run == "always" else s.s_per_q for s in pts]
+    ends = {"always": always_s, **({DENSE_ALWAYS: dense[0]} if dense is not None else {})}
+    xs = [ends.get(s.run, s.s_per_q) for s in pts]
     ax.scatter(xs, [s.acc for s in pts], zorder=4, edgecolor="k")
     for s, x in zip(pts, xs):
         ax.annotate(s.run, (x, s.acc), textcoords="offset points", xytext=(4, 4), fontsize=7,
@@ -407,8 +413,11 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
             written.append(plot_gate_quality(gates, out / "gate-quality.png", f"do the gates beat a coin? ({n} q)",
                                              labels=labels))
         if oracle is not None and never_s is not None and always_s is not None:
+            dense = rows.get(DENSE_ALWAYS)
+            dense_line = (float(np.mean(timings[DENSE_ALWAYS])), dense.acc) \
+                if dense is not None and timings.get(DENSE_ALWAYS) else None
             written.append(plot_cost(table, never_s, oracle_always_s, always_s.acc, oracle, out / "cost.png",
-                                     f"accuracy against time ({n} q)"))
+                                     f"accuracy against time ({n} q)", dense=dense_line))
     except InputError as exc:  # matplotlib missing: the tables are written all the same
         print(f"fastgate: no plot: {exc}", file=sys.stderr)
     if sweep is not None:
