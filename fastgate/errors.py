@@ -17,11 +17,13 @@ __all__ = [
     "InstallError",
     "MissingDependencyError",
     "ModelError",
+    "OutOfMemory",
     "RemoteError",
     "ShapeError",
     "UnknownNameError",
     "WriteError",
     "disk_error",
+    "out_of_memory",
 ]
 
 
@@ -64,6 +66,19 @@ class IndexError_(FastgateError):
 class RemoteError(FastgateError):
     """A remote engine's server (``--engine openai``) cannot be reached, times out, refuses a request or does not
     return what the engine needs (token log-probabilities)."""
+
+
+class OutOfMemory(FastgateError):
+    """The engine could not allocate the memory a batch needed (the device's or the host's): the requests running
+    fail with this, the server keeps serving (fewer at once: ``--max-live``, ``--max-rows``, ``--kv-budget-mb``)."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: torch's ``OutOfMemoryError`` (CUDA), a ``MemoryError``, or the CPU
+    allocator's ``RuntimeError`` ("can't allocate memory")."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
 
 
 class BackendUnavailableError(FastgateError):

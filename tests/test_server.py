@@ -294,6 +294,28 @@ def test_a_method_that_fails_to_build_fails_its_request_and_is_counted(tiny_engi
         svc.stop()
 
 
+def test_a_tick_out_of_memory_fails_its_requests_with_a_reason_and_the_service_serves_on(tiny_engine, small_index):
+    import torch
+
+    from fastgate.errors import OutOfMemory
+
+    svc = _service(tiny_engine, small_index).start()
+    try:
+        sched = svc.scheduler
+        real = sched.step
+
+        def oom():
+            sched.step = real  # once
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        sched.step = oom
+        with pytest.raises(OutOfMemory, match=r"ran out of memory answering 1 request\(s\)"):
+            svc.submit(QUESTIONS[0]).result(timeout=30)
+        assert svc.submit(QUESTIONS[1]).result(timeout=30)["answer"] is not None
+    finally:
+        svc.stop()
+
+
 def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index).start()
     futures = [svc.submit(q, method="seakr", params={"samples": 4, "max_steps": 4}) for q in QUESTIONS[:2]]
@@ -476,10 +498,11 @@ def test_schema_fuzzing_finds_no_server_error(server, mode):
 
 # ---------------------------------------------------------------------------------------------------- the error map
 def _failing():
-    from fastgate.errors import CheckpointError, FastgateError
+    from fastgate.errors import CheckpointError, FastgateError, OutOfMemory
     from fastgate.scheduler import CancelledError
 
     return {"overloaded": OverloadedError(3, retry_after_s=7), "input": InputError("bad question"),
+            "memory": OutOfMemory("the server ran out of memory"),
             "checkpoint": CheckpointError("no such checkpoint"), "stopping": FastgateError("the service is stopping"),
             "cancelled": CancelledError("the request was cancelled"), "bug": RuntimeError("boom")}
 
@@ -491,6 +514,7 @@ def _failing():
     ("checkpoint", False, 422, 400, "invalid_value"),
     ("checkpoint", True, 422, 400, "invalid_value"),
     ("stopping", False, 503, 503, "unavailable"),
+    ("memory", True, 503, 503, "out_of_memory"),  # a 500 "internal error" before
     ("stopping", True, 500, 500, "internal_error"),  # a FastgateError while answering (e.g. the service stopped)
     ("cancelled", True, 504, 504, "timeout"),  # the service's own timeout
     ("bug", True, 500, 500, "internal_error"),

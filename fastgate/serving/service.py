@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from fastgate.errors import FastgateError, InputError
+from fastgate.errors import FastgateError, InputError, OutOfMemory, out_of_memory
 from fastgate.methods.base import check_questions, check_text
 from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
@@ -490,6 +490,10 @@ class AnswerService:
                     _log.error("fastgate: a scheduler tick failed (%s: %s): its %d running requests fail, a new "
                                "scheduler takes the next ones", type(exc).__name__, exc, len(self._running),
                                exc_info=exc)
+                    if out_of_memory(exc):  # the clients get 503 and a reason, not a 500 "internal error"
+                        exc = OutOfMemory(f"the server ran out of memory answering {len(self._running)} request(s) "
+                                          f"at once ({type(exc).__name__}); retry, or ask the operator for a lower "
+                                          "--max-live / --max-rows / --kv-budget-mb")
                     for job in list(self._running.values()):
                         if not job.future.done():
                             job.future.set_exception(exc)

@@ -4,6 +4,8 @@
 - ``OverloadedError`` (the queue is full): 503 with ``Retry-After`` (the service's estimate), code ``overloaded``;
 - ``InputError``, ``CheckpointError``: 422 natively, 400 on the OpenAI endpoints, code ``invalid_value``;
 - ``RemoteError`` (the server behind a remote engine failed, after its retries): 502, code ``upstream_error``;
+- ``OutOfMemory`` (a tick could not allocate what its batch needed; the server serves on): 503 with ``Retry-After``,
+  code ``out_of_memory``;
 - :class:`~fastgate.entrypoints.http.common.ClientGone` (the client closed the connection before its answer; the
   request is cancelled): 499, code ``client_closed`` (nobody reads it: counted in the metrics);
 - :class:`~fastgate.entrypoints.http.common.NotAnswered` (the HTTP timeout) and the scheduler's ``CancelledError`` (the
@@ -37,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgate.entrypoints.http.common import OPENAI_PATHS, ClientGone, NotAnswered
 from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
-from fastgate.errors import CheckpointError, FastgateError, InputError, RemoteError
+from fastgate.errors import CheckpointError, FastgateError, InputError, OutOfMemory, RemoteError
 from fastgate.scheduler import CancelledError as ProgramCancelled
 from fastgate.serving.service import OverloadedError
 
@@ -109,6 +111,8 @@ class ErrorMap:
             return ApiError(400 if openai else 422, str(exc), code="invalid_value")
         if isinstance(exc, NotAnswered):
             return ApiError(504, str(exc), code="timeout")
+        if isinstance(exc, OutOfMemory):  # a batch too big for the memory: the server serves on, a retry may pass
+            return ApiError(503, str(exc), code="out_of_memory", headers={"Retry-After": "5"})
         if isinstance(exc, RemoteError):  # the server behind a remote engine failed: not this server's fault
             return ApiError(502, str(exc), code="upstream_error")
         if isinstance(exc, ClientGone):  # nobody reads it; nginx's status for it, counted as such in the metrics
