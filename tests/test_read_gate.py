@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -783,3 +784,78 @@ def test_read_method_over_a_shift_gain_checkpoint_records_the_gates_share(tmp_pa
     assert all(0.0 < s < 0.4 for s in shares)  # P(answerable) ~ 5% on every question: the estimate falls
     assert method.gate.share == pytest.approx(min(shares), abs=1e-4)  # the last batch of scores
     assert [r.retrieved for r in res] == [s.score >= 0.3 for r in res for s in r.gate_steps]
+
+
+def test_a_non_finite_feature_or_weight_cannot_switch_reading_off(tmp_path, tiny):
+    """One NaN feature moved a shift-gain gate's share to NaN (no question read again, on a server for every user);
+    a NaN weight loaded and scored every question NaN; a renamed feature loaded and failed every question."""
+    import json as _json
+
+    from fastgate.gates.read import ReadModel, adapt_gains, load_read_checkpoint
+
+    feats = ("bm25_top", "q_words")
+    with pytest.raises(CheckpointError, match="finite"):
+        ReadModel(feats, (0.0, 0.0), (1.0, 1.0), (math.nan, 0.0), 0.0)
+    m = ReadModel(feats, (0.0, 0.0), (1.0, 1.0), (1.0, 0.0), 0.0)
+    with pytest.raises(InputError, match="not a finite number: bm25_top"):
+        m.score([{"bm25_top": math.nan, "q_words": 1.0}])
+    gains, share = adapt_gains(np.array([math.nan, 0.9]), np.array([1.0, 1.0]), np.array([0.0, 0.0]), 0.3, 0.3, 0.5)
+    assert share == share and share > 0.3  # the NaN row left it; the next moved it
+    ck = Path(_checkpoint(tmp_path, tiny, 1.0))
+    doc = _json.loads((ck / "config.json").read_text())
+    doc["models"]["all"]["features"][0] = "cb_len"  # a feature this fastgate does not compute
+    (ck / "config.json").write_text(_json.dumps(doc))
+    with pytest.raises(CheckpointError, match="does not compute: cb_len"):
+        load_read_checkpoint(ck, "all", model=tiny, base="dtr")
+
+
+def test_the_shipped_checkpoint_by_its_path_and_prefill_find_the_right_price():
+    from fastgate.gates.checkpoints import DEFAULT_CHECKPOINTS
+    from fastgate.methods.calibration import calibrated_params
+
+    shipped = DEFAULT_CHECKPOINTS / "smollm2-135m-read-dtr"
+    price = calibrated_params("smollm2-135m", "read")["threshold"]
+    assert calibrated_params("smollm2-135m", "read", {"checkpoint": str(shipped)})["threshold"] == price  # refused
+    with pytest.raises(InputError, match="no calibrated threshold"):  # it got the answer mode's price
+        calibrated_params("smollm2-135m", "read", {"decide": "prefill"})
+
+
+def test_a_checkpoint_for_another_model_is_named_as_such_not_as_uncalibrated(tmp_path):
+    from fastgate.gates.checkpoints import DEFAULT_CHECKPOINTS
+    from fastgate.methods.calibration import calibrated_params
+
+    foreign = _foreign(tmp_path, DEFAULT_CHECKPOINTS / "qwen2.5-0.5b-read-dtr")
+    with pytest.raises(CheckpointError, match="trained for model qwen2.5-0.5b, not smollm2-135m"):  # not "calibrate"
+        calibrated_params("smollm2-135m", "read", {"checkpoint": foreign})
+
+
+def _foreign(tmp_path, shipped) -> str:
+    """A copy of a shipped checkpoint outside the shipped folder (a user's checkpoint for another model)."""
+    import shutil
+
+    out = tmp_path / "foreign"
+    shutil.copytree(shipped, out)
+    return str(out)
+
+
+def test_paper_defaults_leave_the_read_gate_its_checkpoints_price(tiny_engine, small_index):
+    """--paper-defaults ran the read gate at threshold 0.0 without a word: it has no paper value."""
+    from fastgate.serving.runtime import Runtime
+
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine, paper_defaults=True)
+    assert runtime.calibrated("dtr", {}) == {}  # the paper's tau
+    with pytest.raises(InputError, match="no calibrated threshold for read"):  # tiny has no read checkpoint price
+        runtime.calibrated("read", {})
+    assert runtime.calibrated("read", {"threshold": 0.1}) == {"threshold": 0.1}
+
+
+def test_a_server_builds_one_method_for_one_config(tiny_engine, small_index):
+    from fastgate.serving.runtime import Runtime
+
+    """{} and {"k": 3} are one config: two cached methods split a read gate's answerable-share estimate in two."""
+    from fastgate.serving.service import AnswerService, ServiceConfig
+
+    svc = AnswerService(ServiceConfig(method="dtr", params=(("tau", 0.0),), index=str(small_index)),
+                        Runtime("tiny", index=str(small_index), engine=tiny_engine))
+    a = svc._method(svc._request("never", {}))
+    assert svc._method(svc._request("never", {"k": 3})) is a and svc._method(svc._request("never", {"k": 2})) is not a

@@ -294,14 +294,24 @@ class ReadModel:
         if not (len(self.mean) == len(self.std) == len(self.weights) == n) or n == 0:
             raise CheckpointError(f"read model: {n} features but {len(self.mean)} means, {len(self.std)} stds and "
                                   f"{len(self.weights)} weights")
+        # a NaN weight scored every question NaN: a gate that never read, and whose shared share it poisoned
+        if not all(math.isfinite(float(v)) for v in (*self.mean, *self.std, *self.weights, self.bias)):
+            raise CheckpointError("read model: its means, stds, weights and bias must be finite numbers")
 
     def matrix(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
-        """``[N, F]`` standardised features of ``rows``."""
+        """``[N, F]`` standardised features of ``rows``.
+
+        Raises:
+            InputError: a feature missing, or not a finite number (it would score NaN and move a shift-gain gate's
+                share to NaN: no later question would read)."""
         missing = sorted({f for r in rows for f in self.features if f not in r})
         if missing:
             raise InputError(f"read gate: feature(s) missing: {', '.join(missing)}")
         x = np.array([[float(r[f]) for f in self.features] for r in rows], dtype=np.float64)  # [N, F]
         x = x.reshape(-1, len(self.features))
+        if not np.isfinite(x).all():
+            bad = sorted({f for j, f in enumerate(self.features) if not np.isfinite(x[:, j]).all()})
+            raise InputError(f"read gate: feature(s) not a finite number: {', '.join(bad)}")
         return (x - np.asarray(self.mean)) / np.asarray(self.std)
 
     def logits(self, rows: Sequence[Mapping[str, float]]) -> np.ndarray:
@@ -412,7 +422,8 @@ def adapt_gains(p: np.ndarray, on: np.ndarray, off: np.ndarray, prior: float | n
     for i in range(len(p)):
         q = float(shift_posterior(p[i:i + 1], prior[i], share)[0])
         out[i] = q * on[i] + (1.0 - q) * off[i]
-        share = min(max((1.0 - rate) * share + rate * q, 1e-4), 1.0 - 1e-4)
+        if q == q:  # a NaN posterior never moves the share (NaN would stay for good: no question would read again)
+            share = min(max((1.0 - rate) * share + rate * q, 1e-4), 1.0 - 1e-4)
     return out, share
 
 
@@ -567,8 +578,14 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
     score = doc.get("score", "log-odds")  # checkpoints from before the gain model score log-odds
     if score not in SCORES:
         raise CheckpointError(f"read-gate checkpoint {path}: unknown score {score!r} (known: {', '.join(SCORES)})")
+    known = set(FEATURE_SETS["all"]) if decide == "answer" else None
     try:
         m = doc["models"][features]
+        if known is not None:  # a renamed or foreign feature loaded, then failed every question ("missing")
+            names = {f for part in _model_parts(m, score) for f in part["features"]}
+            if not names <= known:
+                raise CheckpointError(f"read-gate checkpoint {path}: its {features!r} model reads feature(s) this "
+                                      f"fastgate does not compute: {', '.join(sorted(names - known))}")
         if score == "shift-gain":
             def gain(g):
                 return GainModel(_read_model(g["fix"]), _read_model(g["harm"]))
@@ -580,6 +597,15 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
         return _read_model(m), doc
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"read-gate checkpoint {path}: corrupt {features!r} model ({exc})") from None
+
+
+def _model_parts(m: Mapping[str, Any], score: str) -> list[Mapping[str, Any]]:
+    """The logistic models (their JSON) a checkpoint's model of ``score`` holds."""
+    if score == "shift-gain":
+        return [m["answerable"], *(g[k] for g in (m["on"], m["off"]) for k in ("fix", "harm"))]
+    if score == "gain":
+        return [m["fix"], m["harm"]]
+    return [m]
 
 
 class ReadGate(Gate):

@@ -236,6 +236,8 @@ class Method:
     uses_retrievers: ClassVar[tuple[str, ...]] = ()  # other retrievers it searches too (the read gate: both)
     threshold: ClassVar[GateThreshold | None] = None  # the first gate's threshold parameter (gated methods)
     black_box: ClassVar[bool] = False  # needs only generated text and token log-probs: runs on a remote engine
+    # the paper gives its threshold (--paper-defaults uses it); False: it belongs to the method's checkpoint
+    paper_threshold: ClassVar[bool] = True
 
     def __init__(self, engine: LLMEngine, retriever: Retriever | None, config: MethodConfig | None = None) -> None:
         if engine.black_box and not self.black_box:

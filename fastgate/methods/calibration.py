@@ -91,9 +91,13 @@ def calibration_entries(model_name: str) -> list[dict[str, Any]]:
 
 
 def checkpoint_key(value: Any) -> str:
-    """How an entry names the checkpoint it was made for: ``""`` for the one shipped for the model, else the
-    directory's resolved path (so ``./ckpt`` and its absolute path are one checkpoint)."""
-    return str(Path(str(value)).expanduser().resolve()) if value else ""
+    """How an entry names the checkpoint it was made for: ``""`` for the one shipped for the model (also when named
+    by its path: it was refused as uncalibrated), else the directory's resolved path (so ``./ckpt`` and its absolute
+    path are one checkpoint)."""
+    if not value:
+        return ""
+    path = Path(str(value)).expanduser().resolve()
+    return "" if path.parent == SHIPPED.parent / "checkpoints" else str(path)
 
 
 def _defaults(method: str) -> dict[str, Any]:
@@ -159,6 +163,16 @@ def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bo
     conditions = " ".join(f"--param {k}={v}" for k, v in sorted(params.items()) if k != spec.param)
     command = f"`fastgate calibrate --method {method} --model {model_name}" + (f" {conditions}`" if conditions else "`")
     if method == "read":
+        if ckpt:  # a checkpoint made for another model: that is what is wrong, not a missing calibration
+            try:
+                made_for = json.loads((Path(ckpt) / "config.json").read_text()).get("model")
+            except (OSError, ValueError, AttributeError):
+                made_for = None  # missing or corrupt: the build says so
+            if made_for and made_for != model_name:
+                from fastgate.errors import CheckpointError
+
+                raise CheckpointError(f"read-gate checkpoint {ckpt} was trained for model {made_for}, not "
+                                      f"{model_name}: train one with `fastgate train read --model {model_name}`")
         raise InputError(f"no calibrated threshold for {what} (base={params.get('base', defaults.get('base'))}, "
                          f"features={params.get('features', defaults.get('features'))}): the read gate's threshold "
                          "(the price of a read; a log-odds value for checkpoints older than the gain model) belongs "

@@ -93,6 +93,7 @@ class Read(Method):
                    "and the search's scores decides whether to read the passages")
     uses_retrievers: ClassVar[tuple[str, ...]] = ("bm25", "dense")
     threshold = GateThreshold("threshold", skip=1e9, retrieve_above=True)
+    paper_threshold = False  # fastgate's own gate: its price is its checkpoint's, under --paper-defaults too
 
     @classmethod
     def preflight(cls, config: ReadConfig, model_name: str | None = None):

@@ -271,11 +271,15 @@ class Runtime:
                               "together with `fastgate index --corpus FILE --retriever all --force`")
 
     def calibrated(self, method: str, params: dict[str, Any], warn: bool = True) -> dict[str, Any]:
-        """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults``); loads
-        the model (its name picks the calibration). ``warn``: say once when no calibration applies."""
+        """``params`` on top of the model's calibrated thresholds for ``method`` (unless ``paper_defaults`` and the
+        paper gives one); loads the model (its name picks the calibration). ``warn``: say once when no calibration
+        applies."""
+        from fastgate.methods import METHODS
         from fastgate.methods.calibration import calibrated_params
 
-        return params if self.paper_defaults else calibrated_params(self.lm.name, method, params, warn=warn)
+        if self.paper_defaults and METHODS[method].paper_threshold:  # the read gate has no paper value: its price
+            return params
+        return calibrated_params(self.lm.name, method, params, warn=warn)
 
     def effective_params(self, request: AnswerRequest, warn: bool = True) -> dict[str, Any]:
         """The user's parameters on top of the model's calibrated thresholds (unless ``paper_defaults``)."""

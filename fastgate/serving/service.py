@@ -359,8 +359,10 @@ class AnswerService:
         return value
 
     def _method(self, req):
-        """The built method of a request; only the worker thread (and :meth:`start`) build methods."""
-        key = (req.method, req.retriever, req.params)
+        """The built method of a request; only the worker thread (and :meth:`start`) build methods. Keyed by the
+        typed config it builds, not the parameters as sent: ``{}`` and ``{"k": 3}`` are one method (a read gate's
+        answerable-share estimate is its method's state: two keys split it in two)."""
+        key = (req.method, req.retriever, req.config if req.config is not None else req.params)
         with self._lock:
             method = self._methods.get(key)
             if method is not None:
