@@ -29,6 +29,7 @@ from bench_engine import (  # noqa: E402
     bound_bandwidth,
     build_model,
     cpu_name,
+    gguf_step_bytes,
     gguf_type,
     json_config,
     kv_bytes,
@@ -77,7 +78,7 @@ def main() -> None:
     bw = bound_bandwidth(torch.device("cpu"))
     cfg = json_config(args.model)
     ours_bytes = weight_bytes(lm.model, 1, int4_plain=engine.runner.ops.backends["int4_matmul"] == "ext")
-    theirs_bytes = path.stat().st_size
+    theirs_bytes = gguf_step_bytes(path)  # its tensors less the gathered embedding table (not the file's size)
     rows = []
     for c in contexts:
         a, b = times[("fastgate", c)], times[("llama.cpp", c)]

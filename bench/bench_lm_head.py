@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import append_rows, median_time, print_table  # noqa: E402
-from bench_engine import FILLER, read_bandwidth, step_time  # noqa: E402
+from bench_engine import FILLER, loop_step, read_bandwidth  # noqa: E402
 
 from fastgate.assets.models import load  # noqa: E402
 from fastgate.engine.lm_head import DEFAULT_COLUMNS, sliced_linear  # noqa: E402
@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     columns_list = [int(c) for c in args.columns.split(",")]
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(torch.device("cpu"))
     rows = []
     for name in args.models.split(","):
         lm = load(name, weights="float")  # the head as an nn.Linear (its weight is what this bench times)
@@ -56,24 +56,25 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             for n in rows_list:
-                x = torch.randn(n, hidden, generator=gen)
+                x = torch.randn(n, hidden, generator=gen).to(weight.dtype)  # rows in the head's dtype (auto's)
                 plain_out = F.linear(x, weight)
                 plain = median_time(lambda: F.linear(x, weight), repeat=5)  # noqa: B023
                 for columns in columns_list:
                     same = torch.equal(sliced_linear(x, weight, None, columns), plain_out)
                     sliced = median_time(lambda: sliced_linear(x, weight, None, columns), repeat=5)  # noqa: B023
                     gbps = weight.numel() * weight.element_size() / sliced / 1e9
-                    rows.append({"part": "head", "model": name, "vocab": vocab, "hidden": hidden, "rows": n,
+                    rows.append({"part": "head", "model": name, "dtype": str(weight.dtype)[6:], "vocab": vocab,
+                                 "hidden": hidden, "rows": n,
                                  "columns": columns, "plain_ms": plain * 1e3, "sliced_ms": sliced * 1e3,
                                  "speedup": plain / sliced, "same": same, "GBps": gbps,
                                  "of_bound": gbps * 1e9 / bandwidth, "read_GBps": bandwidth / 1e9})
         ids = lm.tokenizer(FILLER * (1 + args.context // 30))["input_ids"]
-        prompts = [lm.tokenizer.decode(ids[i:i + args.context]) for i in range(args.batch)]
+        rows_ids = [ids[i:i + args.context] for i in range(args.batch)]  # loop_step's rows: token ids
         times: dict[int, list[float]] = {DEFAULT_COLUMNS: [], 0: []}
         for _ in range(args.rounds):
             for columns in times:
                 engine = Engine(lm, prefix_cache=0, head_columns=columns)
-                times[columns].append(step_time(engine, prompts, args.steps, "packed")[0])
+                times[columns].append(loop_step(engine, rows_ids, args.steps, "packed")[0])
         Engine(lm)  # the default head again
         plain, sliced = statistics.median(times[0]), statistics.median(times[DEFAULT_COLUMNS])
         rows.append({"part": "step", "model": name, "vocab": vocab, "hidden": hidden, "rows": args.batch,
