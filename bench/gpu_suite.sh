@@ -35,11 +35,11 @@ case "$PART" in
   tests|smollm2|llama3) ;;
   all)  # the three in one call, each under its own budget and in its own folder, then one archive (see the header)
     OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
-    work=$(mktemp -d)
+    work=$(mktemp -d)  # not under $OUT: at most 8 files come back from a device call, the parts write dozens
     worst=0
     mkdir -p "$OUT"
     # the archive is rewritten after each part, so a call cut short (its timeout_s under the parts' 560 s) still
-    # returns the parts it finished
+    # returns the parts it finished (the part in progress is lost: give the call its 600 s)
     OUT=$work/tests BUDGET=150 timeout 160 bash "$0" tests > "$work/tests.out" 2>&1 || worst=$?
     tar czf "$OUT/gpu.tgz" -C "$work" .
     OUT=$work/smollm2 BUDGET=300 SMOLLM2_QUICK=1 timeout 310 bash "$0" smollm2 > "$work/smollm2.out" 2>&1 || worst=$?
@@ -123,9 +123,13 @@ case "$PART" in
   llama3)
     # the kernel benches first (seconds each on CUDA; bounded all the same), then the 8B-shaped engine bench with
     # what is left. compiles: packed-compiled and hf-static-compile at batch 1, context 600: 2 graphs of 32 layers
-    timeout 90 "$PY" bench/bench_probe.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee "$LOG"
+    # each kernel bench at most 90 s and half of what the part has left (the `all` call gives this part 85 s: two
+    # fixed 90 s bounds would outlast it and the second bench would be killed without a word)
+    kt=$(( $(left) / 2 )); [ "$kt" -gt 90 ] && kt=90
+    timeout "$kt" "$PY" bench/bench_probe.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee "$LOG"
     kernels=${PIPESTATUS[0]}
-    timeout 90 "$PY" bench/bench_eigenscore.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee -a "$LOG"
+    kt=$(left); [ "$kt" -gt 90 ] && kt=90
+    timeout "$kt" "$PY" bench/bench_eigenscore.py --dims 576,2048,4096 --batches 1,8,64,256 2>&1 | tee -a "$LOG"
     eig=${PIPESTATUS[0]}
     [ "$eig" -ne 0 ] && kernels=$eig
     if [ -n "${LLAMA3_KERNELS_ONLY:-}" ]; then
