@@ -2,9 +2,12 @@
 
 Starts ``fastgate serve`` on a free loopback port (a subprocess, real model), then for each concurrency level sends
 ``--requests`` questions from that many client threads (each waits for its answer before sending the next), bounded
-by ``--max-seconds`` per level. Concurrency 1 is sequential processing: the speedup column is throughput relative to
-it. Every request must get a 200 (a lost or failed request is counted and reported). Appends to
-bench/results/serve.csv.
+by ``--max-seconds`` per level, through one pooled client (kept-alive connections, built before the level's clock
+starts: until 2026-11-29 each thread built its own inside the window, ~21 ms of CPU each). Concurrency 1 is sequential
+processing: the speedup column is throughput relative to it (to the first level where 1 is not among them). With
+``--requests`` no more than the clients, a level is one burst (its figure includes the drain), not a closed loop:
+give a few requests per client. Every request must get a 200 (a lost or failed request, a reset or a timeout too, is
+counted and reported). Appends to bench/results/serve.csv.
 
 With ``--ray --replicas N`` the same levels run twice on ``fastgate serve --ray`` (Ray Serve's HTTP proxy in front of
 engine replicas, a local Ray): with 1 replica and with N, and ``speedup_vs_1_replica`` compares their throughput at
@@ -25,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,20 +122,28 @@ def _run_server(args, questions: list[str], replicas: int | None) -> list[dict]:
         for c in [int(x) for x in args.clients.split(",")]:
             latencies: list[float] = []
             failures = 0
+            lock = threading.Lock()
             q0, b0 = _batch_totals(url) if replicas is None else (0.0, 0.0)
+            # one pooled client, built before the clock starts (a client per worker built inside the window spent
+            # ~21 ms of CPU each, on the server's cores), its connections kept alive as any real client's
+            pooled = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=c, max_keepalive_connections=c))
             t_start = time.perf_counter()
             stop_at = t_start + args.max_seconds
             counter = iter(range(args.requests))
 
             def worker(_: int) -> None:
                 nonlocal failures
-                with httpx.Client(timeout=600) as client:
-                    for i in counter:
-                        if time.perf_counter() > stop_at:
-                            return
-                        t0 = time.perf_counter()
-                        r = client.post(f"{url}/v1/answer", json={"question": questions[i % len(questions)]})
-                        if r.status_code == 200:
+                for i in counter:
+                    if time.perf_counter() > stop_at:
+                        return
+                    t0 = time.perf_counter()
+                    try:
+                        r = pooled.post(f"{url}/v1/answer", json={"question": questions[i % len(questions)]})
+                        ok = r.status_code == 200
+                    except httpx.HTTPError:  # a reset or a timeout is a lost request, counted, not a crashed level
+                        ok = False
+                    with lock:
+                        if ok:
                             latencies.append(time.perf_counter() - t0)
                         else:
                             failures += 1
@@ -139,9 +151,10 @@ def _run_server(args, questions: list[str], replicas: int | None) -> list[dict]:
             with ThreadPoolExecutor(c) as pool:
                 list(pool.map(worker, range(c)))
             wall = time.perf_counter() - t_start
+            pooled.close()
             q1, b1 = _batch_totals(url) if replicas is None else (0.0, 0.0)
             qps = len(latencies) / wall
-            base = base or qps
+            base = qps if c == 1 or base is None else base  # "sequential": one client, where the run has it
             rows.append({"method": args.method, "model": args.model, "replicas": replicas or "",
                          "clients": c, "answered": len(latencies),
                          "failed": failures, "wall_s": wall, "qps": qps, "speedup_vs_sequential": qps / base,
