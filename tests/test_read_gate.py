@@ -859,3 +859,14 @@ def test_a_server_builds_one_method_for_one_config(tiny_engine, small_index):
                         Runtime("tiny", index=str(small_index), engine=tiny_engine))
     a = svc._method(svc._request("never", {}))
     assert svc._method(svc._request("never", {"k": 3})) is a and svc._method(svc._request("never", {"k": 2})) is not a
+
+
+def test_a_gate_searching_with_another_k_than_its_training_says_so(tmp_path, tiny, tiny_engine, retrievers, caplog):
+    ck = _checkpoint(tmp_path, tiny, 1.0)  # no k recorded: the default's, 3
+    with caplog.at_level("WARNING"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "threshold": 0.0},
+                     retrievers=retrievers)
+        assert "trained on searches of k=3" not in caplog.text
+        build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "threshold": 0.0, "k": 10},
+                     retrievers=retrievers)
+    assert "trained on searches of k=3 passages; k=10" in caplog.text

@@ -84,6 +84,28 @@ def _base_config(cls: type[Method], params: dict[str, Any]) -> MethodConfig:
                                for k, v in params.items()})
 
 
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_if_off_training(path, config: ReadConfig) -> None:
+    """Say once when the gate searches with another k than its checkpoint was trained with: the search features
+    (drop, cover, agreement) then mean something else and the price no longer what it did (k=10 moved a SmolLM2
+    question's score 0.100 -> 0.168 against a price of 0.037)."""
+    import json
+    import logging
+    from pathlib import Path
+
+    try:
+        trained = int(json.loads((Path(path) / "config.json").read_text()).get("k", MethodConfig.k))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # the load above read it: a race with a rewrite, nothing to say
+    if config.k != trained and (str(path), config.k) not in _WARNED:
+        _WARNED.add((str(path), config.k))
+        logging.getLogger("fastgate.read").warning(
+            "fastgate: warning: the read gate %s was trained on searches of k=%d passages; k=%d changes its search "
+            "features and what its price means", path, trained, config.k)
+
+
 class Read(Method):
     """Run the base method to its first gate score, search, and read the passages iff the read gate says so."""
 
@@ -142,6 +164,7 @@ class Read(Method):
         if not c.collect:
             path = self.preflight(c, engine.lm.name)
             self.gate = ReadGate(load_read_checkpoint(path, c.features, model=engine.lm, base=c.base), c.threshold)
+            _warn_if_off_training(path, c)
 
     def _base_signal(self, question: str) -> Program:
         """Drive the base program up to its first gate decision: (its score, its closed-book answer or None)."""

@@ -314,6 +314,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
         prefill_feature_names,
         save_read_checkpoint,
     )
+    from fastgate.methods.read import ReadConfig
     from fastgate.serving.runtime import Runtime
 
     datas = _split(args.data, "--data")
@@ -457,6 +458,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     meta = {"data": ",".join(datas), "n": len(rows), "seed": args.seed, "fixed": int(fixed.sum()),
             "broken": int(broken.sum()), "l2": args.l2, "closed_book_acc": round(float(cb.mean()), 4),
             "read_acc": round(float(rd.mean()), 4), "sets": sets, "labels_from_reads": reads,
+            "k": ReadConfig.k,  # the passes search with the read method's default k (the gate warns at another)
             "price": {k: round(v, 6) for k, v in prices.items()},
             **({"max_loss": args.max_loss} if args.price is None else {"price_given": True}),
             "answerable": int(answerable.sum())}
