@@ -42,17 +42,35 @@ def median_time(fn: Callable[[], Any], repeat: int = 7, min_time: float = 0.05) 
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")  # machine()'s cpu_flags
 
 
+def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers (a VM may say only "AMD EPYC": family 25 model 17 is a
+    Zen 4, family 23 model 49 a Zen 2), else the platform's processor string."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:  # the first processor's block is enough
+                break
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
 def machine() -> dict[str, str]:
     import numpy
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):  # the SIMD a kernel here may choose by: every row names them
+            if line.startswith("flags"):  # the SIMD a kernel here may choose by: every row names them
                 have = set(line.split(":", 1)[1].split())
                 flags = " ".join(f for f in SIMD_FLAGS if f in have)
                 break

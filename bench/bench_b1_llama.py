@@ -24,11 +24,10 @@ from fastgate.entrypoints import passive_omp_threads  # noqa: E402
 
 passive_omp_threads()  # as the fastgate command does, before torch loads (not for llama.cpp: _llama_cpp.py)
 import torch  # noqa: E402
-from _common import append_rows, print_table  # noqa: E402
+from _common import append_rows, cpu_name, print_table  # noqa: E402
 from bench_engine import (  # noqa: E402
     bound_bandwidth,
     build_model,
-    cpu_name,
     gguf_step_bytes,
     gguf_type,
     json_config,

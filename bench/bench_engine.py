@@ -77,7 +77,7 @@ from fastgate.entrypoints import passive_omp_threads  # noqa: E402
 
 passive_omp_threads()  # as the fastgate command does, before torch loads (not for llama.cpp: _llama_cpp.py)
 import torch  # noqa: E402
-from _common import append_rows, print_table  # noqa: E402
+from _common import append_rows, cpu_name, print_table  # noqa: E402
 
 import fastgate.engine.model_runner as runner_module  # noqa: E402
 from fastgate.assets.models import MODELS, LoadedModel, load, locate_gguf, resolve_device  # noqa: E402
@@ -206,18 +206,6 @@ def _kept_dtype(module) -> torch.dtype | None:
     return module._kept_dtype if module._kept_product is not None else None
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def compiles() -> int:
