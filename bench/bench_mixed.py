@@ -16,7 +16,8 @@ Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, re
 5. ``poisson``: an open loop: ``--poisson-requests`` questions (skip and retrieve alternating) arriving as a Poisson
    process (fixed seed) at each fraction in ``--poisson`` of the sustainable rate, taken as the first design's burst
    throughput (questions / burst wall time) so every design sees the same arrivals; reports p50/p95/p99 latency per
-   class (``poisson50_skip_p95_s`` is the 95th percentile of skip questions at 50% of that rate).
+   class (``poisson50_skip_p95_s`` is the 95th percentile of skip questions at 50% of that rate; nearest rank: with
+   the default 24 questions, 12 a class, p95 and p99 are both the slowest one).
 
 With ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/old <commit>``) the same scenarios
 run against a server started from that tree, in the same run, so the two designs are compared under the same
