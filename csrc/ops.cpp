@@ -717,24 +717,34 @@ double widen_row(const float* src, int64_t n, int64_t padded, double* dst) {
 }
 
 // One request of SeaKR's eigenscore: logdet(Zc Zcᵀ·scale + αI) / k' over the k' valid rows of z [k, d] (float32),
-// each row centred over its d features. Rows are widened to double a block of features at a time and the Gram matrix
-// is accumulated in double; centring is the rank-one correction Zc Zcᵀ = Z Zᵀ - s sᵀ / d (s = Z·1), whose rounding
-// stays ~1e-16 of |z|² (|s sᵀ / d| <= |Z Zᵀ|), far below the ridge α. Returns false if the Gram matrix is not finite
-// (a NaN or inf anywhere in z, dropped rows included).
+// each row centred over its d features. Each row's mean is taken first (in double); rows are then widened to double
+// a block of features at a time, centred as they are widened, and the Gram matrix of the centred rows accumulated in
+// double, as the reference computes it. (The rank-one correction Z Zᵀ - s sᵀ / d subtracted two numbers of size
+// d·|z|²: with a large offset shared by the rows, 1e6 + noise, its rounding outgrew the ridge α and the Cholesky
+// met a negative pivot: NaN.) Returns false if the Gram matrix is not finite (a NaN or inf anywhere in z, dropped
+// rows included).
 // `buf` holds k × kGramChunk doubles; G k × k; s k.
 bool eigenscore_one(const float* z, const uint8_t* valid, int64_t k, int64_t d, double alpha, double scale,
                     std::vector<double>& buf, std::vector<double>& G, std::vector<double>& s, float* out) {
   std::fill(G.begin(), G.end(), 0.0);
-  std::fill(s.begin(), s.end(), 0.0);
+  for (int64_t i = 0; i < k; ++i) {  // s: each row's mean, in double
+    double sum = 0.0;
+    for (int64_t t = 0; t < d; ++t) sum += z[i * d + t];
+    s[i] = d > 0 ? sum / static_cast<double>(d) : 0.0;
+  }
   for (int64_t start = 0; start < d; start += kGramChunk) {
     const int64_t n = std::min<int64_t>(kGramChunk, d - start);
     const int64_t padded = (n + 3) / 4 * 4;
-    for (int64_t i = 0; i < k; ++i) s[i] += widen_row(z + i * d + start, n, padded, buf.data() + i * kGramChunk);
+    for (int64_t i = 0; i < k; ++i) {
+      double* row = buf.data() + i * kGramChunk;
+      widen_row(z + i * d + start, n, padded, row);
+      for (int64_t t = 0; t < n; ++t) row[t] -= s[i];  // centred; the padding stays 0
+    }
     gram_upper(buf.data(), k, padded, kGramChunk, G.data());
   }
   for (int64_t i = 0; i < k; ++i)
     for (int64_t j = i; j < k; ++j) {
-      const double g = G[i * k + j] - s[i] * s[j] / static_cast<double>(d);
+      const double g = G[i * k + j];
       if (!std::isfinite(g)) return false;
       G[i * k + j] = G[j * k + i] = g;
     }

@@ -312,12 +312,17 @@ def test_eigenscore_ext_masks_offsets_layouts_and_errors():
     from fastgate.ops.reference import eigenscore as reference
 
     torch.manual_seed(11)
-    # near-identical samples far from zero: the rank-one centring must still match centring first
+    # near-identical samples far from zero: the centring must match the reference's
     z = 1000.0 + torch.randn(2, 1, 577) + 1e-2 * torch.randn(2, 20, 577)
     valid = torch.ones(2, 20, dtype=torch.bool)
     valid[0, ::3] = False
     for backend in BACKENDS:
         torch.testing.assert_close(backend.eigenscore(z, valid=valid), reference(z, valid=valid), rtol=1e-5, atol=1e-5)
+    # a larger offset: the rank-one correction Z Zᵀ - s sᵀ / d lost more than the ridge to rounding (NaN); the op
+    # centres each row before its Gram matrix, as the reference does
+    far = (1e6 + 1e-2 * torch.randn(2, 5, 769)).float()
+    for backend in BACKENDS:
+        torch.testing.assert_close(backend.eigenscore(far), reference(far), rtol=1e-5, atol=1e-5)
     nc = torch.randn(9, 3, 4).permute(2, 1, 0)  # [4, 3, 9] non-contiguous
     none_valid = torch.zeros(4, 3, dtype=torch.bool)
     for backend in BACKENDS:
@@ -349,3 +354,17 @@ def test_gate_ops_pick_the_extension_on_cpu(monkeypatch):
     assert build_ops("auto", "cpu").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="fastgate._C"):
         build_ops("ext", "cpu")
+
+
+def test_zero_heads_and_a_bad_position_are_handled_as_the_reference_does():
+    from fastgate.errors import ShapeError as Shape
+    from fastgate.ops import reference
+
+    x, c = torch.randn(4, 0, 64).bfloat16(), torch.randn(4, 1, 64).bfloat16()
+    for backend in BACKENDS:  # no heads: an empty result (the C++ op raised "bad shape")
+        assert backend.rope(x, c, c).shape == (4, 0, 64)
+    q, kn = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    keys, vals = torch.zeros(2, 1, 8, 8), torch.zeros(2, 1, 8, 8)
+    with pytest.raises((Shape, IndexError)):
+        reference.decode_attention_step(q, kn, kn, keys, vals, torch.tensor([-1, 0]))
+    assert not keys.any() and not vals.any()  # checked before the write (pos -1 wrote the last column first)

@@ -77,6 +77,7 @@ def ext_rms_norm(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[
         if (dtype not in kernels or weight.dtype is not dtype or x.device.type != "cpu"
                 or x.shape[0] > max_rows or x.shape[-1] < 8  # under 8 features torch sums in another order
                 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1] or not weight.is_contiguous()
+                or not weight.is_cpu  # its address is read as host memory
                 or weight.shape != x.shape[1:]):
             return reference.rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=dtype)  # [T, d]
@@ -96,7 +97,8 @@ def ext_rope(ext: ModuleType, max_rows: int, f32: bool = False) -> Callable[...,
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if (dtype not in kernels or cos.dtype is not dtype or sin.dtype is not dtype
-                or x.device.type != "cpu" or x.shape[0] > max_rows or x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2
+                or x.device.type != "cpu" or not (cos.is_cpu and sin.is_cpu) or x.shape[0] > max_rows
+                or x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2 or x.shape[1] == 0 or x.shape[2] == 0
                 or cos.shape != (x.shape[0], 1, x.shape[2]) or sin.shape != cos.shape or cos.stride(2) != 1
                 or sin.stride() != cos.stride()):
             return reference.rope(x, cos, sin)

@@ -247,6 +247,7 @@ def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     """A pass of decode rows only: row ``r``'s new key and value ``k_new / v_new [m, Hkv, D]`` written at column
     ``pos[r]`` of its store row ``keys / values [R, Hkv, C, D]`` (in place), then :func:`decode_attention` of its
     heads ``q [m, H, D]``; the result ``[m, H, D]`` in ``q``'s dtype."""
+    check_decode_attention_args(q, keys, values, pos)  # before the writes: pos -1 wrote the last column, then raised
     rows = torch.arange(q.shape[0], device=q.device)  # [m]
     keys[rows, :, pos] = k_new.to(keys.dtype)
     values[rows, :, pos] = v_new.to(values.dtype)
