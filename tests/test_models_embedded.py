@@ -270,3 +270,38 @@ def test_an_unknown_or_absent_device_fails_before_the_model_is_prepared(monkeypa
         with pytest.raises(InputError, match="CUDA is not available"):
             fm.load("smollm2-135m", device="cuda")
     assert prepared == []
+
+
+def test_a_corrupt_model_cache_or_an_unusable_home_is_a_clear_error(tmp_path, monkeypatch):
+    """A truncated weights file raised SafetensorError, a corrupt fastgate_model.json a JSONDecodeError, a home path
+    through a file a NotADirectoryError: tracebacks."""
+    import pytest
+
+    from fastgate.assets.models import _fingerprint
+    from fastgate.assets.paths import home
+    from fastgate.errors import InputError, ModelError
+
+    meta = tmp_path / "fastgate_model.json"
+    meta.write_text("{")
+    with pytest.raises(ModelError, match="is corrupt"):
+        _fingerprint(meta)
+    meta.write_text('{"fingerprint": "abc"}')
+    assert _fingerprint(meta) == "abc"
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "afile" / "home"))
+    with pytest.raises(InputError, match="not a usable directory"):
+        home()
+
+
+def test_a_truncated_weights_file_is_a_model_error(tmp_path, tiny):
+    import pytest
+
+    from fastgate.assets.models import load
+    from fastgate.errors import ModelError
+
+    tiny.model.save_pretrained(tmp_path / "m")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelError, match="cannot load a causal LM"):
+        load(str(tmp_path / "m"), device="cpu")

@@ -398,6 +398,9 @@ def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
                     "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION}
             (tmp / "fastgate_model.json").write_text(json.dumps(meta, indent=2))
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared $FASTGATE_HOME out
+            for f in tmp.iterdir():  # and save_pretrained's 0600 weights too
+                if f.is_file():
+                    os.chmod(f, 0o644)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -552,6 +555,7 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
         UnknownNameError: neither an embedded name nor an existing directory, or an unknown ``weights``.
         ModelError: the directory is not a loadable causal LM, or lacks ``model.model.layers``.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     weights = canonical_weights(weights)  # an unknown format fails before anything loads
@@ -560,13 +564,13 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     if name_or_path in MODELS:
         path = prepare(name_or_path)
         name = name_or_path
-        fingerprint = json.loads((path / "fastgate_model.json").read_text())["fingerprint"]
+        fingerprint = _fingerprint(path / "fastgate_model.json")
     elif local.is_dir():
         path = local
         name = local.name
         meta = local / "fastgate_model.json"
         if meta.is_file():
-            fingerprint = json.loads(meta.read_text()).get("fingerprint", "")
+            fingerprint = _fingerprint(meta)
         else:
             config_file = local / "config.json"
             fingerprint = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else ""
@@ -578,8 +582,9 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path))
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=choice.dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # SafetensorError: a truncated weights file
+        hint = " (delete it and run `fastgate prepare`: it is converted again)" if name_or_path in MODELS else ""
+        raise ModelError(f"cannot load a causal LM from {path}: {exc}{hint}") from exc
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")
     model.to(dev).eval()
@@ -592,3 +597,16 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
     return_freed_memory()  # the checkpoint's weights as loaded, freed where quantize_model replaced them
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,
                        dtype_reason=choice.reason, weights=held.weights, weights_reason=held.reason)
+
+
+def _fingerprint(meta: Path) -> str:
+    """The fingerprint a converted model's ``fastgate_model.json`` records.
+
+    Raises:
+        ModelError: the file is unreadable (a JSONDecodeError traceback before)."""
+    try:
+        doc = json.loads(meta.read_text())
+        return str(doc.get("fingerprint", "")) if isinstance(doc, dict) else ""
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{meta} is corrupt ({exc}): delete {meta.parent} and run `fastgate prepare` (the model is "
+                         "converted again)") from None

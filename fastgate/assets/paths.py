@@ -15,7 +15,13 @@ __all__ = ["home", "index_dir", "models_dir", "one_builder", "remove_stale"]
 def home() -> Path:
     """The cache root, created on demand."""
     root = Path(os.environ.get("FASTGATE_HOME", Path.home() / ".cache" / "fastgate")).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the path (ENOTDIR), no permission, ...: a traceback before
+        from fastgate.errors import InputError
+
+        raise InputError(f"FASTGATE_HOME {root} is not a usable directory ({exc.strerror or exc}); set "
+                         "FASTGATE_HOME to a writable directory") from None
     return root
 
 
