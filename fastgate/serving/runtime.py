@@ -248,22 +248,23 @@ class Runtime:
 
         if kind not in self._retrievers:
             t0 = time.perf_counter()
-            self._retrievers[kind] = open_retriever(kind, self.index)
+            opened = open_retriever(kind, self.index)
+            self._check_one_corpus(kind)  # before it is kept: a second call would return it unchecked
+            self._retrievers[kind] = opened
             self.setup_s += time.perf_counter() - t0
-            self._check_one_corpus()
         return self._retrievers[kind]
 
-    def _check_one_corpus(self) -> None:
-        """The indexes this runtime opened were built from one corpus: a build interrupted between its two kinds, or a
-        re-index of one kind with another corpus, left BM25 and dense indexes of different passages side by side,
-        which the read gate and DTR combine (its passage ids then name other passages).
+    def _check_one_corpus(self, kind: str) -> None:
+        """The index of ``kind`` and those this runtime opened were built from one corpus: a build interrupted between
+        its two kinds, or a re-index of one kind with another corpus, left BM25 and dense indexes of different
+        passages side by side, which the read gate and DTR combine (its passage ids then name other passages).
 
         Raises:
             IndexError_: the opened indexes name different corpora."""
         from fastgate.errors import IndexError_
         from fastgate.retrieval import corpus_fingerprint_of
 
-        prints = {kind: corpus_fingerprint_of(self.index, kind) for kind in self._retrievers}
+        prints = {k: corpus_fingerprint_of(self.index, k) for k in (*self._retrievers, kind)}
         known = {p for p in prints.values() if p}
         if len(known) > 1:
             raise IndexError_(f"the indexes under {self.index or 'the default index root'} were built from different "
