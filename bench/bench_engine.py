@@ -181,7 +181,7 @@ def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     bf16 = next(model.parameters()).dtype is torch.bfloat16  # the bf16 kernels read a Q4_1 file's d and m as float16
     for module in model.modules():
-        kept = _kept_dtype(module) if isinstance(module, (Int8Linear, Int4Linear)) else None
+        kept = module.kept_dtype if isinstance(module, (Int8Linear, Int4Linear)) else None
         if kept is not None and rows > module.kernel_rows:
             # the de-quantized copy the product reads: plain, or held by the dense op that took it over at its first
             # product (then module.dense is None, and counting the codes undercounted a batch step 2.8x)
@@ -197,15 +197,6 @@ def weight_bytes(model, rows: int = 1, int4_plain: bool = False) -> int:
     embed = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     return held - (embed.numel() * embed.element_size() if head is not embed else 0)
-
-
-def _kept_dtype(module) -> torch.dtype | None:
-    """The dtype of a quantized layer's kept de-quantized copy (``int4-dense``), plain or held by its product."""
-    if module.dense is not None:
-        return module.dense.dtype
-    return module._kept_dtype if module._kept_product is not None else None
-
-
 
 
 def compiles() -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["GenerationConfig", "TapSpec"]
+__all__ = ["GenerationConfig", "TapSpec", "as_integer"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ class GenerationConfig:
         # typed first: a string stop would stop at each of its characters, a float length slice nothing, a NaN
         # temperature fail inside the sampler
         for name in ("max_new_tokens", "top_k"):
-            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+            object.__setattr__(self, name, as_integer(name, getattr(self, name)))
         if self.seed is not None:
-            object.__setattr__(self, "seed", _integer("seed", self.seed))
+            object.__setattr__(self, "seed", as_integer("seed", self.seed))
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -75,8 +75,8 @@ class TapSpec:
         return bool(self.layers) or self.eos_state
 
 
-def _integer(name: str, value: Any) -> int:
-    """``value`` as an int (numpy's integers too); bools, floats and strings are refused."""
+def as_integer(name: str, value: Any) -> int:
+    """``value`` as an int (numpy's integers too); bools, floats and strings are refused (``name`` says which)."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise InputError(f"{name} must be an integer, got {value!r}")
+        raise InputError(f"{name} must be an integer, got {value!r:.60}")
     return operator.index(value)

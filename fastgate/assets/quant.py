@@ -269,9 +269,14 @@ class _KeptCopy(nn.Module):
             self.keep_dense(self._kept_dtype)
         return super()._apply(fn, recurse)
 
+    @property
+    def kept_dtype(self) -> torch.dtype | None:
+        """The dtype the layer keeps its weight in (a plain copy, or a product holding it); None: it keeps none."""
+        return self.dense.dtype if self.dense is not None else self._kept_dtype
+
     def _follow_codes(self) -> None:
         """After new codes (``refresh``): a kept copy is made again from them (a plain one)."""
-        dtype = self.dense.dtype if self.dense is not None else self._kept_dtype
+        dtype = self.kept_dtype
         if dtype is not None:
             self.keep_dense(dtype)
 
@@ -281,7 +286,7 @@ class _KeptCopy(nn.Module):
 
     def has_kept(self, dtype: torch.dtype) -> bool:
         """Whether the layer keeps its weight in ``dtype``: a plain copy, or a product holding it."""
-        return self._kept(dtype) is not None or (self._kept_product is not None and self._kept_dtype == dtype)
+        return self.kept_dtype == dtype
 
     def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, the weight in x's dtype)`` without scales or bias, ``x [M, K] -> [M, N]``: by the kept copy

@@ -13,13 +13,12 @@ them from this module.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from fastgate.assets.models import LoadedModel
-from fastgate.config import GenerationConfig, TapSpec
+from fastgate.config import GenerationConfig, TapSpec, as_integer
 from fastgate.engine.decode import DecodeLoop
 from fastgate.engine.generation import FinishReason, Generation, GenerationBatch
 from fastgate.engine.lm_head import DEFAULT_COLUMNS
@@ -29,13 +28,6 @@ from fastgate.errors import InputError
 from fastgate.ops.reference import accumulate_taps
 
 __all__ = ["Engine", "FinishReason", "Generation", "GenerationBatch", "accumulate_taps"]
-
-
-def _count(name: str, value) -> int:
-    """``value`` as an int (numpy's integers too): a sample count or a seed; bools, floats and strings are refused."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise InputError(f"generate: {name} must be an integer, got {value!r:.60}")
-    return operator.index(value)
 
 
 def _per_prompt(value, kind: type, n: int, what: str) -> list:
@@ -166,7 +158,7 @@ class Engine:
             taps is None or isinstance(taps, TapSpec)) or not one_k
         cfgs = _per_prompt(config, GenerationConfig, b, "configs")
         row_taps = _per_prompt(taps, TapSpec, b, "taps")
-        ks = [_count("k", x) for x in ([k] * b if one_k else k)]
+        ks = [as_integer("generate: k", x) for x in ([k] * b if one_k else k)]
         if len(ks) != b:
             raise InputError(f"generate: {len(ks)} sample counts for {b} prompts")
         if any(x < 1 for x in ks):
@@ -174,7 +166,7 @@ class Engine:
         if seeds is not None:
             if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
                 raise InputError(f"generate: seeds must be one integer (or None) per prompt, got {seeds!r:.60}")
-            seeds = [None if s is None else _count("seed", s) for s in seeds]
+            seeds = [None if s is None else as_integer("generate: seed", s) for s in seeds]
             if len(seeds) != b:
                 raise InputError(f"generate: {len(seeds)} seeds for {b} prompts")
         mids = {t.mid_layer if t.mid_layer is not None else self.n_layers // 2

@@ -579,33 +579,29 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
     if score not in SCORES:
         raise CheckpointError(f"read-gate checkpoint {path}: unknown score {score!r} (known: {', '.join(SCORES)})")
     known = set(FEATURE_SETS["all"]) if decide == "answer" else None
+
+    def part(g: Mapping[str, Any]) -> ReadModel:
+        """One logistic model of the set; every one goes through here. A feature this fastgate does not compute (a
+        renamed or foreign one) loaded, then failed every question ("missing")."""
+        model = _read_model(g)
+        if known is not None and not set(model.features) <= known:
+            raise CheckpointError(f"read-gate checkpoint {path}: its {features!r} model reads feature(s) this "
+                                  f"fastgate does not compute: {', '.join(sorted(set(model.features) - known))}")
+        return model
+
     try:
         m = doc["models"][features]
-        if known is not None:  # a renamed or foreign feature loaded, then failed every question ("missing")
-            names = {f for part in _model_parts(m, score) for f in part["features"]}
-            if not names <= known:
-                raise CheckpointError(f"read-gate checkpoint {path}: its {features!r} model reads feature(s) this "
-                                      f"fastgate does not compute: {', '.join(sorted(names - known))}")
         if score == "shift-gain":
             def gain(g):
-                return GainModel(_read_model(g["fix"]), _read_model(g["harm"]))
+                return GainModel(part(g["fix"]), part(g["harm"]))
 
-            return ShiftGainModel(_read_model(m["answerable"]), gain(m["on"]), gain(m["off"]), float(m["prior"]),
+            return ShiftGainModel(part(m["answerable"]), gain(m["on"]), gain(m["off"]), float(m["prior"]),
                                   float(m["rate"])), doc
         if score == "gain":
-            return GainModel(_read_model(m["fix"]), _read_model(m["harm"])), doc
-        return _read_model(m), doc
+            return GainModel(part(m["fix"]), part(m["harm"])), doc
+        return part(m), doc
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"read-gate checkpoint {path}: corrupt {features!r} model ({exc})") from None
-
-
-def _model_parts(m: Mapping[str, Any], score: str) -> list[Mapping[str, Any]]:
-    """The logistic models (their JSON) a checkpoint's model of ``score`` holds."""
-    if score == "shift-gain":
-        return [m["answerable"], *(g[k] for g in (m["on"], m["off"]) for k in ("fix", "harm"))]
-    if score == "gain":
-        return [m["fix"], m["harm"]]
-    return [m]
 
 
 class ReadGate(Gate):

@@ -96,8 +96,10 @@ def checkpoint_key(value: Any) -> str:
     path are one checkpoint)."""
     if not value:
         return ""
+    from fastgate.gates.checkpoints import DEFAULT_CHECKPOINTS
+
     path = Path(str(value)).expanduser().resolve()
-    return "" if path.parent == SHIPPED.parent / "checkpoints" else str(path)
+    return "" if path.parent == DEFAULT_CHECKPOINTS else str(path)
 
 
 def _defaults(method: str) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifes
 __all__ = ["BM25Retriever", "build_bm25_index", "query_terms"]
 
 _HINT = "pip install tantivy"
+
+
 def _term_char(ch: str) -> bool:
     """A character of a word as the index's tokenizer reads it: letters and digits, and the combining marks (vowel
     signs, viramas, diacritics) that Python's word pattern leaves out: it split हिन्दी, กรุงเทพมหานคร and القاهرةُ, which
@@ -80,7 +82,7 @@ class BM25Retriever:
         if self._searcher.num_docs != count:
             raise IndexError_(
                 f"bm25 index at {self.index_dir} has {self._searcher.num_docs} documents but its manifest says "
-                f"{self.manifest.get('n_passages')}; rebuild it"
+                f"{count}; rebuild it"
             )
 
     def __len__(self) -> int:

@@ -167,10 +167,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.rule == "best":
         pick = max(curve[: k_cap + 1], key=lambda r: (round(r["acc"] - r["random"], 12), -r["k"]))
     elif args.rule == "loss":  # the read gate's price rule on one dev set: fewest retrievals within --max-loss
-        from fastgate.train.read import choose_price
+        from fastgate.train.read import choose_price, price_meets
 
         oriented = scores if spec.retrieve_above else -scores  # higher retrieves first
-        cut = choose_price(oriented, skip_acc, read_acc, np.zeros(len(scores)), args.max_loss)
+        one_set = np.zeros(len(scores))
+        cut = choose_price(oriented, skip_acc, read_acc, one_set, args.max_loss)
+        held = price_meets(oriented, skip_acc, read_acc, one_set, cut, args.max_loss)
         pick = curve[int((oriented >= cut).sum())]
     else:
         pick = curve[int(round(args.rate * len(usable)))]
@@ -178,7 +180,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     result = CalibrationResult(args.method, spec.param, value, pick["rate"], len(usable), args.rule,
                                None if "acc" not in pick else pick["acc"] - pick["random"])
     if args.rule == "loss":
-        held = pick["acc"] >= max(skip_acc.mean(), read_acc.mean()) - args.max_loss - 1e-12
         print(f"rule loss: the fewest retrievals within {100 * args.max_loss:.1f} point(s) of the better of never "
               f"({skip_acc.mean():.3f}) and always ({read_acc.mean():.3f}) on these dev questions"
               + ("" if held else ": no threshold holds it, this one loses least"))

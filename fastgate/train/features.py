@@ -64,8 +64,7 @@ class FeatureCache:
             with safe_open(str(path), "pt") as f:
                 return json.loads(f.metadata()[key])
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"the feature cache's chunk {path} is corrupt ({exc}): delete it (its questions "
-                                  "are computed again) or use another --cache") from None
+            raise _corrupt_chunk(path, exc) from None
 
     def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor, examples: Sequence[str]) -> None:
         """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples``."""
@@ -94,14 +93,19 @@ class FeatureCache:
             try:
                 t = load_file(str(path))
             except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"the feature cache's chunk {path} is corrupt ({exc}): delete it (its questions "
-                                      "are computed again) or use another --cache") from None
+                raise _corrupt_chunk(path, exc) from None
             ids.extend(self._meta(path, "ids"))
             feats.append(t["features"])
             labels.append(t["labels"])
         if not feats:
             raise CheckpointError(f"the feature cache {self.root} is empty")
         return ids, torch.cat(feats), torch.cat(labels)
+
+
+def _corrupt_chunk(path: Path, exc: BaseException) -> CheckpointError:
+    """The error of a chunk that cannot be read (a truncated file, metadata that is not ours)."""
+    return CheckpointError(f"the feature cache's chunk {path} is corrupt ({exc}): delete it (its questions are "
+                           "computed again) or use another --cache")
 
 
 def _batches(items: list[QAExample], size: int) -> Iterator[list[QAExample]]:

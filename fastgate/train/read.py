@@ -236,7 +236,7 @@ def choose_price(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.
     candidates = np.concatenate([[s[-1] + 1.0], (s[1:] + s[:-1])[::-1] / 2, [s[0] - 1.0]])  # high to low price
     worst = []
     for c in candidates:
-        loss = max(row["loss"] for row in price_table(scores, cb, rd, groups, float(c)))
+        loss = _worst_loss(scores, cb, rd, groups, float(c))
         if loss <= max_loss + 1e-12:
             return float(c)
         worst.append(loss)
@@ -247,7 +247,12 @@ def choose_price(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.
 def price_meets(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, price: float,
                 max_loss: float) -> bool:
     """Whether every dev set is within ``max_loss`` of the better of ``never`` and ``always`` at ``price``."""
-    return all(row["loss"] <= max_loss + 1e-12 for row in price_table(scores, cb, rd, groups, price))
+    return _worst_loss(scores, cb, rd, groups, price) <= max_loss + 1e-12
+
+
+def _worst_loss(scores: np.ndarray, cb: np.ndarray, rd: np.ndarray, groups: np.ndarray, price: float) -> float:
+    """The largest loss of a dev set at ``price`` against the better of ``never`` and ``always`` on it."""
+    return max(row["loss"] for row in price_table(scores, cb, rd, groups, price))
 
 
 def learning_curve(rows, fixed, broken, cb, rd, groups, features, price: float, l2: float, seed: int = 0,
