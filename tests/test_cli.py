@@ -58,6 +58,22 @@ def test_serve_ray_bad_input(capsys, argv, message):
     assert code == 2 and message in err and err.startswith("fastgate: error: ")
 
 
+def test_serve_ray_takes_the_log_level(capsys, monkeypatch, small_index):
+    pytest.importorskip("ray.serve")
+    import fastgate.entrypoints.ray_serve as rs
+
+    seen = {}
+    monkeypatch.setattr(rs, "serve_ray", lambda config, ray_config: seen.update(rc=ray_config))
+    code, _, err = run_main(capsys, "serve", "--ray", "--method", "always", "--index", str(small_index),
+                            "--log-level", "warning")
+    assert code == 0, err
+    assert seen["rc"].log_level == "warning" and seen["rc"].logging_config == {"log_level": "WARNING"}
+    deployment = rs.build_app(rs.ServiceConfig(method="always", index=str(small_index)), seen["rc"])
+    assert deployment._bound_deployment._deployment_config.logging_config["log_level"] == "WARNING"
+    with pytest.raises(rs.InputError, match="log_level must be one of"):
+        rs.RayServeConfig(log_level="loud")
+
+
 def test_ask_missing_and_corrupt_index(capsys, tmp_path, small_index):
     code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path / "nope"))
     assert code == 2 and "no bm25 index" in err

@@ -244,7 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _ray()  # not installed: the install hint now, before anything starts
         replicas = {} if args.replicas is None else {"replicas": args.replicas}  # RayServeConfig's default
         ray_config = RayServeConfig(address=args.address, host=args.host, port=args.port, num_cpus=args.num_cpus,
-                                    **replicas)
+                                    log_level=args.log_level, **replicas)
     elif args.replicas is not None or args.address is not None:
         raise InputError("--replicas and --address need --ray")
     if args.host not in LOOPBACK:
@@ -420,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
     _add_settings(sv, ("index", "paper_defaults", *_SERVE_LIMITS))
-    sv.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                    help="the server's log level, also the Ray Serve proxy's and replicas' under --ray "
+                         "(default: %(default)s)")
     sv.add_argument("--ray", action="store_true",
                     help="run --replicas engine replicas on Ray Serve behind its HTTP proxy (pip install "
                          "'fastgate[ray]')")

@@ -30,7 +30,11 @@ from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
 from fastgate.errors import InputError
 from fastgate.serving.service import AnswerService, ServiceConfig
 
-__all__ = ["FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
+__all__ = ["LOG_LEVELS", "FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
+
+# uvicorn's log levels (`fastgate serve --log-level`) -> Python's, which Ray Serve's LoggingConfig takes
+LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+              "trace": "DEBUG"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class RayServeConfig:
     health_check_period_s: float = 5.0  # a replica whose scheduler died is found within this and replaced
     health_check_timeout_s: float = 30.0  # a check blocked this long (a stuck replica) counts as failed
     app_name: str = "fastgate"  # the Ray Serve application name
+    log_level: str = "info"  # the proxy's and replicas' log level (uvicorn's names, as `fastgate serve --log-level`)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -56,6 +61,14 @@ class RayServeConfig:
             raise InputError("max_ongoing_requests must be >= 1")
         if not 0 < self.port < 65536:
             raise InputError(f"port must be in 1..65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise InputError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def logging_config(self) -> dict[str, str]:
+        """Ray Serve's ``LoggingConfig`` for :attr:`log_level` (Python's level names; uvicorn's ``trace`` is below
+        ``debug``, which is Python's lowest)."""
+        return {"log_level": LOG_LEVELS[self.log_level]}
 
 
 def _ray():
@@ -117,7 +130,8 @@ def build_app(config: ServiceConfig, ray_config: RayServeConfig | None = None,
         max_ongoing_requests=rc.max_ongoing_requests or config.max_live,
         max_queued_requests=config.max_queue,  # beyond it Ray answers 503, like one server's full queue
         ray_actor_options={"num_cpus": rc.num_cpus},
-        health_check_period_s=rc.health_check_period_s, health_check_timeout_s=rc.health_check_timeout_s)
+        health_check_period_s=rc.health_check_period_s, health_check_timeout_s=rc.health_check_timeout_s,
+        logging_config=rc.logging_config)
     return deployment.bind(config, runtime_factory, timeout_s)
 
 
@@ -130,8 +144,10 @@ def serve_ray(config: ServiceConfig, ray_config: RayServeConfig | None = None, t
     started = not ray.is_initialized()
     if started:
         ray.init(address=rc.address, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": rc.host, "port": rc.port})  # cluster-wide: ignored if Serve already runs
-    serve.run(build_app(config, rc, runtime_factory, timeout_s), name=rc.app_name, route_prefix="/")
+    # cluster-wide: ignored if Serve already runs
+    serve.start(http_options={"host": rc.host, "port": rc.port}, logging_config=rc.logging_config)
+    serve.run(build_app(config, rc, runtime_factory, timeout_s), name=rc.app_name, route_prefix="/",
+              logging_config=rc.logging_config)
     if not block:
         return
     stop = threading.Event()
