@@ -710,7 +710,13 @@ def test_shift_gain_model_follows_the_answerable_share_of_the_questions_it_score
     assert sum(s.retrieve for s in steps) < fixed_share.sum()
     # scored in order: a second gate fed the same stream in two batches decides the same
     other = ReadGate(m, threshold=0.1)
-    assert [s.retrieve for s in other.decide(stream[:70]) + other.decide(stream[70:])] == [s.retrieve for s in steps]
+    first = other.decide(stream[:70])
+    after_first = other.share
+    assert [s.retrieve for s in first + other.decide(stream[70:])] == [s.retrieve for s in steps]
+    # each step keeps the share of its own batch: a server's later requests move the gate's before a program resumes
+    assert {s.share for s in first} == {after_first} and after_first != other.share
+    assert steps[-1].share == gate.share
+    assert "share" not in first[0].to_dict()  # the gate step's record is unchanged
     # the checkpoint keeps every part; the loaded gate starts again from the training share
     path = save_read_checkpoint(tmp_path / "shift", {"all": m}, model=tiny, base="dtr", meta={})
     assert json.loads((path / "config.json").read_text())["score"] == "shift-gain"

@@ -49,6 +49,7 @@ __all__ = [
     "PREFILL_SEARCH_FEATURES",
     "ReadGate",
     "ReadModel",
+    "ReadStep",
     "ShiftGainModel",
     "adapt_gains",
     "StateProjection",
@@ -628,11 +629,31 @@ class ReadGate(Gate):
         return ("read", id(self.model))
 
     def scores(self, signals: Sequence[Mapping[str, float]]) -> torch.Tensor:
+        return self._scores(signals)[0]
+
+    def _scores(self, signals: Sequence[Mapping[str, float]]) -> tuple[torch.Tensor, float | None]:
+        """``[N]`` scores and the share estimate right after them (None: not a shift-gain gate), read under the
+        same lock: a server's other requests move ``self.share`` before this batch's programs resume."""
         if isinstance(self.model, ShiftGainModel):
             with self._lock:
                 out, self.share = self.model.adapt(list(signals), self.share)
-            return torch.from_numpy(out)  # [N] float64
-        return torch.from_numpy(self.model.score(list(signals)))  # [N] float64
+                share = self.share
+            return torch.from_numpy(out), share  # [N] float64
+        return torch.from_numpy(self.model.score(list(signals))), None  # [N] float64
 
-    def step(self, score: float, signal=None) -> GateStep:
-        return GateStep(self.name, float(score), self.threshold, bool(score >= self.threshold))
+    def step(self, score: float, signal=None, share: float | None = None) -> ReadStep:
+        return ReadStep(self.name, float(score), self.threshold, bool(score >= self.threshold), share)
+
+    def decide(self, signals: Sequence[Mapping[str, float]]) -> list[ReadStep]:
+        if not signals:
+            return []
+        scores, share = self._scores(signals)
+        return [self.step(float(s), x, share) for s, x in zip(scores, signals)]
+
+
+@dataclass(frozen=True)
+class ReadStep(GateStep):
+    """A read-gate decision, with the gate's answerable-share estimate after the batch of scores it was made in
+    (None: not a shift-gain gate). Reported in the answer's details, not in the gate step's dict."""
+
+    share: float | None = None

@@ -200,8 +200,8 @@ class Read(Method):
         feats = prefill_features(question, state[0], self.projection, hits.get("bm25"), hits.get("dense"))
         details = {"decide": "prefill", "features": feats}
         step = yield Decide(self.gate, feats)
-        if self.gate.share is not None:  # a shift-gain gate's answerable-share estimate
-            details["answerable_share"] = round(self.gate.share, 4)
+        if step.share is not None:  # a shift-gain gate's answerable-share estimate after this decision's batch
+            details["answerable_share"] = round(step.share, 4)
         if not step.retrieve:  # the closed-book answer, its few-shot block's KV cached: the question's tokens only
             closed = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(closed.text.strip(), details={**details, "closed_book_answer": closed.text.strip()})
@@ -222,8 +222,8 @@ class Read(Method):
                    "closed_book_answer": closed.text.strip(), "features": feats}
         if self.gate is not None:
             step = yield Decide(self.gate, feats)
-            if self.gate.share is not None:  # a shift-gain gate: its answerable-share estimate after this decision's
-                details["answerable_share"] = round(self.gate.share, 4)  # batch of scores
+            if step.share is not None:  # a shift-gain gate: its answerable-share estimate after this decision's
+                details["answerable_share"] = round(step.share, 4)  # batch of scores (not gate.share: moved since)
             if not step.retrieve:
                 return Answer(closed.text.strip(), details=details)
         reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
