@@ -876,3 +876,9 @@ def test_a_gate_searching_with_another_k_than_its_training_says_so(tmp_path, tin
         build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "threshold": 0.0, "k": 10},
                      retrievers=retrievers)
     assert "trained on searches of k=3 passages; k=10" in caplog.text
+    doc = json.loads((Path(ck) / "config.json").read_text())
+    (Path(ck) / "config.json").write_text(json.dumps({**doc, "k": 2}))  # recorded: read with the gate, once
+    with caplog.at_level("WARNING"):
+        build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "threshold": 0.0},
+                     retrievers=retrievers)
+    assert "trained on searches of k=2 passages; k=3" in caplog.text

@@ -48,6 +48,7 @@ __all__ = [
     "MODEL_FEATURES",
     "PREFILL_SEARCH_FEATURES",
     "ReadGate",
+    "ReadCheckpoint",
     "ReadModel",
     "ReadStep",
     "ShiftGainModel",
@@ -59,6 +60,7 @@ __all__ = [
     "fit_state_projection",
     "load_prefill_checkpoint",
     "load_read_checkpoint",
+    "open_read_checkpoint",
     "passage_features",
     "prefill_feature_names",
     "prefill_features",
@@ -524,6 +526,22 @@ def load_read_checkpoint(path: str | Path, features: str, *, model: Any = None, 
             base method, or without that set.
     """
     return _load(path, features, model=model, base=base, decide=decide)[0]
+
+
+@dataclass(frozen=True)
+class ReadCheckpoint:
+    """A loaded ``answer``-mode read-gate checkpoint: the model for one feature set and the search it was trained on."""
+
+    model: ReadModel | GainModel | ShiftGainModel
+    k: int | None  # passages a search returned in training (None: checkpoints from before it was recorded)
+
+
+def open_read_checkpoint(path: str | Path, features: str, *, model: Any = None, base: str | None = None
+                         ) -> ReadCheckpoint:
+    """:func:`load_read_checkpoint` with what else a method needs from ``config.json``, read once."""
+    gate, doc = _load(path, features, model=model, base=base, decide="answer")
+    k = doc.get("k")
+    return ReadCheckpoint(gate, k if isinstance(k, int) and not isinstance(k, bool) else None)
 
 
 def load_prefill_checkpoint(path: str | Path, features: str, *, model: Any = None

@@ -31,7 +31,7 @@ from fastgate.gates.read import (
     FEATURE_SETS,
     ReadGate,
     load_prefill_checkpoint,
-    load_read_checkpoint,
+    open_read_checkpoint,
     prefill_features,
     read_features,
 )
@@ -87,18 +87,13 @@ def _base_config(cls: type[Method], params: dict[str, Any]) -> MethodConfig:
 _WARNED: set[tuple[str, int]] = set()
 
 
-def _warn_if_off_training(path, config: ReadConfig) -> None:
-    """Say once when the gate searches with another k than its checkpoint was trained with: the search features
-    (drop, cover, agreement) then mean something else and the price no longer what it did (k=10 moved a SmolLM2
-    question's score 0.100 -> 0.168 against a price of 0.037)."""
-    import json
+def _warn_if_off_training(path, trained: int | None, config: ReadConfig) -> None:
+    """Say once when the gate searches with another k than its checkpoint was trained with (``trained``; None:
+    not recorded, the default then): the search features (drop, cover, agreement) then mean something else and the
+    price no longer what it did (k=10 moved a SmolLM2 question's score 0.100 -> 0.168 against a price of 0.037)."""
     import logging
-    from pathlib import Path
 
-    try:
-        trained = int(json.loads((Path(path) / "config.json").read_text()).get("k", MethodConfig.k))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return  # the load above read it: a race with a rewrite, nothing to say
+    trained = MethodConfig.k if trained is None else trained
     if config.k != trained and (str(path), config.k) not in _WARNED:
         _WARNED.add((str(path), config.k))
         logging.getLogger("fastgate.read").warning(
@@ -163,8 +158,9 @@ class Read(Method):
         self.base = base_cls(engine, base_retriever, base_config)
         if not c.collect:
             path = self.preflight(c, engine.lm.name)
-            self.gate = ReadGate(load_read_checkpoint(path, c.features, model=engine.lm, base=c.base), c.threshold)
-            _warn_if_off_training(path, c)
+            ck = open_read_checkpoint(path, c.features, model=engine.lm, base=c.base)
+            self.gate = ReadGate(ck.model, c.threshold)
+            _warn_if_off_training(path, ck.k, c)
 
     def _base_signal(self, question: str) -> Program:
         """Drive the base program up to its first gate decision: (its score, its closed-book answer or None)."""
