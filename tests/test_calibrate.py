@@ -258,3 +258,20 @@ def test_fitting_on_a_built_in_set_leaves_its_held_out_fifth_out(data):
     assert name == data and examples and not any(is_held_out(e) or e.id in held for e in examples)
     assert len(examples) == sum(not is_held_out(e) for e in load_qa(data))
     assert len(load_fit_examples(data, 10, "calibration")[1]) == 10
+
+
+def test_calibration_asks_the_method_what_it_reads_and_what_its_threshold_holds_for():
+    """calibrate's replayed `always` reads what the calibrated run reads, and the entry's `when` names what the
+    threshold belongs to: both from the method's class, no method named in calibrate."""
+    from fastgate.methods import make_config
+    from fastgate.methods.base import method_class
+
+    read = method_class("read")
+    assert read.reads_from(make_config("read", {"features": "dense"}), "bm25") == "dense"  # its dense top-k
+    assert read.reads_from(make_config("read", {}), "bm25") == "bm25"
+    assert read.reads_from(make_config("read", {}), "dense") == "dense"
+    assert read.calibration_condition(make_config("read", {"features": "dense"})) == {"base": "dtr",
+                                                                                      "features": "dense"}
+    dtr = method_class("dtr")
+    assert dtr.reads_from(make_config("dtr", {}), "dense") == "dense" and dtr.calibration_condition(
+        make_config("dtr", {})) == {}

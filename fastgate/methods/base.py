@@ -257,6 +257,18 @@ class Method:
         """Cheap checks of a config before any model is loaded (e.g. that a checkpoint exists for ``model_name``)."""
 
     @classmethod
+    def reads_from(cls, config: MethodConfig, retriever: str) -> str:
+        """The retriever whose passages this method reads when run with ``retriever`` (calibration's replayed
+        ``always`` reads the same, so a replayed read is this method's read)."""
+        return retriever
+
+    @classmethod
+    def calibration_condition(cls, config: MethodConfig) -> dict[str, Any]:
+        """Settings beyond the user's own parameters that a threshold calibrated for ``config`` holds for only (an
+        entry's ``when``; the read gate: its base method and feature set, which one trained gate is)."""
+        return {}
+
+    @classmethod
     def parameters(cls) -> dict[str, Any]:
         """Parameter names and defaults of this method's config."""
         return {f.name: f.default for f in fields(cls.config_class)}

@@ -144,7 +144,7 @@ class Read(Method):
         for kind in self.uses_retrievers:  # opened here when constructed outside a Runtime
             if kind not in self.retrievers:
                 self.retrievers[kind] = retriever if getattr(retriever, "name", None) == kind else open_retriever(kind)
-        self._searches = [kind for kind in ("bm25", "dense") if c.collect or c.features == "all" or kind == "dense"]
+        self._searches = self.searched(c)
         self.gate = None
         if c.decide == "prefill":  # no base method: the gate reads the prompt's pre-answer state
             model, self.projection = load_prefill_checkpoint(self.preflight(c, engine.lm.name), c.features,
@@ -161,6 +161,23 @@ class Read(Method):
             ck = open_read_checkpoint(path, c.features, model=engine.lm, base=c.base)
             self.gate = ReadGate(ck.model, c.threshold)
             _warn_if_off_training(path, ck.k, c)
+
+    @staticmethod
+    def searched(config: ReadConfig) -> list[str]:
+        """The retrievers searched before the gate decides: both for the full features (and to collect them), the
+        dense one alone for the dense features."""
+        c = config
+        return [kind for kind in ("bm25", "dense") if c.collect or c.features == "all" or kind == "dense"]
+
+    @classmethod
+    def reads_from(cls, config: ReadConfig, retriever: str) -> str:
+        """The run's retriever where it was searched, else the first searched (the dense features: dense)."""
+        searched = cls.searched(config)
+        return retriever if retriever in searched else searched[0]
+
+    @classmethod
+    def calibration_condition(cls, config: ReadConfig) -> dict[str, Any]:
+        return {"base": config.base, "features": config.features}
 
     def _base_signal(self, question: str) -> Program:
         """Drive the base program up to its first gate decision: (its score, its closed-book answer or None)."""
@@ -201,7 +218,7 @@ class Read(Method):
         if not step.retrieve:  # the closed-book answer, its few-shot block's KV cached: the question's tokens only
             closed = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(closed.text.strip(), details={**details, "closed_book_answer": closed.text.strip()})
-        reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
+        reading = hits[self.reads_from(c, getattr(self.retriever, "name", "bm25"))] or hits[self._searches[0]]
         answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
         return Answer(answer.text.strip(), reading, details={**details, "read": True})
 
@@ -222,7 +239,7 @@ class Read(Method):
                 details["answerable_share"] = round(step.share, 4)  # batch of scores (not gate.share: moved since)
             if not step.retrieve:
                 return Answer(closed.text.strip(), details=details)
-        reading = hits.get(getattr(self.retriever, "name", "bm25")) or hits[self._searches[0]]
+        reading = hits[self.reads_from(c, getattr(self.retriever, "name", "bm25"))] or hits[self._searches[0]]
         answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
         return Answer(answer.text.strip(), reading, details={**details, "read": True})
 

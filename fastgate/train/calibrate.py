@@ -94,6 +94,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
     from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
     from fastgate.methods import METHODS, make_config
+    from fastgate.methods.base import method_class
     from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
     from fastgate.serving.runtime import Runtime, check_request
     from fastgate.settings import parse_params
@@ -135,9 +136,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     run = RunSpec(req.method, req.retriever, req.params)
     runs = [run]
     if args.rule in ("best", "loss"):
-        # `always` reads the passages the calibrated run reads (its retriever; the dense-only read gate's dense
-        # top-k): a replayed read is that run's read, not BM25's
-        reads = "dense" if req.method == "read" and dict(req.params).get("features") == "dense" else req.retriever
+        # `always` reads the passages the calibrated run reads (the dense-only read gate: the dense top-k, whatever
+        # its retriever): a replayed read is that run's read
+        reads = method_class(req.method).reads_from(make_config(req.method, dict(req.params)), req.retriever)
         runs.append(RunSpec("always", check_request("always", {}, reads, model, remote=engine).retriever, ()))
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
@@ -184,10 +185,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
               f"({skip_acc.mean():.3f}) and always ({read_acc.mean():.3f}) on these dev questions"
               + ("" if held else ": no threshold holds it, this one loses least"))
     _print_curve(curve, pick, spec, args.method)
-    when = dict(sorted(user.items()))
-    if args.method == "read":  # the threshold belongs to one trained gate: its base and feature set
-        cfg = make_config("read", {**user})
-        when = {**when, "base": cfg.base, "features": cfg.features}
+    # e.g. the read gate's threshold belongs to one trained gate: its base and feature set
+    when = {**dict(sorted(user.items())), **method_class(args.method).calibration_condition(
+        make_config(args.method, {**user}))}
     entry: dict[str, Any] = {"method": args.method, **({"when": when} if when else {}),
                              "params": {spec.param: value}, "rule": args.rule, "rate": round(pick["rate"], 4),
                              **({"max_loss": args.max_loss} if args.rule == "loss" else {}),
