@@ -465,39 +465,36 @@ inline f32x8 load8(const float* src) {
   return v;
 }
 
-// s1 = x·q and s2 = x·p over d features. Products go into four independent 8-float vectors per dot product: a single
-// accumulator would chain every add on the previous one and leave the loop bound by add latency, not by loads. GCC
-// and clang lower the vector type to whatever SIMD the target has (two SSE registers on the baseline clone). Each
-// block of 1024 features is reduced pairwise and added to a double, so the rounding error stays far below the float32
-// output's.
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline f64x4 widen4(const float* src) {
+  f32x4 v;
+  __builtin_memcpy(&v, src, sizeof v);  // unaligned: rows start anywhere in the caller's array
+  return __builtin_convertvector(v, f64x4);
+}
+
+// s1 = x·q and s2 = x·p over d features, in double as the reference computes them: a product of two floats is exact
+// in double, and the sums then round ~1e-16 apart. In float32 (8-wide, as before) they were ~1e-7 apart, which the
+// angle's sqrt(1 − s²) turns into 1.7e-4 for nearly parallel vectors. AIS scores a question's few candidates, so the
+// halved width costs nothing that shows. Two independent 4-double accumulators per dot product: a single one would
+// chain every add on the previous one.
 FASTGATE_CLONES
 void dot2(const float* x, const float* q, const float* p, int64_t d, double* s1, double* s2) {
-  constexpr int64_t kVec = 8, kAcc = 4, kStep = kVec * kAcc, kBlock = 1024;
-  double t1 = 0.0, t2 = 0.0;
-  for (int64_t start = 0; start < d; start += kBlock) {
-    const int64_t stop = std::min<int64_t>(d, start + kBlock);
-    const int64_t full = start + (stop - start) / kStep * kStep;
-    f32x8 a1[kAcc] = {}, a2[kAcc] = {};
-    for (int64_t k = start; k < full; k += kStep) {
-      for (int64_t a = 0; a < kAcc; ++a) {
-        const f32x8 xv = load8(x + k + a * kVec);
-        a1[a] += xv * load8(q + k + a * kVec);
-        a2[a] += xv * load8(p + k + a * kVec);
-      }
-    }
-    for (int64_t w = kAcc / 2; w > 0; w /= 2)
-      for (int64_t a = 0; a < w; ++a) {
-        a1[a] += a1[a + w];
-        a2[a] += a2[a + w];
-      }
-    float b1 = ((a1[0][0] + a1[0][1]) + (a1[0][2] + a1[0][3])) + ((a1[0][4] + a1[0][5]) + (a1[0][6] + a1[0][7]));
-    float b2 = ((a2[0][0] + a2[0][1]) + (a2[0][2] + a2[0][3])) + ((a2[0][4] + a2[0][5]) + (a2[0][6] + a2[0][7]));
-    for (int64_t k = full; k < stop; ++k) {
-      b1 += x[k] * q[k];
-      b2 += x[k] * p[k];
-    }
-    t1 += b1;
-    t2 += b2;
+  f64x4 a1 = {}, a2 = {}, b1 = {}, b2 = {};
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    const f64x4 x0 = widen4(x + k), x1 = widen4(x + k + 4);
+    a1 += x0 * widen4(q + k);
+    a2 += x0 * widen4(p + k);
+    b1 += x1 * widen4(q + k + 4);
+    b2 += x1 * widen4(p + k + 4);
+  }
+  const f64x4 c1 = a1 + b1, c2 = a2 + b2;
+  double t1 = (c1[0] + c1[1]) + (c1[2] + c1[3]), t2 = (c2[0] + c2[1]) + (c2[2] + c2[3]);
+  for (; k < d; ++k) {
+    t1 += static_cast<double>(x[k]) * static_cast<double>(q[k]);
+    t2 += static_cast<double>(x[k]) * static_cast<double>(p[k]);
   }
   *s1 = t1;
   *s2 = t2;
@@ -622,8 +619,6 @@ py::tuple ais_topk_batch(FArray Q, FArray P, FArray D, int64_t k, const std::str
 // features per block: the k rows of one block, widened to double, stay in L1/L2 while every pair is formed
 constexpr int64_t kGramChunk = 256;
 
-typedef double f64x4 __attribute__((vector_size(32)));
-
 inline f64x4 load4d(const double* src) {
   f64x4 v;
   __builtin_memcpy(&v, src, sizeof v);
@@ -687,8 +682,6 @@ void gram_upper(const double* rows, int64_t k, int64_t n, int64_t stride, double
     }
   }
 }
-
-typedef float f32x4 __attribute__((vector_size(16)));
 
 // dst[0:n] = src[0:n] widened to double, zeros up to `padded`; returns their sum. Four lanes and two accumulators:
 // a single running sum would make every add wait for the previous one.
