@@ -253,3 +253,17 @@ def test_pins_script_prints_the_lists_for_make():
     assert out == [*pins.data_packages(), *pins.MODELS["qwen2.5-1.5b"]]
     bad = subprocess.run([sys.executable, str(script), "gpt-5"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stdout == "" and "unknown name 'gpt-5'" in bad.stderr
+
+
+def test_prepare_verify_hashes_the_converted_files(monkeypatch):
+    """`fastgate prepare --verify`: prepare(verify=True), which checks the converted files' SHA-256 against those
+    recorded at conversion (every use checks only their sizes)."""
+    import fastgate.assets.models
+    import fastgate.retrieval
+
+    asked = []
+    monkeypatch.setattr(fastgate.assets.models, "prepare", lambda name, **kw: asked.append((name, kw)) or Path("/m"))
+    monkeypatch.setattr(fastgate.retrieval, "build_indexes", lambda *a, **k: {})
+    assert main(["prepare", "--verify", "--retriever", "bm25"]) == 0
+    assert main(["prepare", "--retriever", "bm25"]) == 0
+    assert asked == [("smollm2-135m", {"verify": True}), ("smollm2-135m", {})]

@@ -305,3 +305,125 @@ def test_a_truncated_weights_file_is_a_model_error(tmp_path, tiny):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelError, match="cannot load a causal LM"):
         load(str(tmp_path / "m"), device="cpu")
+
+
+def _fake_conversion(tmp_path, monkeypatch, tiny, names=("fake-model",)):
+    """Embedded models ``names`` from the fake parts whose slow part (the GGUF's de-quantisation) gives the tiny model:
+    everything else of a conversion is the real one. Returns the list of converted names, one per conversion."""
+    _, parts = _fake_parts(tmp_path, monkeypatch)
+    for name in names:
+        monkeypatch.setitem(fm.MODELS, name, _spec(parts, name=name))
+    calls = []
+
+    def dequantised(spec, gguf):
+        calls.append(spec.name)
+        return tiny.model, tiny.tokenizer
+
+    monkeypatch.setattr(fm, "_dequantised", dequantised)
+    return calls
+
+
+def test_a_converted_model_edited_by_hand_is_converted_again(tmp_path, monkeypatch, home, tiny, capsys):
+    """The conversion records each file's size and SHA-256. Every prepare (every load) checks the sizes, ``verify``
+    the hashes; a truncated weights file that still parses, a deleted tokenizer or a replaced config went unnoticed
+    until the load failed or the model answered wrongly. Now the directory is converted again, saying what differed."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    calls = _fake_conversion(tmp_path, monkeypatch, tiny)
+    target = fm.prepare("fake-model", quiet=True)
+    files = json.loads((target / "fastgate_model.json").read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    for rel, record in files.items():
+        data = (target / rel).read_bytes()
+        assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+    assert fm.prepare("fake-model") == target and calls == ["fake-model"]  # intact: used as it is
+
+    weights = target / "model.safetensors"
+    save_file(dict(list(load_file(weights).items())[:3]), weights)  # shorter, and still a safetensors file
+    assert fm.prepare("fake-model") == target and len(calls) == 2
+    size = files["model.safetensors"]["size"]
+    assert re.search(rf"model\.safetensors has [0-9,]+ bytes, recorded {size:,}\): converting fake-model again",
+                     capsys.readouterr().err)
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == files["model.safetensors"]["sha256"]
+
+    (target / "tokenizer.json").unlink()
+    fm.prepare("fake-model")
+    assert len(calls) == 3 and "(tokenizer.json is missing)" in capsys.readouterr().err
+
+    config = target / "config.json"
+    config.write_text(config.read_text().replace('"num_hidden_layers": 4', '"num_hidden_layers": 3'))  # same size
+    assert config.stat().st_size == files["config.json"]["size"]
+    fm.prepare("fake-model")
+    assert len(calls) == 3  # the hot path only stats: a same-size edit needs the full check
+    fm.prepare("fake-model", verify=True)
+    assert len(calls) == 4 and re.search(r"config\.json has SHA-256 [0-9a-f]{64}, recorded "
+                                         + files["config.json"]["sha256"], capsys.readouterr().err)
+    assert '"num_hidden_layers": 4' in config.read_text()
+    fm.prepare("fake-model", verify=True)
+    assert len(calls) == 4
+    lm = fm.load("fake-model", device="cpu", dtype="float32", probe=False, weights="float")
+    assert lm.n_layers == 4 and lm.tokenizer("a b").input_ids and len(calls) == 4
+
+
+def test_a_model_converted_before_the_files_were_recorded_is_used(home, monkeypatch, capsys):
+    """A cache written by an earlier fastgate has no ``files`` map: nothing to check against, so it is used as it is
+    (converting every user's model again costs ~100 s); ``verify`` says so."""
+    import json
+
+    spec = fm.ModelSpec("old-model", "fake", "old.gguf", sha256="0" * 64, size=1)
+    monkeypatch.setitem(fm.MODELS, "old-model", spec)
+    monkeypatch.setattr(fm, "_convert", lambda *a: pytest.fail("an old cache must not be converted again"))
+    target = fm._converted_dir(spec)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "fastgate_model.json").write_text(json.dumps({"name": "old-model", "fingerprint": "f"}))
+    assert fm.prepare("old-model") == target
+    assert fm.prepare("old-model", verify=True) == target
+    assert "converted before fastgate recorded its files: nothing to verify against" in capsys.readouterr().err
+
+
+def test_an_unwritable_models_directory_is_refused_before_the_conversion(tmp_path, monkeypatch, home, tiny):
+    """A read-only $FASTGATE_HOME was found out when the conversion wrote its result, after ~100 s (or after the
+    GGUF's assembly and hashing): now before anything is read. A converted model there is still used as it is."""
+    import errno
+
+    from fastgate.assets.paths import models_dir
+
+    calls = _fake_conversion(tmp_path, monkeypatch, tiny, names=("fake-model", "fake-model-2"))
+    target = fm.prepare("fake-model", quiet=True)
+    models = models_dir()
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):  # what the OS answers anyone but root in a 0555 directory
+        if flags & os.O_CREAT and os.path.dirname(os.path.abspath(path)) == str(models):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    if os.geteuid() == 0:  # root writes whatever the mode bits say
+        monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(fm, "locate_gguf", lambda spec: pytest.fail("the GGUF must not be read: nowhere to write"))
+    models.chmod(0o555)
+    try:
+        assert fm.prepare("fake-model") == target  # nothing to write: a read-only home serves its converted models
+        with pytest.raises(InputError, match=rf"{re.escape(str(models))} \(in FASTGATE_HOME .*\) is not a usable "
+                                             r"directory \(Permission denied\); set FASTGATE_HOME to a writable"):
+            fm.prepare("fake-model-2")
+        (target / "tokenizer.json").unlink()
+        with pytest.raises(ModelError, match=r"\(tokenizer\.json is missing\) and converting fake-model again failed: "
+                                             r".* is not a usable directory \(Permission denied\)"):
+            fm.prepare("fake-model")
+    finally:
+        models.chmod(0o755)
+    assert calls == ["fake-model"] and not [p for p in models.iterdir() if p.name.startswith(".write-probe")]
+
+
+def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tmp_path, tiny):
+    """transformers' own message for it is three lines about slow tokenizers, sentencepiece and tiktoken."""
+    tiny.model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelError, match=rf"{re.escape(str(tmp_path / 'm'))} has no tokenizer: neither tokenizer\.json "
+                                         r"nor tokenizer_config\.json is there \(save the model's tokenizer in it too"):
+        fm.load(str(tmp_path / "m"), device="cpu")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    assert fm.load(str(tmp_path / "m"), device="cpu", probe=False).tokenizer("a b").input_ids

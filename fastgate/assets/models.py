@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fastgate.assets import pins
-from fastgate.assets.paths import models_dir, one_builder, remove_stale
+from fastgate.assets.paths import models_dir, one_builder, remove_stale, writable_dir
 from fastgate.assets.precision import choose_dtype, probe_bf16
 from fastgate.assets.quant import (
     Int4Codes,
@@ -44,7 +44,7 @@ from fastgate.assets.quant import (
     q4_k_codes,
     quantize_model,
 )
-from fastgate.errors import InputError, ModelError, UnknownNameError
+from fastgate.errors import FastgateError, InputError, ModelError, UnknownNameError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 _CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate caches
+_META = "fastgate_model.json"  # a converted directory's record, written last: its source, fingerprint and files
+_PREPARE_AGAIN = "delete it and run `fastgate prepare`: it is converted again"
 
 
 @dataclass(frozen=True)
@@ -341,28 +343,88 @@ def _converted_dir(spec: ModelSpec) -> Path:
     return models_dir() / f"{spec.name}-hf-v{_CONVERSION_VERSION}"
 
 
-def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
+def prepare(name: str = DEFAULT_MODEL, *, quiet: bool = False, verify: bool = False) -> Path:
     """Convert an embedded model's GGUF into a cached HF directory (once) and return the directory.
 
     The GGUF's size and SHA-256 are checked against the pinned values first. The conversion writes to a temporary
     directory ``.<dir>.tmp-<pid>-*`` and renames it into place, so an interrupted run leaves no half directory behind,
-    and the next run removes what a killed one (its process gone) left.
+    and the next run removes what a killed one (its process gone) left. Its ``fastgate_model.json`` records the size
+    and SHA-256 of every file it wrote; every call checks that each is there with its size (a ``stat`` each), and
+    ``verify`` hashes them too (``fastgate prepare --verify``). A directory that differs (a file truncated, replaced or
+    deleted by hand) is converted again, with a notice that says what differed. A directory converted before the
+    files were recorded has nothing to check against and is used as it is. The models directory must be writable
+    before a conversion starts (checked first, not after minutes of work).
 
     Raises:
         UnknownNameError: not an embedded model.
+        InputError: the conversion is needed and ``$FASTGATE_HOME/models`` cannot be written.
         ModelError: its packages are missing, a part is truncated, the SHA-256 differs, or the conversion fails.
     """
     if name not in MODELS:
         raise UnknownNameError("model", name, [*MODELS, "<local HF directory>"])
     spec = MODELS[name]
     target = _converted_dir(spec)
-    if (target / "fastgate_model.json").is_file():
+    present = (target / _META).is_file()
+    damage = _damage(target, verify) if present else None  # what differs from the record; None: nothing (or absent)
+    if present and damage is None:
         return target
-    # one conversion at a time: a process that waited finds the first one's directory (one_builder's docstring)
-    with one_builder(target, "" if quiet else f"fastgate: waiting for another process converting {name} into {target}"):
-        if (target / "fastgate_model.json").is_file():
-            return target
-        return _convert(name, spec, target, quiet)
+    waiting = "" if quiet else f"fastgate: waiting for another process converting {name} into {target}"
+    try:
+        writable_dir(target.parent)  # before minutes of work: a read-only home failed when the result was written
+        # one conversion at a time: a process that waited finds the first one's directory (one_builder's docstring)
+        with one_builder(target, waiting):
+            if (target / _META).is_file():
+                damage = _damage(target, verify)
+                if damage is None:
+                    return target
+                if not quiet:
+                    print(f"fastgate: {target} differs from what its conversion recorded ({damage}): converting "
+                          f"{name} again", file=sys.stderr)
+            return _convert(name, spec, target, quiet)
+    except FastgateError as exc:
+        if damage is None:
+            raise
+        raise ModelError(f"{target} differs from what its conversion recorded ({damage}) and converting {name} "
+                         f"again failed: {exc}") from exc
+
+
+def _damage(target: Path, verify: bool = False) -> str | None:
+    """What differs in the converted directory ``target`` from the files its ``fastgate_model.json`` records: a file
+    missing or of another size (a ``stat`` each), or with ``verify`` of another SHA-256; None when nothing does, or
+    when the directory was converted before the files were recorded (nothing to check against: accepted)."""
+    try:
+        doc = json.loads((target / _META).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{_META} is unreadable: {exc}"
+    if not isinstance(doc, dict):
+        return f"{_META} is not a JSON object"
+    files = doc.get("files")
+    if files is None:
+        if verify:
+            print(f"fastgate: {target} was converted before fastgate recorded its files: nothing to verify against "
+                  f"({_PREPARE_AGAIN})", file=sys.stderr)
+        return None
+    if not isinstance(files, dict) or not all(isinstance(r, dict) and isinstance(r.get("size"), int)
+                                              for r in files.values()):
+        return f"{_META} is malformed"
+    for rel, record in files.items():
+        try:
+            size = (target / rel).stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != record.get("size"):
+            return f"{rel} has {size:,} bytes, recorded {record['size']:,}"
+    for rel, record in files.items() if verify else ():
+        digest = _sha256(target / rel)
+        if digest != record.get("sha256"):
+            return f"{rel} has SHA-256 {digest}, recorded {record.get('sha256')}"
+    return None
+
+
+def _record_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of each file of a converted directory but its ``fastgate_model.json``, by relative path."""
+    files = (f for f in sorted(directory.rglob("*")) if f.is_file() and f.relative_to(directory).as_posix() != _META)
+    return {f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files}
 
 
 def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
@@ -374,29 +436,15 @@ def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
         print(f"fastgate: converting {gguf.name} to an HF directory in {target} (once; "
               f"~{max(30, round(spec.size / 4e7) * 10)} s on 2 cores)", file=sys.stderr)
     t0 = time.perf_counter()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
-        with quiet_transformers(), _gguf_parsed_once():
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                             dtype=torch.float32)
-        # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and dequantised weights.
-        config_dict = quantised.config.to_dict()
-        config_dict.pop("quantization_config", None)
-        config = type(quantised.config).from_dict(config_dict)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantised.state_dict(), strict=True)
-        model.generation_config = quantised.generation_config
-        if spec.eos_tokens:
-            model.generation_config.eos_token_id = _eos_ids(tokenizer, spec)
+        model, tokenizer = _dequantised(spec, gguf)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             meta = {"name": name, "source": gguf.name, "fingerprint": _file_fingerprint(gguf),
-                    "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION}
-            (tmp / "fastgate_model.json").write_text(json.dumps(meta, indent=2))
+                    "sha256": spec.sha256, "conversion_version": _CONVERSION_VERSION, "files": _record_files(tmp)}
+            (tmp / _META).write_text(json.dumps(meta, indent=2))
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared $FASTGATE_HOME out
             for f in tmp.iterdir():  # and save_pretrained's 0600 weights too
                 if f.is_file():
@@ -412,6 +460,26 @@ def _convert(name: str, spec: ModelSpec, target: Path, quiet: bool) -> Path:
     if not quiet:
         print(f"fastgate: converted {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return target
+
+
+def _dequantised(spec: ModelSpec, gguf: Path) -> tuple[Any, Any]:
+    """The conversion's slow part: the GGUF's model as a plain float32 HF model (its weights de-quantised), and its
+    tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers(), _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and dequantised weights.
+    config_dict = quantised.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(quantised.config).from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    model.generation_config = quantised.generation_config
+    if spec.eos_tokens:
+        model.generation_config.eos_token_id = _eos_ids(tokenizer, spec)
+    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -553,7 +621,8 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
 
     Raises:
         UnknownNameError: neither an embedded name nor an existing directory, or an unknown ``weights``.
-        ModelError: the directory is not a loadable causal LM, or lacks ``model.model.layers``.
+        ModelError: the directory is not a loadable causal LM, has no tokenizer (neither ``tokenizer.json`` nor
+            ``tokenizer_config.json``), or lacks ``model.model.layers``.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -576,6 +645,11 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
             fingerprint = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else ""
     else:
         raise UnknownNameError("model", name_or_path, [*MODELS, "<local HF directory>"])
+    hint = f" ({_PREPARE_AGAIN})" if name_or_path in MODELS else ""
+    # without either, transformers says "Couldn't instantiate the backend tokenizer" in three lines on slow tokenizers
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        fix = _PREPARE_AGAIN if hint else "save the model's tokenizer in it too: tokenizer.save_pretrained"
+        raise ModelError(f"{path} has no tokenizer: neither tokenizer.json nor tokenizer_config.json is there ({fix})")
     shape = _linear_shape(Path(path))
     choice = choose_dtype(dtype, dev, probe=(lambda: probe_bf16(64, *shape)) if probe else None)
     try:
@@ -583,7 +657,6 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=choice.dtype)
     except (OSError, ValueError, KeyError, SafetensorError) as exc:  # SafetensorError: a truncated weights file
-        hint = " (delete it and run `fastgate prepare`: it is converted again)" if name_or_path in MODELS else ""
         raise ModelError(f"cannot load a causal LM from {path}: {exc}{hint}") from exc
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ModelError(f"{path}: unsupported architecture {type(model).__name__} (need model.model.layers)")

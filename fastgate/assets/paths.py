@@ -6,29 +6,59 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["home", "index_dir", "models_dir", "one_builder", "remove_stale"]
+__all__ = ["home", "index_dir", "models_dir", "one_builder", "remove_stale", "writable_dir"]
+
+
+def _root() -> Path:
+    return Path(os.environ.get("FASTGATE_HOME", Path.home() / ".cache" / "fastgate")).expanduser()
+
+
+def _unusable(path: Path, exc: OSError):
+    """The error for a directory under ``$FASTGATE_HOME`` (or the home itself) that cannot be made or written."""
+    from fastgate.errors import InputError
+
+    root = _root()
+    where = f"FASTGATE_HOME {root}" if path == root else f"{path} (in FASTGATE_HOME {root})"
+    return InputError(f"{where} is not a usable directory ({exc.strerror or exc}); set FASTGATE_HOME to a writable "
+                      "directory")
+
+
+def _make_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the path (ENOTDIR), no permission, ...: a traceback before
+        raise _unusable(path, exc) from None
+    return path
 
 
 def home() -> Path:
     """The cache root, created on demand."""
-    root = Path(os.environ.get("FASTGATE_HOME", Path.home() / ".cache" / "fastgate")).expanduser()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file on the path (ENOTDIR), no permission, ...: a traceback before
-        from fastgate.errors import InputError
-
-        raise InputError(f"FASTGATE_HOME {root} is not a usable directory ({exc.strerror or exc}); set "
-                         "FASTGATE_HOME to a writable directory") from None
-    return root
+    return _make_dir(_root())
 
 
 def models_dir() -> Path:
     """Converted HF model directories."""
-    path = home() / "models"
-    path.mkdir(parents=True, exist_ok=True)
+    return _make_dir(home() / "models")
+
+
+def writable_dir(path: Path) -> Path:
+    """``path`` (created if need be) once a file could be made in it: a probe file, removed at once. What is about to
+    spend minutes building something there calls it first (a read-only ``$FASTGATE_HOME`` failed only when the
+    conversion wrote its result, 100 s later); ``os.access`` would not do: root passes it on any mode bits.
+
+    Raises:
+        InputError: the directory cannot be made or written (no permission, a read-only file system, ...)."""
+    _make_dir(path)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".write-probe-{os.getpid()}-", dir=path)
+    except OSError as exc:
+        raise _unusable(path, exc) from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

