@@ -26,9 +26,11 @@ its
   ``--compile-batches`` and ``--compile-contexts`` bound the graphs both compiled designs build (one per batch and
   context), and ``compiles`` counts the graphs dynamo built so far in the run.
 - ``llama.cpp`` (mode ``native``): llama-cpp-python on the very GGUF file the embedded model is converted from (its
-  own quantized blocks, ``dtype`` names the GGUF type), batch 1 only (its Python API decodes one sequence), with as
-  many threads as torch; a 1 × N prefill row beside the engine's. Skipped with an install hint (``make llama-cpp``)
-  when ``llama_cpp`` is not importable, and for the random-weight shapes (no GGUF).
+  own quantized blocks, ``dtype`` names the GGUF type), decode steps at batch 1 only (its ``Llama`` decodes one
+  sequence), with as many threads as torch; the ``--prefill`` batch as the engine's rows (N different L-token prompts,
+  decoded together through llama.cpp's batch API with a seq id each, llama-server's ``n_batch`` / ``n_ubatch``:
+  bench/_llama_cpp.py) and a 1 × L prefill beside it, ``prefill_shape`` saying which. Skipped with an install hint
+  (``make llama-cpp``) when ``llama_cpp`` is not importable, and for the random-weight shapes (no GGUF).
 
 ``--weights float,auto`` (the default) runs every design on each weight format (:mod:`fastgate.assets.quant`: ``int8``
 holds the decoder blocks' linear weights and the LM head as int8 with one scale per output channel; ``int4`` in groups
@@ -102,6 +104,8 @@ FILLER = ("The river rises in the northern hills and flows south through farmlan
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
 DESIGNS = ("packed", "packed-hf", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile",
            "llama.cpp")
+PREFILL_FORMS = {"packed": "packed passes of the runner's prefill chunk (from text)", "engine": "row chunks",
+                 "hf-eager": "one HF forward"}  # each prefill row's prefill_shape: what it timed
 COMPILED = ("packed-compiled", "hf-static-compile")  # the designs that compile a graph per batch and context
 LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
                   "--no-binary llama-cpp-python llama-cpp-python)")
@@ -427,7 +431,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--compile-batches", default="1,16,64", help="batches the compiled designs run (compiles)")
     parser.add_argument("--compile-contexts", default="", help="contexts the compiled designs run ('': all)")
-    parser.add_argument("--prefill", default="16x700", help="ROWSxTOKENS prefilled by the engine and HF ('' skips)")
+    parser.add_argument("--prefill", default="16x700",
+                        help="ROWSxTOKENS prefilled by the engine, HF and llama.cpp ('' skips)")
     parser.add_argument("--prefill-rounds", type=int, default=3,
                         help="prefill rounds, the designs alternating; each row is a design's median (default: "
                              "%(default)s)")
@@ -573,7 +578,8 @@ def main() -> None:
                     print(f"{name}/{fmt} prefill {d} {n}x{length}: {t:.2f} s (median of {len(samples[d])})",
                           file=sys.stderr)
                     emit({"kind": "prefill", "design": d, "mode": "eager", "dtype": name, "weights": held_as,
-                          "dtype_reason": lm.dtype_reason, "batch": n, "context": length, "prefill_s": t,
+                          "dtype_reason": lm.dtype_reason, "batch": n, "context": length,
+                          "prefill_shape": f"{n} x {length} {PREFILL_FORMS[d]}", "prefill_s": t,
                           "prefill_rounds": len(samples[d]), "vs_hf": statistics.median(samples["hf-eager"]) / t,
                           "tokenize_s": tok_s,  # inside prefill_s; vs_hf_ids leaves it out
                           "vs_hf_ids": statistics.median(samples["hf-eager"]) / max(t - tok_s, 1e-9),
@@ -598,7 +604,8 @@ def main() -> None:
 
 
 def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, emit, out_of_time) -> None:
-    """The llama.cpp design: batch-1 decode steps at each context and a 1 × N prefill, on the model's GGUF."""
+    """The llama.cpp design on the model's GGUF: batch-1 decode steps at each context, and the ``--prefill`` batch
+    (N × L, llama.cpp's batched decode) beside a 1 × L prefill (:func:`prefill_llama_cpp`)."""
     n, length = (int(x) for x in args.prefill.lower().split("x")) if args.prefill else (1, 0)
     threads = torch.get_num_threads()
     llm, path, note = open_llama_cpp(args.model, max([*contexts, length]) + args.steps + 16, threads)
@@ -606,7 +613,8 @@ def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, 
         print(f"llama.cpp: skipped: {note}", file=sys.stderr)
         return
     if batches != [1]:
-        print("llama.cpp: batch 1 only (llama-cpp-python decodes one sequence)", file=sys.stderr)
+        print("llama.cpp: decode steps at batch 1 only (llama-cpp-python's Llama decodes one sequence)",
+              file=sys.stderr)
     kind = gguf_type(path)
     cfg = json_config(args.model)
     size = gguf_step_bytes(path)
@@ -631,12 +639,43 @@ def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, 
                       "context": c, "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
                       "of_bound": bound / step, "vs_short": step / statistics.median(times[contexts[0]]),
                       "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "rounds": len(times[c]), **info})
-    if length:
-        prompt = llama_cpp_prompt(llm, length)
-        t = min(llm.prefill(prompt) for _ in range(max(1, min(args.rounds, 2))))
-        print(f"{kind} llama.cpp prefill 1x{len(prompt)}: {t:.2f} s", file=sys.stderr)
-        emit({"kind": "prefill", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
-              "context": len(prompt), "prefill_s": t, "tokens_per_s": len(prompt) / t, **info})
+    if length and not out_of_time():
+        prefill_llama_cpp(llm, args, n, length, kind, info, emit, out_of_time)
+    llm.close()
+
+
+def prefill_llama_cpp(llm, args, n: int, length: int, kind: str, info: dict, emit, out_of_time) -> None:
+    """llama.cpp's prefill rows: the same work as the engine's and HF's, ``n`` different ``length``-token prompts
+    decoded together in llama.cpp's own batches with a seq id each (bench/_llama_cpp.py: llama-server's ``n_batch``
+    2048 / ``n_ubatch`` 512, ``n_seq_max`` = n), and beside it one ``length``-token prompt alone (``1 x N``,
+    ``Llama.eval``). A warm-up of each, then ``--prefill-rounds`` rounds alternating the two (fewer past
+    ``--max-minutes``, one at least); each row a median, ``prefill_shape`` what it measured."""
+    ids = llama_cpp_prompt(llm, length + n)
+    prompts = [ids[i:i + length] for i in range(n)]  # n different windows, as prompt_ids gives the engine
+    length = len(prompts[0])
+    _, single_tok = llm.prefill(prompts[0])  # warm-up
+    _, batch_toks, ctx = llm.prefill_batch(prompts)  # warm-up (and the context and batches, built untimed)
+    if batch_toks[0] != single_tok:
+        print(f"llama.cpp: batched prefill's next token {batch_toks[0]} differs from the prompt alone's "
+              f"{single_tok}", file=sys.stderr)
+    batched, single = [], []
+    for rnd in range(max(1, args.prefill_rounds)):
+        if rnd and out_of_time():
+            break
+        batched.append(llm.prefill_batch(prompts)[0])
+        single.append(llm.prefill(prompts[0])[0])
+    shapes = [  # (rows, samples, what was measured)
+        (n, batched, f"{n} x {length} batched: llama_decode of {ctx['decodes']} batches, {n} seq ids, n_batch "
+                     f"{ctx['n_batch']}, n_ubatch {ctx['n_ubatch']}, n_ctx {ctx['n_ctx']} ({ctx['n_ctx_seq']} a "
+                     "sequence)"),
+        (1, single, f"1 x {length} one sequence (Llama.eval)"),
+    ]
+    for rows_n, samples, shape in shapes:
+        t = statistics.median(samples)
+        print(f"{kind} llama.cpp prefill {shape}: {t:.2f} s (median of {len(samples)})", file=sys.stderr)
+        emit({"kind": "prefill", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": rows_n,
+              "context": length, "prefill_shape": shape, "prefill_s": t, "prefill_rounds": len(samples),
+              "tokens_per_s": rows_n * length / t, **info})
 
 
 def json_config(model: str) -> dict[str, int]:

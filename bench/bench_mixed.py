@@ -12,7 +12,8 @@ Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, re
    question alone and the worst. One arrival at one offset measured the phase it happened to hit (the retrieving
    questions' gate passes, their searches or their reading prompts' prefill), which moved a design's figure by 50%
    between runs;
-4. ``sequential``: the same questions one by one; the burst's speedup is sequential wall time over burst wall time;
+4. ``sequential``: the same questions one by one, right after each round's burst; the burst's speedup is the median
+   sequential wall time over the median burst wall time (``*_rounds``: every round's walls and ratio);
 5. ``poisson``: an open loop: ``--poisson-requests`` questions (skip and retrieve alternating) arriving as a Poisson
    process (fixed seed) at each fraction in ``--poisson`` of the sustainable rate, taken as the first design's burst
    throughput (questions / burst wall time) so every design sees the same arrivals; reports p50/p95/p99 latency per
@@ -29,8 +30,9 @@ any real one); ``--client fresh`` builds a client per question as the runs befor
 an SSL context for each (~24 ms of CPU), so a burst of 12 spent ~290 ms of the load generator's CPU on the server's
 two cores, and a burst's figures measured that as much as the server.
 
-``--rounds N`` (3) measures the alone latencies, the burst and the late arrivals N times and reports each figure's
-median over rounds (``burst_skip_x_alone_rounds`` lists every round's ratio): one burst of 6-12 questions a class moved
+``--rounds N`` (3) measures the alone latencies, the burst, the sequential pass and the late arrivals N times and
+reports each figure's median over rounds (``burst_skip_x_alone_rounds`` lists every round's ratio,
+``sequential_wall_rounds_s`` / ``burst_wall_rounds_s`` every round's walls): one burst of 6-12 questions a class moved
 a design's ratio by 30% between runs.
 
 Run: python bench/bench_mixed.py [--per-class 8] [--rounds 3] [--poisson 0.5,0.8] [--variant NAME=FLAGS]
@@ -135,9 +137,9 @@ def poisson(url: str, skip: list[str], retrieve: list[str], rate: float, n: int,
 def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[float], n_poisson: int,
               rate: float | None, late_offsets: list[float], rounds: int = 1) -> dict:
     """Run the scenarios against the server at ``url``; the figures of one design (``rate``: the sustainable rate
-    of the Poisson runs; None: this design's burst throughput). ``rounds``: the alone latencies, the burst and the late
-    arrivals that many times; each figure is the median over rounds (a burst's p50 over 6-12 questions moved by
-    30% between runs of one design)."""
+    of the Poisson runs; None: this design's burst throughput). ``rounds``: the alone latencies, the burst, the
+    sequential pass and the late arrivals that many times; each figure is the median over rounds (a burst's p50
+    over 6-12 questions moved by 30% between runs of one design)."""
     _ask(url, CANDIDATES[-1])  # warm-up: lazy tables, prefix cache
     skip, retrieve, alone = [], [], {}
     t_end = time.perf_counter() + max_seconds
@@ -170,13 +172,17 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
             out = dict(pool.map(one, questions))
         return time.perf_counter() - t0, out
 
-    walls, skip_p50, retrieve_p50 = [], [], []
-    for _ in range(rounds):
+    walls, seq_walls, skip_p50, retrieve_p50 = [], [], [], []
+    for _ in range(rounds):  # each round: the burst, then the same questions one by one (drift falls on both)
         wall, lat = burst(mixed)
         walls.append(wall)
         skip_p50.append(_p50([lat[q] for q in skip]))
         retrieve_p50.append(_p50([lat[q] for q in retrieve]))
-    burst_wall = statistics.median(walls)
+        t0 = time.perf_counter()
+        for q in mixed:
+            _ask(url, q)
+        seq_walls.append(time.perf_counter() - t0)
+    burst_wall, seq_wall = statistics.median(walls), statistics.median(seq_walls)
     late_s, late_x = [], []  # a skip question arriving while the retrieving ones run, at each offset
     for r in range(rounds):
         for i, offset in enumerate(late_offsets):
@@ -184,10 +190,6 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
             _, late = burst(retrieve + [late_q], {late_q: offset})
             late_s.append(late[late_q])
             late_x.append(late[late_q] / alone[late_q])
-    t0 = time.perf_counter()
-    for q in mixed:
-        _ask(url, q)
-    seq_wall = time.perf_counter() - t0
     alone_skip = _p50([alone[q] for q in skip])
     rate = rate or len(mixed) / burst_wall
     open_loop = {"sustainable_qps": rate}
@@ -206,6 +208,9 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
         "late_skip_s": statistics.median(late_s), "late_skip_x_alone": statistics.median(late_x),
         "late_skip_max_s": max(late_s), "late_offsets": " ".join(f"{o:g}" for o in late_offsets),
         "burst_wall_s": burst_wall, "sequential_wall_s": seq_wall, "burst_speedup": seq_wall / burst_wall,
+        "burst_wall_rounds_s": " ".join(f"{v:.2f}" for v in walls),
+        "sequential_wall_rounds_s": " ".join(f"{v:.2f}" for v in seq_walls),
+        "burst_speedup_rounds": " ".join(f"{s / b:.2f}" for s, b in zip(seq_walls, walls)),
         **open_loop,
     }
 
@@ -229,8 +234,8 @@ def main() -> None:
                     "do; fresh: a new client and connection per question (httpx builds an SSL context each time: "
                     "~24 ms of the load generator's CPU a question, on the server's cores; the runs before 2026-11-28 "
                     "12:00 UTC) (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="alone latencies, bursts and late arrivals this many times, "
-                    "each figure the median over rounds (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="alone latencies, bursts, sequential passes and late "
+                    "arrivals this many times, each figure the median over rounds (default: %(default)s)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
