@@ -1,11 +1,11 @@
 """Batched eigenscore (op 2, docs/ARCHITECTURE.md) as one Triton launch for B requests, with the torch reference beside
 it.
 
-Each program takes one request: in one pass over its z, the k×k Gram matrix and the row sums (centring is the
-rank-one correction ``Z Zᵀ - s sᵀ / d``), then an in-register Cholesky factorisation whose log-pivots sum to the
-log-determinant. The Gram matrix and the factorisation are float64, as in the reference. Near-identical samples make
-the Gram matrix nearly rank-one next to a ridge of 1e-3, and float32 accumulation would blur exactly the small
-eigenvalues the score is about.
+Each program takes one request: in one pass over its z, the k×k Gram matrix and the row sums of its rows shifted by
+their first element (centring is then the rank-one correction ``Y Yᵀ - s sᵀ / d``), then an in-register Cholesky
+factorisation whose log-pivots sum to the log-determinant. The Gram matrix and the factorisation are float64, as in
+the reference. Near-identical samples make the Gram matrix nearly rank-one next to a ridge of 1e-3, and float32
+accumulation would blur exactly the small eigenvalues the score is about.
 """
 
 from __future__ import annotations
@@ -45,16 +45,19 @@ def _eigenscore_kernel(
     keep = (tl.load(valid_ptr + b * K + offs_k, mask=mk, other=0) != 0) & mk  # [BLOCK_K]
     base = z_ptr + b * stride_zb + offs_k[:, None] * stride_zk
 
-    # one pass over z: the raw Gram matrix and the row sums, float64. Centring comes after, as a rank-one correction:
-    # Zc Zcᵀ = Z Zᵀ - s sᵀ / d with s = Z·1. Products of float32 (or bf16/fp16) inputs are exact in float64, and
-    # |s sᵀ / d| <= |Z Zᵀ| (Cauchy-Schwarz), so the rounding stays of the order of the centred-first reference's,
-    # ~1e-16 of |z|², far below the 1e-3 ridge; z is read from memory once instead of twice.
+    # one pass over z: the Gram matrix and the row sums of each row shifted by its first element, float64. Centring
+    # comes after, as a rank-one correction: Zc Zcᵀ = Y Yᵀ - s sᵀ / d with Y = Z - z₀·1ᵀ and s = Y·1 (centring is
+    # blind to a per-row shift). Without the shift, a row mean large next to its spread (1e4-1e6 against 1) made
+    # Z Zᵀ and s sᵀ / d cancel to their rounding: 1e-4 off the reference at 1e4, NaN at 1e6. After it, |Y| is the
+    # spread's size and the rounding stays ~1e-16 of it, far below the 1e-3 ridge; z is still read once.
+    x0 = tl.load(base, mask=mk[:, None], other=0.0).to(tl.float64)  # [BLOCK_K, 1]: each row's first element
     gram = tl.zeros([BLOCK_K, BLOCK_K], dtype=tl.float64)
     rsum = tl.zeros([BLOCK_K], dtype=tl.float64)
     for start in range(0, D, BLOCK_D):
         offs_d = start + tl.arange(0, BLOCK_D)
         m = mk[:, None] & (offs_d[None, :] < D)
         x = tl.load(base + offs_d[None, :] * stride_zd, mask=m, other=0.0).to(tl.float64)  # [BLOCK_K, BLOCK_D]
+        x = tl.where(m, x - x0, 0.0)  # a NaN or inf in x0 makes its row NaN: still caught below
         gram += tl.sum(x[:, None, :] * x[None, :, :], axis=2)
         rsum += tl.sum(x, axis=1)
     gram = gram - rsum[:, None] * rsum[None, :] / D

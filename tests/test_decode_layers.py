@@ -289,5 +289,13 @@ def test_stack_rejects_bad_inputs_before_writing():
         stack(h, cos, sin, keys, values, torch.tensor([0, 1], dtype=torch.int32), 0, n)
     assert not stack.takes(h.to(torch.bfloat16)) and not stack.takes(h.t().contiguous().t()[:, :5])
     assert not stack.takes(torch.randn(stack.max_rows + 1, stack.d))
+    # layers past the last (a segmentation fault), none (uninitialised rows), rows of another dtype (read past h's
+    # end): clear errors, the store unwritten
+    for first, last in ((0, n + 4), (1, 1), (-1, n)):
+        with pytest.raises(ShapeError, match="first="):
+            stack(h, cos, sin, keys, values, torch.tensor([0, 5]), first, last)
+    with pytest.raises(ShapeError, match="contiguous CPU rows"):
+        stack(h.to(torch.bfloat16), cos, sin, keys, values, torch.tensor([0, 5]), 0, n)
+    assert all(not k.any() for k in keys) and all(not v.any() for v in values)
     out = stack(h, cos, sin, keys, values, torch.tensor([0, 5]), 0, n)  # [2, d]
     assert out.shape == (2, stack.d) and torch.isfinite(out).all() and keys[0][1, :, 5].any()

@@ -87,11 +87,12 @@ def test_eigenscore_kernel_known_answers_and_masks():
         gram.eigenscore(torch.zeros(1, 65, 4, device=DEVICE))
 
 
-def test_eigenscore_kernel_centring_survives_a_large_common_offset():
-    # near-identical samples far from zero: the kernel's rank-one centring (Z Zᵀ - s sᵀ / d) cancels almost all of
-    # Z Zᵀ here, and must still give the reference's score, which centres before the Gram
+@pytest.mark.parametrize("offset", [1e3, 1e4, 1e5, 1e6])
+def test_eigenscore_kernel_centring_survives_a_large_common_offset(offset):
+    # near-identical samples far from zero: a rank-one centring of the raw Gram (Z Zᵀ - s sᵀ / d) cancelled to its
+    # rounding here (1e-4 off at 1e4, NaN at 1e6); the kernel must give the reference's score, which centres first
     torch.manual_seed(3)
-    base = 1000.0 + torch.randn(2, 1, 769, device=DEVICE)
+    base = offset + torch.randn(2, 1, 769, device=DEVICE)
     z = base + 1e-2 * torch.randn(2, 20, 769, device=DEVICE)  # [2, 20, 769]
     torch.testing.assert_close(gram.eigenscore(z), gram.eigenscore_reference(z), rtol=1e-5, atol=1e-5)
 

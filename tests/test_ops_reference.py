@@ -35,13 +35,16 @@ def test_probe_logits_equals_torch_nn_probers(b, n_layers, d, h):
 
 
 def test_probe_logits_non_contiguous_inputs():
-    params = random_probe_params(3, 16, 8, seed=3)
+    torch.manual_seed(3)
+    probers = [Prober(16, 8).eval() for _ in range(3)]
+    params = stack_probers(probers)
     base = torch.randn(16, 3, 4)  # [d, L, B] -> permuted view [B, L, d]
     sums = base.permute(2, 1, 0)
     assert not sums.is_contiguous()
     counts = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])[::2]
-    torch.testing.assert_close(probe_logits(sums, counts, params), probe_logits(sums.contiguous(), counts.clone(),
-                                                                                  params))
+    with torch.no_grad():  # against plain torch.nn, not against itself on a contiguous copy
+        want = torch.stack([probers[layer](sums[:, layer] / counts[:, None]) for layer in range(3)], dim=1)
+    torch.testing.assert_close(probe_logits(sums, counts, params), want, rtol=1e-4, atol=1e-5)
 
 
 def test_probe_logits_rejects_bad_shapes():
@@ -176,3 +179,33 @@ def test_ais_adaptive_reference_hand_computed():
     np.testing.assert_allclose(_python.ais_scores(q2, p2, d2, "adaptive"),
                                [-(a * 0.5 + (1 - a) * (math.pi / 2 - 0.5)), -(a * 1.0 + (1 - a) * (math.pi / 2 - 1.0))],
                                atol=2e-6)
+
+
+def test_answer_nll_leaves_masked_out_positions_out():
+    """A -inf log-prob where the mask is 0 made the row NaN (-inf * 0); the formula leaves it out."""
+    lp = torch.tensor([[-0.5, -1.5, -math.inf], [-math.inf, -1.0, -3.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    torch.testing.assert_close(answer_nll(lp, mask), torch.tensor([1.0, 2.0]))
+
+
+def test_eigenscore_refuses_a_nan_or_infinite_alpha():
+    z = torch.randn(2, 4, 9)
+    for alpha in (math.nan, math.inf, 0.0, -1.0):
+        with pytest.raises(ShapeError, match="alpha"):
+            eigenscore(z, alpha=alpha)
+
+
+def test_reference_ops_refuse_shapes_they_would_broadcast():
+    from fastgate.ops.reference import accumulate_taps, decode_attention_step
+
+    sums = torch.zeros(3, 2, 5)
+    with pytest.raises(ShapeError, match="accumulate_taps"):
+        accumulate_taps(sums, torch.ones(1, 2, 5), torch.ones(3))  # one row's states into three rows' sums
+    with pytest.raises(ShapeError, match="accumulate_taps"):
+        accumulate_taps(sums, torch.ones(3, 2, 5), torch.ones(1))
+    assert not sums.any()
+    keys, values = torch.zeros(2, 2, 4, 8), torch.zeros(2, 2, 4, 8)  # [R, Hkv, C, D]
+    q = torch.randn(2, 4, 8)
+    with pytest.raises(ShapeError, match="k_new / v_new"):  # one key head into both heads of the store
+        decode_attention_step(q, torch.randn(2, 1, 8), torch.randn(2, 2, 8), keys, values, torch.tensor([0, 1]))
+    assert not keys.any() and not values.any()

@@ -184,6 +184,18 @@ def test_every_op_of_auto_gives_the_reference_numbers():
     fast.accumulate(a, sums, torch.tensor([1.0, 0.0]))
     ref.accumulate(b, sums, torch.tensor([1.0, 0.0]))
     assert torch.equal(a, b)
+    # on a CPU `auto` binds the torch reference for these: compare with the formulas too, not only with itself
+    assert torch.equal(a[0], sums[0]) and not a[1].any()
+    torch.testing.assert_close(fast.answer_nll(lp[None], torch.ones(1, len(pieces), dtype=torch.bool)),
+                               -lp.mean()[None])
+    torch.testing.assert_close(fast.eigenscore(z), _eigenscore_formula(z))
+
+
+def _eigenscore_formula(z: torch.Tensor, alpha: float = 1e-3) -> torch.Tensor:
+    """SeaKR's eigenscore written out: the rows centred over their features, logdet(Zc Zcᵀ + αI) / k, float64."""
+    zc = z.double() - z.double().mean(-1, keepdim=True)  # [B, k, d]
+    gram = zc @ zc.transpose(1, 2) + alpha * torch.eye(z.shape[1], dtype=torch.float64)
+    return (torch.logdet(gram) / z.shape[1]).float()
 
 
 def test_build_ops_is_the_one_entry_point():

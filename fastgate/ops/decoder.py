@@ -167,6 +167,12 @@ class DecodeStack:
         at column ``pos[r]`` (``[m]`` int64), ``cos`` / ``sin`` ``[m, D]`` of the layers' dtype (rows of their table,
         unit stride along D; a ``[m, 1, D]`` view too). Writes each layer's new keys and values; returns the output
         ``[m, d]``."""
+        if not self.takes(h):  # a float32 h into a bf16 stack read past its end; the engine asks takes() first
+            raise ShapeError(f"decode_layers: h must be contiguous CPU rows [1..{self.max_rows}, {self.d}] of "
+                             f"{self.dtype}, got {tuple(h.shape)} {h.dtype} (or the layers' codes were replaced)")
+        if not 0 <= first < last <= self.n:  # past the last layer the C++ loop read a table row that is not there
+            raise ShapeError(f"decode_layers: layers first={first} .. last={last} must satisfy 0 <= first < last "
+                             f"<= {self.n}")
         m = h.shape[0]
         _, _, ptrs, shape, strides = self._kv(keys, values)
         cst = cos.stride()

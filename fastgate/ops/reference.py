@@ -9,6 +9,7 @@ inputs' dtype.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -116,8 +117,8 @@ def check_eigenscore_args(z: torch.Tensor, alpha: float, valid: torch.Tensor | N
     b, k, d = z.shape
     if k < 1 or d < 2:
         raise ShapeError(f"eigenscore: need k >= 1 samples of d >= 2 features, got k={k}, d={d}")
-    if alpha <= 0:
-        raise ShapeError(f"eigenscore: alpha must be > 0, got {alpha}")
+    if not (alpha > 0 and math.isfinite(alpha)):  # NaN passed `alpha <= 0`: NaN scores, or a Cholesky traceback
+        raise ShapeError(f"eigenscore: alpha must be a finite number > 0, got {alpha}")
     if scale not in (None, "cov"):
         raise ShapeError(f"eigenscore: scale must be None or 'cov', got {scale!r}")
     if valid is None:
@@ -182,6 +183,10 @@ def accumulate_taps(running_sum: torch.Tensor, states: torch.Tensor, weight: tor
         states: ``[N, L, d]`` hidden states of the current token at each tapped layer (any float dtype).
         weight: ``[N]`` 1 for sequences whose current token counts, 0 otherwise.
     """
+    if running_sum.ndim != 3 or states.shape != running_sum.shape or weight.shape != running_sum.shape[:1]:
+        # broadcasting took states [1, L, d] into [N, L, d] sums, where the Triton launcher refuses them
+        raise ShapeError(f"accumulate_taps: running_sum [N, L, d], states of its shape and weight [N], got "
+                         f"{tuple(running_sum.shape)}, {tuple(states.shape)}, {tuple(weight.shape)}")
     running_sum.add_(states.to(torch.float32) * weight.to(torch.float32)[:, None, None])
 
 
@@ -201,7 +206,9 @@ def answer_nll(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
             f"and {tuple(mask.shape)}"
         )
     m = mask.to(torch.float32)  # [B, T]
-    total = -(token_logprobs.to(torch.float32) * m).sum(-1)  # [B]
+    # masked-out positions are left out, not multiplied by 0: a -inf log-prob there made the row NaN
+    lp = torch.where(m != 0, token_logprobs.to(torch.float32), 0.0)  # [B, T]
+    total = -(lp * m).sum(-1)  # [B]
     count = m.sum(-1)  # [B]
     return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, float("inf")))
 
@@ -248,6 +255,10 @@ def decode_attention_step(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     ``pos[r]`` of its store row ``keys / values [R, Hkv, C, D]`` (in place), then :func:`decode_attention` of its
     heads ``q [m, H, D]``; the result ``[m, H, D]`` in ``q``'s dtype."""
     check_decode_attention_args(q, keys, values, pos)  # before the writes: pos -1 wrote the last column, then raised
+    want = (q.shape[0], keys.shape[1], keys.shape[3])
+    if k_new.shape != want or v_new.shape != want:  # one key head was broadcast into every head of the store
+        raise ShapeError(f"decode_attention_step: k_new / v_new must be [m, Hkv, D] = {list(want)}, got "
+                         f"{tuple(k_new.shape)}, {tuple(v_new.shape)}")
     rows = torch.arange(q.shape[0], device=q.device)  # [m]
     keys[rows, :, pos] = k_new.to(keys.dtype)
     values[rows, :, pos] = v_new.to(values.dtype)
