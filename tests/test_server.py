@@ -45,6 +45,27 @@ def test_submit_batches_concurrent_requests_and_matches_answer_batch(service):
     assert max(service.scheduler.generation_rows) > 1  # concurrent requests shared engine calls
 
 
+@pytest.mark.parametrize("method", ["flare", "scaar"])
+def test_max_tokens_bounds_an_answer_taken_out_of_a_chain_of_thought(service, method):
+    """flare and scaar answer from sentences their max_answer_tokens does not bound: max_tokens did nothing (536
+    tokens for max_tokens=1); the answer is now cut to it, finish_reason "length", as a generation at its limit."""
+    engine = service.runtime.engine
+    free = service.submit(QUESTIONS[0], method).result(timeout=60)
+    assert engine.count_tokens(free["answer"]) > 3  # the tiny random model rambles
+    record = service.submit(QUESTIONS[0], method, max_tokens=3).result(timeout=60)
+    assert 0 < engine.count_tokens(record["answer"]) <= 3 and record["finish_reason"] == "length"
+    assert free["answer"].startswith(record["answer"])
+
+
+def test_cut_to_tokens():
+    from fastgate.serving.service import cut_to_tokens
+
+    words = lambda t: len(t.split())  # noqa: E731 - a tokenizer of whitespace-separated words
+    assert cut_to_tokens(words, "a bb ccc", 3) is None
+    assert cut_to_tokens(words, "a bb ccc dddd", 2) == "a bb"
+    assert cut_to_tokens(words, "a bb ccc", 0) == ""
+
+
 def test_submit_rejects_bad_input_without_queueing(service):
     depth = service.queue_depth
     for kwargs, message in [

@@ -152,6 +152,23 @@ class _Queued:
     listener: Any = None  # progress events of its program (fastgate.scheduler), for streaming
     program: Any = None  # a bare program (a plain completion) instead of a method's: its result is the future's
     answer_tokens: bool = False  # add the answer generation's tokens and log-probs to the record (``_answer_tokens``)
+    max_tokens: int | None = None  # the client's bound on the answer (max_tokens), for answers no one generation made
+
+
+def cut_to_tokens(count_tokens, text: str, limit: int) -> str | None:
+    """The longest prefix of ``text`` (cut at a character, trailing space dropped) that ``count_tokens`` puts at most
+    ``limit`` tokens in, or None when ``text`` is within it already (one count). A binary search over prefixes:
+    ~log2(len) counts, and only for an answer over its bound."""
+    if count_tokens(text) <= limit:
+        return None
+    lo, hi = 0, len(text)  # count(text[:lo]) <= limit < count(text[:hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_tokens(text[:mid]) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return text[:lo].rstrip()
 
 
 class AnswerService:
@@ -450,7 +467,7 @@ class AnswerService:
         question = check_questions(self.runtime.engine, req.config, [question])[0]
         future: Future = Future()
         self._enqueue(_Queued(question, req, future, time.perf_counter(), listener=listener,
-                              answer_tokens=answer_tokens))
+                              answer_tokens=answer_tokens, max_tokens=max_tokens))
         return future
 
     def _enqueue(self, job: _Queued) -> None:
@@ -591,6 +608,12 @@ class AnswerService:
             return
         record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name,
                                dtype=self.runtime.dtype_name, weights=self.runtime.weights_name)
+        if job.max_tokens is not None:
+            # max_tokens bounds the answer's own generation; flare, scaar, probing and a reading seakr take theirs
+            # out of a chain of thought, which it does not bound: cut there, as a generation at its limit stops
+            cut = cut_to_tokens(self.runtime.engine.count_tokens, record["answer"], job.max_tokens)
+            if cut is not None:
+                record["answer"], record["finish_reason"] = cut, "length"
         if job.answer_tokens:
             seq = task.trace.answer
             record["_answer_tokens"] = None if seq is None else (
