@@ -511,3 +511,21 @@ def test_the_request_pool_runs_calls_on_daemon_threads_and_cancels_the_queued_on
     for t in pool._threads:
         t.join(5)
     assert not any(t.is_alive() for t in pool._threads)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"text": " Paris is nice"}, "log-probs for 7 of the answer's 14 bytes"),  # tokens for part of the text
+    ({"tokens": [], "token_logprobs": []}, "log-probs for 0 of the answer's 6 bytes"),
+    ({"token_logprobs": [float("nan"), -0.25, -0.125]}, "token log-prob of nan"),
+    ({"token_logprobs": [-float("inf"), -0.25, -0.125]}, "token log-prob of -inf"),
+    ({"token_logprobs": [0.7, -0.25, -0.125]}, "token log-prob of 0.7"),
+])
+def test_log_probs_that_cannot_be_the_answers_are_refused(change, message):
+    """Log-probs of part of the text, or values no probability has, went into the gates: DTR's score inf (always
+    retrieving) or NaN (never). (Parsed directly: a JSON server cannot send NaN.)"""
+    engine = RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1", "stub", max_retries=0))
+    out = _answer(change.get("text", " Paris"))
+    out["choices"][0]["logprobs"].update({k: v for k, v in change.items() if k != "text"})
+    with pytest.raises(RemoteError, match=message):
+        engine._parse(out, "Q: x\nA:", None)
+    engine._parse(_answer(), "Q: x\nA:", None)  # the unchanged answer parses

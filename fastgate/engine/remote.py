@@ -41,6 +41,7 @@ differently from the local engine's, so only greedy generations are expected to 
 from __future__ import annotations
 
 import email.utils
+import math
 import re
 import threading
 import time
@@ -224,7 +225,8 @@ class RemoteEngine:
                     resp = httpx.Response(streamed.status_code, headers=streamed.headers, content=bytes(data))
             except httpx.TimeoutException:
                 raise hung from None
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # a server restarting: as a 5xx
+            # a server restarting: as a 5xx (ReadError: the connection reset while its answer was read)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 if attempt < cfg.max_retries:
                     with self._lock:
                         self.retries += 1
@@ -309,9 +311,18 @@ class RemoteEngine:
         if pieces is None:
             raise RemoteError(self._no_logprobs(f"asked for logprobs={self.config.logprobs}, got "
                                                 f"{str(lp)[:80] if lp is not None else 'none'}"))
+        n_text = len(text.encode("utf-8"))
+        covered = sum(len(p) for p in pieces)
+        # the gates would read the confidence of part of the answer as the whole's. A U+FFFD in the text (3 bytes)
+        # may stand for one byte of a token that split a character
+        if covered < n_text - 2 * text.count("\ufffd"):
+            raise RemoteError(f"{self.name}: the server returned log-probs for {covered} of the answer's {n_text} "
+                              f"bytes ({len(pieces)} token(s) for {text[:60]!r})")
+        bad = next((x for x in logps if not (math.isfinite(x) and x <= 1e-3)), None)
+        if bad is not None:  # NaN made DTR's score NaN (never retrieving), -inf made it inf (always)
+            raise RemoteError(f"{self.name}: the server returned a token log-prob of {bad}, not a log-probability")
         with self._lock:
             ids = [self._intern(p) for p in pieces]
-        n_text = len(text.encode("utf-8"))
         answer, start = 0, 0
         for p in pieces:
             if start < n_text:
