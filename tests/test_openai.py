@@ -180,6 +180,13 @@ def test_invalid_requests_get_openai_style_errors(client):
                        headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         assert "not JSON in UTF-8" in r.json()["error"]["message"]
+        # nested 100,000 deep (the JSON parser's RecursionError): the same, not FastAPI's bare {"detail": ...}
+        r = httpx.post(f"{client.base_url}{path}", content=b"[" * 100_000 + b"]" * 100_000,
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text[:200]
+    r = httpx.post(f"{str(client.base_url)[:-len('v1/')]}v1/answer", content=b"[" * 100_000 + b"]" * 100_000,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 422 and "not JSON" in r.json()["error"], r.text[:200]
     lm = next(m.id for m in client.models.list().data if m.id not in ("fastgate-never", "fastgate-dtr")
               and not m.id.startswith("fastgate-"))
     for path, body in [  # a lone surrogate (valid JSON): 400 in OpenAI's format, not a plain-text 500

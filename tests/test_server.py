@@ -456,6 +456,27 @@ def test_http_timeout_gives_504(tiny_engine, small_index):
     assert job.future.cancelled()  # dropped: it will not be run
 
 
+def test_a_streamed_timeout_is_counted_once_and_healthz_says_503_once_stopped(tiny_engine, small_index):
+    from fastapi.testclient import TestClient
+
+    from fastgate.entrypoints.http import create_app
+
+    svc = _service(tiny_engine, small_index)
+    svc._method(svc._request(None, None))
+    svc._thread = type("Alive", (), {"is_alive": lambda self: True, "join": lambda self: None})()  # never answers
+    with TestClient(create_app(svc, timeout_s=0.3)) as client:
+        body = {"model": "fastgate-dtr", "stream": True, "messages": [{"role": "user", "content": "Who?"}]}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        metrics = client.get("/metrics").text
+        assert 'status="504"} 1.0' in metrics and 'status="499"' not in metrics  # a timeout, not a client gone
+        assert client.get("/healthz").status_code == 200
+        svc._thread = type("Dead", (), {"is_alive": lambda self: False, "join": lambda self: None})()
+        health = client.get("/healthz")
+    assert health.status_code == 503 and health.json()["status"] == "stopped"
+
+
 def test_text_no_tokenizer_takes_is_refused_before_it_is_queued(service):
     """A lone surrogate (valid JSON, ``"\\ud800"``, but no UTF-8 encodes it) made the tokenizer raise TypeError
     inside the scheduler's batched call, which failed every request running with it."""

@@ -28,7 +28,7 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
     Serve runs several)."""
     require_serving()
     from fastapi import FastAPI
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
 
     from fastgate.entrypoints.http.answer import add_answer_routes
     from fastgate.entrypoints.http.errors import ErrorMap
@@ -48,13 +48,15 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
     add_answer_routes(app, service, models.answer, timeout, errors, http_metrics)
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "ok" if service.running else "stopped", "model": service.model_name,
+    async def healthz() -> Any:
+        # 503 once the scheduler stopped: a load balancer or liveness probe reads the status code, not the body
+        return JSONResponse(status_code=200 if service.running else 503, content={
+                "status": "ok" if service.running else "stopped", "model": service.model_name,
                 "dtype": service.dtype_name, "weights": service.weights_name, "step": service.step_name,
                 "method": cfg.method, "queue_depth": service.queue_depth,
                 "live_programs": service.live_programs, "kv_budget_mb": cfg.kv_budget_mb,
                 "kv_used_mb": round(service.kv_used_bytes / 2**20, 1), "layout": service.layout, "replica": replica,
-                "pid": os.getpid()}
+                "pid": os.getpid()})
 
     openai = OpenAIServing(service, timeout, errors, http_metrics, replica)
     add_openai_routes(app, openai, models.chat, models.completion)

@@ -175,9 +175,12 @@ class ErrorMap:
                                             "/v1/models/{id})",
                                             None, "not_found" if exc.status_code == 404 else "method_not_allowed"),
                                    headers=exc.headers)
-            if exc.status_code != 400 or not isinstance(exc.__cause__, UnicodeDecodeError):
+            # FastAPI's body parsing raises its 400 from what failed: not UTF-8, or a JSON parser's error (a body
+            # nested 100,000 deep: RecursionError); any such cause is the body's fault
+            if exc.status_code != 400 or exc.__cause__ is None:
                 return await http_exception_handler(request, exc)
-            message = f"invalid request: the body is not JSON in UTF-8 ({exc.detail})"
+            why = "not UTF-8" if isinstance(exc.__cause__, UnicodeDecodeError) else type(exc.__cause__).__name__
+            message = f"invalid request: the body is not JSON in UTF-8 ({exc.detail}: {why})"
             if request.url.path in OPENAI_PATHS:
                 return self.openai(ApiError(400, message, None, "invalid_value"))
             return self.native(ApiError(422, message))

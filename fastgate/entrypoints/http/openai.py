@@ -267,6 +267,7 @@ class OpenAIServing:
         async def events_then_answer():
             text = AnswerStream()
             deadline = time.monotonic() + timeout_s
+            counted = False  # the stream's status was counted (its error event's): the finally clause must not
             try:
                 if chat:
                     yield sse(chunk(chat, rid, created, model, role=True))
@@ -278,6 +279,7 @@ class OpenAIServing:
                             return  # the finally clause cancels the program
                         if time.monotonic() > deadline:
                             service.cancel(future)
+                            counted = True  # 504, counted by openai_event: not a client gone away too
                             yield sse(self.errors.openai_event(NotAnswered(timeout_s)))
                             yield "data: [DONE]\n\n"
                             return
@@ -293,6 +295,7 @@ class OpenAIServing:
                 try:
                     record = future.result()
                 except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
+                    counted = True
                     yield sse(self.errors.openai_event(exc))
                     yield "data: [DONE]\n\n"
                     return
@@ -310,7 +313,8 @@ class OpenAIServing:
             finally:  # the client went away (the response task is cancelled) or the stream ended
                 if not future.done():
                     service.cancel(future)
-                    self.errors.count(499)  # the client went away: counted as a non-streamed request's is
+                    if not counted:
+                        self.errors.count(499)  # the client went away: counted as a non-streamed request's is
 
         return StreamingResponse(events_then_answer(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
