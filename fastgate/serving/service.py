@@ -419,11 +419,6 @@ class AnswerService:
             raise InputError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if config.max_new_tokens > self.config.max_tokens_limit:
             raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
-        n_prompt = engine.count_tokens(prompt)
-        if n_prompt + config.max_new_tokens > engine.lm.max_context:  # cut from the left before, told only in
-            raise InputError(  # fastgate.truncated; OpenAI and vLLM refuse it
-                f"this model's context is {engine.lm.max_context} tokens: the prompt's {n_prompt} and max_tokens "
-                f"{config.max_new_tokens} do not fit; shorten the prompt or lower max_tokens")
         with self._lock:
             if self._top is None:
                 self._top = TopLogprobs(engine)
