@@ -160,7 +160,7 @@ def test_eval_on_a_full_disk_keeps_whole_records_and_resumes(monkeypatch, capsys
     lines = _error_lines(capsys.readouterr().err)
     assert lines == [f"fastgate: error: cannot append results to {results}: no space left on device"]
     assert _whole_records(results) == 2  # the first batch; the second was cut back off
-    assert not list(out.glob(".*"))  # no temporary files
+    assert [p.name for p in out.glob(".*")] == [".lock"]  # no temporary files (the lock stays, released)
     monkeypatch.setattr(os, "write", real_write)
     assert main(argv) == 0  # the run resumes cleanly
     assert "resuming: 2/5 already done" in capsys.readouterr().err
@@ -182,7 +182,7 @@ def test_eval_without_write_permission(monkeypatch, capsys, eval_argv):
     lines = _error_lines(capsys.readouterr().err)
     assert lines == [f"fastgate: error: cannot append results to {results}: permission denied"]
     assert not results.exists()
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json"]  # written whole before the first answer
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.json"]  # written whole before the first answer
 
 
 def test_eval_summary_on_a_read_only_file_system(monkeypatch, capsys, eval_argv):
@@ -200,4 +200,4 @@ def test_eval_summary_on_a_read_only_file_system(monkeypatch, capsys, eval_argv)
     assert main(argv) == 2
     lines = _error_lines(capsys.readouterr().err)
     assert lines == [f"fastgate: error: cannot write {out / 'summary.md'}: read-only file system"]
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "results.jsonl"]  # no temporary summary
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.json", "results.jsonl"]  # no temporary summary

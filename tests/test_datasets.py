@@ -221,6 +221,8 @@ def test_eval_cli_on_a_benchmark(capsys, monkeypatch, tmp_path, tiny, small_inde
     assert main(["eval", "--method", "never", "--data", "nq", "--subset", "balanced", "--n", "4", *common]) == 0
     captured = capsys.readouterr()
     assert "4 questions of `nq:test:balanced`" in captured.out and "| never | 4 |" in captured.out
+    # --quiet: the corpus split computed for the first time shows no progress bar, only its counts
+    assert "corpus split (BM25" not in captured.err and "6 questions, 3 answerable" in captured.err
     ids = [json.loads(x)["id"] for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(ids) == 4 and len(set(ids) & {"nq-test-1", "nq-test-2", "nq-test-3"}) == 2
     assert json.loads((out / "eval.json").read_text())["data"] == "nq:test:balanced"
@@ -250,3 +252,13 @@ def test_the_split_rule_reads_what_the_methods_read():
     from fastgate.methods.base import MethodConfig
 
     assert (READ_DEPTH, READ_WORDS) == (MethodConfig().k, MethodConfig().passage_words)
+
+
+@pytest.mark.parametrize("answers", [[""], [None], ["Paris", "  "], ["Paris", 3]])
+def test_a_qa_file_gold_answer_must_be_a_non_empty_string(tmp_path, answers):
+    """[""] and [null] were accepted: a gold that no answer can match (null even scored as the text "None")."""
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "a?", "answers": ["b"]}) + "\n"
+                    + json.dumps({"question": "capital of France?", "answers": answers}) + "\n")
+    with pytest.raises(CorpusError, match=r"qa\.jsonl:2: every gold answer must be a non-empty string"):
+        load_qa(path)

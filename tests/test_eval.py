@@ -92,6 +92,7 @@ def test_store_drops_a_cut_last_line_and_rejects_garbage(tmp_path):
 def test_settings_must_match(tmp_path):
     check_settings(tmp_path, EvalSettings(model="tiny"))
     check_settings(tmp_path, EvalSettings(model="tiny"))  # same settings: fine
+    ResultsStore(tmp_path / "results.jsonl").append([_record()])  # records made under them
     with pytest.raises(InputError, match="other settings.*seed"):
         check_settings(tmp_path, EvalSettings(model="tiny", seed=3))
     (tmp_path / "eval.json").write_bytes(b"{\xc9\xff binary")  # not UTF-8 text at all
@@ -216,7 +217,7 @@ def test_window_answers_as_batches_do_and_counts_each_second_once(runtime, tmp_p
     summaries = evaluate(runtime, runs, EXAMPLES, window, batch_size=2, progress=False,
                          on_batch=lambda run, n: seen.append((run.method, n)))
     assert seen == [("never", 2), ("never", 4), ("never", 5), ("dtr", 2), ("dtr", 4), ("dtr", 5)]
-    assert len(in_flight) == 10 and max(in_flight) == 2
+    assert len(in_flight) == 10 + 2 and max(in_flight) == 2  # each run's warm-up question, on a scheduler of its own
     for key, rec in window.records.items():
         assert rec["answer"] == batches.records[key]["answer"] and rec["gate_steps"] == batches.records[key][
             "gate_steps"]
@@ -434,3 +435,223 @@ def test_a_qa_file_may_start_with_a_byte_order_mark(tmp_path):
     path = tmp_path / "qa.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "a?", "answers": ["b"]}).encode() + b"\r\n")
     assert [e.question for e in load_qa(path)] == ["a?"]
+
+
+# ---------------------------------------------------------------------------------------------------- review fixes
+def _retag(path, **fields) -> None:
+    """Rewrite every record of ``path`` with ``fields`` (e.g. made in another dtype)."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, **fields}) + "\n" for r in recs))
+
+
+def test_every_run_is_checked_before_any_run_answers(runtime, tmp_path):
+    """`--method flare,never` under another dtype answered flare's questions, then refused never's records: the
+    directory was left with records of two dtypes."""
+    store = ResultsStore(tmp_path / "results.jsonl")
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:2], store, batch_size=2, progress=False)
+    _retag(store.path, dtype="bfloat16")
+    before = store.path.read_bytes()
+    with pytest.raises(InputError, match="run 'never'.*weights in bfloat16, but this run would use float32"):
+        evaluate(runtime, [RunSpec("always", "bm25"), RunSpec("never", None)], EXAMPLES[:2],
+                 ResultsStore(store.path), batch_size=2, progress=False)
+    assert store.path.read_bytes() == before  # always answered nothing
+
+
+def test_one_out_holds_one_engine_dtype_and_weights(runtime, tmp_path):
+    from fastgate.eval.runner import check_form
+
+    store = ResultsStore(tmp_path / "results.jsonl")
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:2], store, batch_size=2, progress=False)
+    check_form(ResultsStore(store.path), runtime)  # its own records: fine
+    for fields, message in [({"dtype": "bfloat16"}, r"made with the weights in bfloat16 \(run 'never', e\.g\. "
+                             r"question q1\), but this evaluation would use float32.*pass --dtype bfloat16"),
+                            ({"weights": "int8"}, "made with int8 weights .*pass --weights int8"),
+                            ({"engine": "openai:http://x/v1:m"}, "made on the engine openai:http://x/v1:m")]:
+        _retag(store.path, **{"dtype": "float32", "weights": "float", "engine": "local", **fields})
+        with pytest.raises(InputError, match=message):
+            check_form(ResultsStore(store.path), runtime)
+
+
+def test_eval_cli_refuses_a_run_of_another_dtype_beside_the_others(eval_cli, capsys):
+    """A finished `never` in bf16, then `always` in float32 into the same --out: refused before always answers, and
+    a later summary never tables both."""
+    out, run = eval_cli
+    assert run("--method", "never") == 0
+    _retag(out / "results.jsonl", dtype="bfloat16")
+    before = (out / "results.jsonl").read_bytes()
+    capsys.readouterr()
+    assert run("--method", "always") == 2
+    err = capsys.readouterr().err
+    assert "holds records made with the weights in bfloat16 (run 'never'" in err and "Traceback" not in err
+    assert (out / "results.jsonl").read_bytes() == before
+
+
+def test_each_run_warms_up_untimed_before_its_clock_starts(runtime, tmp_path, monkeypatch):
+    """The first run of an invocation was charged the engine's first-use work (never: 0.235 s a question first,
+    0.020 s after always): each run with questions left answers one of them first, unrecorded, before its clock."""
+    import fastgate.eval.runner as runner
+    from fastgate.scheduler import Scheduler
+
+    events, submit = [], Scheduler.submit
+    window, batch = runner._answer_window, runner._answer_batch
+
+    def spy_submit(self, method, question, *args, **kwargs):
+        events.append(("answer", method, question))
+        return submit(self, method, question, *args, **kwargs)
+
+    def spy_window(method, *args, **kwargs):
+        events.append(("clock", method, None))
+        return window(method, *args, **kwargs)
+
+    def spy_batch(method, *args, **kwargs):
+        events.append(("clock", method, None))
+        return batch(method, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "submit", spy_submit)
+    monkeypatch.setattr(runner, "_answer_window", spy_window)
+    monkeypatch.setattr(runner, "_answer_batch", spy_batch)
+    store = ResultsStore(tmp_path / "w.jsonl")
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:3], store, batch_size=2, progress=False)
+    assert [e[0] for e in events] == ["answer", "clock", "answer", "answer", "answer"]
+    (_, warm, question), (_, timed, _) = events[:2]
+    assert question == EXAMPLES[0].question and warm is not timed  # the run's first question, on a method of its own
+    assert all(e[1] is timed for e in events[2:])
+    assert len(store.path.read_text().splitlines()) == 3  # the warm-up is not recorded
+    events.clear()  # nothing left to answer: nothing warms up
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:3], ResultsStore(store.path), batch_size=2, progress=False)
+    assert events == []
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:3], ResultsStore(tmp_path / "b.jsonl"), batch_size=2,
+             progress=False, schedule="batches")
+    assert [e[0] for e in events] == ["answer", "clock", "answer", "answer", "clock", "answer"]
+    events.clear()  # a pass read for its answers only (training, calibration) is not timed: no warm-up
+    evaluate(runtime, [RunSpec("never", None)], EXAMPLES[:2], ResultsStore(tmp_path / "t.jsonl"), batch_size=2,
+             progress=False, timed=False)
+    assert [e[0] for e in events] == ["clock", "answer", "answer"]
+
+
+def test_resume_refuses_records_scored_against_other_gold_answers(runtime, tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run = RunSpec("never", None)
+    evaluate(runtime, [run], EXAMPLES[:2], store, batch_size=2, progress=False)
+    corrected = [QAExample("q1", EXAMPLES[0].question, ("Paris", "Paris, France")), EXAMPLES[1]]
+    with pytest.raises(InputError, match=r"scored question q1 of never against the gold answers \['Paris'\], but "
+                                         r"the data now gives \['Paris', 'Paris, France'\].*new --out"):
+        evaluate(runtime, [run], corrected, ResultsStore(store.path), batch_size=2, progress=False)
+    reordered = [EXAMPLES[0], QAExample("q2", EXAMPLES[1].question, tuple(reversed(EXAMPLES[1].answers)))]
+    evaluate(runtime, [run], reordered, ResultsStore(store.path), batch_size=2, progress=False)  # the same golds
+
+
+def test_a_finished_run_is_not_summarised_for_another_corpus(runtime, tmp_path, small_corpus_file):
+    from fastgate.retrieval import build_indexes
+
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run = RunSpec("always", "bm25")
+    evaluate(runtime, [run], EXAMPLES[:2], store, batch_size=2, progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text(small_corpus_file.read_text().replace("Seine", "Seine river"))
+    build_indexes(other, tmp_path / "other-index", kinds=("bm25",), progress=False)
+    elsewhere = Runtime("tiny", index=str(tmp_path / "other-index"), engine=runtime.engine)
+    with pytest.raises(InputError, match="searched another corpus"):  # nothing left to answer: checked all the same
+        evaluate(elsewhere, [run], EXAMPLES[:2], ResultsStore(store.path), batch_size=2, progress=False)
+
+
+def test_settings_without_records_beside_them_are_replaced(tmp_path):
+    """A mistyped --model wrote eval.json before it failed; the corrected command was refused ("other settings")."""
+    check_settings(tmp_path, EvalSettings(model="nosuch"))
+    check_settings(tmp_path, EvalSettings(model="tiny"))
+    assert json.loads((tmp_path / "eval.json").read_text())["model"] == "tiny"
+
+
+def test_eval_cli_after_a_mistyped_model_runs_the_corrected_command(eval_cli, capsys, monkeypatch):
+    import fastgate.assets.models
+    from fastgate.errors import UnknownNameError
+
+    def load(name, *args, **kwargs):  # as the real one: neither an embedded name nor a directory
+        raise UnknownNameError("model", name, ["smollm2-135m"])
+
+    out, run = eval_cli
+    with monkeypatch.context() as m:
+        m.setattr(fastgate.assets.models, "load", load)
+        assert run("--method", "never", model="nosuch") == 2
+    assert "unknown model 'nosuch'" in capsys.readouterr().err
+    assert json.loads((out / "eval.json").read_text())["model"] == "nosuch"  # written before the name was checked
+    assert run("--method", "never") == 0
+    assert "| never | 3 |" in capsys.readouterr().out
+
+
+def test_eval_cli_holds_out_while_it_runs(eval_cli, capsys, monkeypatch):
+    """Two evaluations into one --out answered every question twice: the second is refused in one line."""
+    import fcntl
+    import os
+
+    import fastgate.eval.runner as runner
+
+    out, run = eval_cli
+    out.mkdir()
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"4242\n")
+        assert run("--method", "never") == 2
+        err = capsys.readouterr().err
+        assert f"fastgate: error: {out} is in use by another fastgate eval (pid 4242)" in err
+        assert len(err.strip().splitlines()) == 1 and not (out / "results.jsonl").exists()
+    finally:
+        os.close(fd)
+    # released at the end, after an error and after an interrupt too: another can take it each time
+    assert run("--method", "never") == 0
+    assert run("--method", "never", "--seed", "3") == 2  # other settings: refused inside the lock
+    assert "other settings" in capsys.readouterr().err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "evaluate", interrupted)  # the CLI imports it from the runner when it runs
+    assert run("--method", "always") == 130
+    fd = os.open(out / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("make", ["a file above", "no such place"])
+def test_eval_cli_out_that_cannot_be_made_is_one_line(eval_cli, capsys, monkeypatch, tmp_path, make):
+    from pathlib import Path
+
+    _, run = eval_cli
+    if make == "a file above":
+        (tmp_path / "afile").write_text("x")
+        out, why = tmp_path / "afile" / "sub", "a part of its path is a file"
+    else:  # /proc/x: the file system takes no directory there
+        import errno
+
+        out, why = tmp_path / "proc" / "x", "no such file or directory"
+
+        def refused(self, *args, **kwargs):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(self))
+
+        monkeypatch.setattr(Path, "mkdir", refused)
+    assert run("--method", "never", out=out) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"fastgate: error: --out {out}: cannot create the directory ({why})"
+
+
+@pytest.fixture()
+def eval_cli(monkeypatch, tmp_path, tiny, small_index):
+    """``run(*flags, out=..., model=...)``: `fastgate eval` on three questions with the tiny model (the default --out:
+    ``tmp_path/out``, returned beside it)."""
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n"
+                            for e in EXAMPLES[:3]))
+    default = tmp_path / "out"
+
+    def run(*flags: str, out=default, model="tiny") -> int:
+        return main(["eval", "--data", str(data), "--index", str(small_index), "--out", str(out), "--model", model,
+                     "--quiet", "--batch-size", "2", *flags])
+
+    return default, run

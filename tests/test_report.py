@@ -225,3 +225,60 @@ def test_summary_cost_fields():
     for r in recs:
         r.pop("invocation", None)
     assert summarize(RunSpec("read", "bm25"), recs).invocations == 0
+
+
+def _coin_store(tmp_path):
+    """never, always and a gated flare on four questions, all answered by invocation inv-1."""
+    from fastgate.eval.datasets import QAExample
+    from fastgate.eval.runner import ResultsStore
+
+    examples = [QAExample(f"q{i}", f"question {i}?", ("a",)) for i in range(4)]
+    store = ResultsStore(tmp_path / "results.jsonl")
+    store.append([rec for i, ex in enumerate(examples) for rec in (
+        _full("never", ex.id, i == 3, False, latency=0.1), _full("always", ex.id, i in (0, 3), True, latency=1.0),
+        _full("flare", ex.id, i in (0, 3), i == 0, latency=0.5, score=1.0 if i == 0 else 0.0))])
+    return examples, store
+
+
+def test_a_second_pass_of_always_over_two_invocations_is_not_one_sitting(tmp_path, capsys):
+    """always's second pass cut short and finished by a later invocation: the coin pays its timing, so the coin was
+    not timed in one sitting (it said "yes")."""
+    from fastgate.eval.report import AGAIN_FILE, write_report
+    from fastgate.eval.runner import ResultsStore, RunSpec, summarize
+
+    examples, store = _coin_store(tmp_path)
+    again = ResultsStore(tmp_path / AGAIN_FILE)
+    again.append([{**_full("always", ex.id, i in (0, 3), True, latency=1.2), "invocation": f"inv-{1 + (i > 1)}"}
+                  for i, ex in enumerate(examples)])
+    second = summarize(RunSpec("always", "bm25"), [again.records[("always", ex.id)] for ex in examples])
+    write_report(tmp_path, store, examples, [RunSpec("flare", "bm25")], [], header="h", again=second)
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    (tm,) = doc["time_matched"]
+    assert tm["always_passes"] == [1.0, 1.2] and tm["one_sitting"] is False
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| always (again, at the end) | 1.200 | 2 invocations |" in summary
+    assert "second pass was answered over 2 invocations" in summary and "not from one sitting" in summary
+    # the same pass in one invocation is one sitting
+    again.path.unlink()
+    again = ResultsStore(tmp_path / AGAIN_FILE)
+    again.append([_full("always", ex.id, i in (0, 3), True, latency=1.2) for i, ex in enumerate(examples)])
+    second = summarize(RunSpec("always", "bm25"), [again.records[("always", ex.id)] for ex in examples])
+    write_report(tmp_path, store, examples, [RunSpec("flare", "bm25")], [], header="h", again=second)
+    assert json.loads((tmp_path / "summary.json").read_text())["time_matched"][0]["one_sitting"] is True
+    assert "second pass was answered over" not in (tmp_path / "summary.md").read_text()
+    capsys.readouterr()
+
+
+def test_the_summary_never_tables_records_of_two_dtypes(tmp_path, capsys):
+    from fastgate.eval.report import write_report
+    from fastgate.eval.runner import ResultsStore, RunSpec
+
+    examples, store = _coin_store(tmp_path)
+    lines = [json.loads(line) for line in store.path.read_text().splitlines()]
+    store.path.write_text("".join(json.dumps({**r, "dtype": "float32" if r["run"] == "flare" else "bfloat16"}) + "\n"
+                                  for r in lines))
+    with pytest.raises(InputError, match=r"more than one dtype: bfloat16 \(run 'never', e\.g\. question q0\), "
+                                         r"float32 \(run 'flare'"):
+        write_report(tmp_path, ResultsStore(store.path), examples, [RunSpec("never", None)], [], header="h")
+    assert not (tmp_path / "summary.md").exists()
+    capsys.readouterr()

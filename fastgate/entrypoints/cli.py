@@ -129,15 +129,13 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from datetime import datetime, timezone
     from pathlib import Path
 
     from fastgate.eval.datasets import is_benchmark, load_examples
-    from fastgate.eval.report import machine_line, new_invocation, run_always_again, write_report
-    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.eval.runner import EvalSettings, RunSpec, hold_out_dir
     from fastgate.methods import METHODS
     from fastgate.methods.calibration import CPU_EVAL_BUDGET
-    from fastgate.serving.runtime import Runtime, check_request
+    from fastgate.serving.runtime import check_request
 
     if args.all and args.method is not None:
         raise InputError("give either --method M or --all, not both")
@@ -181,10 +179,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             req = check_request(name, {**base, **params, **extra}, args.retriever, model,
                                 remote=remote.name if remote else None)
             runs.append(RunSpec(req.method, req.retriever, req.params))
-    data, examples = load_examples(args.data, args.n, args.seed, args.index, args.split, args.subset)
+    data, examples = load_examples(args.data, args.n, args.seed, args.index, args.split, args.subset,
+                                   progress=not args.quiet)
     stem = data.replace(":", "-") if is_benchmark(data) else Path(data).stem
     out = Path(args.out or f"eval-{Path(model).name}-{stem}")
     settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
+    with hold_out_dir(out):  # one invocation at a time: released however this ends
+        return _eval_into(args, out, settings, runs, data, examples, remote, budget)
+
+
+def _eval_into(args: argparse.Namespace, out, settings, runs, data: str, examples, remote, budget: str) -> int:
+    """``fastgate eval``'s work in ``out``, whose lock the caller holds."""
+    from datetime import datetime, timezone
+
+    from fastgate.eval.report import AGAIN_FILE, machine_line, new_invocation, run_always_again, write_report
+    from fastgate.eval.runner import ResultsStore, check_form, check_settings, evaluate
+    from fastgate.serving.runtime import Runtime
+
     check_settings(out, settings)
     store = ResultsStore(out / "results.jsonl")
     done = sum(store.done(r.key, ex.id) for r in runs for ex in examples)
@@ -193,6 +204,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
                       step=args.step, remote=remote, weights=args.weights)
+    # one directory, one engine, dtype and weights: refused before any run answers (every run's own records are
+    # checked by evaluate, before any run answers too)
+    check_form(store, runtime)
+    check_form(ResultsStore(out / AGAIN_FILE), runtime)
     answered = {r.key: sum(not store.done(r.key, ex.id) for ex in examples) for r in runs}
     invocation = new_invocation()
     try:

@@ -167,12 +167,16 @@ def load_qa(data: str | Path) -> list[QAExample]:
         question, answers = row.get("question"), row.get("answers")
         if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
             raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
+        for a in answers:  # "" or null: a gold no answer can match ("" was scored as matching nothing, null as "None")
+            if not isinstance(a, str) or not a.strip():
+                got = json.dumps(a, ensure_ascii=False)
+                raise CorpusError(f"{path}:{n}: every gold answer must be a non-empty string, got {got}")
         qid = row.get("id")
         qid = f"{path.stem}-{n}" if qid is None else str(qid)
         if qid in lines:  # records are keyed by id: one would stand for both (scored and resumed as one)
             raise CorpusError(f"{path}:{n}: id {qid!r} is also line {lines[qid]}'s; ids must be unique")
         lines[qid] = n
-        out.append(QAExample(qid, question.strip(), tuple(str(a) for a in answers), source=path.stem))
+        out.append(QAExample(qid, question.strip(), tuple(answers), source=path.stem))
     if not out:
         raise CorpusError(f"{path} has no questions")
     return out
@@ -265,10 +269,12 @@ def refuse_test_split(data: str | Path, what: str) -> None:
 
 
 def load_examples(data: str | Path, n: int | None, seed: int = 0, index: str | Path | None = None,
-                  split: str | None = None, subset: str | None = None) -> tuple[str, list[QAExample]]:
+                  split: str | None = None, subset: str | None = None, *,
+                  progress: bool = True) -> tuple[str, list[QAExample]]:
     """The questions of ``data`` and its canonical name (what records and settings store): a benchmark
     (``NAME[:SPLIT[:SUBSET]]``, in its loader's own seeded order, so a balanced prefix stays balanced) or a built-in
-    set or JSONL file (``n`` sampled with ``seed``).
+    set or JSONL file (``n`` sampled with ``seed``). ``progress``: the corpus split's progress bar (a benchmark's
+    subset computed for the first time).
 
     Raises:
         InputError: ``split`` / ``subset`` for data that is not a benchmark.
@@ -281,7 +287,7 @@ def load_examples(data: str | Path, n: int | None, seed: int = 0, index: str | P
                 raise InputError(f"{data!r} names {flag.removeprefix('--')} {parts[i]!r} and {flag} says "
                                  f"{given!r}: give one")
         spec = parse_benchmark(data, split, subset)
-        return str(spec), load_benchmark(spec, seed=seed, n=n, index=index)
+        return str(spec), load_benchmark(spec, seed=seed, n=n, index=index, progress=progress)
     if split is not None or subset is not None:
         raise InputError("--split and --subset apply to the benchmarks (nq, triviaqa, webq, squad)")
     return data, sample_examples(load_qa(data), n, seed)
@@ -510,7 +516,8 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
     the top ANSWERABILITY_DEPTH (questions between are in neither); ``balanced``: answerable and unanswerable
     questions alternate (each class shuffled with ``seed``), so every prefix holds equal numbers (±1) and is the same
     questions for any ``n``. Each example's ``meta`` has ``answerable``, ``rank`` (the first passage holding a gold
-    answer) and ``shown_rank`` when a subset other than ``all`` is asked for. The counts go to stderr.
+    answer) and ``shown_rank`` when a subset other than ``all`` is asked for. The counts go to stderr; ``progress``:
+    the corpus split's progress bar.
     """
     import random
 
@@ -532,10 +539,10 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
                            "shown_rank": ranks[e.id].shown}) for e in order]
     yes = [e for e in labelled if ranks[e.id].answerable]
     no = [e for e in labelled if ranks[e.id].unanswerable]
-    if progress:
-        print(f"fastgate: {spec.name} {spec.split}: {len(examples)} questions, {len(yes)} answerable (a gold answer "
-              f"shown in the BM25 top-{READ_DEPTH} the methods read), {len(no)} unanswerable (none in the top "
-              f"{ANSWERABILITY_DEPTH}), {len(examples) - len(yes) - len(no)} between", file=sys.stderr)
+    # the counts are no progress bar: printed without one too (`fastgate eval --quiet`)
+    print(f"fastgate: {spec.name} {spec.split}: {len(examples)} questions, {len(yes)} answerable (a gold answer "
+          f"shown in the BM25 top-{READ_DEPTH} the methods read), {len(no)} unanswerable (none in the top "
+          f"{ANSWERABILITY_DEPTH}), {len(examples) - len(yes) - len(no)} between", file=sys.stderr)
     chosen = {"answerable": yes, "unanswerable": no, "balanced": _interleave(yes, no)}[spec.subset]
     if not chosen:
         raise CorpusError(f"{spec} is empty: no {spec.subset} question for this corpus")

@@ -247,6 +247,9 @@ def cost_section(table: Sequence[RunSummary], again: RunSummary | None) -> str:
     if again is not None:
         text += (" `always` was answered again after the other runs of the invocation; the time-matched coin pays "
                  "the mean of its two timings.")
+        if again.invocations > 1:
+            text += (f" Its second pass was answered over {again.invocations} invocations (cut short, then finished "
+                     "by a later one): its timing is not from one sitting.")
     return text + "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -344,13 +347,21 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
 
     order = {m: i for i, m in enumerate(METHODS)}
     keys = sorted({k for k, _ in store.records}, key=lambda k: (order.get(k.split("[")[0], 99), k))
+    ids = [ex.id for ex in examples]
+    again_recs: dict[str, Record] = {}
+    if again is not None:
+        held = ResultsStore(out / AGAIN_FILE)
+        again_recs = {q: held.records[(again.run, q)] for q in ids if (again.run, q) in held.records}
+    again_sittings = _sittings(again_recs, ids)
     table: list[RunSummary] = []
+    summarised: list[Record] = list(again_recs.values())
     for key in keys:
         recs = [store.records.get((key, ex.id)) for ex in examples]
         if all(recs):
             spec = next((r for r in runs if r.key == key), RunSpec(recs[0]["method"], recs[0].get("retriever")))
             table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
-    ids = [ex.id for ex in examples]
+            summarised += recs
+    _one_form(store.path, summarised)
     by_run: dict[str, dict[str, Record]] = {}
     for (key, qid), rec in store.records.items():
         by_run.setdefault(key, {})[qid] = rec
@@ -386,6 +397,8 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
             if not timings.get(key):
                 continue
             union = _sittings(by_run[g.run], ids) | never_sittings | _sittings(by_run[key], ids)
+            if key == BASELINES[1] and again is not None:  # the coin pays the second pass's timing too
+                union |= again_sittings
             timed.append(time_matched_coin(by_run[g.run], by_run[BASELINES[0]], by_run[key], ids,
                                            s_run=rows[g.run].s_per_q, s_never=never_s.s_per_q,
                                            s_always=timings[key], run=label,
@@ -443,6 +456,20 @@ def reads_dense(recs: Mapping[str, Record]) -> bool:
     if first.get("method") == "read":
         return (first.get("params") or {}).get("features") == "dense"
     return first.get("retriever") == "dense"
+
+
+def _one_form(where: Path, records: Sequence[Record]) -> None:
+    """Refuse to put records of more than one engine, dtype or weights format into one table (the records that name
+    them; :func:`fastgate.eval.runner.check_form` refuses them before an evaluation answers anything)."""
+    for field in ("engine", "dtype", "weights"):
+        seen: dict[Any, Record] = {}
+        for rec in records:
+            if field in rec:
+                seen.setdefault(rec[field], rec)
+        if len(seen) > 1:
+            made = ", ".join(f"{v} (run {r.get('run')!r}, e.g. question {r.get('id')})" for v, r in seen.items())
+            raise InputError(f"{where} holds records of more than one {field}: {made}; they are never summarised in "
+                             "one table: evaluate into a new --out directory")
 
 
 def _sittings(recs: Mapping[str, Record], ids: Sequence[str]) -> set[str]:

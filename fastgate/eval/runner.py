@@ -11,16 +11,21 @@ Layout of an output directory::
 Nothing is left half-written: records are appended whole (a failed append is cut back off the file) and every other
 file is written beside its place and renamed into it. A disk that is full, a directory without write permission or a
 read-only file system raises :class:`~fastgate.errors.WriteError` naming the file (the CLI's one line).
+
+One invocation at a time: ``fastgate eval`` holds ``DIR/.lock`` (:func:`hold_out_dir`) while it runs, and one directory
+holds the records of one engine, dtype and weights (:func:`check_form`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,11 @@ from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError, RemoteError, disk_error
 from fastgate.eval.datasets import QAExample
 from fastgate.eval.metrics import accuracy, decision, exact_match, token_f1
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no lock on the output directory
+    fcntl = None  # type: ignore[assignment]
 
 # how an evaluation feeds a run's questions to the engine: ``window``, a fixed number in flight (a new one joins as one
 # ends; the default: what a busy server's engine sees), or ``batches`` one after another (each waits for its slowest)
@@ -40,7 +50,9 @@ __all__ = [
     "RunSpec",
     "RunSummary",
     "SCHEDULES",
+    "check_form",
     "evaluate",
+    "hold_out_dir",
     "plot_accuracy_vs_retrieval",
     "replace_file",
     "save_figure",
@@ -165,7 +177,10 @@ class ResultsStore:
 
 
 def check_settings(out_dir: Path, settings: EvalSettings) -> None:
-    """Write ``eval.json`` on first use; refuse to mix records made under different settings."""
+    """Write ``eval.json`` on first use; refuse to mix records made under different settings.
+
+    An ``eval.json`` with no records beside it (an invocation that failed before answering, e.g. on a mistyped
+    ``--model``) is replaced: there is nothing to mix."""
     path = out_dir / "eval.json"
     mine = asdict(settings)
     if out_dir.exists() and not out_dir.is_dir():
@@ -178,15 +193,78 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
         if not isinstance(theirs, dict):
             raise InputError(f"{path} is corrupt (not a JSON object of settings); remove it or use another --out")
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-        if diff:
+        if not diff:
+            return
+        if _holds_records(out_dir):
             what = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
             raise InputError(f"{out_dir} holds an evaluation with other settings ({what}); use another --out")
-        return
+    make_out_dir(out_dir)
+    replace_file(path, lambda tmp: tmp.write_text(json.dumps(mine, indent=1) + "\n"))
+
+
+def _holds_records(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a record file that is not empty (``results.jsonl``, ``always-again.jsonl``)."""
+    try:
+        return any(p.is_file() and p.stat().st_size > 0 for p in out_dir.glob("*.jsonl"))
+    except OSError:
+        return True  # unreadable: as if it held records (refused, never overwritten)
+
+
+def make_out_dir(out_dir: Path) -> None:
+    """Create the output directory ``out_dir`` (``--out``) and its parents.
+
+    Raises:
+        InputError: it is a file, or it cannot be made for another reason than the disk's (a part of its path is a
+            file, a file system that takes no directories there such as ``/proc``), named as ``--out``.
+        WriteError: the disk is full, not writable or read-only."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir} is a file: an evaluation writes a directory (--out)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise _write_error(exc, "cannot create", out_dir) from None
-    replace_file(path, lambda tmp: tmp.write_text(json.dumps(mine, indent=1) + "\n"))
+        if (err := disk_error(exc, "cannot create", out_dir)) is not None:
+            raise err from None
+        why = ("a part of its path is a file" if exc.errno in (errno.ENOTDIR, errno.EEXIST)
+               else (exc.strerror or str(exc)).lower())
+        raise InputError(f"--out {out_dir}: cannot create the directory ({why})") from None
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def hold_out_dir(out_dir: Path) -> Iterator[None]:
+    """Create ``out_dir`` and hold ``out_dir/.lock`` exclusively (``flock``) until the block ends, however it ends;
+    the file names the holder's pid. Two evaluations into one directory would both answer every question (each
+    record twice) and time each other's load.
+
+    Raises:
+        InputError: another process holds it ("``DIR`` is in use by another fastgate eval (pid N)")."""
+    make_out_dir(out_dir)
+    if fcntl is None:
+        yield
+        return
+    path = out_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise _write_error(exc, "cannot create", path) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise InputError(f"{out_dir} is in use by another fastgate eval"
+                             + (f" (pid {holder})" if holder.isdigit() else "")
+                             + ": wait for it to end, or use another --out") from None
+        except OSError:  # a file system that takes no locks (ENOLCK): run unlocked
+            pass
+        with contextlib.suppress(OSError):  # the pid is for the message above only
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock (so does the process's end, however it ends)
 
 
 def _write_error(exc: OSError, what: str, path: Path) -> OSError:
@@ -368,14 +446,22 @@ def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> 
 
 
 def _check_questions(store: ResultsStore, run: RunSpec, examples: Sequence[QAExample]) -> None:
-    """Refuse to resume ``run`` where a record's id now names another question (a ``--data`` file edited since: ids
-    default to line numbers, so a line inserted above shifts them)."""
+    """Refuse to resume or summarise ``run`` where a record's id now names another question (a ``--data`` file edited
+    since: ids default to line numbers, so a line inserted above shifts them), or where its question's gold answers
+    changed (a corrected answer: the record was scored against the old ones)."""
     for ex in examples:
         rec = store.records.get((run.key, ex.id))
-        if rec is not None and rec.get("question") not in (None, ex.question):
+        if rec is None:
+            continue
+        if rec.get("question") not in (None, ex.question):
             raise InputError(f"{store.path} answered id {ex.id} of {run.key} for the question {rec['question']!r}, "
                              f"but the data now has {ex.question!r} under that id (the data changed since): evaluate "
                              "into a new --out directory")
+        golds = rec.get("answers")
+        if isinstance(golds, list) and set(map(str, golds)) != set(ex.answers):  # any one counts: order is no change
+            raise InputError(f"{store.path} scored question {ex.id} of {run.key} against the gold answers {golds!r}, "
+                             f"but the data now gives {list(ex.answers)!r} (the data changed since): evaluate into a "
+                             "new --out directory")
 
 
 def _corpus(runtime, run: RunSpec) -> str | None:
@@ -430,11 +516,52 @@ def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
                          f"engine {was}, but this run would use {engine}: evaluate into a new --out directory")
 
 
+def _form_of(runtime) -> tuple[str | None, str | None, str | None, str]:
+    """What records name of ``runtime``'s engine: ``(dtype, legacy dtype, weights, engine)``. The dtype and weights
+    are None on a remote engine (the server's are not known here); the legacy dtype is what records from before they
+    named it were made in: the old ``auto``, float32 on a CPU and bf16 on CUDA (None where the dtype is not known: a
+    remote engine's device flag names no device here)."""
+    from fastgate.assets.models import resolve_device
+
+    dtype = runtime.dtype_name
+    legacy = None if dtype is None else ("bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32")
+    weights = getattr(runtime, "weights_name", None)  # float, int8, int4... (None on a remote engine)
+    engine = getattr(runtime, "engine_name", "local")
+    return dtype, legacy, weights, engine
+
+
+def check_form(store: ResultsStore, runtime) -> None:
+    """Refuse to add to or summarise ``store`` when any of its records (any run's, any question's) was made on another
+    engine, with the weights in another dtype or held otherwise than ``runtime`` would make them: one output directory
+    holds the records of one engine, dtype and weights, so that its table compares like with like (a float32 run
+    beside bf16 ones timed and answered differently). Records that name none count as made locally, in the legacy
+    dtype (:func:`_form_of`) with float weights, as :func:`evaluate`'s checks of one run count them.
+
+    Raises:
+        InputError: naming a run and question of the other form, and the flag that gives it."""
+    dtype, legacy, weights, engine = _form_of(runtime)
+    checks = [("engine", engine, "local", "on the engine {}", "")]
+    if dtype is not None:
+        checks.append(("dtype", dtype, legacy, "with the weights in {}", ", or pass --dtype {}"))
+    if weights is not None:
+        checks.append(("weights", weights, "float", "with {} weights", ", or pass --weights {}"))
+    for field, value, old, made, flag in checks:
+        for (key, qid), rec in store.records.items():
+            was = rec.get(field, old)
+            if was != value:
+                raise InputError(f"{store.path} holds records made {made.format(was)} (run {key!r}, e.g. question "
+                                 f"{qid}), but this evaluation would use {value}: one --out holds the records of one "
+                                 f"engine, dtype and weights; evaluate into a new --out directory{flag.format(was)}")
+
+
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,
              batch_size: int = 16, progress: bool = True,
              on_batch: Callable[[RunSpec, int], None] | None = None,
              invocation: str | None = None, schedule: str = "window", timed: bool = True) -> list[RunSummary]:
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
+
+    Every run is checked against the records of ``store`` (its parameters, engine, dtype, weights, schedule, questions
+    and gold answers, corpus) before any question is answered, a finished run's too.
 
     Args:
         runtime: a :class:`~fastgate.serving.runtime.Runtime` (model loaded once for all runs).
@@ -450,13 +577,13 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         schedule: ``window`` (default): ``batch_size`` questions in flight, a new one joining as one ends
             (:func:`_answer_window`); ``batches``: batches one after another, each waiting for its slowest question
             (the schedule before 2026-11-26). Each record names it.
-        timed: the run's timings are reported, so a resume under another schedule than its records' is refused;
-            False for passes whose records are read for their answers only (training, calibration).
+        timed: the run's timings are reported, so a resume under another schedule than its records' is refused, and
+            a run with questions left first answers one of them untimed and unrecorded (:func:`_warm_up`); False for
+            passes whose records are read for their answers only (training, calibration).
 
     Returns:
         One :class:`RunSummary` per run over ``examples``.
     """
-    from fastgate.assets.models import resolve_device
     from fastgate.methods import make_config
     from fastgate.methods.base import method_class
     from fastgate.serving.runtime import AnswerRequest
@@ -465,14 +592,11 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         raise InputError(f"batch size must be >= 1, got {batch_size}")
     if schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    # every record names the weights' dtype, and a resume under another is refused. Records from before they named it
-    # were made under the old `auto`: float32 on a CPU, bf16 on CUDA (what this device would have given them).
-    dtype = runtime.dtype_name  # None on a remote engine: the server's weights are not known here
-    # (read only where the dtype is known: a remote engine's device flag names no device here)
-    legacy = None if dtype is None else ("bfloat16" if resolve_device(runtime.device).type == "cuda" else "float32")
-    weights = getattr(runtime, "weights_name", None)  # float, int8, int4... (None on a remote engine), beside the dtype
-    engine = getattr(runtime, "engine_name", "local")  # records name the engine; a resume on another is refused
-    summaries = []
+    # every record names the weights' dtype, format and engine, and a resume under others is refused
+    dtype, legacy, weights, engine = _form_of(runtime)
+    # every run is checked against the store before any question is answered: a refusal of the second run after the
+    # first had answered its questions left records of the refused settings in the directory
+    prepared = []
     for run in runs:
         request = AnswerRequest(run.method, run.retriever, run.params)
         # a run's key names only the user's parameters; the calibrated values and paper defaults under them can change
@@ -489,11 +613,18 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         if weights is not None:
             _check_weights(store, run, weights)
         _check_questions(store, run, examples)
+        _check_corpus(store, run, _corpus(runtime, run))  # the index's manifest: a finished run's records too
+        prepared.append((run, config, params))
+    summaries = []
+    for run, config, params in prepared:
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
-            method = runtime.build(AnswerRequest(run.method, run.retriever, run.params, config))  # built once
+            request = AnswerRequest(run.method, run.retriever, run.params, config)
+            method = runtime.build(request)  # built once
             corpus = _corpus(runtime, run)  # read once the method has opened (or built) its indexes
             _check_corpus(store, run, corpus)
+            if timed:  # the engine's and the method's first-use work is not charged to the run's first questions
+                _warm_up(runtime, request, todo, schedule)
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:
@@ -522,6 +653,32 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
                     bar.close()
         summaries.append(summarize(run, [store.records[(run.key, ex.id)] for ex in examples]))
     return summaries
+
+
+def _warm_up(runtime, request, todo: Sequence[QAExample], schedule: str) -> None:
+    """Answer the first of ``todo``'s questions that the method takes once, untimed and unrecorded, as ``fastgate
+    serve`` warms up before its first request: the first passes of an engine (and of a method on it) pay one-time
+    work (oneDNN's reordered weights, the quantized kernels' tiles, the few-shot block's cached prefix, the indexes'
+    first reads) that the first run of an invocation was charged alone (``never`` timed 0.235 s a question first,
+    0.020 s after ``always``). The answer comes from a method built for it and dropped: a gate that keeps state
+    (the read gate's estimate of the answerable share) starts the run as it would have without it. A question the
+    method or the server fails is left to the run, which says its own errors."""
+    from fastgate.scheduler import Scheduler
+
+    method = runtime.build(request)
+    for ex in todo:
+        try:
+            method.validate([ex.question])
+        except InputError:  # too long, ...: recorded with its error by the run; another warms up
+            continue
+        try:
+            if schedule == "window":
+                Scheduler(method.engine).answer(method, [ex.question])
+            else:
+                method.answer_batch([ex.question])
+        except (InputError, RemoteError):
+            pass
+        return
 
 
 def _progress(total: int, done: int, desc: str, enabled: bool):
