@@ -69,6 +69,20 @@ class TapSpec:
     eos_state: bool = False  # mid-layer state at a forced EOS after each sequence stops (SeaKR)
     mid_layer: int | None = None  # layer for pre_answer/eos_state; None = n_layers // 2
 
+    def __post_init__(self) -> None:
+        # TapSpec(layers="12") or (1.5,) reached the engine as a bare TypeError, pre_answer="no" captured the state
+        if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
+            raise InputError(f"layers must be a sequence of layer indices, got {self.layers!r:.60}")
+        layers = tuple(as_integer("a tap layer", v) for v in self.layers)
+        if any(v < 0 for v in layers):
+            raise InputError(f"tap layers must be >= 0, got {layers}")
+        object.__setattr__(self, "layers", layers)
+        for name in ("pre_answer", "eos_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, got {getattr(self, name)!r:.60}")
+        if self.mid_layer is not None and as_integer("mid_layer", self.mid_layer) < 0:
+            raise InputError(f"mid_layer must be >= 0, got {self.mid_layer}")
+
     @property
     def needs_flush(self) -> bool:
         """Whether a finished sequence's last token must still be fed (to record its state)."""

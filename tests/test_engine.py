@@ -466,3 +466,44 @@ def test_prompts_tokenised_in_one_call_as_one_by_one(tiny_engine):
     assert runner.encode([], 4) == ([], [])
     with pytest.raises(InputError, match="prompt 1 is empty"):
         runner.encode(["Hi", ""], 4)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"layers": "12"}, "sequence of layer indices"),  # a bare TypeError at generate
+    ({"layers": (1.5,)}, "tap layer must be an integer"),
+    ({"layers": (-1,)}, "tap layers must be >= 0"),
+    ({"pre_answer": "no"}, "pre_answer must be True or False"),  # truthy: the state was captured
+    ({"mid_layer": -7}, "mid_layer must be >= 0"),
+])
+def test_tap_spec_refuses_values_of_the_wrong_type(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        TapSpec(**kwargs)
+    assert TapSpec(layers=[2, 3]).layers == (2, 3)  # a list is kept as the tuple it is hashed as
+
+
+def test_library_entry_points_give_the_projects_errors(tiny):
+    """A config built directly is typed as make_config types it (tau=nan: a gate that never fired, silently); an
+    unknown name with a config, parameters that are no mapping, an unknown forward, a model name for a loaded model:
+    fastgate's errors, not a KeyError / AttributeError / ValueError."""
+    from fastgate.errors import UnknownNameError
+    from fastgate.methods import build_method, make_config
+    from fastgate.methods.base import MethodConfig
+    from fastgate.methods.dtr import DtrConfig
+    from fastgate.methods.seakr import SeakrConfig
+
+    with pytest.raises(InputError, match="tau must be a number"):
+        DtrConfig(tau=float("nan"))
+    with pytest.raises(InputError, match="alpha must be a number"):
+        SeakrConfig(alpha=float("nan"))
+    for bad in ({"k": 2.5}, {"k": True}, {"max_answer_tokens": None}):
+        with pytest.raises(InputError, match="expects int"):
+            MethodConfig(**bad)
+    assert DtrConfig(tau="0.5", k="2") == DtrConfig(tau=0.5, k=2)  # strings parsed as make_config parses them
+    with pytest.raises(UnknownNameError, match="unknown method 'nope'"):
+        build_method("nope", None, None, config=DtrConfig())
+    with pytest.raises(InputError, match="a mapping"):
+        make_config("dtr", ["tau"])
+    with pytest.raises(UnknownNameError, match="forward"):
+        Engine(tiny, forward="bogus")
+    with pytest.raises(InputError, match="loaded model"):
+        Engine("smollm2-135m")

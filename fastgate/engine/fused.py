@@ -38,6 +38,7 @@ from torch import nn
 
 from fastgate.assets.models import return_freed_memory
 from fastgate.assets.quant import Int4Linear, Int8Linear, packed_rows_split
+from fastgate.errors import UnknownNameError
 from fastgate.ops import reference
 from fastgate.ops.decoder import DecoderLayerWeights, is_silu
 from fastgate.ops.dense import torch_dense_linear
@@ -53,8 +54,8 @@ _ATTR = "_fastgate_fused"  # where a model keeps its FusedForward (built once, s
 
 def canonical_forward(name: str) -> str:
     """``name`` checked against :data:`FORWARDS`."""
-    if name not in FORWARDS:
-        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {name!r}")
+    if name not in FORWARDS:  # a bare ValueError before; step= gave the project's error
+        raise UnknownNameError("forward", name, list(FORWARDS))
     return name
 
 

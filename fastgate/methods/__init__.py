@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from fastgate.errors import InputError, UnknownNameError
@@ -55,6 +56,8 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
     hints = typing.get_type_hints(cls)
     valid = {f.name for f in dataclasses.fields(cls)}
     params = params or {}
+    if not isinstance(params, Mapping):  # a list reached .items() as an AttributeError
+        raise InputError(f"parameters are name=value pairs (a mapping), got {type(params).__name__}")
     unknown = sorted(set(params) - valid)
     if unknown:
         raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
@@ -66,6 +69,8 @@ def build_method(name: str, engine, retriever=None, params: dict[str, Any] | Non
     """Construct method ``name`` with its config built from ``params``, or with ``config``, one already built by
     :func:`make_config` (``retrievers``: the other retrievers a method searches besides its own, by kind, for methods
     with ``uses_retrievers``)."""
+    if name not in METHODS:  # with a config too: a bare KeyError before
+        raise UnknownNameError("method", name, list(METHODS))
     if config is None:
         config = make_config(name, params)
     elif params or not isinstance(config, METHODS[name].config_class):

@@ -44,6 +44,13 @@ class MethodConfig:
     passage_words: int = 120  # words kept per passage in the prompt; keeps 3 passages within a small model's span
 
     def __post_init__(self) -> None:
+        # every field of every method's config, as make_config types them: a config built directly took tau=nan
+        # (a gate that never fired, silently), k="3" (a bare TypeError) or k=2.5 (refused only at the search)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            typed = coerce_param(f.name, value, f.type)
+            if typed is not value:
+                object.__setattr__(self, f.name, typed)  # "0.5" -> 0.5, 3 -> 3.0 for a float: the same value
         if self.k < 1:
             raise InputError(f"k must be >= 1, got {self.k}")
         if self.max_answer_tokens < 1:
