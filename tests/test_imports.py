@@ -73,6 +73,12 @@ def import_graph() -> dict[str, set[str]]:
                         deps.add(sub)
                     elif base in mods:
                         deps.add(base)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+                  == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)):  # importlib.import_module("fastgate.x"): an import too
+                target = node.args[0].value
+                if target in mods or target == EXTENSION:
+                    deps.add(target)
         deps.discard(name)
         graph[name] = deps
     return graph
@@ -193,8 +199,10 @@ def test_the_engine_module_still_exports_the_result_types():
 
 # The layers of docs/ARCHITECTURE.md, from the bottom up: a module may import its own layer and those below, never one
 # above (lazy imports included). Within a layer, a longer prefix wins (fastgate.version is base, fastgate the facade).
+EXTENSION = "fastgate._C"  # the compiled C++ library (csrc/): it imports nothing of fastgate
+
 LAYERS = [
-    ("base", ("fastgate.errors", "fastgate.settings", "fastgate.config", "fastgate.version")),
+    ("base", ("fastgate.errors", "fastgate.settings", "fastgate.config", "fastgate.version", EXTENSION)),
     ("models and data", ("fastgate.assets",)),
     ("prompts", ("fastgate.prompts",)),
     ("ops and kernels", ("fastgate.ops", "fastgate.kernels")),
@@ -231,6 +239,8 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_the_layer_test_can_fail():
     assert layer_of("fastgate.engine.packed") < layer_of("fastgate.scheduler.driver")
+    # a string import is an import: the assets asking the extension are seen (and allowed: it is at the base)
+    assert EXTENSION in import_graph()["fastgate.assets.quant"] and layer_of(EXTENSION) == 0
     assert layer_of("fastgate.version") < layer_of("fastgate.entrypoints.http.common") < layer_of("fastgate")
 
 

@@ -159,7 +159,7 @@ class WeightsChoice:
 def float32_kernels() -> bool:
     """Whether the C++ extension is built and runs its float32 weight-only kernels here (AVX2 and FMA; the registry
     binds them as ``int4_matmul`` / ``int8_matmul`` for float32 rows, :mod:`fastgate.ops.quant`)."""
-    try:  # not fastgate.ops.registry.import_ext: the ops layer sits above the assets
+    try:  # the extension is at the base (docs/ARCHITECTURE.md); fastgate.ops.registry, above the assets, binds it
         ext = importlib.import_module("fastgate._C")
     except ImportError:
         return False
