@@ -81,6 +81,7 @@ def import_graph() -> dict[str, set[str]]:
                     deps.add(target)
         deps.discard(name)
         graph[name] = deps
+    graph[EXTENSION] = set()  # compiled: it imports nothing of fastgate
     return graph
 
 

@@ -59,7 +59,7 @@ class Engine:
     def __init__(self, model: LoadedModel, backend: str = "auto", prefix_cache: int = 32,
                  prefill_chunk: int | None = None, head_columns: int = DEFAULT_COLUMNS,
                  step: StepConfig | str = "auto", forward: str = "auto") -> None:
-        if not hasattr(model, "model") or not hasattr(model, "tokenizer"):  # Engine("smollm2-135m"): AttributeError
+        if not hasattr(model, "model") or not hasattr(model, "tokenizer"):  # Engine(a model name): AttributeError
             raise InputError(f"Engine takes a loaded model (fastgate.load_model(name)), got {type(model).__name__} "
                              f"{model!r:.60}")
         self.runner = ModelRunner(model, backend, prefix_cache, prefill_chunk, head_columns, step, forward)
