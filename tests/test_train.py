@@ -3,6 +3,8 @@ probers round-trip through a checkpoint and drive the gates."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -190,3 +192,97 @@ def test_train_confidence_keeps_the_rows_of_ids_holding_a_hash(monkeypatch, tmp_
     out = capsys.readouterr().out
     trained = int(out.split(" training questions")[0].split()[-1])
     assert trained > 4 and f"{trained} labelled rows" in out
+
+
+def _no_work(monkeypatch, tmp_path):
+    """``fastgate train`` with the data reading and the model load made to fail the test: a flag's check must come
+    before both."""
+    import fastgate.assets.models
+    import fastgate.train.cli
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the check came after the work")
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", boom)
+    monkeypatch.setattr(fastgate.train.cli, "_examples", boom)
+
+
+def test_fit_config_refuses_bad_settings():
+    for bad in ({"lr": float("nan")}, {"lr": -1.0}, {"lr": 0.0}, {"lr": float("inf")}, {"dropout": 2.0},
+                {"dropout": -0.1}, {"dropout": 1.0}, {"dropout": float("nan")}, {"epochs": 0}, {"hidden": 0}):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            FitConfig(**bad)
+    FitConfig(dropout=0.0, lr=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["prober", "confidence"])
+def test_train_bad_flags_fail_before_the_model_loads(monkeypatch, tmp_path, capsys, kind):
+    """--lr nan / -1, --dropout 2 and --batch-size 0 were raw tracebacks (AdamW's, torch's, range()'s) after the
+    model had loaded."""
+    from fastgate.entrypoints.cli import main
+
+    _no_work(monkeypatch, tmp_path)
+    for flags, message in [(["--lr", "nan"], "lr must be a finite number > 0"), (["--lr", "-1"], "lr must be"),
+                           (["--dropout", "2"], r"dropout must be in \[0, 1\)"),
+                           (["--batch-size", "0"], "--batch-size must be >= 1"), (["--epochs", "0"], "epochs must be")]:
+        assert main(["train", kind, "--model", "tiny", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(message, err), (flags, err)
+
+
+def test_train_reranker_checks_its_flags_and_out_before_any_work(monkeypatch, tmp_path, capsys):
+    """--epochs 0 crashed with IndexError (losses[0]) after the whole preference pass; --out DIR holding the user's
+    files had them replaced by the model's."""
+    from fastgate.entrypoints.cli import main
+
+    _no_work(monkeypatch, tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "config.json").write_text("{}")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = ["--out", str(tmp_path / "rr")]
+    for flags, message in [([*out, "--epochs", "0"], "epochs must be >= 1"), ([*out, "--lr", "nan"], "lr must be"),
+                           ([*out, "--lr", "0"], "lr must be"), ([*out, "--candidates", "0"], "--candidates must be"),
+                           (["--out", str(mine)], "not a fastgate reranker: not overwriting"),
+                           (["--out", str(afile)], "not a directory")]:
+        assert main(["train", "reranker", "--model", "tiny", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (flags, err)
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "notes.txt"]
+    assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "rr").exists()
+
+
+def test_reranker_save_is_atomic(tmp_path):
+    """The reranker was written straight into --out: an interrupted save left a half-written model there."""
+    from fastgate.train.reranker import MARKER, _save_reranker, check_reranker_out
+
+    def writer(text, fail=False):
+        def write(tmp):
+            (tmp / "model.safetensors").write_text(text)
+            if fail:
+                raise KeyboardInterrupt
+            (tmp / "tokenizer.json").write_text(text)
+        return write
+
+    out = tmp_path / "rr"
+    _save_reranker(out, writer("one"), {})
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "model.safetensors", "tokenizer.json"]
+    check_reranker_out(out)  # ours: may be replaced
+    with pytest.raises(KeyboardInterrupt):
+        _save_reranker(out, writer("two", fail=True), {})
+    assert (out / "model.safetensors").read_text() == "one" and (out / "tokenizer.json").read_text() == "one"
+    _save_reranker(out, writer("three"), {"losses": [1.0]})
+    assert (out / "model.safetensors").read_text() == "three" and (out / "tokenizer.json").read_text() == "three"
+    assert [p.name for p in tmp_path.iterdir()] == ["rr"]  # no temporary directory left beside it
+    fresh = tmp_path / "empty"
+    fresh.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        _save_reranker(fresh, writer("x", fail=True), {})
+    assert list(fresh.iterdir()) == []
+    (fresh / "mine.txt").write_text("keep")
+    with pytest.raises(InputError, match="not a fastgate reranker"):
+        _save_reranker(fresh, writer("x"), {})
+    assert [p.name for p in fresh.iterdir()] == ["mine.txt"]

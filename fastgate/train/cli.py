@@ -92,7 +92,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from fastgate.gates.checkpoints import check_checkpoint_out, save_probe_checkpoint
     from fastgate.train import FitConfig, fit_probers
 
+    # the settings are checked before the model loads: a bad flag is one line, not a traceback minutes later
     cfg = FitConfig(hidden=args.hidden, epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed)
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     asked = _layers(args.layers, one=args.kind != "prober")  # checked before the model loads
     if args.out and Path(args.out).exists():
         check_checkpoint_out(Path(args.out))  # before the training's minutes, not after them
@@ -154,8 +157,13 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     from fastgate.gates.checkpoints import load_probe_checkpoint, resolve_checkpoint
     from fastgate.gates.prober import ConfidenceGate
     from fastgate.retrieval import open_retriever
-    from fastgate.train.reranker import RerankerConfig, fit_reranker, shift_preferences
+    from fastgate.train.reranker import RerankerConfig, check_reranker_out, fit_reranker, shift_preferences
 
+    # the settings and --out are checked before any model loads (a bad flag is one line, not a traceback later)
+    cfg = RerankerConfig(epochs=args.epochs, lr=args.lr, seed=args.seed)
+    if args.candidates < 1:
+        raise InputError(f"--candidates must be >= 1, got {args.candidates}")
+    check_reranker_out(Path(args.out))
     examples = _examples(args)
     retriever = open_retriever("bm25", args.index)
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
@@ -165,7 +173,7 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     gate = ConfidenceGate(ckpt.params.to(engine.device), ckpt.layers[0], ops=engine.ops)
     prefs = shift_preferences(engine, gate, retriever, examples, n_candidates=args.candidates)
     print(f"{len(prefs)} questions with both confidence increases and decreases")
-    losses = fit_reranker(prefs, args.out, cfg=RerankerConfig(epochs=args.epochs, lr=args.lr, seed=args.seed))
+    losses = fit_reranker(prefs, args.out, cfg=cfg)
     print(f"InfoNCE loss: first {losses[0]:.3f}, last {losses[-1]:.3f} over {len(losses)} steps")
     print(f"reranker: {args.out} (use: --method cbdr --param reranker=trained --param reranker_path={args.out})")
     return 0

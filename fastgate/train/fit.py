@@ -4,6 +4,7 @@ validation accuracy."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +32,15 @@ class FitConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
-            raise InputError("epochs, batch_size and hidden must be >= 1")
+        for name in ("epochs", "hidden", "batch_size"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.val_fraction < 1.0:
             raise InputError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # AdamW's own ValueError came after the model's load
+            raise InputError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0.0 <= self.dropout < 1.0:  # NaN fails too
+            raise InputError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass

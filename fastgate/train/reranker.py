@@ -3,9 +3,14 @@ embedder that ranks passages by cosine to the question (saved sentence-transform
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import random
 import shutil
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -14,10 +19,13 @@ from fastgate.errors import InputError
 from fastgate.eval.datasets import QAExample
 from fastgate.prompts import closed_book_prompt, rag_prompt
 
-__all__ = ["Preference", "RerankerConfig", "fit_reranker", "shift_preferences"]
+__all__ = ["Preference", "RerankerConfig", "check_reranker_out", "fit_reranker", "shift_preferences"]
 
 # files of a sentence-transformers model directory besides the HF weights and tokenizer
 _ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling")
+# written last into every reranker directory fastgate saves: what marks one as ours (replaceable by a new training)
+MARKER = "fastgate_reranker.json"
+FORMAT = "fastgate-reranker"
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,70 @@ class RerankerConfig:
     max_length: int = 128
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "temperature"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise InputError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise InputError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+
+
+def _is_reranker(path: Path) -> bool:
+    try:
+        return json.loads((path / MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_reranker_out(out: Path) -> None:
+    """``out`` may receive a reranker: absent, an empty directory or a reranker fastgate saved (never a user's
+    other files).
+
+    Raises:
+        InputError: a file, or a directory holding something other than a fastgate reranker."""
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory: choose another --out")
+    if any(out.iterdir()) and not _is_reranker(out):
+        raise InputError(f"{out} holds files that are not a fastgate reranker: not overwriting them; "
+                         "choose another --out (a new or empty directory, or a reranker to replace)")
+
+
+def _save_reranker(out: Path, write: Callable[[Path], None], info: dict) -> Path:
+    """Build the reranker directory beside ``out`` (``write`` fills it, the marker goes in last) and move it into
+    place whole: an interrupted save leaves ``out`` as it was, and an existing reranker is replaced only at the end."""
+    check_reranker_out(out)  # again: the directory may have changed during the training
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    old = tmp.with_name(tmp.name + ".old")  # unique beside tmp, not yet there
+    placed = False
+    try:
+        write(tmp)
+        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": 1, **info}, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared reranker out
+        if os.path.lexists(out):
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+        else:
+            os.replace(tmp, out)
+        placed = True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if placed and os.path.lexists(old):
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
+    return out
+
 
 def _embed(model, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
@@ -73,11 +145,14 @@ def _embed(model, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
 def fit_reranker(prefs: list[Preference], out_dir: str | Path, base: str | Path | None = None,
                  cfg: RerankerConfig = RerankerConfig()) -> list[float]:
     """InfoNCE fine-tune of the embedder on ``prefs``: each question against one positive, its negatives and the
-    batch's other positives. Saves a sentence-transformers-compatible directory; returns the loss per step."""
+    batch's other positives. Saves a sentence-transformers-compatible directory (atomically; refusing an ``out_dir``
+    that holds other files than a reranker of ours); returns the loss per step."""
     from transformers import AutoModel, AutoTokenizer
 
     from fastgate.assets.embedder import default_embedder_path
 
+    out = Path(out_dir)
+    check_reranker_out(out)  # before the training, not after it
     if not prefs:
         raise InputError("fit_reranker: no preference pairs (no question had both an increase and a decrease)")
     base = Path(base) if base is not None else default_embedder_path()
@@ -103,14 +178,16 @@ def fit_reranker(prefs: list[Preference], out_dir: str | Path, base: str | Path 
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    for name in _ST_FILES:
-        src = base / name
-        if src.is_dir():
-            shutil.copytree(src, out / name, dirs_exist_ok=True)
-        elif src.is_file():
-            shutil.copy2(src, out / name)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        for name in _ST_FILES:
+            src = base / name
+            if src.is_dir():
+                shutil.copytree(src, tmp / name, dirs_exist_ok=True)
+            elif src.is_file():
+                shutil.copy2(src, tmp / name)
+
+    _save_reranker(out, write, {"base": str(base), "config": asdict(cfg), "losses": losses})
     return losses
