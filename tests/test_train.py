@@ -83,6 +83,16 @@ def test_confidence_features_resume_without_redoing(tmp_path, tiny_engine):
     torch.testing.assert_close(feats[ids.index("q0"), 0], states[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(CheckpointError, match="made for"):
         FeatureCache(tmp_path, {**meta, "layer": 3})
+    # a --data file edited since (its ids are line numbers): the cached rows and labels were reused silently
+    edited = [EXAMPLES[0], QAExample("q1", EXAMPLES[1].question, ("another answer",)), *EXAMPLES[2:]]
+    with pytest.raises(CheckpointError, match="example q1 from another question or other gold answers"):
+        confidence_features(spy, edited, 2, FeatureCache(tmp_path, meta), max_tokens=4, progress=False)
+    moved = [QAExample("q0", "Another question?", EXAMPLES[0].answers), *EXAMPLES[1:]]
+    with pytest.raises(CheckpointError, match="example q0"):
+        confidence_features(spy, moved, 2, FeatureCache(tmp_path, meta), max_tokens=4, progress=False)
+    # the same examples, answers in another order: the same
+    same = [QAExample(e.id, e.question, tuple(reversed(e.answers))) for e in EXAMPLES]
+    confidence_features(spy, same, 2, FeatureCache(tmp_path, meta), max_tokens=4, progress=False)
 
 
 def test_prober_features_without_and_with_retrieval(tmp_path, tiny_engine, small_index):

@@ -60,7 +60,10 @@ def _labelled_features(args: argparse.Namespace, lm, engine, examples, kind: str
     if kind == "probing":
         from fastgate.retrieval import open_retriever
 
-        meta = {"kind": "prober" + suffix, "model": lm.fingerprint, "layers": list(layers), "k": args.k}
+        # the index read: a cache of another --index held other passages' rows (the default's key is absent, as in
+        # caches made before it was kept)
+        index = {"index": str(Path(args.index).resolve())} if getattr(args, "index", None) else {}
+        meta = {"kind": "prober" + suffix, "model": lm.fingerprint, "layers": list(layers), "k": args.k, **index}
         cache = FeatureCache(_cache_dir(args, lm, meta), meta)
         prober_features(engine, open_retriever("bm25", args.index), examples, layers, cache, k=args.k,
                         batch_size=getattr(args, "batch_size", 16))

@@ -7,6 +7,7 @@ layers). Re-running skips every example already in a chunk; a cache made for oth
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -53,31 +54,60 @@ class FeatureCache:
         self.meta = meta
         self._chunks = sorted(self.root.glob("chunk_*.safetensors"))
         self.done: set[str] = set()  # example ids whose rows are in a chunk
+        self.keys: dict[str, str] = {}  # example id -> example_key of what its rows were computed from
         for path in self._chunks:
-            self.done.update(self._meta(path, "examples"))
+            done = self._meta(path, "examples")
+            self.done.update(done)
+            keys = self._meta(path, "keys", optional=True)  # chunks from before keys were kept have none
+            if keys is not None and len(keys) == len(done):
+                self.keys.update(zip(done, keys))
+
+    def check(self, examples: Sequence[QAExample]) -> None:
+        """Refuse examples whose question or gold answers differ from those their cached rows were computed from (a
+        ``--data`` file edited since: its ids are line numbers, so the old rows and labels were silently reused).
+
+        Raises:
+            CheckpointError: naming the first such example."""
+        for e in examples:
+            was = self.keys.get(e.id)
+            if was is not None and was != example_key(e):
+                raise CheckpointError(f"the feature cache {self.root} computed example {e.id} from another question "
+                                      f"or other gold answers than {e.question!r:.80} now has (the data changed "
+                                      "since): delete the cache or use another --cache")
 
     @staticmethod
-    def _meta(path: Path, key: str) -> list[str]:
+    def _meta(path: Path, key: str, optional: bool = False) -> list[str] | None:
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(path), "pt") as f:
-                return json.loads(f.metadata()[key])
+                meta = f.metadata()
+                if optional and key not in meta:
+                    return None
+                return json.loads(meta[key])
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
             raise _corrupt_chunk(path, exc) from None
 
-    def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor, examples: Sequence[str]) -> None:
-        """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples``."""
+    def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor,
+            examples: Sequence[str | QAExample]) -> None:
+        """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples`` (given as
+        :class:`QAExample` s, their :func:`example_key` s are kept for :meth:`check`; as ids, none)."""
         from safetensors.torch import save_file
 
+        done = [e if isinstance(e, str) else e.id for e in examples]
+        meta = {"ids": json.dumps(list(ids)), "examples": json.dumps(done)}
+        keys = None if any(isinstance(e, str) for e in examples) else [example_key(e) for e in examples]
+        if keys is not None:
+            meta["keys"] = json.dumps(keys)
         path = self.root / f"chunk_{len(self._chunks):05d}.safetensors"
         tmp = path.with_suffix(".tmp")
         save_file({"features": features.detach().cpu().float().contiguous(),
-                   "labels": labels.detach().cpu().long().contiguous()}, str(tmp),
-                  metadata={"ids": json.dumps(list(ids)), "examples": json.dumps(list(examples))})
+                   "labels": labels.detach().cpu().long().contiguous()}, str(tmp), metadata=meta)
         os.replace(tmp, path)  # a chunk exists whole or not at all
         self._chunks.append(path)
-        self.done.update(examples)
+        self.done.update(done)
+        if keys is not None:
+            self.keys.update(zip(done, keys))
 
     def finished(self, example_id: str) -> bool:
         return example_id in self.done
@@ -100,6 +130,12 @@ class FeatureCache:
         if not feats:
             raise CheckpointError(f"the feature cache {self.root} is empty")
         return ids, torch.cat(feats), torch.cat(labels)
+
+
+def example_key(e: QAExample) -> str:
+    """A short hash of what an example's features and labels are computed from: its question and gold answers."""
+    text = e.question + "\x1f" + "\x1e".join(sorted(e.answers))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _corrupt_chunk(path: Path, exc: BaseException) -> CheckpointError:
@@ -127,6 +163,7 @@ def prober_features(engine: Engine, retriever, examples: list[QAExample], layers
     ``[L, d]`` (from the engine's running sums); the label is 1 when the extracted answer is correct."""
     cfg = GenerationConfig(max_new_tokens=max_tokens, stop=("\n",))
     taps = TapSpec(layers=tuple(layers))
+    cache.check(examples)
     todo = [e for e in examples if not cache.finished(e.id)]
     with _progress(len(examples), "prober features", progress) as bar:
         bar.update(len(examples) - len(todo))
@@ -145,7 +182,7 @@ def prober_features(engine: Engine, retriever, examples: list[QAExample], layers
                 rows.append(out.running_sum[j] / out.count[j])  # [L, d]
                 labels.append(int(accuracy(extract_answer(s.text), e.answers)))
             if rows:
-                cache.add(ids, torch.stack(rows), torch.tensor(labels), [e.id for e in batch])
+                cache.add(ids, torch.stack(rows), torch.tensor(labels), batch)
             bar.update(len(batch))
 
 
@@ -156,11 +193,12 @@ def confidence_features(engine: Engine, examples: list[QAExample], layer: int, c
     prefill)."""
     cfg = GenerationConfig(max_new_tokens=max_tokens, stop=ANSWER_STOP)
     taps = TapSpec(pre_answer=True, mid_layer=layer)
+    cache.check(examples)
     todo = [e for e in examples if not cache.finished(e.id)]
     with _progress(len(examples), "confidence features", progress) as bar:
         bar.update(len(examples) - len(todo))
         for batch in _batches(todo, batch_size):
             out = engine.generate([closed_book_prompt(e.question) for e in batch], cfg, taps)
             labels = [int(accuracy(s.text.strip(), e.answers)) for e, s in zip(batch, out.sequences)]
-            cache.add([e.id for e in batch], out.pre_answer[:, None, :], torch.tensor(labels), [e.id for e in batch])
+            cache.add([e.id for e in batch], out.pre_answer[:, None, :], torch.tensor(labels), batch)
             bar.update(len(batch))
