@@ -24,6 +24,7 @@ __all__ = [
     "WriteError",
     "disk_error",
     "out_of_memory",
+    "require",
 ]
 
 

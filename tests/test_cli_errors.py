@@ -201,3 +201,31 @@ def test_eval_summary_on_a_read_only_file_system(monkeypatch, capsys, eval_argv)
     lines = _error_lines(capsys.readouterr().err)
     assert lines == [f"fastgate: error: cannot write {out / 'summary.md'}: read-only file system"]
     assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.json", "results.jsonl"]  # no temporary summary
+
+
+def test_missing_serving_extras_are_a_missing_dependency_with_the_install_hint(monkeypatch):
+    """The serving and Ray hints were InputErrors: `except ImportError` around them (a library user's optional
+    import) missed them."""
+    import builtins
+
+    from fastgate.entrypoints.http.common import require_serving
+    from fastgate.errors import FastgateError, MissingDependencyError
+
+    real = builtins.__import__
+
+    def without(*names):
+        def fake(name, *args, **kwargs):
+            if name.split(".")[0] in names:
+                raise ImportError(f"no {name}", name=name)
+            return real(name, *args, **kwargs)
+        return fake
+
+    monkeypatch.setattr(builtins, "__import__", without("fastapi"))
+    with pytest.raises(MissingDependencyError, match=r"fastgate\[serve\]") as err:
+        require_serving()
+    assert isinstance(err.value, ImportError) and isinstance(err.value, FastgateError)
+    from fastgate.entrypoints.ray_serve import _ray
+
+    monkeypatch.setattr(builtins, "__import__", without("ray"))
+    with pytest.raises(MissingDependencyError, match=r"fastgate\[ray\]"):
+        _ray()

@@ -507,3 +507,6 @@ def test_library_entry_points_give_the_projects_errors(tiny):
         Engine(tiny, forward="bogus")
     with pytest.raises(InputError, match="loaded model"):
         Engine("smollm2-135m")
+    for name, value in (("head_columns", "a"), ("prefill_chunk", "a"), ("prefix_cache", 2.5)):
+        with pytest.raises(InputError, match=f"{name} must be an integer"):
+            Engine(tiny, **{name: value})

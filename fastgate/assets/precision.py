@@ -114,7 +114,7 @@ def canonical_dtype(dtype: str) -> str:
     accepted too); an unknown name raises :class:`~fastgate.errors.UnknownNameError`."""
     name = _ALIASES.get(dtype, dtype)
     if name not in DTYPES and name not in ("auto", "float16"):
-        raise UnknownNameError("dtype", dtype, ["auto", *DTYPES])
+        raise UnknownNameError("dtype", dtype, ["auto", *DTYPES, "float16"])
     return name
 
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import torch
 
 from fastgate.assets.models import LoadedModel, return_freed_memory
+from fastgate.config import as_integer
 from fastgate.engine.attention import attention_dtype, sdpa_backends, sdpa_choice
 from fastgate.engine.fused import canonical_forward, fusable, fused_forward
 from fastgate.engine.kv_cache import KVCacheManager, KVGeometry, new_cache, plain_layers
@@ -170,6 +171,10 @@ class ModelRunner:
                  step: StepConfig | str = "auto", forward: str = "auto") -> None:
         from fastgate.ops.registry import build_ops
 
+        # integers checked first (head_columns="a" was a bare TypeError, prefix_cache=2.5 taken)
+        prefix_cache = as_integer("prefix_cache", prefix_cache)
+        prefill_chunk = None if prefill_chunk is None else as_integer("prefill_chunk", prefill_chunk)
+        head_columns = as_integer("head_columns", head_columns)
         self.lm = model
         self.model = model.model
         self.tokenizer = model.tokenizer

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
-from fastgate.errors import InputError
+from fastgate.errors import InputError, MissingDependencyError
 from fastgate.serving.service import AnswerService, ServiceConfig
 
 __all__ = ["LOG_LEVELS", "FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
@@ -75,8 +75,8 @@ def _ray():
     try:
         import ray
         from ray import serve
-    except ImportError:
-        raise InputError("scale-out on Ray Serve needs ray[serve]: pip install 'fastgate[ray]'") from None
+    except ImportError:  # an ImportError too: `except ImportError` around it sees it
+        raise MissingDependencyError("ray[serve]", "scale-out on Ray Serve: pip install 'fastgate[ray]'") from None
     return ray, serve
 
 

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from fastgate.errors import InputError
+from fastgate.errors import MissingDependencyError
 from fastgate.serving.runtime import finite  # the records' JSON (re-exported: the routes import it from here)
 
 __all__ = ["DISCONNECT_POLL_S", "MODEL_PREFIX", "OPENAI_PATHS", "ClientGone", "NotAnswered", "finite",
@@ -28,13 +28,14 @@ DISCONNECT_POLL_S = 0.25
 
 
 def require_serving() -> None:
-    """Raise :class:`~fastgate.errors.InputError` with the install hint when the serving extras are missing."""
+    """Raise :class:`~fastgate.errors.MissingDependencyError` (a FastgateError and an ImportError) with the install
+    hint when the serving extras are missing."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import pydantic  # noqa: F401
     except ImportError as exc:
-        raise InputError(f"serving needs {exc.name}: pip install 'fastgate[serve]'") from None
+        raise MissingDependencyError(exc.name or "fastapi", "pip install 'fastgate[serve]'") from None
 
 
 class NotAnswered(Exception):
