@@ -77,6 +77,7 @@ def test_submit_rejects_bad_input_without_queueing(service):
         ({"question": "ok?", "params": {"k": 10**6}}, "limit"),
         ({"question": "ok?", "params": {"checkpoint": "/etc"}, "method": "probing"}, "cannot be set per request"),
         ({"question": "ok?", "max_tokens": 0}, "max_tokens"),
+        ({"question": "ok?", "params": {"tau": float("inf")}}, 'send the string "inf"'),  # JSON's 1e400
     ]:
         with pytest.raises(InputError, match=message):
             service.submit(**kwargs)

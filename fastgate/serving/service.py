@@ -349,7 +349,9 @@ class AnswerService:
             if not isinstance(key, str) or not isinstance(value, (bool, int, float, str)):
                 raise InputError(f"parameter {key!r} must be a number, string or boolean")
             if isinstance(value, float) and not math.isfinite(value):
-                raise InputError(f"parameter {key} must be finite")
+                # 1e400 parses as inf: refused as a number; the string "inf" is how a request asks for one
+                raise InputError(f"parameter {key} must be a finite number (for an infinite one, send the string "
+                                 "\"inf\" or \"-inf\")")
             if isinstance(value, str) and len(value) > 200:
                 raise InputError(f"parameter {key} is too long")
         remote = self.runtime.engine_name if self.runtime.remote is not None else None
