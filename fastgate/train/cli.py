@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import random
+import sys
 from pathlib import Path
 
 from fastgate.assets.pins import DEFAULT_MODEL
@@ -119,6 +120,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     feats, labels, cache = _labelled_features(args, lm, engine, examples, kind, layers)
     print(f"{len(labels)} labelled rows, {int(labels.sum())} correct ({float(labels.float().mean()):.1%}); "
           f"cache {cache.root}")
+    if int(labels.min()) == int(labels.max()):  # a probe of one class learns that class: say it before it is saved
+        print(f"fastgate: warning: all {len(labels)} rows are {'correct' if int(labels[0]) else 'incorrect'}: the "
+              f"{kind} model can only learn to answer that; use more --n or another --data", file=sys.stderr)
     params, results = fit_probers(feats, labels, cfg)
     extra = {**_report(results, layers), "data": str(args.data), "n_rows": len(labels),
              "fit": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
