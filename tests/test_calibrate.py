@@ -275,3 +275,23 @@ def test_calibration_asks_the_method_what_it_reads_and_what_its_threshold_holds_
     dtr = method_class("dtr")
     assert dtr.reads_from(make_config("dtr", {}), "dense") == "dense" and dtr.calibration_condition(
         make_config("dtr", {})) == {}
+
+
+def test_calibrate_holds_its_run_directory(cli, capsys, tmp_path):
+    """Two calibrations into one run directory answered every question twice (as two evaluations did)."""
+    import fcntl
+    import os
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    fd = os.open(runs / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"4242\n")
+        assert cli("--method", "dtr", "--rate", "0.5") == 2
+        err = capsys.readouterr().err
+        assert f"{runs} is in use by another fastgate calibrate (pid 4242)" in err
+        assert not (runs / "results.jsonl").exists()
+    finally:
+        os.close(fd)
+    assert cli("--method", "dtr", "--rate", "0.5") == 0  # released: it runs

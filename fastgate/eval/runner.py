@@ -233,7 +233,7 @@ LOCK_FILE = ".lock"
 
 
 @contextlib.contextmanager
-def hold_out_dir(out_dir: Path) -> Iterator[None]:
+def hold_out_dir(out_dir: Path, what: str = "fastgate eval") -> Iterator[None]:
     """Create ``out_dir`` and hold ``out_dir/.lock`` exclusively (``flock``) until the block ends, however it ends;
     the file names the holder's pid. Two evaluations into one directory would both answer every question (each
     record twice) and time each other's load.
@@ -254,7 +254,7 @@ def hold_out_dir(out_dir: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            raise InputError(f"{out_dir} is in use by another fastgate eval"
+            raise InputError(f"{out_dir} is in use by another {what}"
                              + (f" (pid {holder})" if holder.isdigit() else "")
                              + ": wait for it to end, or use another --out") from None
         except OSError:  # a file system that takes no locks (ENOLCK): run unlocked

@@ -92,7 +92,7 @@ def _examples(data: str, n: int | None, seed: int, index: str | None):
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
-    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate, hold_out_dir
     from fastgate.methods import METHODS, make_config
     from fastgate.methods.base import method_class
     from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
@@ -143,17 +143,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
         f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
-    check_settings(out, EvalSettings(model=model, data=data, seed=args.seed))
-    store = ResultsStore(out / "results.jsonl")
-    todo = sum(not store.done(r.key, e.id) for r in runs for e in examples)
-    where = f" behind {remote.base_url}" if remote is not None else ""
-    print(f"calibrating {args.method} ({spec.param}) for {model}{where} on {len(examples)} question(s) of {data}: "
-          f"{run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} (resumable)")
-    runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
-                      weights=args.weights)
-    t0 = time.perf_counter()
-    evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
-             timed=False)  # its records are read for their answers and scores
+    with hold_out_dir(out, "fastgate calibrate"):  # two calibrations into one directory answered twice
+        check_settings(out, EvalSettings(model=model, data=data, seed=args.seed))
+        store = ResultsStore(out / "results.jsonl")
+        todo = sum(not store.done(r.key, e.id) for r in runs for e in examples)
+        where = f" behind {remote.base_url}" if remote is not None else ""
+        print(f"calibrating {args.method} ({spec.param}) for {model}{where} on {len(examples)} question(s) of "
+              f"{data}: {run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} "
+              "(resumable)")
+        runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
+                          weights=args.weights)
+        t0 = time.perf_counter()
+        evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
+                 timed=False)  # its records are read for their answers and scores
     recs = [store.records[(run.key, e.id)] for e in examples]
     usable = [i for i, r in enumerate(recs) if r.get("gate_steps") and not r.get("error")]
     if len(usable) < 2:

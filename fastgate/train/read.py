@@ -53,16 +53,17 @@ def training_pass(runtime, base: str, data: str, n: int | None, store_dir: Path,
     dense-only gate, which reads dense passages: its labels must come from the passages it will read); returns its
     records in question order."""
     from fastgate.eval.datasets import load_fit_examples
-    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate, hold_out_dir
     from fastgate.serving.runtime import check_request
 
     data, examples = load_fit_examples(data, n, "the read gate's training pass", seed, index)
     req = check_request("read", {"base": base, "collect": True}, reads, runtime.model)
     run = RunSpec(req.method, req.retriever, req.params)
-    check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
-    store = ResultsStore(store_dir / "results.jsonl")
-    evaluate(runtime, [run], examples, store, batch_size=batch_size, progress=progress,
-             timed=False)  # a training pass's records are read for their labels and features
+    with hold_out_dir(store_dir, "read-gate training pass"):  # two passes into one store answered twice
+        check_settings(store_dir, EvalSettings(model=runtime.model, data=data, seed=seed))
+        store = ResultsStore(store_dir / "results.jsonl")
+        evaluate(runtime, [run], examples, store, batch_size=batch_size, progress=progress,
+                 timed=False)  # a training pass's records are read for their labels and features
     return [store.records[(run.key, e.id)] for e in examples if (run.key, e.id) in store.records]
 
 
