@@ -254,7 +254,7 @@ def test_the_split_rule_reads_what_the_methods_read():
     assert (READ_DEPTH, READ_WORDS) == (MethodConfig().k, MethodConfig().passage_words)
 
 
-@pytest.mark.parametrize("answers", [[""], [None], ["Paris", "  "], ["Paris", 3]])
+@pytest.mark.parametrize("answers", [[""], [None], ["Paris", "  "], ["Paris", True]])
 def test_a_qa_file_gold_answer_must_be_a_non_empty_string(tmp_path, answers):
     """[""] and [null] were accepted: a gold that no answer can match (null even scored as the text "None")."""
     path = tmp_path / "qa.jsonl"
@@ -262,3 +262,10 @@ def test_a_qa_file_gold_answer_must_be_a_non_empty_string(tmp_path, answers):
                     + json.dumps({"question": "capital of France?", "answers": answers}) + "\n")
     with pytest.raises(CorpusError, match=r"qa\.jsonl:2: every gold answer must be a non-empty string"):
         load_qa(path)
+
+
+def test_a_qa_file_number_gold_answer_is_its_text(tmp_path):
+    """"answers": [1945] was scored as "1945" before the empty-answer check; it stays so."""
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "When did WW2 end?", "answers": [1945, "in 1945"]}) + "\n")
+    assert load_qa(path)[0].answers == ("1945", "in 1945")

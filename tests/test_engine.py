@@ -499,6 +499,11 @@ def test_library_entry_points_give_the_projects_errors(tiny):
         with pytest.raises(InputError, match="expects int"):
             MethodConfig(**bad)
     assert DtrConfig(tau="0.5", k="2") == DtrConfig(tau=0.5, k=2)  # strings parsed as make_config parses them
+    import numpy as np
+
+    assert DtrConfig(tau=np.float32(0.5), k=np.int64(2)) == DtrConfig(tau=0.5, k=2)  # numpy's scalars: a user's
+    with pytest.raises(InputError, match="expects int"):
+        MethodConfig(k=np.bool_(True))
     with pytest.raises(UnknownNameError, match="unknown method 'nope'"):
         build_method("nope", None, None, config=DtrConfig())
     with pytest.raises(InputError, match="a mapping"):

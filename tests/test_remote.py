@@ -529,3 +529,17 @@ def test_log_probs_that_cannot_be_the_answers_are_refused(change, message):
     with pytest.raises(RemoteError, match=message):
         engine._parse(out, "Q: x\nA:", None)
     engine._parse(_answer(), "Q: x\nA:", None)  # the unchanged answer parses
+
+
+def test_a_server_that_drops_the_stop_token_with_text_before_it_is_taken():
+    """llama-server drops the log-probs of the token that held the stop string: Qwen's ".\\n" is one token, so
+    " Paris." comes with log-probs for " Paris" only. Taken when the server stopped on a stop string asked for."""
+    from fastgate.config import GenerationConfig
+
+    engine = RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1", "stub", max_retries=0))
+    out = _answer(" Paris.")
+    out["choices"][0]["logprobs"].update({"tokens": [" Paris"], "token_logprobs": [-0.5]})
+    gen = engine._parse(out, "Q: x\\nA:", GenerationConfig(max_new_tokens=4, stop=("\\n",)))
+    assert gen.text == " Paris."
+    with pytest.raises(RemoteError, match="log-probs for 6 of the answer's 7 bytes"):
+        engine._parse(out, "Q: x\\nA:", GenerationConfig(max_new_tokens=4))  # no stop string asked: refused

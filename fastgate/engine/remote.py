@@ -314,8 +314,12 @@ class RemoteEngine:
         n_text = len(text.encode("utf-8"))
         covered = sum(len(p) for p in pieces)
         # the gates would read the confidence of part of the answer as the whole's. A U+FFFD in the text (3 bytes)
-        # may stand for one byte of a token that split a character
-        if covered < n_text - 2 * text.count("\ufffd"):
+        # may stand for one byte of a token that split a character; and a server that stopped on a stop string may
+        # drop the token that held it with the text before it (llama-server: Qwen's ".\n" is one token, " Paris."
+        # comes with log-probs for " Paris"): up to one token's bytes short then
+        short = 2 * text.count("\ufffd") + (_STOP_TOKEN_BYTES if choice.get("finish_reason") == "stop"
+                                            and cfg is not None and cfg.stop else 0)
+        if covered < n_text - short:
             raise RemoteError(f"{self.name}: the server returned log-probs for {covered} of the answer's {n_text} "
                               f"bytes ({len(pieces)} token(s) for {text[:60]!r})")
         bad = next((x for x in logps if not (math.isfinite(x) and x <= 1e-3)), None)
@@ -506,6 +510,9 @@ class InFlight:
         """Drop the requests not started yet (one already sent runs to its end: its answer is not read)."""
         for fut in self.futures:
             fut.cancel()
+
+
+_STOP_TOKEN_BYTES = 16  # the most text a dropped stop-string token may carry before its stop string
 
 
 def _read_logprobs(lp: Any) -> tuple[list[bytes] | None, list[float]]:

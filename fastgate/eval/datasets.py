@@ -12,6 +12,7 @@ import csv
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import zipfile
@@ -168,9 +169,11 @@ def load_qa(data: str | Path) -> list[QAExample]:
         if not isinstance(question, str) or not question.strip() or not isinstance(answers, list) or not answers:
             raise CorpusError(f"{path}:{n}: question must be a non-empty string and answers a non-empty list")
         for a in answers:  # "" or null: a gold no answer can match ("" was scored as matching nothing, null as "None")
-            if not isinstance(a, str) or not a.strip():
+            number = isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+            if not (number or isinstance(a, str) and a.strip()):
                 got = json.dumps(a, ensure_ascii=False)
-                raise CorpusError(f"{path}:{n}: every gold answer must be a non-empty string, got {got}")
+                raise CorpusError(f"{path}:{n}: every gold answer must be a non-empty string (or a number), got {got}")
+        answers = [a if isinstance(a, str) else str(a) for a in answers]  # 1945 is the answer "1945"
         qid = row.get("id")
         qid = f"{path.stem}-{n}" if qid is None else str(qid)
         if qid in lines:  # records are keyed by id: one would stand for both (scored and resumed as one)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
+
+import numpy as np
 
 from fastgate.config import GenerationConfig
 from fastgate.engine.generation import Generation
@@ -142,11 +145,14 @@ def coerce_param(name: str, value: Any, annotation: Any) -> Any:
 def _coerce_plain(name: str, value: Any, kind: type) -> Any:
     """:func:`coerce_param` for the field type ``kind``."""
     if not isinstance(value, str):
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # numpy's scalars too (a library user's np.float32 threshold, np.int64 k); never a bool
+        if kind is float and isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
             try:
                 return float(value)
             except OverflowError:  # an integer beyond any float (a JSON request can send one)
                 raise InputError(f"parameter {name} is out of range for a float, got {value!r}") from None
+        if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+            return int(value)
         if kind is str and isinstance(value, os.PathLike):
             return os.fspath(value)
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):

@@ -167,9 +167,12 @@ class DecodeStack:
         at column ``pos[r]`` (``[m]`` int64), ``cos`` / ``sin`` ``[m, D]`` of the layers' dtype (rows of their table,
         unit stride along D; a ``[m, 1, D]`` view too). Writes each layer's new keys and values; returns the output
         ``[m, d]``."""
-        if not self.takes(h):  # a float32 h into a bf16 stack read past its end; the engine asks takes() first
+        # a float32 h into a bf16 stack read past its end. The caller asks takes() (its codes' walk: ~5 us) first;
+        # here only what a call could get wrong, every call of a step
+        if not (h.dtype is self.dtype and h.is_cpu and h.dim() == 2 and h.shape[1] == self.d
+                and 0 < h.shape[0] <= self.max_rows and h.is_contiguous()):
             raise ShapeError(f"decode_layers: h must be contiguous CPU rows [1..{self.max_rows}, {self.d}] of "
-                             f"{self.dtype}, got {tuple(h.shape)} {h.dtype} (or the layers' codes were replaced)")
+                             f"{self.dtype}, got {tuple(h.shape)} {h.dtype}")
         if not 0 <= first < last <= self.n:  # past the last layer the C++ loop read a table row that is not there
             raise ShapeError(f"decode_layers: layers first={first} .. last={last} must satisfy 0 <= first < last "
                              f"<= {self.n}")

@@ -610,11 +610,13 @@ class AnswerService:
             return
         record = result_record(task.result, self.model_name, job.request.retriever, engine=self.runtime.engine_name,
                                dtype=self.runtime.dtype_name, weights=self.runtime.weights_name)
-        if job.max_tokens is not None and task.trace.answer is None:
+        if job.max_tokens is not None and task.trace.answer is None and self.runtime.remote is None:
             # max_tokens bounds the answer's own generation (counting its text again would not: a U+FFFD of a split
             # character is several tokens); flare, scaar, probing and a reading seakr have none and take theirs out of
             # a chain of thought, which it does not bound: cut there, as a generation at its limit stops
-            cut = cut_to_tokens(self.runtime.engine.count_tokens, record["answer"], job.max_tokens)
+            # (a remote engine counts bytes / 4: not cut there; a BOS the tokenizer adds is not the answer's)
+            count, bos = self.runtime.engine.count_tokens, self.runtime.engine.count_tokens("")
+            cut = cut_to_tokens(lambda t: count(t) - bos, record["answer"], job.max_tokens)
             if cut is not None:
                 record["answer"], record["finish_reason"] = cut, "length"
         if job.answer_tokens:
