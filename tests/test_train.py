@@ -299,3 +299,26 @@ def test_reranker_save_is_atomic(tmp_path):
     with pytest.raises(InputError, match="not a fastgate reranker"):
         _save_reranker(fresh, writer("x"), {})
     assert [p.name for p in fresh.iterdir()] == ["mine.txt"]
+
+
+def test_train_evaluate_reads_with_the_k_its_prober_was_trained_on(monkeypatch, tmp_path, tiny, small_index, capsys):
+    """train evaluate searched k=3 passages whatever k the probers' rows were made with (not recorded)."""
+    import json
+
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    qa = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "Shakespeare")] * 15
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{q} ({i})", "answers": [a]}) + "\n"
+                            for i, (q, a) in enumerate(qa)))
+    common = ["--model", "tiny", "--data", str(data), "--index", str(small_index)]
+    assert main(["train", "prober", *common, "--epochs", "1", "--k", "2", "--layers", "2",
+                 "--out", str(tmp_path / "ck")]) == 0
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["extra"]["k"] == 2
+    capsys.readouterr()
+    assert main(["train", "evaluate", *common, "--checkpoint", str(tmp_path / "ck")]) == 0
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "home" / "features").glob("*/meta.json")]
+    assert {m["k"] for m in metas if m["kind"] == "prober-heldout"} == {2}

@@ -125,6 +125,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"{kind} model can only learn to answer that; use more --n or another --data", file=sys.stderr)
     params, results = fit_probers(feats, labels, cfg)
     extra = {**_report(results, layers), "data": str(args.data), "n_rows": len(labels),
+             **({"k": args.k} if kind == "probing" else {}),  # the with-passages rows' search (train evaluate's)
              "fit": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
     from fastgate.assets.paths import home
 
@@ -143,6 +144,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     ckpt = load_probe_checkpoint(args.checkpoint, lm)
+    if args.k is None:  # the passages the checkpoint's rows read (3 for those made before it was recorded)
+        args.k = int(ckpt.extra.get("k", 3)) if ckpt.kind == "probing" else 3
     _, held_out = split_examples(load_qa(args.data))
     random.Random(args.seed).shuffle(held_out)
     if args.n:
@@ -198,7 +201,8 @@ def add_train_parser(sub) -> None:
     ev.add_argument("--n", type=count, default=0, help="held-out questions to use (0 = all)")
     ev.add_argument("--threshold", type=float, default=None, help="θ (probing, default 0) or β (confidence, 0.95)")
     ev.add_argument("--index", default=None)
-    ev.add_argument("--k", type=int, default=3)
+    ev.add_argument("--k", type=int, default=None,
+                    help="passages for the with-retrieval answers (default: the checkpoint's training k, else 3)")
     ev.add_argument("--cache", default=None)
     ev.add_argument("--seed", type=int, default=0)
     ev.set_defaults(func=_cmd_evaluate)
