@@ -59,7 +59,29 @@ def test_save_never_deletes_a_users_files_and_replaces_a_checkpoint_in_place(tmp
     new = random_probe_params(2, tiny.hidden_size, 8, seed=4)
     save_probe_checkpoint(ckpt, new, kind="probing", model=tiny, layers=(1, 2))
     assert torch.equal(load_probe_checkpoint(ckpt, tiny).params.w1, new.w1)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "notes.txt", "weights.safetensors"]
+    names = sorted(p.name for p in ckpt.iterdir())  # the replaced weights gone, the new under a name of their own
+    assert names[:2] == ["config.json", "notes.txt"] and len(names) == 3 and names[2].startswith("weights-")
+    # killed between the new weights and the config that names them: the old checkpoint is whole (weights replaced
+    # first used to leave new weights beside the old config, which refused them: neither loaded)
+    import os as _os
+
+    real = _os.replace
+
+    def dies_at_the_config(src, dst):
+        if str(dst).endswith("config.json"):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    _os.replace = dies_at_the_config
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_probe_checkpoint(ckpt, params, kind="probing", model=tiny, layers=(1, 2))
+    finally:
+        _os.replace = real
+    assert torch.equal(load_probe_checkpoint(ckpt, tiny).params.w1, new.w1)
+    save_probe_checkpoint(ckpt, params, kind="probing", model=tiny, layers=(1, 2))  # and the next save cleans up
+    assert torch.equal(load_probe_checkpoint(ckpt, tiny).params.w1, params.w1)
+    assert len([p for p in ckpt.iterdir() if p.suffix == ".safetensors"]) == 1
     empty = tmp_path / "empty"
     empty.mkdir()
     save_probe_checkpoint(empty, params, kind="probing", model=tiny, layers=(1, 2))

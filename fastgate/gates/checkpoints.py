@@ -129,24 +129,31 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
         check_checkpoint_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh = not out.exists()
-    # a new directory is built beside its place and moved in whole; an existing checkpoint gets its two files
-    # replaced one by one (anything else the user keeps there stays): weights first, so a crash between the two
-    # leaves a config whose SHA-256 refuses the new weights instead of a checkpoint mixing the two
+    # a new directory is built beside its place and moved in whole. An existing checkpoint (anything else the user
+    # keeps there stays) gets its new weights under a name of their own first, then the config naming them: replacing
+    # the config is the one step that switches, so a crash leaves the old checkpoint or the new one, never neither
+    # (weights replaced before the config left new weights beside the old config, which refused them: both lost)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if fresh else out))
     try:
         save_file({name: t.detach().cpu().contiguous() for name, t in zip(ProbeParams._fields, params)}, tmp / WEIGHTS)
+        digest = _sha256(tmp / WEIGHTS)
+        name = WEIGHTS if fresh else f"weights-{digest[:16]}.safetensors"
         config = {
             "format": FORMAT, "version": VERSION, "kind": kind, "model": model.name,
             "model_fingerprint": model.fingerprint, "hidden_size": model.hidden_size, "model_layers": model.n_layers,
-            "layers": list(layers), "h": params.h, "weights_sha256": _sha256(tmp / WEIGHTS), "extra": extra or {},
+            "layers": list(layers), "h": params.h, "weights_sha256": digest, "extra": extra or {},
+            **({} if name == WEIGHTS else {"weights": name}),
         }
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if fresh:
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared checkpoint out
             os.replace(tmp, out)
         else:
-            os.replace(tmp / WEIGHTS, out / WEIGHTS)
-            os.replace(tmp / CONFIG, out / CONFIG)
+            os.replace(tmp / WEIGHTS, out / name)
+            os.replace(tmp / CONFIG, out / CONFIG)  # the switch
+            for old in (out / WEIGHTS, *out.glob("weights-*.safetensors")):  # the weights no config names now
+                if old.name != name:
+                    old.unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -195,9 +202,12 @@ def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind
         raise CheckpointError(f"{root} has checkpoint version {config.get('version')}; this fastgate reads {VERSION}")
     if kind is not None and config.get("kind") != kind:
         raise CheckpointError(f"{root} holds a {config.get('kind')!r} checkpoint, not {kind!r}")
-    weights = root / WEIGHTS
+    name = config.get("weights", WEIGHTS)  # a checkpoint replaced in place names its weights' own file
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+        raise CheckpointError(f"{root / CONFIG}: weights must be a .safetensors file name in it, got {name!r}")
+    weights = root / name
     if not weights.is_file():
-        raise CheckpointError(f"{root} has no {WEIGHTS}")
+        raise CheckpointError(f"{root} has no {name}")
     if _sha256(weights) != config.get("weights_sha256"):
         raise CheckpointError(f"{weights} does not match its recorded SHA-256: truncated or corrupt")
     try:
