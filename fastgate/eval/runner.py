@@ -426,12 +426,13 @@ def _check_params(store: ResultsStore, run: RunSpec, params: dict[str, Any], ine
                              f"into a new --out directory, or name the values with --param (a run of its own)")
 
 
-def _other_value(store: ResultsStore, run: RunSpec, field: str, value: str, legacy: str) -> tuple[str, str] | None:
-    """The first record of ``run`` made with another ``field`` than ``value`` (records without the field count as
-    ``legacy``): its question id and its value; None when every record agrees."""
+def _other_value(store: ResultsStore, run: RunSpec | None, field: str, value: str, legacy: str | None
+                 ) -> tuple[str, str, str] | None:
+    """The first record of ``run`` (None: of any run) made with another ``field`` than ``value`` (records without the
+    field count as ``legacy``): its run key, question id and value; None when every record agrees."""
     for (key, qid), rec in store.records.items():
-        if key == run.key and rec.get(field, legacy) != value:
-            return qid, rec.get(field, legacy)
+        if (run is None or key == run.key) and rec.get(field, legacy) != value:
+            return key, qid, rec.get(field, legacy)
     return None
 
 
@@ -439,7 +440,7 @@ def _check_dtype(store: ResultsStore, run: RunSpec, dtype: str, legacy: str) -> 
     """Refuse to resume or summarise ``run`` over records made with the weights in another dtype (bf16 answers differ
     from float32 ones). Records written before they named their dtype count as ``legacy``."""
     if other := _other_value(store, run, "dtype", dtype, legacy):
-        qid, was = other
+        _, qid, was = other
         raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with the "
                          f"weights in {was}, but this run would use {dtype}: evaluate into a new --out directory, or "
                          f"pass --dtype {was}")
@@ -481,7 +482,7 @@ def _check_corpus(store: ResultsStore, run: RunSpec, corpus: str | None) -> None
     """Refuse to resume ``run`` over records that searched another corpus (``--index`` of another one). Records from
     before they named it are not checked."""
     if corpus is not None and (other := _other_value(store, run, "corpus", corpus, legacy=corpus)):
-        qid, was = other
+        _, qid, was = other
         raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) searched another "
                          f"corpus (fingerprint {str(was)[:12]}; this index's {corpus[:12]}): evaluate into a new "
                          "--out directory, or pass the --index they searched")
@@ -491,7 +492,7 @@ def _check_weights(store: ResultsStore, run: RunSpec, weights: str) -> None:
     """Refuse to resume or summarise ``run`` over records made with the linear weights held otherwise (``int8``
     answers differ from ``float`` ones). Records written before they named it were made with ``float`` weights."""
     if other := _other_value(store, run, "weights", weights, "float"):
-        qid, was = other
+        _, qid, was = other
         raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made with {was} "
                          f"weights, but this run would use {weights}: evaluate into a new --out directory, or pass "
                          f"--weights {was}")
@@ -501,7 +502,7 @@ def _check_schedule(store: ResultsStore, run: RunSpec, schedule: str) -> None:
     """Refuse to resume ``run`` under another schedule than its records' (their seconds per question and latencies
     are measured differently). Records written before they named it were answered in batches."""
     if other := _other_value(store, run, "schedule", schedule, "batches"):
-        qid, was = other
+        _, qid, was = other
         raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were answered with "
                          f"--schedule {was}, but this run would use {schedule}: pass --schedule {was}, or evaluate "
                          "into a new --out directory")
@@ -511,7 +512,7 @@ def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
     """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
     server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
     if other := _other_value(store, run, "engine", engine, "local"):
-        qid, was = other
+        _, qid, was = other
         raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were made on the "
                          f"engine {was}, but this run would use {engine}: evaluate into a new --out directory")
 
@@ -546,12 +547,11 @@ def check_form(store: ResultsStore, runtime) -> None:
     if weights is not None:
         checks.append(("weights", weights, "float", "with {} weights", ", or pass --weights {}"))
     for field, value, old, made, flag in checks:
-        for (key, qid), rec in store.records.items():
-            was = rec.get(field, old)
-            if was != value:
-                raise InputError(f"{store.path} holds records made {made.format(was)} (run {key!r}, e.g. question "
-                                 f"{qid}), but this evaluation would use {value}: one --out holds the records of one "
-                                 f"engine, dtype and weights; evaluate into a new --out directory{flag.format(was)}")
+        if other := _other_value(store, None, field, value, old):  # the per-run checks' test, over every run
+            key, qid, was = other
+            raise InputError(f"{store.path} holds records made {made.format(was)} (run {key!r}, e.g. question "
+                             f"{qid}), but this evaluation would use {value}: one --out holds the records of one "
+                             f"engine, dtype and weights; evaluate into a new --out directory{flag.format(was)}")
 
 
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,

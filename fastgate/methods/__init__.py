@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Mapping
 from typing import Any
 
 from fastgate.errors import InputError, UnknownNameError
-from fastgate.methods.base import Method, MethodConfig, MethodResult, coerce_param
+from fastgate.methods.base import Method, MethodConfig, MethodResult
 from fastgate.methods.cbdr import Cbdr, CbdrConfig
 from fastgate.methods.dtr import Dtr, DtrConfig
 from fastgate.methods.flare import Flare, FlareConfig
@@ -53,7 +52,6 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
     if method not in METHODS:
         raise UnknownNameError("method", method, list(METHODS))
     cls = METHODS[method].config_class
-    hints = typing.get_type_hints(cls)
     valid = {f.name for f in dataclasses.fields(cls)}
     params = params or {}
     if not isinstance(params, Mapping):  # a list reached .items() as an AttributeError
@@ -61,7 +59,7 @@ def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConf
     unknown = sorted(set(params) - valid)
     if unknown:
         raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
-    return cls(**{k: coerce_param(k, v, hints[k]) for k, v in params.items()})
+    return cls(**params)  # MethodConfig.__post_init__ types every field (coerce_param): "0.84" (CLI) is 0.84
 
 
 def build_method(name: str, engine, retriever=None, params: dict[str, Any] | None = None,
