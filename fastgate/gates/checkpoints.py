@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ __all__ = [
     "ProbeCheckpoint",
     "check_checkpoint_matches",
     "check_checkpoint_out",
+    "check_out_dir",
     "checkpoint_summary",
     "Prober",
     "load_probe_checkpoint",
@@ -125,8 +127,7 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     if params.d != model.hidden_size:
         raise ShapeError(f"probers take d={params.d} but model {model.name} has hidden size {model.hidden_size}")
     out = Path(out_dir)
-    if out.exists():
-        check_checkpoint_out(out)
+    check_checkpoint_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh = not out.exists()
     # a new directory is built beside its place and moved in whole. An existing checkpoint (anything else the user
@@ -159,22 +160,34 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     return out
 
 
+def check_out_dir(out: Path, ours: Callable[[Path], bool], what: str, kept: str) -> None:
+    """``out`` may receive a saved model: absent, an empty directory, or one of ours (``ours``), which is replaced;
+    never a directory of the user's other files. ``what`` names the kind in the message, ``kept`` the one to replace.
+
+    Raises:
+        InputError: a file, or a directory holding something other than a fastgate ``what``."""
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory: choose another --out")
+    if any(out.iterdir()) and not ours(out):
+        raise InputError(f"{out} holds files that are not a fastgate {what}: not overwriting them; "
+                         f"choose another --out (a new or empty directory, or a {kept} to replace)")
+
+
+def _is_probe_checkpoint(out: Path) -> bool:
+    try:
+        return json.loads((out / CONFIG).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def check_checkpoint_out(out: Path) -> None:
     """``out`` may receive a checkpoint: an empty directory or a prober checkpoint (never a user's other files).
 
     Raises:
         InputError: a file, or a directory holding something other than a fastgate prober checkpoint."""
-    if not out.is_dir():
-        raise InputError(f"{out} exists and is not a directory: choose another --out")
-    if not any(out.iterdir()):
-        return
-    try:
-        ours = json.loads((out / CONFIG).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        ours = False
-    if not ours:
-        raise InputError(f"{out} holds files that are not a fastgate prober checkpoint: not overwriting them; "
-                         "choose another --out (a new or empty directory, or a checkpoint to replace)")
+    check_out_dir(out, _is_probe_checkpoint, "prober checkpoint", "checkpoint")
 
 
 def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind | None = None) -> ProbeCheckpoint:

@@ -101,7 +101,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     asked = _layers(args.layers, one=args.kind != "prober")  # checked before the model loads
-    if args.out and Path(args.out).exists():
+    if args.out:
         check_checkpoint_out(Path(args.out))  # before the training's minutes, not after them
     examples = _examples(args)
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states

@@ -17,6 +17,7 @@ import torch
 
 from fastgate.errors import InputError
 from fastgate.eval.datasets import QAExample
+from fastgate.gates.checkpoints import check_out_dir
 from fastgate.prompts import closed_book_prompt, rag_prompt
 
 __all__ = ["Preference", "RerankerConfig", "check_reranker_out", "fit_reranker", "shift_preferences"]
@@ -94,13 +95,7 @@ def check_reranker_out(out: Path) -> None:
 
     Raises:
         InputError: a file, or a directory holding something other than a fastgate reranker."""
-    if not os.path.lexists(out):
-        return
-    if not out.is_dir():
-        raise InputError(f"{out} exists and is not a directory: choose another --out")
-    if any(out.iterdir()) and not _is_reranker(out):
-        raise InputError(f"{out} holds files that are not a fastgate reranker: not overwriting them; "
-                         "choose another --out (a new or empty directory, or a reranker to replace)")
+    check_out_dir(out, _is_reranker, "reranker", "reranker")
 
 
 def _save_reranker(out: Path, write: Callable[[Path], None], info: dict) -> Path:
