@@ -89,16 +89,13 @@ class FeatureCache:
             raise _corrupt_chunk(path, exc) from None
 
     def add(self, ids: Sequence[str], features: torch.Tensor, labels: torch.Tensor,
-            examples: Sequence[str | QAExample]) -> None:
-        """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples`` (given as
-        :class:`QAExample` s, their :func:`example_key` s are kept for :meth:`check`; as ids, none)."""
+            examples: Sequence[QAExample]) -> None:
+        """Write one chunk: ``features [n, ...]``, ``labels [n]`` for rows ``ids``, finishing ``examples`` (their
+        :func:`example_key` s kept for :meth:`check`)."""
         from safetensors.torch import save_file
 
-        done = [e if isinstance(e, str) else e.id for e in examples]
-        meta = {"ids": json.dumps(list(ids)), "examples": json.dumps(done)}
-        keys = None if any(isinstance(e, str) for e in examples) else [example_key(e) for e in examples]
-        if keys is not None:
-            meta["keys"] = json.dumps(keys)
+        done, keys = [e.id for e in examples], [example_key(e) for e in examples]
+        meta = {"ids": json.dumps(list(ids)), "examples": json.dumps(done), "keys": json.dumps(keys)}
         path = self.root / f"chunk_{len(self._chunks):05d}.safetensors"
         tmp = path.with_suffix(".tmp")
         save_file({"features": features.detach().cpu().float().contiguous(),
@@ -106,8 +103,7 @@ class FeatureCache:
         os.replace(tmp, path)  # a chunk exists whole or not at all
         self._chunks.append(path)
         self.done.update(done)
-        if keys is not None:
-            self.keys.update(zip(done, keys))
+        self.keys.update(zip(done, keys))
 
     def finished(self, example_id: str) -> bool:
         return example_id in self.done
