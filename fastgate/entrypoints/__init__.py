@@ -5,11 +5,14 @@ one part does not load the others.
 
 import os
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "LOOPBACK", "OMP_POLICY_SET", "passive_omp_threads"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "LOG_LEVELS", "LOOPBACK", "OMP_POLICY_SET", "passive_omp_threads"]
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: a server is reachable from this machine only, unless asked otherwise
 DEFAULT_PORT = 8000  # uvicorn's and vLLM's default
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # bind addresses that need no warning
+# uvicorn's log levels (`fastgate serve --log-level`) -> Python's, which Ray Serve's LoggingConfig takes
+LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+              "trace": "DEBUG"}
 OMP_POLICY_SET = False  # passive_omp_threads set OMP_WAIT_POLICY in this process (not the user)
 
 

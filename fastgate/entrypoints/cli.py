@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
-from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK, passive_omp_threads
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOG_LEVELS, LOOPBACK, passive_omp_threads
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 from fastgate.settings import parse_params as _parse_params
 
@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     sv.add_argument("--param", action="append", metavar="NAME=VALUE", help="parameter of the default method")
     _add_settings(sv, ("index", "paper_defaults", *_SERVE_LIMITS))
-    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+    sv.add_argument("--log-level", default="info", choices=list(LOG_LEVELS),
                     help="the server's log level, also the Ray Serve proxy's and replicas' under --ray "
                          "(default: %(default)s)")
     sv.add_argument("--ray", action="store_true",

@@ -26,15 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT
+from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOG_LEVELS
 from fastgate.errors import InputError, MissingDependencyError
 from fastgate.serving.service import AnswerService, ServiceConfig
 
-__all__ = ["LOG_LEVELS", "FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
-
-# uvicorn's log levels (`fastgate serve --log-level`) -> Python's, which Ray Serve's LoggingConfig takes
-LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
-              "trace": "DEBUG"}
+__all__ = ["FastgateReplica", "RayServeConfig", "build_app", "serve_ray"]
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,12 @@ class DecodeStack:
     def takes(self, h: torch.Tensor) -> bool:
         """Whether a call with the rows ``h`` runs here: CPU rows ``[m, d]`` of the layers' dtype, contiguous, m
         within :attr:`max_rows`, the layers' codes unchanged."""
+        return self._rows_ok(h) and self.current()
+
+    def _rows_ok(self, h: torch.Tensor) -> bool:
+        """:meth:`takes` but for the codes' walk (~5 us: its caller's, once before the step's calls)."""
         return (h.dtype is self.dtype and h.is_cpu and h.dim() == 2 and h.shape[1] == self.d
-                and 0 < h.shape[0] <= self.max_rows and h.is_contiguous() and self.current())
+                and 0 < h.shape[0] <= self.max_rows and h.is_contiguous())
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], pos: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -167,10 +171,7 @@ class DecodeStack:
         at column ``pos[r]`` (``[m]`` int64), ``cos`` / ``sin`` ``[m, D]`` of the layers' dtype (rows of their table,
         unit stride along D; a ``[m, 1, D]`` view too). Writes each layer's new keys and values; returns the output
         ``[m, d]``."""
-        # a float32 h into a bf16 stack read past its end. The caller asks takes() (its codes' walk: ~5 us) first;
-        # here only what a call could get wrong, every call of a step
-        if not (h.dtype is self.dtype and h.is_cpu and h.dim() == 2 and h.shape[1] == self.d
-                and 0 < h.shape[0] <= self.max_rows and h.is_contiguous()):
+        if not self._rows_ok(h):  # a float32 h into a bf16 stack read past its end
             raise ShapeError(f"decode_layers: h must be contiguous CPU rows [1..{self.max_rows}, {self.d}] of "
                              f"{self.dtype}, got {tuple(h.shape)} {h.dtype}")
         if not 0 <= first < last <= self.n:  # past the last layer the C++ loop read a table row that is not there
