@@ -690,10 +690,7 @@ double widen_row(const float* src, int64_t n, int64_t padded, double* dst) {
   f64x4 a0 = {}, a1 = {};
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
-    f32x4 lo, hi;
-    __builtin_memcpy(&lo, src + t, sizeof lo);
-    __builtin_memcpy(&hi, src + t + 4, sizeof hi);
-    const f64x4 dlo = __builtin_convertvector(lo, f64x4), dhi = __builtin_convertvector(hi, f64x4);
+    const f64x4 dlo = widen4(src + t), dhi = widen4(src + t + 4);
     __builtin_memcpy(dst + t, &dlo, sizeof dlo);
     __builtin_memcpy(dst + t + 4, &dhi, sizeof dhi);
     a0 += dlo;
