@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["GenerationConfig", "TapSpec", "as_integer"]
+__all__ = ["GenerationConfig", "TapSpec", "as_integer", "check_tap_layers"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,17 @@ class TapSpec:
     def needs_flush(self) -> bool:
         """Whether a finished sequence's last token must still be fed (to record its state)."""
         return bool(self.layers) or self.eos_state
+
+
+def check_tap_layers(layers: Iterable[int], n_layers: int) -> None:
+    """Each of ``layers`` is a hidden state a model of ``n_layers`` layers has: 0 (the embeddings) .. ``n_layers``
+    (the final output). One check for the engine's generations and prefills and the scheduler's requests.
+
+    Raises:
+        InputError: the first that is not."""
+    for layer in layers:
+        if not 0 <= layer <= n_layers:
+            raise InputError(f"tap layer {layer} out of range 0..{n_layers}")
 
 
 def as_integer(name: str, value: Any) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fastgate.assets.models import LoadedModel
-from fastgate.config import GenerationConfig, TapSpec, as_integer
+from fastgate.config import GenerationConfig, TapSpec, as_integer, check_tap_layers
 from fastgate.engine.decode import DecodeLoop
 from fastgate.engine.generation import FinishReason, Generation, GenerationBatch
 from fastgate.engine.lm_head import DEFAULT_COLUMNS
@@ -182,9 +182,7 @@ class Engine:
             layers = tuple(sorted({x for t in row_taps for x in t.layers}))
         else:
             layers = tuple(row_taps[0].layers)
-        for layer in (*layers, mid):
-            if not 0 <= layer <= self.n_layers:
-                raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
+        check_tap_layers((*layers, mid), self.n_layers)
         want_pre = any(t.pre_answer for t in row_taps)
         want_eos = any(t.eos_state for t in row_taps)
         # One config: sampled rows without a seed share one generator (its config's seed), and with no seeds at all

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 from fastgate.assets.models import LoadedModel, return_freed_memory
-from fastgate.config import as_integer
+from fastgate.config import as_integer, check_tap_layers
 from fastgate.engine.attention import attention_dtype, sdpa_backends, sdpa_choice
 from fastgate.engine.fused import canonical_forward, fusable, fused_forward
 from fastgate.engine.kv_cache import KVCacheManager, KVGeometry, new_cache, plain_layers
@@ -493,8 +493,7 @@ class ModelRunner:
         if not prompts:
             raise InputError("prompt_states: no prompts")
         layer = self.n_layers // 2 if layer is None else layer
-        if not 0 <= layer <= self.n_layers:
-            raise InputError(f"tap layer {layer} out of range 0..{self.n_layers}")
+        check_tap_layers((layer,), self.n_layers)
         from transformers import DynamicCache
 
         rows = self.encode(prompts, 1)[0]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
+from fastgate.config import check_tap_layers
 from fastgate.engine.protocol import LLMEngine
 from fastgate.errors import InputError
 from fastgate.programs import All, Answer, Batched, Decide, Generate, PromptStates, Search, SearchVectors
@@ -312,9 +313,7 @@ class Scheduler:
         n_layers = getattr(self.engine, "n_layers", None)
         if not n_layers:  # a remote engine (0): no taps reach it, it refuses them itself
             return
-        for layer in (*taps.layers, *([taps.mid_layer] if taps.mid_layer is not None else [])):
-            if not 0 <= layer <= n_layers:
-                raise InputError(f"tap layer {layer} out of range 0..{n_layers}")
+        check_tap_layers((*taps.layers, *([taps.mid_layer] if taps.mid_layer is not None else [])), n_layers)
 
     # ------------------------------------------------------------------ Delivery: the parts hand results back here
     def finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:
