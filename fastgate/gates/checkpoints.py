@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -160,9 +159,10 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     return out
 
 
-def check_out_dir(out: Path, ours: Callable[[Path], bool], what: str, kept: str) -> None:
-    """``out`` may receive a saved model: absent, an empty directory, or one of ours (``ours``), which is replaced;
-    never a directory of the user's other files. ``what`` names the kind in the message, ``kept`` the one to replace.
+def check_out_dir(out: Path, marker: str, fmt: str, what: str, kept: str) -> None:
+    """``out`` may receive a saved model: absent, an empty directory, or one of ours (its JSON file ``marker`` names
+    ``fmt`` as its format), which is replaced; never a directory of the user's other files. ``what`` names the kind in
+    the message, ``kept`` the one to replace.
 
     Raises:
         InputError: a file, or a directory holding something other than a fastgate ``what``."""
@@ -170,16 +170,15 @@ def check_out_dir(out: Path, ours: Callable[[Path], bool], what: str, kept: str)
         return
     if not out.is_dir():
         raise InputError(f"{out} exists and is not a directory: choose another --out")
-    if any(out.iterdir()) and not ours(out):
+    if not any(out.iterdir()):
+        return
+    try:
+        ours = json.loads((out / marker).read_text()).get("format") == fmt
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
         raise InputError(f"{out} holds files that are not a fastgate {what}: not overwriting them; "
                          f"choose another --out (a new or empty directory, or a {kept} to replace)")
-
-
-def _is_probe_checkpoint(out: Path) -> bool:
-    try:
-        return json.loads((out / CONFIG).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def check_checkpoint_out(out: Path) -> None:
@@ -187,7 +186,7 @@ def check_checkpoint_out(out: Path) -> None:
 
     Raises:
         InputError: a file, or a directory holding something other than a fastgate prober checkpoint."""
-    check_out_dir(out, _is_probe_checkpoint, "prober checkpoint", "checkpoint")
+    check_out_dir(out, CONFIG, FORMAT, "prober checkpoint", "checkpoint")
 
 
 def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind | None = None) -> ProbeCheckpoint:

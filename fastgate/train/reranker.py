@@ -82,20 +82,13 @@ class RerankerConfig:
             raise InputError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
 
 
-def _is_reranker(path: Path) -> bool:
-    try:
-        return json.loads((path / MARKER).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def check_reranker_out(out: Path) -> None:
     """``out`` may receive a reranker: absent, an empty directory or a reranker fastgate saved (never a user's
     other files).
 
     Raises:
         InputError: a file, or a directory holding something other than a fastgate reranker."""
-    check_out_dir(out, _is_reranker, "reranker", "reranker")
+    check_out_dir(out, MARKER, FORMAT, "reranker", "reranker")
 
 
 def _save_reranker(out: Path, write: Callable[[Path], None], info: dict) -> Path:
