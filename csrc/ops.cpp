@@ -3102,8 +3102,8 @@ void silu_mul_f32(uintptr_t gu_ptr, uintptr_t out_ptr, int64_t m, int64_t I) {
 // map_reduce_all): the row's maximum, then the sum of exp(x - max) over vectors of 8 in order (a last partial vector
 // merged into the first lanes), both vectors reduced by the same three shuffles; lse = log(sum) by torch's vector
 // log; the log-prob (x - max) - lse. exp and log are SLEEF's routines that libtorch_cpu exports and calls (found
-// where torch is loaded); the registry probes this against torch once and binds it only where it agrees (a torch
-// whose float kernels run 16 wide, AVX-512, sums in another order).
+// where torch is loaded); the registry probes this against torch once and binds it only where it agrees. A torch
+// whose float kernels run 16 wide (CPU capability AVX512) sums in vectors of 16: `width` 16 runs that order (below).
 #ifdef FASTGATE_AVX2_KERNEL
 using Log8 = __m256 (*)(__m256);
 
@@ -3138,16 +3138,18 @@ FASTGATE_F32_EXACT inline float reduce8(__m256 v, Op op) {  // at::vec::vec_redu
   return _mm256_cvtss_f32(v);
 }
 
+// vec_reduce_all's path under 8: lane 0 op'ed with each other lane in turn, the lanes read as they were stored
+// once (op'ed with the zero padding, a lane of a row of negative values would be 0 by the time it is read)
 template <class Op>
-FASTGATE_F32_EXACT inline float reduce_short(__m256 v, int64_t size, Op op) {  // vec_reduce_all's path under 8
-  alignas(32) float acc[8];
-  _mm256_store_ps(acc, v);
+FASTGATE_F32_EXACT inline float reduce_short(__m256 v, int64_t size, Op op) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
   for (int64_t i = 1; i < size; ++i) {
     alignas(32) float next[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    next[0] = acc[i];
-    _mm256_store_ps(acc, op(_mm256_load_ps(acc), _mm256_load_ps(next)));
+    next[0] = lanes[i];
+    v = op(v, _mm256_load_ps(next));
   }
-  return acc[0];
+  return _mm256_cvtss_f32(v);
 }
 
 // at::vec::map_reduce_all of one row (reduce_all where `map` is the identity): op over map(vectors of 8) in order, a
@@ -3194,15 +3196,81 @@ FASTGATE_F32_EXACT int64_t row_argmax(const float* x, int64_t V) {
 }
 #endif
 
+#if defined(FASTGATE_AVX2_KERNEL) && defined(FASTGATE_AVX512)
+// The same as torch's AVX-512 kernels have it (a torch whose CPU capability is AVX512): vectors of 16, the partial
+// last one merged by a masked blend, four shuffles (at::vec's VecReduceAllSIMD<float> for AVX-512), SLEEF's 16-wide
+// exp and log. Why: on such a torch (Zen 4 EPYCs, Xeons) the 8-wide order is not torch's, the probe refused it and a
+// batch-1 step ran torch's log_softmax, argmax and gather (~0.15 ms of a SmolLM2 step on a Zen 4 EPYC).
+using Vec16Fn = __m512 (*)(__m512);
+
+#define FASTGATE_F32_EXACT16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), optimize("fp-contract=off")))
+
+FASTGATE_F32_EXACT16 inline __m512 vmax16(__m512 a, __m512 b) {  // at::vec::maximum: a NaN in either lane wins
+  const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+  return _mm512_or_ps(_mm512_max_ps(a, b), _mm512_castsi512_ps(_mm512_maskz_set1_epi32(nan, -1)));
+}
+
+template <class Op>
+FASTGATE_F32_EXACT16 inline float reduce16(__m512 v, Op op) {  // VecReduceAllSIMD<float>'s AVX-512 shuffles
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = op(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = op(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = op(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+
+template <class Op>
+FASTGATE_F32_EXACT16 inline float reduce_short16(__m512 v, int64_t size, Op op) {  // vec_reduce_all under 16
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (int64_t i = 1; i < size; ++i) v = op(v, _mm512_maskz_loadu_ps(1, lanes + i));  // (lanes[i], 0, ..., 0)
+  return _mm512_cvtss_f32(v);
+}
+
+// at::vec::map_reduce_all of one row over vectors of 16 (map_reduce_row's order)
+template <class Map, class Op>
+FASTGATE_F32_EXACT16 inline float map_reduce_row16(const float* x, int64_t V, Map map, Op op) {
+  const auto first = [](int64_t count) { return static_cast<__mmask16>((1u << count) - 1); };
+  if (V < 16) return reduce_short16(map(_mm512_maskz_loadu_ps(first(V), x)), V, op);
+  __m512 acc = map(_mm512_loadu_ps(x));
+  int64_t d = 16;
+  for (; d < V - V % 16; d += 16) acc = op(acc, map(_mm512_loadu_ps(x + d)));
+  if (V - d > 0)  // Vectorized::set(acc, op(acc, last), count): the first count lanes from the second
+    acc = _mm512_mask_blend_ps(first(V - d), acc, op(acc, map(_mm512_maskz_loadu_ps(first(V - d), x + d))));
+  return reduce16(acc, op);
+}
+
+FASTGATE_F32_EXACT16 std::pair<float, float> row_lse16(const float* x, int64_t V, Vec16Fn exp16, Vec16Fn log16) {
+  const float m = map_reduce_row16(x, V, [](__m512 v) { return v; }, [](__m512 a, __m512 b) { return vmax16(a, b); });
+  const __m512 mv = _mm512_set1_ps(m);
+  const float sum = map_reduce_row16(x, V, [&](__m512 v) { return exp16(_mm512_sub_ps(v, mv)); },
+                                     [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+  return {m, _mm512_cvtss_f32(log16(_mm512_set1_ps(sum)))};
+}
+
+Vec16Fn torch_vec16(const char* name, std::atomic<void*>& found) { return reinterpret_cast<Vec16Fn>(torch_symbol(name, found)); }
+#endif
+
 // logits [m, V] float32 (rows `stride` apart, unit stride along V); chosen [m] int64: read, or written with each row's
-// argmax where `argmax`; out [m] float32: log_softmax(logits)[r, chosen[r]], torch's bits (above).
+// argmax where `argmax`; out [m] float32: log_softmax(logits)[r, chosen[r]], torch's bits (above). width: the vectors
+// of the torch to match, 8 (AVX2) or 16 (AVX-512; only where this CPU has it).
 void token_logprobs_f32(uintptr_t logits_ptr, int64_t m, int64_t V, int64_t stride, uintptr_t chosen_ptr, bool argmax,
-                        uintptr_t out_ptr, int64_t threads) {
+                        uintptr_t out_ptr, int64_t threads, int64_t width) {
 #ifdef FASTGATE_AVX2_KERNEL
   const Exp8 exp8 = checked_exp8("token_logprobs_f32");
   const Log8 log8 = torch_log8();
   if (log8 == nullptr) throw std::invalid_argument("token_logprobs_f32: torch's log (Sleef_logf8_u10) not found");
   if (m < 0 || V <= 0 || stride < V) throw std::invalid_argument("token_logprobs_f32: bad shape");
+  if (width != 8 && width != 16) throw std::invalid_argument("token_logprobs_f32: width 8 or 16");
+#ifdef FASTGATE_AVX512
+  static std::atomic<void*> exp_found{nullptr}, log_found{nullptr};
+  const Vec16Fn exp16 = width == 16 ? torch_vec16("Sleef_expf16_u10", exp_found) : nullptr;
+  const Vec16Fn log16 = width == 16 ? torch_vec16("Sleef_logf16_u10", log_found) : nullptr;
+  if (width == 16 && !(cpu_has_avx512() && exp16 != nullptr && log16 != nullptr))
+    throw std::invalid_argument("token_logprobs_f32: width 16 needs AVX-512 and torch's 16-wide exp and log");
+#else
+  if (width == 16) throw std::invalid_argument("token_logprobs_f32: width 16 not built for this platform");
+#endif
   const float* logits = reinterpret_cast<const float*>(logits_ptr);
   int64_t* chosen = reinterpret_cast<int64_t*>(chosen_ptr);
   float* out = reinterpret_cast<float*>(out_ptr);
@@ -3214,13 +3282,18 @@ void token_logprobs_f32(uintptr_t logits_ptr, int64_t m, int64_t V, int64_t stri
     for (int64_t r = first; r < m; r += step) {
       const float* x = logits + r * stride;
       if (argmax) chosen[r] = row_argmax(x, V);
+#ifdef FASTGATE_AVX512
+      const auto [mx, lse] = width == 16 ? row_lse16(x, V, exp16, log16) : row_lse(x, V, exp8, log8);
+#else
       const auto [mx, lse] = row_lse(x, V, exp8, log8);
+#endif
       out[r] = (x[chosen[r]] - mx) - lse;
     }
     return true;
   }, threads);
 #else
   (void)logits_ptr, (void)m, (void)V, (void)stride, (void)chosen_ptr, (void)argmax, (void)out_ptr, (void)threads;
+  (void)width;
   throw std::invalid_argument("token_logprobs_f32: not built for this platform");
 #endif
 }
@@ -3557,7 +3630,9 @@ PYBIND11_MODULE(_C, m) {
         "out [m, I] = silu(gu[:, :I]) * gu[:, I:] of float32 rows, torch's arithmetic");
   m.def("token_logprobs_f32", &token_logprobs_f32, py::arg("logits"), py::arg("rows"), py::arg("vocab"),
         py::arg("stride"), py::arg("chosen"), py::arg("argmax"), py::arg("out"), py::arg("threads") = 0,
-        "out[r] = log_softmax(logits)[r, chosen[r]] of float32 rows, torch's bits (chosen = argmax where asked)");
+        py::arg("width") = 8,
+        "out[r] = log_softmax(logits)[r, chosen[r]] of float32 rows, torch's bits (chosen = argmax where asked; "
+        "width: the vectors of the torch matched, 8 or 16)");
   m.def("decode_layers_f32", &decode_layers_f32, py::arg("h"), py::arg("out"), py::arg("rows"), py::arg("d"),
         py::arg("table"), py::arg("floats"), py::arg("kv"), py::arg("first"), py::arg("last"), py::arg("heads"),
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("cos"), py::arg("sin"),

@@ -1,12 +1,17 @@
 """The op ``token_logprobs`` (fastgate.ops.sampling; the decode loop's tokens and their log-probs): the C++ loop
 (``token_logprobs_f32``, AVX2 and FMA with torch's exp and log) is torch's ``log_softmax`` + ``argmax`` + ``gather``
 bit for bit over awkward vocabularies (1, primes, 769, a partial last vector), ties, infinities, NaNs, strided rows and
-given tokens; what it does not take goes to the reference; the decode loop's greedy tokens and log-probs are the same
-through either."""
+given tokens, at the width of torch's own kernels (16 where its capability is AVX512, 8 else; the other width in a
+subprocess whose torch runs AVX2); what it does not take goes to the reference; the decode loop's greedy tokens and
+log-probs are the same through either."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,7 +19,7 @@ import torch
 from fastgate.config import GenerationConfig, TapSpec
 from fastgate.ops import reference
 from fastgate.ops.registry import build_ops, import_ext
-from fastgate.ops.sampling import ext_token_logprobs
+from fastgate.ops.sampling import ext_token_logprobs, torch_width
 
 
 def _op():
@@ -23,7 +28,7 @@ def _op():
         pytest.skip("needs the C++ extension on an x86-64 CPU with AVX2 and FMA")
     op = ext_token_logprobs(ext)
     if op is reference.token_logprobs:
-        pytest.skip("the C++ loop is not torch's bit for bit with this torch (its float kernels run 16 wide)")
+        pytest.skip("the C++ loop is not torch's bit for bit with this torch")
     return op
 
 
@@ -42,6 +47,55 @@ def test_the_loop_is_torch_s_bits(v, m):
     _same(op(x), reference.token_logprobs(x))
     chosen = torch.randint(0, v, (m,), generator=gen)
     _same(op(x, chosen), reference.token_logprobs(x, chosen))
+
+
+def test_it_runs_torch_s_own_width():
+    assert _op().width == torch_width()
+
+
+@pytest.mark.parametrize("v", [2, 3, 7, 8, 9, 15, 16, 17, 33])
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_rows_of_negative_values(v, scale):
+    """Every value negative: a short row's maximum was taken over lanes already max'ed with the zero padding (0, not
+    the row's largest: other bits, and -inf log-sums at -300)."""
+    op = _op()
+    gen = torch.Generator().manual_seed(v)
+    x = -(torch.rand((5, v), generator=gen) * scale + 0.5)  # [5, V], all < 0
+    _same(op(x), reference.token_logprobs(x))
+
+
+def test_the_other_width_under_an_avx2_torch():
+    """The 8-wide order where torch's kernels run 8 wide (ATEN_CPU_CAPABILITY=avx2: what an AVX2-only CPU runs), so
+    both widths are tested on a machine with AVX-512."""
+    _op()
+    script = textwrap.dedent("""
+        import torch
+        from fastgate.ops import reference
+        from fastgate.ops.registry import import_ext
+        from fastgate.ops.sampling import ext_token_logprobs, torch_width
+        assert torch_width() == 8, torch.backends.cpu.get_cpu_capability()
+        op = ext_token_logprobs(import_ext())
+        assert op is not reference.token_logprobs and op.width == 8
+        gen = torch.Generator().manual_seed(0)
+        for v in (1, 3, 7, 9, 769, 49157):
+            for x in (torch.randn((3, v), generator=gen) * 5, -(torch.rand((3, v), generator=gen) * 300 + 0.5)):
+                got, want = op(x), reference.token_logprobs(x)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (v, got, want)
+        print("ok")
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_a_width_this_cpu_or_build_lacks_is_an_error():
+    ext = import_ext()
+    if ext is None or not getattr(ext, "quant_f32_kernels_supported", lambda: False)():
+        pytest.skip("needs the C++ extension on an x86-64 CPU with AVX2 and FMA")
+    x, picks, out = torch.randn(1, 20), torch.zeros(1, dtype=torch.int64), torch.zeros(1)
+    with pytest.raises(ValueError, match="width 8 or 16"):
+        ext.token_logprobs_f32(x.data_ptr(), 1, 20, 20, picks.data_ptr(), True, out.data_ptr(), 1, 12)
+    assert out.item() == 0.0  # nothing written
 
 
 def test_ties_infinities_nans_and_strided_rows():
