@@ -322,3 +322,25 @@ def test_train_evaluate_reads_with_the_k_its_prober_was_trained_on(monkeypatch, 
     assert main(["train", "evaluate", *common, "--checkpoint", str(tmp_path / "ck")]) == 0
     metas = [json.loads(p.read_text()) for p in (tmp_path / "home" / "features").glob("*/meta.json")]
     assert {m["k"] for m in metas if m["kind"] == "prober-heldout"} == {2}
+
+
+def test_train_takes_every_hidden_state_a_checkpoint_may_tap(monkeypatch, tmp_path, tiny, small_index, capsys):
+    """Loading accepts probers on hidden states 0 .. n_layers (the output); training refused n_layers itself."""
+    import json
+
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.checkpoints import load_probe_checkpoint
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is the capital of France? ({i})", "answers": ["Paris"]})
+                            + "\n" for i in range(12)))
+    common = ["--model", "tiny", "--data", str(data), "--index", str(small_index), "--epochs", "1", "--k", "2"]
+    n = tiny.n_layers
+    assert main(["train", "prober", *common, "--layers", str(n), "--out", str(tmp_path / "ck")]) == 0
+    assert list(load_probe_checkpoint(tmp_path / "ck").layers) == [n]
+    capsys.readouterr()
+    assert main(["train", "prober", *common, "--layers", str(n + 1), "--out", str(tmp_path / "ck2")]) != 0
+    assert f"hidden states 0 to {n}" in capsys.readouterr().err

@@ -115,8 +115,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         layers = asked or (lm.n_layers // 2,)
         kind = "confidence"
-    if max(layers) >= lm.n_layers:
-        raise InputError(f"--layers {args.layers}: {lm.n_layers} layers in {args.model} (0 to {lm.n_layers - 1})")
+    if max(layers) > lm.n_layers:  # the hidden states a checkpoint may tap: 0 (embeddings) .. n_layers (the output)
+        raise InputError(f"--layers {args.layers}: {args.model} has hidden states 0 to {lm.n_layers} ({lm.n_layers} "
+                         "layers)")
     feats, labels, cache = _labelled_features(args, lm, engine, examples, kind, layers)
     print(f"{len(labels)} labelled rows, {int(labels.sum())} correct ({float(labels.float().mean()):.1%}); "
           f"cache {cache.root}")
