@@ -11,7 +11,10 @@ from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["GenerationConfig", "TapSpec", "as_integer", "check_tap_layers"]
+__all__ = ["SAMPLING_EPS", "GenerationConfig", "TapSpec", "as_integer", "check_tap_layers"]
+
+
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class GenerationConfig:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.do_sample and self.temperature <= 0:
             raise InputError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.do_sample and self.temperature < SAMPLING_EPS:
+            # greedy, as vLLM treats such temperatures: the logits divided by 1e-45 overflowed to inf and the sampler's
+            # error failed every request decoding beside this one
+            object.__setattr__(self, "do_sample", False)
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -71,6 +71,18 @@ def test_k_samples_share_prefill_greedy_equal_single(tiny_engine):
     assert [s.token_ids for s in batch.sequences] == [singles[0]] * 3 + [singles[1]] * 3
 
 
+def test_a_vanishing_temperature_decodes_greedily_beside_other_rows(tiny_engine):
+    """temperature=1e-45 (the server takes 0 < t <= 2) divided the logits to inf: the sampler's error failed every
+    request decoding in the same loop. Below 1e-5 a temperature decodes greedily (vLLM's rule)."""
+    greedy = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    tiny_t = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1e-45, seed=3, stop_at_eos=False)
+    assert not tiny_t.do_sample
+    assert GenerationConfig(do_sample=True, temperature=1e-5).do_sample  # the threshold itself still samples
+    out = tiny_engine.generate(PROMPTS[:2], [greedy, tiny_t], [TapSpec()] * 2, [1, 1], [None, None])
+    singles = [tiny_engine.generate([p], greedy).sequences[0].token_ids for p in PROMPTS[:2]]
+    assert [s.token_ids for s in out.sequences] == singles
+
+
 def test_stop_strings_cut_text_and_answer_tokens(tiny, tiny_engine):
     free = tiny_engine.generate([PROMPTS[2]], GenerationConfig(max_new_tokens=12, stop_at_eos=False)).sequences[0]
     text = free.text
