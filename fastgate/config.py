@@ -11,10 +11,11 @@ from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["SAMPLING_EPS", "GenerationConfig", "TapSpec", "as_integer", "check_tap_layers"]
+__all__ = ["TOP_LOGPROBS_LIMIT", "SAMPLING_EPS", "GenerationConfig", "TapSpec", "as_integer", "check_tap_layers"]
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule)
+TOP_LOGPROBS_LIMIT = 20  # GenerationConfig.top_logprobs at most (OpenAI's chat API's own limit)
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,12 @@ class GenerationConfig:
     seed: int | None = None  # sampling seed; None draws from torch's global generator
     stop: tuple[str, ...] = ()  # stop strings; the returned text ends before the first match
     stop_at_eos: bool = True  # EOS ends a sequence (turn off to force max_new_tokens)
+    top_logprobs: int = 0  # the n most likely tokens at each step with their log-probs (OpenAI's logprobs); 0: none
 
     def __post_init__(self) -> None:
         # typed first: a string stop would stop at each of its characters, a float length slice nothing, a NaN
         # temperature fail inside the sampler
-        for name in ("max_new_tokens", "top_k"):
+        for name in ("max_new_tokens", "top_k", "top_logprobs"):
             object.__setattr__(self, name, as_integer(name, getattr(self, name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", as_integer("seed", self.seed))
@@ -59,6 +61,8 @@ class GenerationConfig:
             object.__setattr__(self, "do_sample", False)
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_LIMIT:
+            raise InputError(f"top_logprobs must be between 0 and {TOP_LOGPROBS_LIMIT}, got {self.top_logprobs}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):

@@ -51,6 +51,38 @@ def test_token_logprobs_match_model_distribution(tiny, tiny_engine):
     assert seq.token_logprobs == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_top_logprobs_are_the_model_s_distribution_at_each_step(tiny, tiny_engine, sampled):
+    """GenerationConfig.top_logprobs: each step's most likely tokens and their log-probs from the logits the token
+    was chosen from (a row asking none, beside it, gets None and the same tokens as alone)."""
+    cfg = GenerationConfig(max_new_tokens=6, do_sample=sampled, seed=5, top_logprobs=4, stop_at_eos=False)
+    plain = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+    out = tiny_engine.generate(PROMPTS[:2], [cfg, plain], [TapSpec()] * 2, [1, 1], [None, None])
+    seq, other = out.sequences
+    assert other.top_logprobs is None
+    assert other.token_ids == tiny_engine.generate([PROMPTS[1]], plain).sequences[0].token_ids
+    ids = tiny.tokenizer(PROMPTS[0])["input_ids"] + seq.token_ids
+    logits = tiny.model(torch.tensor([ids])).logits[0].float()  # [P + T, V]
+    start = len(ids) - len(seq.token_ids)
+    assert len(seq.top_logprobs) == len(seq.token_ids)
+    for j, (token, own, step) in enumerate(zip(seq.token_ids, seq.token_logprobs, seq.top_logprobs)):
+        want = torch.log_softmax(logits[start - 1 + j], -1).topk(4)
+        assert [i for i, _ in step] == want.indices.tolist()
+        assert [v for _, v in step] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert [v for _, v in step] == sorted((v for _, v in step), reverse=True)
+        if token in dict(step):  # the loop's own value for the chosen token, bit for bit
+            assert dict(step)[token] == own
+    if not sampled:
+        assert [step[0][0] for step in seq.top_logprobs] == seq.token_ids
+
+
+def test_top_logprobs_is_checked():
+    with pytest.raises(InputError, match="top_logprobs must be between 0 and 20"):
+        GenerationConfig(top_logprobs=21)
+    with pytest.raises(InputError, match="top_logprobs must be an integer"):
+        GenerationConfig(top_logprobs=2.5)
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_engine):
     cfg = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, top_k=50, top_p=0.9, seed=123,
                            stop_at_eos=False)

@@ -263,8 +263,8 @@ def test_plain_completions_of_the_lm_return_logprobs_to_the_openai_client(client
             f"\\x{b:02x}" for b in piece)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     for top, token, logprob in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs):
-        best = max(top, key=top.get)  # greedy: the chosen token is the most likely one (a rescoring pass here)
-        assert best == token and top[best] == logprob  # the loop's own value (the rescoring pass's differs)
+        best = max(top, key=top.get)  # greedy: the chosen token is the most likely one
+        assert best == token and top[best] == logprob  # the decode loop's own value, from the same logits
     assert resp.usage.completion_tokens == len(want.token_ids) and resp.usage.prompt_tokens == want.prompt_tokens
     one = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
                                     stop=list(SENTENCE_STOP), logprobs=1).choices[0].logprobs

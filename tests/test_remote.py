@@ -109,6 +109,14 @@ def test_methods_reading_hidden_states_refuse_the_remote_engine(method, small_in
         check_request(method, {}, None, "tiny", remote=engine.name)
 
 
+def test_top_logprobs_are_refused_before_anything_is_sent():
+    from fastgate.config import GenerationConfig
+
+    engine = RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1", "tiny"))  # never contacted
+    (out,) = engine.submit_each(["Hi"], [GenerationConfig(top_logprobs=2)])
+    assert isinstance(out, InputError) and "gives no top_logprobs" in str(out)
+
+
 def test_token_strings_and_bytes():
     assert token_bytes("bytes:\\xe2\\x80") == b"\xe2\x80"
     assert token_bytes(" caf\u00e9") == " café".encode()

@@ -120,6 +120,21 @@ def test_greedy_rows_equal_the_eager_packed_pass(tiny, compiled_runner):
     assert not loop.rows and not loop.busy
 
 
+def test_rows_asking_top_logprobs_run_eagerly_beside_the_static_step(tiny, compiled_runner):
+    """A row that wants each step's top log-probs is not the static step's (it reads the logits): beside greedy rows
+    the step runs, it gets the eager pass's tokens and alternatives."""
+    assert not covers(G(top_logprobs=2))
+    asking = [("The capital of France is", G(max_new_tokens=6, top_logprobs=3, stop_at_eos=False), TapSpec(), 1,
+               None)]
+    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2] + asking)
+    got, loop = _run(compiled_runner, GREEDY[:2] + asking)
+    for i in eager:
+        a, b = got[i].sequences[0], eager[i].sequences[0]
+        assert a.token_ids == b.token_ids and a.top_logprobs == b.top_logprobs
+    assert len(got[2].sequences[0].top_logprobs) == 6 and got[0].sequences[0].top_logprobs is None
+    assert loop.static_steps >= 1
+
+
 def test_sampled_rows_are_reproducible_and_independent_of_the_batch(tiny, compiled_runner):
     """A sampled row draws from its own seed and token index: the same tokens alone or beside other rows, greedy or
     sampled, whichever pass (static step or eager, with a prompt chunk in it) made its logits; the taps still equal

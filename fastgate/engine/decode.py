@@ -99,6 +99,7 @@ class _Row:
     stop: str | None = None
     pre_answer: torch.Tensor | None = None  # [d] float32
     eos_state: torch.Tensor | None = None  # [d] float32
+    top: list[list[tuple[int, float]]] | None = None  # each step's most likely tokens (cfg.top_logprobs > 0)
     sums: torch.Tensor | None = None  # [L_ticket, d] float32, set when the row finishes
     count: float = 0.0
     final: bool = False  # finished and its results taken: it may leave the loop
@@ -575,6 +576,26 @@ class DecodeLoop:
         """Choose the next token of every active row (greedy or sampled with its settings) and record it."""
         with serial_torch(self.logits, len(self.rows)):  # few rows: torch's threads would spin beside the kernels
             self._choose_rows(active)
+            self._record_top(active)
+
+    def _record_top(self, active: list[int]) -> None:
+        """Each active row that asks (``top_logprobs``): the most likely tokens of this step and their log-probs,
+        from the logits its token was chosen from. Why here: a second forward over prompt and answer after the
+        generation (what plain completions ran) took seconds of the scheduler's thread for a long prompt, outside
+        the prefill budget, and stalled every other request."""
+        rows = self.rows
+        asking = [r for r in active if rows[r].cfg.top_logprobs]
+        if not asking:
+            return
+        idx = torch.tensor(asking, device=self.logits.device)
+        lp = torch.log_softmax(self.logits.index_select(0, idx), dim=-1)  # [A, V]: token_logprobs' own values
+        vals, ids = lp.topk(min(max(rows[r].cfg.top_logprobs for r in asking), lp.shape[-1]), dim=-1)  # [A, n]
+        for r, v, i in zip(asking, vals.tolist(), ids.tolist()):
+            row = rows[r]
+            n = row.cfg.top_logprobs
+            if row.top is None:
+                row.top = []
+            row.top.append(list(zip(i[:n], v[:n])))
 
     def _choose_rows(self, active: list[int]) -> None:
         eng, rows, logits = self.runner, self.rows, self.logits
@@ -675,7 +696,7 @@ class DecodeLoop:
         return GenerationBatch(
             sequences=[Generation(text=r.text, token_ids=r.tokens, token_logprobs=r.logps, answer_tokens=r.answer_len,
                                   finish_reason=r.reason, prompt_tokens=r.prompt_len, truncated=r.truncated,
-                                  stop_string=r.stop) for r in rows],
+                                  stop_string=r.stop, top_logprobs=r.top) for r in rows],
             running_sum=torch.stack([r.sums for r in rows]) if ticket.layers else None,  # [k, L, d]
             count=torch.tensor([r.count for r in rows], dtype=torch.float32, device=dev) if ticket.layers else None,
             pre_answer=torch.stack([r.pre_answer for r in rows]) if ticket.want_pre else None,  # [k, d]

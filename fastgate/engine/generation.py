@@ -40,6 +40,9 @@ class Generation:
     prompt_tokens: int
     truncated: bool  # the prompt was cut on the left to fit the context
     stop_string: str | None = None  # the stop string that ended the sequence (finish_reason "stop")
+    # per token_ids entry, its config's top_logprobs most likely tokens and their log-probs (temperature 1), best
+    # first; None where the config asked none
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -375,6 +375,9 @@ class RemoteEngine:
             if t is not None and (t.layers or t.pre_answer or t.eos_state):
                 out[i] = InputError(f"the remote engine {self.name} {_HIDDEN_STATES} (taps asked for)")
                 continue
+            if cfg.top_logprobs:  # its tokens are the server's text pieces, not ids of a vocabulary fastgate holds
+                out[i] = InputError(f"the remote engine {self.name} gives no top_logprobs (each step's alternatives)")
+                continue
             seed = seeds[i] if seeds[i] is not None else cfg.seed
             jobs[i] = [self._body(prompt, cfg, None if seed is None else seed + j) for j in range(ks[i])]
         if any(jobs) and not self._checked:

@@ -4,23 +4,22 @@ This module holds the program the scheduler runs and its result; :mod:`fastgate.
 result in OpenAI's formats.
 
 The chosen tokens' log-probabilities are the decode loop's own (float32, temperature 1, exactly what the local gates
-read). ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) need the whole distribution at each step, which the loop
-does not keep: for a greedy completion asking for one, the chosen token *is* the top one (exact, free); otherwise one
-extra forward over prompt + completion computes them (float32 logits; they may differ from the loop's in the last
-digits, as any two passes of different shapes do).
+read). ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) come from the same loop, from the logits each token was
+chosen from (:attr:`fastgate.config.GenerationConfig.top_logprobs`); for a greedy completion asking for one, the
+chosen token *is* the top one. Why in the loop: a second forward over prompt + completion, which this ran before,
+took seconds of the scheduler's thread for a long prompt, outside the prefill budget, and stalled every other request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-
-import torch
 
 from fastgate.config import GenerationConfig
 from fastgate.engine.generation import Generation
-from fastgate.programs import Batched, Generate, Program
+from fastgate.programs import Generate, Program
 
-__all__ = ["MAX_TOP_LOGPROBS", "Completion", "TopLogprobs", "completion_program"]
+__all__ = ["MAX_TOP_LOGPROBS", "Completion", "completion_program"]
 
 MAX_TOP_LOGPROBS = 5  # OpenAI's own limit for completions; each extra one costs nothing once the logits are there
 
@@ -34,43 +33,20 @@ class Completion:
     top: list[list[tuple[bytes, float]]] | None = None  # per token: (bytes, log-prob), best first
 
 
-class TopLogprobs:
-    """``fn`` of a :class:`~fastgate.programs.Batched` request: the top-n log-probabilities after each generated
-    token's prefix, from one forward per completion (one callable per engine, so the scheduler groups the requests)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    @torch.inference_mode()
-    def __call__(self, items: list[tuple[str, GenerationConfig, list[int], int]]
-                 ) -> list[list[list[tuple[int, float]]]]:
-        out = []
-        eng = self.engine
-        for prompt, cfg, tokens, n in items:
-            (row,), _ = eng.encode([prompt], cfg.max_new_tokens)
-            ids = torch.tensor([row + tokens[:-1]], dtype=torch.long, device=eng.device)  # [1, P + T - 1]
-            logits = eng.model(input_ids=ids).logits[0, len(row) - 1:].float()  # [T, V]
-            lp = torch.log_softmax(logits, dim=-1)
-            vals, idx = lp.topk(min(n, lp.shape[-1]), dim=-1)  # [T, n]
-            out.append([list(zip(i.tolist(), v.tolist())) for i, v in zip(idx, vals)])
-        return out
-
-
-def completion_program(engine, prompt: str, config: GenerationConfig, seed: int | None, top_n: int,
-                       top: TopLogprobs | None) -> Program:
-    """One generation of ``prompt`` and, when ``top_n`` > 0, the top-n alternatives at each of its tokens."""
+def completion_program(engine, prompt: str, config: GenerationConfig, seed: int | None, top_n: int) -> Program:
+    """One generation of ``prompt`` and, when ``top_n`` > 0, the top-n alternatives at each of its tokens (the
+    decode loop's, :attr:`~fastgate.config.GenerationConfig.top_logprobs`)."""
+    greedy_one = not config.do_sample and top_n == 1  # greedy: the chosen token is the most likely one
+    if top_n > 0 and not greedy_one:
+        config = dataclasses.replace(config, top_logprobs=top_n)
     seq = (yield Generate(prompt, config, seed=seed)).sequences[0]
     pieces = engine.token_pieces(seq.token_ids)
     alternatives = None
     if top_n > 0 and seq.token_ids:
-        if not config.do_sample and top_n == 1:  # greedy: the chosen token is the most likely one
+        if greedy_one:
             alternatives = [[(p, lp)] for p, lp in zip(pieces, seq.token_logprobs)]
         else:
-            ranked = yield Batched(top, (prompt, config, list(seq.token_ids), top_n), phase="generation_s")
-            alternatives = []
-            for chosen, own, step in zip(seq.token_ids, seq.token_logprobs, ranked):
-                # the chosen token's value is the loop's own, as in token_logprobs: the extra forward's differs by
-                # the products' rounding (a few hundredths of a nat in bf16), and clients match the two
-                step = sorted(((i, own if i == chosen else lp) for i, lp in step), key=lambda t: -t[1])
-                alternatives.append([(engine.token_pieces([i])[0], lp) for i, lp in step])
+            if seq.top_logprobs is None or len(seq.top_logprobs) != len(seq.token_ids):
+                raise RuntimeError("the engine returned no top log-probs for a completion that asked for them")
+            alternatives = [[(engine.token_pieces([i])[0], lp) for i, lp in step] for step in seq.top_logprobs]
     return Completion(seq, pieces, alternatives)

@@ -196,7 +196,6 @@ class AnswerService:
         self._scheduler = None  # built with the engine, in start()
         self._running: dict[int, _Queued] = {}  # id(task) -> job, for timeouts and cancellation
         self._cancel: list[Future] = []
-        self._top = None  # the top-logprobs pass of plain completions, built on first use
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # submit's "running?" and its put, and stop's closing, under one lock: a request checked as accepted just
@@ -404,7 +403,7 @@ class AnswerService:
             InputError: an empty or over-long prompt, or ``top_logprobs`` out of range (nothing is queued).
             OverloadedError: the queue is full.
         """
-        from fastgate.serving.completion import MAX_TOP_LOGPROBS, TopLogprobs, completion_program
+        from fastgate.serving.completion import MAX_TOP_LOGPROBS, completion_program
 
         engine = self.runtime.engine
         if engine.remote:
@@ -421,13 +420,9 @@ class AnswerService:
             raise InputError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if config.max_new_tokens > self.config.max_tokens_limit:
             raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
-        with self._lock:
-            if self._top is None:
-                self._top = TopLogprobs(engine)
-            top = self._top
         future: Future = Future()
         self._enqueue(_Queued(prompt, None, future, time.perf_counter(),
-                              program=completion_program(engine, prompt, config, seed, top_logprobs, top)))
+                              program=completion_program(engine, prompt, config, seed, top_logprobs)))
         return future
 
     def submit(self, question: str, method: str | None = None, params: dict[str, Any] | None = None,
