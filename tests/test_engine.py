@@ -403,6 +403,34 @@ def test_a_batch_prefix_is_computed_only_where_it_pays(tiny):
     assert fresh.shared_prefix(fresh.encode(long[:2], [2, 2])[0]) is None and not fresh.cached_prefixes()
 
 
+def test_found_prefixes_never_evict_pinned_ones_and_stay_bounded(tiny, monkeypatch):
+    """Bursts of prompts sharing prefixes filled the prefix cache's 16 places, held their keys and values outside any
+    budget and evicted the methods' few-shot blocks: found prefixes are now bounded in number, bytes and length and
+    never evict a pinned (cache_prefix) one."""
+    import fastgate.engine.model_runner as mr
+    from fastgate.engine.kv_cache import KVGeometry
+    from fastgate.engine.local import Engine
+    from fastgate.prompts import FEW_SHOT_QA
+
+    monkeypatch.setattr(mr, "FOUND_PREFIX_TOKENS", 40)
+    eng = Engine(tiny, prefix_cache=8, prefill_chunk=40)
+    runner = eng.runner
+    eng.cache_prefix(FEW_SHOT_QA)
+    few = tuple(runner.encode([FEW_SHOT_QA], [1])[0][0])
+    for i in range(mr.FOUND_PREFIXES + 5):  # more shared blocks than the found prefixes' places
+        block = " ".join([f"block {i} of the quick brown fox jumps over the lazy dog"] * 8)
+        rows = runner.encode([f"{block} {c}" for c in ("one", "two", "three", "four")], [2] * 4)[0]
+        got = runner.shared_prefix(rows)
+        assert got is not None and len(got) <= 40  # at most a prefill chunk: one pass outside the budget
+    assert few in runner.cached_prefixes()  # pinned: still there
+    assert len(runner.cached_prefixes()) == 1 + mr.FOUND_PREFIXES
+    cell = KVGeometry.of(tiny.model.config, runner.dtype).cell_bytes
+    monkeypatch.setattr(mr, "FOUND_PREFIX_BYTES", 3 * 40 * cell)  # room for three found prefixes of 40 tokens
+    block = " ".join(["one more block the rows share"] * 10)
+    runner.shared_prefix(runner.encode([f"{block} {c}" for c in ("a", "b", "c", "d")], [2] * 4)[0])
+    assert few in runner.cached_prefixes() and len(runner.cached_prefixes()) == 1 + 3
+
+
 @pytest.mark.parametrize("prefix", [0, 8])
 def test_chunked_prefill_gives_the_same_generation(tiny, prefix):
     from fastgate.prompts import FEW_SHOT_QA

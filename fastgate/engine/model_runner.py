@@ -36,6 +36,14 @@ __all__ = ["EarlyExit", "ModelRunner", "NEW_PREFIX_TOKENS", "Taps", "runner_of"]
 # the fixed cost of computing a new shared prefix, in prompt tokens: its own forward's start (about a 32-token
 # prefill's time on a CPU), weighed in ModelRunner.shared_prefix against what the prefix saves the batch
 NEW_PREFIX_TOKENS = 32
+# The prefix cache's bounds. Prefixes given by cache_prefix (the methods' few-shot blocks) are pinned: prompts shared
+# by a batch's rows, found on their own (shared_prefix), never evict them. Why: bursts of clients' prompts sharing a
+# prefix once filled the 16 places, held 1.75 MB of keys and values outside the scheduler's KV budget (any length: a
+# 3,000-token shared document too) and evicted the methods' blocks, whose prompts then prefilled them again.
+PINNED_PREFIXES = 16  # the most pinned prefixes kept (a few few-shot blocks per method), least recently used out
+FOUND_PREFIXES = 8  # the most found prefixes kept, least recently used out
+FOUND_PREFIX_BYTES = 64 * 2**20  # their keys and values at most, together (64 MiB)
+FOUND_PREFIX_TOKENS = 1024  # a found prefix's tokens at most (or the prefill chunk, if larger): its forward is one pass
 
 
 class EarlyExit(Exception):
@@ -230,6 +238,7 @@ class ModelRunner:
         self.sliced_head = slice_head(self.model, head_columns)  # chosen once, here (a width not 0 or k*256 raises)
         # prefix token ids -> per-layer (keys, values) [1, heads, P, head_dim], least recently used first
         self._prefixes: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._pinned: set[tuple[int, ...]] = set()  # the prefixes cache_prefix asked for (never evicted by found ones)
         self.prefix_hits = 0  # prompts whose prefill started from a cached prefix (for tests and stats)
         self.step_config = step if isinstance(step, StepConfig) else StepConfig(mode=step)
         self.compiled = (compiled_by_default(model.device) if self.step_config.mode == "auto"
@@ -322,13 +331,15 @@ class ModelRunner:
             return 0
         ids = tuple(self.tokenizer(text)["input_ids"])
         if ids:
-            self.prefix_kv(ids)
+            self.prefix_kv(ids, pinned=True)
         return len(ids)
 
     @torch.inference_mode()
-    def prefix_kv(self, ids: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def prefix_kv(self, ids: tuple[int, ...], pinned: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The per-layer ``(keys, values)`` ``[1, heads, P, head_dim]`` of prefix ``ids``, computed on first use and
-        kept (the 16 most recently used)."""
+        kept: ``pinned`` (:meth:`cache_prefix`) among the :data:`PINNED_PREFIXES` most recently used pinned ones, else
+        among the :data:`FOUND_PREFIXES` most recently used found ones, within :data:`FOUND_PREFIX_BYTES` (a prefix
+        asked pinned that was found before becomes pinned)."""
         from transformers import DynamicCache
 
         kv = self._prefixes.get(ids)
@@ -339,10 +350,29 @@ class ModelRunner:
                        logits_to_keep=1)
             kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, heads, P, head_dim] each
             self._prefixes[ids] = kv
-            while len(self._prefixes) > 16:  # a few few-shot blocks per method; bounded memory
-                self._prefixes.popitem(last=False)
+        if pinned:
+            self._pinned.add(ids)
         self._prefixes.move_to_end(ids)
+        self._evict_prefixes(keep=ids)
         return kv
+
+    def _evict_prefixes(self, keep: tuple[int, ...]) -> None:
+        """The least recently used prefixes out past the bounds (module constants), ``keep`` (just asked) never."""
+        def nbytes(kv) -> int:
+            return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+        pinned = [ids for ids in self._prefixes if ids in self._pinned]  # least recently used first
+        found = [ids for ids in self._prefixes if ids not in self._pinned]
+        for ids in pinned[:max(0, len(pinned) - PINNED_PREFIXES)]:
+            if ids != keep:
+                del self._prefixes[ids]
+                self._pinned.discard(ids)
+        held = sum(nbytes(self._prefixes[ids]) for ids in found)
+        for i, ids in enumerate(found):
+            if len(found) - i <= FOUND_PREFIXES and held <= FOUND_PREFIX_BYTES:
+                break
+            if ids != keep:
+                held -= nbytes(self._prefixes.pop(ids))
 
     def cached_prefixes(self) -> list[tuple[int, ...]]:
         """The token ids of the prefixes whose KV is kept, least recently used first."""
@@ -384,6 +414,11 @@ class ModelRunner:
             # the cached few-shot block paid 127 ms to save 77 tokens, on every request of a burst. Two rows never
             # pay (2 (p - have) < 2 (p + 32)): a pair starts from a cached prefix only (Engine.cache_prefix)
             have = 0 if best is None else len(best)
+            # at most FOUND_PREFIX_TOKENS or a prefill chunk (its forward is one pass outside the scheduler's
+            # prefill budget: a burst sharing a 3,000-token document ran all of it in one) and within the found
+            # prefixes' bytes
+            p = min(p, max(FOUND_PREFIX_TOKENS, self.prefill_chunk),
+                    FOUND_PREFIX_BYTES // KVGeometry.of(self.model.config, self.dtype).cell_bytes)
             if p >= self.prefix_cache and p > have and len(rows) * (p - have) >= 2 * (p + NEW_PREFIX_TOKENS):
                 best = tuple(first[:p])
         if best is not None:
