@@ -655,3 +655,63 @@ def test_answer_checks_the_questions_as_answer_batch_does(tiny_engine):
         with pytest.raises(InputError, match=message):
             sched.answer(method, questions)
     assert sched.idle and sched.answer(method, ["  Who wrote Hamlet? "])[0].question == "Who wrote Hamlet?"
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["decode-loop", "closed-calls"])
+def test_a_generation_of_more_rows_than_max_rows_is_refused_and_the_others_run(world, continuous):
+    """In a bounded scheduler (a KV budget: the service's) ``max_rows`` bounds the sequences decoding at once, one
+    large request too: a generation of 16 samples joining an empty loop was taken whole (16 rows a step under
+    ``max_rows=4``; a request's SeaKR samples may be 1024). It ends with the InputError of a generation that cannot
+    fit the KV budget alone (422 over HTTP), naming both counts; the generations within the bound run beside it, as
+    alone, and no step holds more rows than the bound. An unbounded scheduler (the library's batch runs, whose caller
+    chose the samples) runs it alone."""
+    engine = world[0]
+    sched = Scheduler(engine, max_rows=4, continuous=continuous, kv_budget=1 << 30)
+    cfg = GenerationConfig(max_new_tokens=4, do_sample=True, stop_at_eos=False)
+
+    def gen(k):
+        out = yield Generate(f"Q: {QUESTIONS[0]}\nA:", cfg, k=k, seed=1)
+        return [s.token_ids for s in out.sequences]
+
+    big, full, small = (sched.submit(None, "", program=gen(k)) for k in (16, 4, 2))
+    sched.run([big, full, small])
+    assert isinstance(big.error, InputError) and big.result is None
+    assert "16 rows" in str(big.error) and "max_rows=4" in str(big.error)
+    assert full.error is None and small.error is None
+    assert [len(full.result), len(small.result)] == [4, 2]
+    alone = engine.generate([f"Q: {QUESTIONS[0]}\nA:"], cfg, k=4, seeds=[1]).sequences
+    assert full.result == [s.token_ids for s in alone]
+    assert max(sched.generation_rows) <= 4 and sched.idle
+    unbounded = Scheduler(engine, max_rows=4, continuous=continuous)
+    big = unbounded.submit(None, "", program=gen(16))
+    unbounded.run([big])
+    assert big.error is None and len(big.result) == 16
+
+
+def _answer_program(prompt: str, n: int):
+    (out,) = (yield Generate(prompt, GenerationConfig(max_new_tokens=n, stop_at_eos=False), answer=True)).sequences
+    return out.text
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_streamed_answer_keeps_no_state_once_delivered_or_cancelled(world, layout):
+    """A streamed answer's entry (its ticket, task and the client's listener) goes when the generation is delivered,
+    or stopped by a cancellation, not at the next decode step of some loop: an idle server has none, and it held
+    them until the next request."""
+    engine = world[0]
+    sched = Scheduler(engine, layout=layout)
+    events = []
+    task = sched.submit(None, "", listener=events.append, program=_answer_program(f"Q: {QUESTIONS[1]}\nA:", 6))
+    sched.step()
+    assert sched.admission._streams  # streaming while it decodes
+    sched.run([task])
+    assert task.error is None and events[-1] == {"event": "answer", "text": task.result, "stop": [], "done": True}
+    assert sched.idle and sched.admission._streams == {}
+    cancelled = sched.submit(None, "", listener=events.append,
+                             program=_answer_program(f"Q: {QUESTIONS[2]}\nA:", 40))
+    for _ in range(3):
+        sched.step()
+    assert sched.admission._streams
+    sched.cancel(cancelled)
+    sched.step()
+    assert isinstance(cancelled.error, CancelledError) and sched.idle and sched.admission._streams == {}

@@ -351,6 +351,76 @@ def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
     assert svc.kv_used_bytes == 0 and svc.live_programs == 0
 
 
+def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny_engine, small_index):
+    """Requests given up while queued behind a long one (max_live=1) held their places until the worker reached
+    them: a queue full of them refused the next request with 503, and its Retry-After counted them. They leave the
+    queue when cancelled."""
+    svc = _service(tiny_engine, small_index, max_live=1, max_queue=2, no_warmup=True).start()
+    try:
+        # seconds of decode steps on any CPU (see test_timeout_cancels_the_program)
+        slow = svc.submit("capital of Kyrgyzstan", "seakr", {"samples": 16, "step_tokens": 64, "max_steps": 8,
+                                                             "delta": -1e9, "answer_tokens": 128})
+        deadline = time.time() + 30
+        while not svc.live_programs and time.time() < deadline:
+            time.sleep(0.01)
+        assert svc.live_programs == 1  # the others queue behind it
+        given_up = [svc.submit(q, "never") for q in QUESTIONS[:2]]
+        assert svc.queue_depth == 2
+        for f in given_up:
+            svc.cancel(f)
+        assert all(f.cancelled() for f in given_up) and svc.queue_depth == 0
+        waiting = [svc.submit(q, "never") for q in QUESTIONS[2:4]]  # accepted: their places are free
+        assert svc.queue_depth == 2
+        with pytest.raises(OverloadedError, match="2 requests queued"):  # the queue is full of live requests only
+            svc.submit(QUESTIONS[4], "never")
+        assert svc.metrics.rejected_total == 1 and not slow.done()
+        svc.cancel(slow)
+        assert all(f.result(timeout=60)["answer"] is not None for f in waiting)
+    finally:
+        svc.stop()
+
+
+def test_the_tick_total_never_goes_back_after_a_failed_tick(tiny_engine, small_index):
+    """A failed tick puts a new scheduler in, which counts its ticks from zero: the exported total took its count
+    and went back (165 -> 5). The totals add the new scheduler's counts to the old one's."""
+    svc = _service(tiny_engine, small_index, no_warmup=True).start()
+    seen, watching = [], threading.Event()
+
+    def watch():  # the totals as a scrape would read them, all along
+        while not watching.is_set():
+            seen.append((svc.metrics.ticks_total, svc.metrics.generation_calls))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for q in QUESTIONS[:3]:
+            svc.submit(q, "never").result(timeout=60)
+        sched = svc.scheduler
+        real = sched.step
+
+        def boom():
+            sched.step = real  # once
+            raise RuntimeError("injected tick failure")
+
+        sched.step = boom
+        with pytest.raises(RuntimeError, match="injected tick failure"):
+            svc.submit(QUESTIONS[3], "never").result(timeout=60)
+        svc.submit(QUESTIONS[4], "never", max_tokens=1).result(timeout=60)  # a few ticks of the new scheduler
+        assert svc.scheduler is not sched and 0 < svc.scheduler.ticks < sched.ticks
+        deadline = time.time() + 10  # the worker takes a tick's counts once the tick is over
+        while svc.metrics.ticks_total != sched.ticks + svc.scheduler.ticks and time.time() < deadline:
+            time.sleep(0.01)
+        assert svc.metrics.ticks_total == sched.ticks + svc.scheduler.ticks
+        assert svc.metrics.generation_calls == sched.generation_calls + svc.scheduler.generation_calls
+    finally:
+        watching.set()
+        watcher.join()
+        svc.stop()
+    for total in (0, 1):  # neither ever went back
+        assert all(a[total] <= b[total] for a, b in zip(seen, seen[1:])) and seen[-1][total] > seen[0][total]
+
+
 # ---------------------------------------------------------------------------------------------------- HTTP
 @pytest.fixture(scope="module")
 def server(service):
@@ -450,11 +520,14 @@ def test_http_timeout_gives_504(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index)
     svc._method(svc._request(None, None))
     svc._thread = type("Alive", (), {"is_alive": lambda self: True, "join": lambda self: None})()  # never answers
+    futures = []
+    submit = svc.submit
+    svc.submit = lambda *args, **kwargs: futures.append(submit(*args, **kwargs)) or futures[-1]
     with TestClient(create_app(svc, timeout_s=0.2)) as client:
         r = client.post("/v1/answer", json={"question": "Who wrote Hamlet?"})
     assert r.status_code == 504 and "not answered" in r.json()["error"]
-    job = svc._queue.get_nowait()
-    assert job.future.cancelled()  # dropped: it will not be run
+    (future,) = futures
+    assert future.cancelled() and svc.queue_depth == 0  # dropped, and out of the queue: it will not be run
 
 
 def test_a_streamed_timeout_is_counted_once_and_healthz_says_503_once_stopped(tiny_engine, small_index):
@@ -489,6 +562,98 @@ def test_text_no_tokenizer_takes_is_refused_before_it_is_queued(service):
     with pytest.raises(InputError, match="the prompt is not valid Unicode text"):
         service.submit_completion("Capital \ud800 of France?", GenerationConfig(max_new_tokens=4))
     assert service.queue_depth == depth and service.submit("Who wrote Hamlet?").result(timeout=60)["answer"]
+
+
+class _Connected:
+    """An HTTP request whose client stays connected."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("request_", [None, _Connected()], ids=["no-request", "polling-the-client"])
+def test_a_cancelled_handler_cancels_its_request(tiny_engine, small_index, request_):
+    """A forced shutdown (uvicorn, at a second SIGINT) cancels the handlers waiting for answers: their requests ran
+    on, and ``stop(drain=True)`` answered every one for nobody (57 s). A cancelled wait cancels its request, queued
+    (out of the queue) or running (its program stops at the next tick), and raises on."""
+    import asyncio
+
+    from fastgate.entrypoints.http.common import wait_answer
+
+    svc = _service(tiny_engine, small_index)
+    svc._method(svc._request(None, None))
+    svc._thread = type("Alive", (), {"is_alive": lambda self: True, "join": lambda self: None})()  # never answers
+    queued, running = svc.submit(QUESTIONS[0]), svc.submit(QUESTIONS[1])
+    running.set_running_or_notify_cancel()  # as the worker does when it starts a program
+
+    async def cancel_waits():
+        waits = [asyncio.create_task(wait_answer(svc, f, 60, request_)) for f in (queued, running)]
+        await asyncio.sleep(0.05)
+        for w in waits:
+            w.cancel()
+        for w in waits:
+            with pytest.raises(asyncio.CancelledError):
+                await w
+
+    asyncio.run(cancel_waits())
+    assert queued.cancelled() and svc.queue_depth == 1  # dropped; the running one's job is the worker's
+    assert svc._cancel == [running]  # the worker cancels its program at the next tick
+
+
+def test_service_metrics_stay_bounded_between_scrapes_and_the_export_counts_everything():
+    """Nobody scraping /metrics, the service kept an entry per decode step and per answer. What the histograms
+    observe is kept folded now, in a bounded size, and the export says what it said: every bucket, count and sum of
+    the rows per step and of the latencies (bucket bounds and beyond the last included), over two scrapes."""
+    import random
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fastgate.entrypoints.http import metrics as http_metrics
+    from fastgate.serving.service import LATENCY_BUCKETS_S, _Metrics
+
+    assert LATENCY_BUCKETS_S == http_metrics._SECONDS  # the exporter's latency buckets
+    rng = random.Random(0)
+    m = _Metrics()
+    sched = SimpleNamespace(ticks=0, generation_calls=0, generation_rows=[], generation_methods=[])
+    exporter = http_metrics.HttpMetrics()
+    rows, latencies = [], []
+
+    def value(samples, name, **labels):
+        (found,) = [s.value for s in samples if s.name == name and s.labels == labels]
+        return found
+
+    for _ in range(2):
+        for _ in range(20_000):
+            n = rng.randint(1, 8)
+            sched.ticks += 1
+            sched.generation_calls += 1
+            sched.generation_rows.append(n)
+            sched.generation_methods.append(frozenset({"never"}))
+            m.ticks(sched)
+            rows.append(n)
+            retrieved = rng.random() < 0.5
+            seconds = rng.choice((0.1, 1, 128, 300.0)) if rng.random() < 0.1 else rng.uniform(0.0, 150.0)
+            m.finished(seconds, retrieved=retrieved)
+            latencies.append((retrieved, seconds))
+        assert len(m.generation_rows) <= 8 and len(m.latencies) <= 2 * (len(LATENCY_BUCKETS_S) + 1)
+        text = exporter.render(SimpleNamespace(metrics=m, live_programs=0, queue_depth=0))
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        for name, values, labels in (
+                ("fastgate_generation_rows", rows, {}),
+                ("fastgate_answer_latency_seconds", [s for r, s in latencies if r], {"retrieved": "yes"}),
+                ("fastgate_answer_latency_seconds", [s for r, s in latencies if not r], {"retrieved": "no"})):
+            buckets = [s for s in samples if s.name == f"{name}_bucket"
+                       and {k: v for k, v in s.labels.items() if k != "le"} == labels]
+            assert len(buckets) > 8
+            for b in buckets:
+                assert b.value == sum(v <= float(b.labels["le"]) for v in values), (name, b.labels)
+            assert value(samples, f"{name}_count", **labels) == len(values)
+            assert value(samples, f"{name}_sum", **labels) == pytest.approx(sum(values), rel=1e-9)
+        calls = value(samples, "fastgate_generation_calls_total")
+        assert calls == value(samples, "fastgate_scheduler_ticks_total") == len(rows)
+        assert value(samples, "fastgate_answered_total") == len(latencies)
+        assert not m.generation_rows and not m.latencies  # drained
 
 
 def test_a_client_that_goes_away_cancels_its_request(tiny_engine, small_index, caplog):

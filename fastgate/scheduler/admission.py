@@ -116,8 +116,11 @@ class Admission:
         one). Returns whether anything ran."""
         if not pending:
             return False
+        if self.config.kv_budget is not None and not self.engine.remote:  # a bounded scheduler: see _over_max_rows
+            pending = [item for item in pending if not self._over_max_rows(item)]
         if not self.continuous:  # the closed-batch path: sliding-window models and remote engines
-            self.batching.execute(pending)
+            if pending:
+                self.batching.execute(pending)
             return True
         prefills = [item for item in pending if isinstance(item[2], PromptStates)]
         if prefills:
@@ -131,6 +134,21 @@ class Admission:
             self._since_admit += 1
         return True
 
+    def _over_max_rows(self, item: tuple[Task, int, Any]) -> bool:
+        """Whether ``item`` is a generation of more rows (samples) than ``max_rows``; if so its program ends with
+        :class:`InputError`, as one that cannot fit the KV budget alone does. Asked only of a bounded scheduler (a
+        KV budget: the service's), where clients choose the rows: joining an empty loop, such a generation was taken
+        whole (``max_rows=4`` decoded 16 rows a step; a request's SeaKR ``samples`` may be 1024). An unbounded one
+        (the library's batch runs, whose caller chose the samples) runs it alone, as before."""
+        req = item[2]
+        if not isinstance(req, Generate) or req.k <= self.config.max_rows:
+            return False
+        if not item[0].done:
+            self.delivery.finish(item[0], error=InputError(
+                f"this generation asks for {req.k} rows (samples) at once, more than max_rows={self.config.max_rows}, "
+                "the most sequences decoded at once (--max-rows)"))
+        return True
+
     def _admit_generations(self, items: list[tuple[Task, int, Generate]]) -> None:
         """Prefill pending generations into the decode loop, up to ``max_rows`` decoding rows; the rest wait."""
         lane = self.lane  # the rows and cells a paused pass's new cheap generations hold count too
@@ -142,6 +160,7 @@ class Admission:
                 continue  # ended by an earlier request of its fan-out
             req = item[2]
             k = req.k
+            # alone in an empty loop any k runs (a bounded scheduler refused k > max_rows in run_engine_calls)
             if rows and rows + k > self.config.max_rows:
                 break  # these wait for rows to finish (in order: a large fan-out is not overtaken for ever)
             mid = mid_layer(self.engine, req)
@@ -252,7 +271,8 @@ class Admission:
         for item in items:
             task, _, req = item
             new = req.config.max_new_tokens
-            if task.done or new > LANE_NEW_TOKENS or mid_layer(eng, req) not in (None, main):
+            if (task.done or new > LANE_NEW_TOKENS or mid_layer(eng, req) not in (None, main)
+                    or req.k > self.config.max_rows):  # the last is refused at the tick's admission (_over_max_rows)
                 continue
             if rows + req.k > self.config.max_rows:
                 break
@@ -323,6 +343,7 @@ class Admission:
                 self.loops = {mid: lp for mid, lp in self.loops.items() if lp is not loop}
             for task, ticket in members:
                 self._inflight.pop(id(ticket), None)
+                self._streams.pop(id(ticket), None)
                 if not task.done:
                     self.delivery.finish(task, error=exc)
             return
@@ -334,6 +355,9 @@ class Admission:
             self._stream_text(loop)
         for ticket in done:
             self._inflight.pop(id(ticket))
+            # its complete text goes with the delivery: kept, the entry held the ticket, its task and the client's
+            # listener until the next step of some loop (never, on an idle server)
+            self._streams.pop(id(ticket), None)
             task, i, req = ticket.owner
             self.delivery.deliver(task, i, req, ticket.result, 0.0)
 
@@ -362,6 +386,7 @@ class Admission:
             if ticket.owner[0].done and (not lane_only or loop is self.lane):
                 loop.cancel(ticket)
                 del self._inflight[key]
+                self._streams.pop(key, None)
                 stopped = True
         if stopped:  # a loop left with cancelled rows only frees their cache now: no step may come (an idle server)
             for loop in [self.lane] if lane_only else [*self.loops.values(), self.lane]:

@@ -27,6 +27,8 @@ class SchedulerConfig:
     Attributes:
         max_rows: the most sequences (prompts × samples) decoding at once; more wait for rows to finish (closed
             calls: are split into several calls). Bounds the KV cache (SeaKR's k samples × candidates × questions).
+            With a ``kv_budget`` (the service's), one generation of more rows (a request's SeaKR ``samples``) fails
+            with :class:`~fastgate.errors.InputError`; without one (the library's batch runs) it runs alone.
         continuous: generations join a running decode loop (None: when the model's cache allows it).
         admit_every: generations join a loop that is decoding every this many steps (at once when it is idle): with
             whole prefills, a larger value batches them (fewer, larger forwards) and keeps the decode moving between

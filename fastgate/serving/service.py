@@ -19,15 +19,17 @@ at the next tick and consumes no more work. Example::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +40,18 @@ from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
 
-__all__ = ["GENERATION_LENGTH_PARAMS", "WARMUP_QUESTION", "AnswerService", "OverloadedError", "ServiceConfig"]
+__all__ = ["GENERATION_LENGTH_PARAMS", "LATENCY_BUCKETS_S", "WARMUP_QUESTION", "AnswerService", "OverloadedError",
+           "ServiceConfig"]
 
 _log = logging.getLogger("fastgate.serving")
 # the methods' parameters that set how many tokens one generation may take: bounded as max_tokens is
 GENERATION_LENGTH_PARAMS = ("max_answer_tokens", "answer_tokens", "step_tokens", "sentence_tokens", "pseudo_tokens",
                             "max_rationale_tokens")
 WARMUP_QUESTION = "Who wrote Hamlet?"  # answered (and read) once at start: see AnswerService._warm_up
+# the bounds of the exporter's latency histogram (fastgate.entrypoints.http.metrics' _SECONDS; that module imports
+# prometheus_client, an extra, so they are repeated here and tests/test_server.py checks they agree): the answers
+# between two scrapes are kept folded by them
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class OverloadedError(FastgateError):
@@ -482,11 +489,25 @@ class AnswerService:
                 raise OverloadedError(self._queue.qsize(), retry_after_s=self._retry_after()) from None
 
     def cancel(self, future: Future) -> None:
-        """Give up on a submitted request (timed out, or its client went away): dropped if still queued, else its
-        program stops at the next tick. Thread-safe."""
-        if not future.cancel():  # already running: the worker cancels its program
+        """Give up on a submitted request (timed out, or its client went away): dropped if still queued (its place
+        is free at once), else its program stops at the next tick. Thread-safe."""
+        if future.cancel():
+            self._unqueue(future)
+        else:  # already running: the worker cancels its program
             with self._lock:
                 self._cancel.append(future)
+
+    def _unqueue(self, future: Future) -> None:
+        """Take the job of the cancelled ``future`` out of the queue, unless the worker took it already (it then
+        drops it). Left there, a given-up request held its place until the worker reached it, behind the running
+        programs: a queue full of them refused new requests with 503, and a Retry-After that counted them."""
+        q = self._queue
+        with q.mutex:  # queue.Queue's own lock over its deque: put and get hold it too
+            for i, job in enumerate(q.queue):
+                if job.future is future:
+                    del q.queue[i]
+                    q.not_full.notify()  # as a get does: a put waiting for room (none here blocks) may go on
+                    return
 
     def _retry_after(self) -> int:
         """Seconds until the queue has room, from the recent per-question service time."""
@@ -514,6 +535,7 @@ class AnswerService:
                         if not job.future.done():
                             job.future.set_exception(exc)
                     self._running.clear()
+                    self.metrics.ticks(sched)  # the decode steps the failed tick ran count, before its scheduler goes
                     self._scheduler = sched = self._new_scheduler(type(sched))
                 self.metrics.ticks(sched)
 
@@ -633,7 +655,11 @@ def _check_int_params(req, limit: int) -> None:
 
 
 class _Metrics:
-    """Counters the worker updates; :mod:`fastgate.entrypoints.http` exports them in the Prometheus format."""
+    """Counters the worker updates; :mod:`fastgate.entrypoints.http` exports them in the Prometheus format.
+
+    What the exporter's histograms observe (rows per decode step, latencies) is kept from one scrape to the next
+    folded, in a size that does not grow with the steps and answers: a server nobody scraped kept an entry per decode
+    step and per answer (see :meth:`drain`). The totals only grow, across the new scheduler a failed tick leaves."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -646,10 +672,13 @@ class _Metrics:
         self.ticks_total = 0
         self.generation_calls = 0
         self.shared_generation_calls = 0  # decode steps with rows of several methods
-        self.generation_rows: list[int] = []  # sequences per decode step, recent, for the exporter
-        self.latencies: list[tuple[bool, float]] = []  # (retrieved, seconds) per answered request, to drain
+        # decode steps by their sequences (a few distinct counts, up to max_rows) since the last drain
+        self.generation_rows: Counter[int] = Counter()
+        # answers since the last drain by (retrieved, latency bucket): [answers, seconds in all, least, most]
+        self.latencies: dict[tuple[bool, int], list[float]] = {}
         self._recent: list[float] = []  # latencies of the last answers
-        self._scheduler_id, self._seen = 0, 0
+        # the scheduler read last, and its generation calls and ticks counted so far
+        self._scheduler_id, self._seen, self._ticks_seen = 0, 0, 0
 
     def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False,
                  searches: int = 0) -> None:
@@ -661,19 +690,30 @@ class _Metrics:
             self.answered += 1
             self.retrieved += bool(retrieved)
             self.searches += int(searches)
-            self.latencies.append((retrieved, seconds))
+            key = (bool(retrieved), bisect.bisect_left(LATENCY_BUCKETS_S, seconds))  # the first bound >= seconds: "le"
+            fold = self.latencies.get(key)
+            if fold is None:
+                self.latencies[key] = [1, seconds, seconds, seconds]
+            else:
+                fold[0] += 1
+                fold[1] += seconds
+                fold[2], fold[3] = min(fold[2], seconds), max(fold[3], seconds)
             self._recent = (self._recent + [seconds])[-50:]
 
     def ticks(self, scheduler) -> None:
-        """Take the scheduler's new generation calls (rows per call, methods sharing them)."""
+        """Take the scheduler's new ticks and generation calls (rows per call, methods sharing them)."""
         with self._lock:
-            if id(scheduler) != self._scheduler_id:  # a new scheduler (after a failure) counts from zero
-                self._scheduler_id, self._seen = id(scheduler), 0
-            self.ticks_total = scheduler.ticks
+            # a new scheduler (after a failure) counts from zero: its counts add to the old one's (taken ticks_total
+            # as it was, the exported total went back: 165 -> 5); the old one is alive while the new one is built,
+            # so their ids differ
+            if id(scheduler) != self._scheduler_id:
+                self._scheduler_id, self._seen, self._ticks_seen = id(scheduler), 0, 0
+            self.ticks_total += scheduler.ticks - self._ticks_seen
+            self._ticks_seen = scheduler.ticks
             new = scheduler.generation_calls - self._seen
             if new > 0:
                 rows = scheduler.generation_rows[-new:]
-                self.generation_rows.extend(rows)
+                self.generation_rows.update(rows)
                 self.shared_generation_calls += sum(len(m) > 1 for m in scheduler.generation_methods[-new:])
                 self.generation_calls += new
                 self._seen = scheduler.generation_calls
@@ -682,12 +722,19 @@ class _Metrics:
         with self._lock:
             self.rejected_total += 1
 
-    def drain(self) -> tuple[list[int], list[tuple[bool, float]]]:
-        """Rows per generation call and per-request latencies since the last drain."""
+    def drain(self) -> tuple[Iterator[int], Iterator[tuple[bool, float]]]:
+        """Rows per generation call and (retrieved, seconds) per answered request since the last drain, one by one
+        for the exporter's histograms to observe. The rows are their own; the answers of one latency bucket come as
+        their mean latency (kept within their least and most: the float mean may round past a bound they sit on):
+        each histogram's bucket counts, count and sum are those of the answers themselves."""
         with self._lock:
-            rows, self.generation_rows = self.generation_rows, []
-            lat, self.latencies = self.latencies, []
-            return rows, lat
+            rows, self.generation_rows = self.generation_rows, Counter()
+            lat, self.latencies = self.latencies, {}
+        rows_out = itertools.chain.from_iterable(itertools.repeat(n, count) for n, count in sorted(rows.items()))
+        lat_out = itertools.chain.from_iterable(
+            itertools.repeat((retrieved, min(max(total / count, least), most)), int(count))
+            for (retrieved, _), (count, total, least, most) in sorted(lat.items()))
+        return rows_out, lat_out
 
     def recent_seconds_per_question(self) -> float:
         """Mean latency of the last answers (over the programs that ran concurrently: an estimate)."""

@@ -57,21 +57,29 @@ async def wait_answer(service: Any, future: Future, timeout_s: float, request: A
     """The result of a submitted request, or :class:`NotAnswered` after ``timeout_s``; the request's own error is
     raised as it is. ``request``: the HTTP request, checked every :data:`DISCONNECT_POLL_S`: a client that went away
     raises :class:`ClientGone`. Either way the request is cancelled (dropped if queued, else its program stops at the
-    next tick), so an abandoned request (a remote engine's client that gave up and retries) does no more work."""
+    next tick), so an abandoned request (a remote engine's client that gave up and retries) does no more work. So is
+    it when the waiting handler is itself cancelled (``asyncio.CancelledError``, raised on)."""
     waited = asyncio.wrap_future(future)
     waited.add_done_callback(_consume)
     deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            service.cancel(future)
-            raise NotAnswered(timeout_s)
-        done, _ = await asyncio.wait((waited,), timeout=left if request is None else min(left, DISCONNECT_POLL_S))
-        if done:
-            return waited.result()
-        if request is not None and await request.is_disconnected():
-            service.cancel(future)
-            raise ClientGone
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                service.cancel(future)
+                raise NotAnswered(timeout_s)
+            done, _ = await asyncio.wait((waited,), timeout=left if request is None else min(left, DISCONNECT_POLL_S))
+            if done:
+                return waited.result()
+            if request is not None and await request.is_disconnected():
+                service.cancel(future)
+                raise ClientGone
+    except asyncio.CancelledError:
+        # the server cancels its handlers on a forced shutdown (uvicorn, at a second SIGINT): their clients already
+        # have a 500, and a request left running was answered for nobody by stop(drain=True) (the process lived on
+        # 57 s); it stops here as a client's that went away
+        service.cancel(future)  # of an answered one: nothing
+        raise
 
 
 def _consume(waited: asyncio.Future) -> None:

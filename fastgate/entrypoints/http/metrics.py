@@ -11,9 +11,11 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fastgate.serving.service import LATENCY_BUCKETS_S
+
 __all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics"]
 
-_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_SECONDS = LATENCY_BUCKETS_S  # the service folds its answers' latencies into these buckets between scrapes
 
 
 class HttpMetrics:
