@@ -20,18 +20,28 @@ from typing import Any
 
 from fastgate.errors import InputError
 
-__all__ = ["add_setting_args", "count", "parse_params", "setting"]
+__all__ = ["add_setting_args", "count", "parse_params", "positive_count", "setting"]
 
 
 def count(text: str) -> int:
     """argparse ``type`` of a ``--n`` that counts questions from the start of a seeded order: an integer >= 0 (a
     negative one sliced "all but the last N" silently)."""
+    return _questions(text, 0)
+
+
+def positive_count(text: str) -> int:
+    """:func:`count` of a ``--n`` where 0 means nothing (no "0 = all"): an integer >= 1, so that ``--n -5`` is told
+    the bound ``--n 0`` would be told."""
+    return _questions(text, 1)
+
+
+def _questions(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number of questions, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of questions >= 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a number of questions >= {least}, got {value}")
     return value
 
 
@@ -91,15 +101,18 @@ def add_setting_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
 
 
 def parse_params(items: list[str] | None) -> dict[str, str]:
-    """``["name=value", ...]`` (repeated ``--param`` flags) -> ``{name: value}``, both stripped; later names win.
+    """``["name=value", ...]`` (repeated ``--param`` flags) -> ``{name: value}``, both stripped.
 
     Raises:
-        InputError: an item without ``=``.
+        InputError: an item without ``=``, or a name given twice (the later value silently won: ``--param k=2
+            --param k=5`` answered with 5 passages, whichever the user meant).
     """
     params: dict[str, str] = {}
     for item in items or []:
         if "=" not in item:
             raise InputError(f"--param expects name=value, got {item!r}")
-        key, value = item.split("=", 1)
-        params[key.strip()] = value.strip()
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in params:
+            raise InputError(f"--param {key}={params[key]} and --param {key}={value} both set {key}: give one")
+        params[key] = value
     return params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -31,6 +32,13 @@ def run_main(capsys, *argv):
         (["ask", "Who?", "--method", "dtr", "--param", "mode=cosine"], "mode must be angle, sum or adaptive"),
         (["ask", "Who?", "--method", "dtr", "--param", "tau=nan"], "parameter tau must be a number, got 'nan'"),
         (["ask", "Who?", "--method", "never", "--device", "tpu"], "unknown device 'tpu'"),
+        # a parameter given twice: one value was dropped silently (5 passages for --k 5 --param k=2)
+        (["ask", "Who?", "--k", "5", "--param", "k=2"], "--k 5 and --param k=2 both set k: give one"),
+        (["ask", "Who?", "--max-tokens", "32", "--param", "max_answer_tokens=8"],
+         "--max-tokens 32 and --param max_answer_tokens=8 both set max_answer_tokens: give one"),
+        (["ask", "Who?", "--param", "k=2", "--param", "k=3"], "--param k=2 and --param k=3 both set k: give one"),
+        # a method that searches nothing answered beside a mistyped --index
+        (["ask", "Who?", "--method", "never", "--index", "/nonexistent"], "--index /nonexistent does not exist"),
     ],
 )
 def test_ask_bad_input(capsys, argv, message):
@@ -49,6 +57,7 @@ def test_ask_on_cuda_without_it(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["serve", "--replicas", "2"], "--replicas and --address need --ray"),
+    (["serve", "--num-cpus", "4"], "--num-cpus needs --ray"),  # it reserved nothing
     (["serve", "--ray", "--replicas", "0"], "replicas must be >= 1"),
 ])
 def test_serve_ray_bad_input(capsys, argv, message):
@@ -76,6 +85,9 @@ def test_serve_ray_takes_the_log_level(capsys, monkeypatch, small_index):
 
 def test_ask_missing_and_corrupt_index(capsys, tmp_path, small_index):
     code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path / "nope"))
+    assert code == 2 and f"--index {tmp_path / 'nope'} does not exist" in err
+    tmp_path.joinpath("empty").mkdir()
+    code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path / "empty"))
     assert code == 2 and "no bm25 index" in err
     (tmp_path / "bm25").mkdir()
     code, _, err = run_main(capsys, "ask", "Who?", "--method", "always", "--index", str(tmp_path))
@@ -167,7 +179,7 @@ def test_passive_omp_threads_says_whether_it_set_the_policy(monkeypatch):
     (["prepare", "--model", "nosuch"], "unknown embedded model 'nosuch'"),  # it converted nothing and exited 0
     (["train", "prober", "--layers", "abc"], "--layers takes comma-separated layer numbers"),  # after the model loaded
     (["train", "confidence", "--layers", "3,4"], "--layers takes one layer"),
-    (["calibrate", "--method", "dtr", "--data", "capitals", "--n", "-190"], "number of questions >= 0"),  # all but 190
+    (["calibrate", "--method", "dtr", "--data", "capitals", "--n", "-190"], "number of questions >= 1"),  # all but 190
     (["train", "confidence", "--n", "-5"], "number of questions >= 0"),
     (["train", "read", "--data", "nq:dev", "--n", "1.5"], "--n takes whole numbers"),  # a traceback
     (["train", "read", "--data", "nq:dev,nq:dev:all"], "--data names one dev set more than once"),  # pooled twice
@@ -184,3 +196,88 @@ def test_bad_counts_layers_and_names_are_one_error_before_anything_loads(capsys,
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_max_tokens_that_fills_the_context_says_so(capsys, monkeypatch, tiny):
+    """It said "the question is too long (2 characters) ... leaves room for about -91884 question tokens"."""
+    import fastgate.assets.models
+
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, *args, **kwargs: tiny)
+    code, _, err = run_main(capsys, "ask", "Q?", "--method", "never", "--max-tokens", "100000", "--model", "tiny")
+    assert code == 2
+    assert err == (f"fastgate: error: max_answer_tokens = 100000 (--max-tokens) leaves no room for a question in "
+                   f"this model's context ({tiny.max_context} tokens)\n")
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`fastgate methods | head -2` ended with a BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} -m fastgate methods | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith("never: ") and proc.stdout.count("\n") == 1 and proc.stderr == ""
+    # a reader gone before the first line (head's, after it, is a race the command may win): always a broken pipe
+    reader = subprocess.Popen([sys.executable, "-m", "fastgate", "methods"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    reader.stdout.close()
+    err = reader.stderr.read()
+    assert reader.wait(timeout=120) == 141 and err == b""  # 128 + SIGPIPE, as a shell reports `yes | head -1`'s yes
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(capsys, monkeypatch):
+    """Building the parser imports for seconds, outside the command's error map: Ctrl-C there was a traceback."""
+    import fastgate.entrypoints.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    code, out, err = run_main(capsys, "methods")
+    assert code == 130 and out == "" and err == "fastgate: interrupted\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["index", "--corpus", "x.jsonl", "--retriever", "bm25", "--hnsw"], "--hnsw is for the dense index"),
+])
+def test_flags_that_would_do_nothing_are_refused(capsys, argv, message):
+    code, _, err = run_main(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_prepare_verify_says_what_it_verified(capsys, monkeypatch, tmp_path):
+    """--verify of a local model directory checked nothing and said nothing."""
+    import fastgate.retrieval
+
+    monkeypatch.setattr(fastgate.retrieval, "build_indexes", lambda *args, **kwargs: {})
+    code, out, _ = run_main(capsys, "prepare", "--model", str(tmp_path), "--verify")
+    assert code == 0 and f"model {tmp_path}: a local directory, nothing to verify" in out
+    code, out, _ = run_main(capsys, "prepare", "--model", str(tmp_path))
+    assert code == 0 and "nothing to verify" not in out
+    import fastgate.assets.models
+
+    converted = tmp_path / "smollm2-135m-hf-v1"
+    converted.mkdir()
+    (converted / "fastgate_model.json").write_text(json.dumps({"files": {"a": {"size": 1}, "b": {"size": 2}}}))
+    monkeypatch.setattr(fastgate.assets.models, "prepare", lambda name, **kwargs: converted)
+    code, out, _ = run_main(capsys, "prepare", "--model", "smollm2-135m", "--verify")
+    assert code == 0 and f"model smollm2-135m: {converted} (verified: the SHA-256 of its 2 files match" in out
+
+
+def test_version_and_help_defaults(capsys):
+    from fastgate.version import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"fastgate {__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    assert "--max-tokens MAX_TOKENS maximum answer tokens (default: the method's max_answer_tokens, 16)" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_a_threshold_of_minus_zero_prints_as_zero(capsys):
+    """Probing-RAG's threshold is -θ: at its default θ = 0 the gate line said "vs threshold -0"."""
+    from fastgate.entrypoints.cli import _print_human
+
+    _print_human({"question": "Q?", "answer": "A", "retrieved": False, "retrieval_calls": 0, "method": "probing",
+                  "gate_steps": [{"gate": "prober", "score": 0.25, "threshold": -0.0, "retrieve": True}],
+                  "passages": [], "timings": {}, "lm_calls": 1, "generated_tokens": 2})
+    assert "vs threshold 0 -> retrieve" in capsys.readouterr().out

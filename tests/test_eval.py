@@ -314,7 +314,14 @@ def test_load_qa_heldout_is_the_documented_split():
     (["eval", "--method", "dtr", "--sweep", "tau"], "--sweep expects param=v1,v2"),
     (["eval", "--method", "dtr", "--sweep", "theta=1,2"], "unknown parameter"),
     (["eval", "--method", "dtr", "--n", "0"], "--n must be >= 1"),
-    (["eval", "--method", "dtr", "--data", "nowhere.jsonl"], "neither a built-in set"),
+    (["eval", "--method", "dtr", "--data", "nowhere"], "neither a built-in set"),
+    # a name that is a path: it does not exist, in those words
+    (["eval", "--method", "dtr", "--data", "nowhere.jsonl"], "--data nowhere.jsonl: no such file"),
+    (["eval", "--method", "dtr", "--data", "/tmp/no/such/qa"], "--data /tmp/no/such/qa: no such file"),
+    (["eval", "--method", "never", "--index", "/nonexistent"], "--index /nonexistent does not exist"),
+    # the sweep's values replaced --param's silently
+    (["eval", "--method", "dtr", "--sweep", "tau=0.3", "--param", "tau=0.5"],
+     "--sweep tau=0.3 and --param tau=0.5 both set tau: give one"),
     (["eval", "--method", "dtr", "--batch-size", "0", "--out", "/nonexistent/never-made"], "--batch-size must be"),
     (["eval", "--method", "never", "--data", "nq:test", "--split", "dev"], "names split 'test' and --split says"),
 ])
@@ -574,7 +581,9 @@ def test_eval_cli_after_a_mistyped_model_runs_the_corrected_command(eval_cli, ca
         m.setattr(fastgate.assets.models, "load", load)
         assert run("--method", "never", model="nosuch") == 2
     assert "unknown model 'nosuch'" in capsys.readouterr().err
-    assert json.loads((out / "eval.json").read_text())["model"] == "nosuch"  # written before the name was checked
+    assert not out.exists()  # checked before --out is made (it left DIR/eval.json and DIR/.lock behind)
+    (out / "eval.json").parent.mkdir()  # an eval.json left by an earlier version is replaced
+    (out / "eval.json").write_text(json.dumps({"model": "nosuch"}))
     assert run("--method", "never") == 0
     assert "| never | 3 |" in capsys.readouterr().out
 
@@ -655,3 +664,44 @@ def eval_cli(monkeypatch, tmp_path, tiny, small_index):
                      "--quiet", "--batch-size", "2", *flags])
 
     return default, run
+
+
+def test_eval_header_says_how_the_records_were_answered(eval_cli, capsys):
+    """The header named this invocation's flags: a rerun of a finished DIR with --batch-size 1 said "window 1" of
+    records answered with 2, and --schedule batches "batch 32"."""
+    out, run = eval_cli
+    assert run("--method", "never") == 0  # the fixture's --batch-size 2
+    assert "window 2;" in (out / "summary.md").read_text().splitlines()[0]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["in_flight"] for r in records} == {2}
+    for flags in (("--batch-size", "1"), ("--schedule", "batches"), ("--schedule", "batches", "--batch-size", "7")):
+        capsys.readouterr()
+        assert run("--method", "never", *flags) == 0, flags  # nothing to answer: only summarised
+        first = (out / "summary.md").read_text().splitlines()[0]
+        assert "window 2;" in first and "window 1" not in first and "batch" not in first.split("budget")[1], flags
+    # a run with questions left resumes only under its records' batch size, as under their schedule
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    capsys.readouterr()
+    assert run("--method", "never", "--batch-size", "1") == 2
+    err = capsys.readouterr().err
+    assert "were answered with --batch-size 2, but this run would use 1: pass --batch-size 2" in err
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2  # nothing answered
+    # runs answered otherwise beside each other: each way with its runs
+    assert run("--method", "always", "--schedule", "batches", "--batch-size", "3") == 0
+    assert run("--method", "never") == 0
+    first = (out / "summary.md").read_text().splitlines()[0]
+    assert "window 2 (never) and batch 3 (always);" in first
+
+
+def test_schedule_line_of_records_from_before_they_named_their_batch_size():
+    from fastgate.eval.runner import schedule_line
+
+    assert schedule_line([{"run": "a", "schedule": "window", "in_flight": 8}]) == "window 8"
+    # answered in batches (no schedule named): the largest batch; a window's groups are not its size
+    legacy = [{"run": "a", "batch_size": 16}, {"run": "a", "batch_size": 4}]
+    assert schedule_line(legacy) == "batch 16"
+    assert schedule_line([{"run": "b", "schedule": "window", "batch_size": 5}]) == "window"
+    mixed = [*legacy, {"run": "b", "schedule": "window", "in_flight": 2}]
+    assert schedule_line(mixed) == "window 2 (b) and batch 16 (a)"
+    assert schedule_line([]) == ""

@@ -282,3 +282,39 @@ def test_the_summary_never_tables_records_of_two_dtypes(tmp_path, capsys):
         write_report(tmp_path, ResultsStore(store.path), examples, [RunSpec("never", None)], [], header="h")
     assert not (tmp_path / "summary.md").exists()
     capsys.readouterr()
+
+
+def test_baselines_given_the_invocations_parameters_are_the_baselines(eval_cli, capsys, tmp_path):
+    """`--method never,always,dtr --param k=2` named the runs never[k=2] and always[k=2], then found no `never` or
+    `always` (exact keys): no coin section, no second always pass."""
+    out = tmp_path / "k2"
+    assert eval_cli(out, "--method", "never,always,dtr", "--param", "k=2") == 0
+    captured = capsys.readouterr()
+    assert "answering always[k=2] again" in captured.err and "No coin section" not in captured.err
+    summary = (out / "summary.md").read_text()
+    assert "## Do the gates beat a coin?" in summary and "### Against a coin matched on time" in summary
+    assert "The baselines are `never[k=2]` and `always[k=2]`" in summary
+    assert "| always[k=2] (again, at the end) |" in summary
+    again = [json.loads(line) for line in (out / "always-again.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in again] == ["always[k=2]"] * 3 and {r["params"]["k"] for r in again} == {2}
+    doc = json.loads((out / "summary.json").read_text())
+    assert [c["run"] for c in doc["coin"]] == ["dtr[k=2]"] and doc["time_matched"][0]["run"] == "dtr[k=2]"
+    assert doc["no_coin"] is None
+
+
+def test_baseline_keys_take_the_shared_parameters_where_they_are_held():
+    from fastgate.eval.report import baseline_keys, dense_always_key
+    from fastgate.eval.runner import RunSpec
+
+    k2 = (("k", "2"),)
+    invocation = [RunSpec("never", None, k2), RunSpec("always", "bm25", k2), RunSpec("dtr", "dense", k2)]
+    assert baseline_keys(invocation) == ("never[k=2]", "always[k=2]")
+    # a gate alone: the baselines with its parameters where DIR holds them (an earlier invocation's), else plain
+    alone = [RunSpec("dtr", "dense", k2)]
+    assert baseline_keys(alone, {"never[k=2]", "always[k=2]", "never", "always"}) == ("never[k=2]", "always[k=2]")
+    assert baseline_keys(alone, {"never", "always"}) == ("never", "always")
+    assert dense_always_key(alone, {"always[k=2,retriever=dense]"}) == "always[k=2,retriever=dense]"
+    assert dense_always_key(alone) == "always[retriever=dense]"
+    # a sweep's parameter is no run's but one point's: the plain baselines
+    sweep = [RunSpec("dtr", "dense", (("tau", "0.1"),)), RunSpec("dtr", "dense", (("tau", "0.2"),))]
+    assert baseline_keys(sweep, {"never[tau=0.1]"}) == ("never", "always")

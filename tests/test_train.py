@@ -156,8 +156,10 @@ def test_load_qa_jsonl_and_errors(tmp_path):
         bad.write_text(text)
         with pytest.raises(CorpusError, match=message):
             load_qa(bad)
-    with pytest.raises(CorpusError, match="neither a built-in set"):
+    with pytest.raises(CorpusError, match="missing.jsonl: no such file"):
         load_qa(tmp_path / "missing.jsonl")
+    with pytest.raises(CorpusError, match="neither a built-in set"):
+        load_qa("missing")
 
 
 def test_reranker_preferences_and_fine_tune(tmp_path, tiny_engine, small_index):

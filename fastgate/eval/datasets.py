@@ -160,6 +160,8 @@ def load_qa(data: str | Path) -> list[QAExample]:
     if name == "default":
         return country_capitals() + fanoutqa_subquestions()
     path = Path(name)
+    if not path.is_file() and (name.endswith(".jsonl") or "/" in name) and not path.exists():
+        raise CorpusError(f"--data {name}: no such file")  # meant as a file: a typo in it was left to be guessed
     if not path.is_file():
         raise CorpusError(f"--data {name!r} is neither a built-in set ({', '.join(QA_SETS)}), a benchmark "
                           f"({', '.join(BENCHMARKS)}, as NAME[:SPLIT[:SUBSET]]) nor a JSONL file")

@@ -50,7 +50,8 @@ __all__ = [
     "threshold_curve",
 ]
 
-BASELINES = ("never", "always")  # the ungated runs a gate is measured against (run keys of the eval store)
+# the ungated methods a gate is measured against, and their runs' keys in an eval store when given no parameters
+BASELINES = ("never", "always")
 
 Record = Mapping[str, Any]
 
@@ -272,7 +273,8 @@ def gate_quality(gated: Mapping[str, Record], never: Mapping[str, Record], alway
 
 def gate_quality_for_runs(records: Mapping[tuple[str, str], Record], *, ids: Iterable[str] | None = None,
                           answerable: Mapping[str, bool] | None = None, runs: Sequence[str] | None = None,
-                          complete: bool = True, n_permutations: int = 10_000, seed: int = 0) -> list[GateQuality]:
+                          complete: bool = True, n_permutations: int = 10_000, seed: int = 0,
+                          baselines: tuple[str, str] = BASELINES) -> list[GateQuality]:
     """Every gated run of an eval store's records (``(run, id) -> record``) against its ``never`` and ``always``.
 
     Args:
@@ -284,6 +286,8 @@ def gate_quality_for_runs(records: Mapping[tuple[str, str], Record], *, ids: Ite
         complete: skip a run that lacks a record for one of ``ids`` (the summary tables' rule) instead of measuring it
             on the questions it has.
         n_permutations, seed: of the permutation tests.
+        baselines: the run keys of ``never`` and ``always`` (e.g. ``never[k=2]``, ``always[k=2]`` for gated runs
+            given ``k=2`` too: :func:`fastgate.eval.report.baseline_keys`).
 
     Returns:
         One :class:`GateQuality` per run; empty when ``never`` or ``always`` has none of the questions.
@@ -291,14 +295,14 @@ def gate_quality_for_runs(records: Mapping[tuple[str, str], Record], *, ids: Ite
     by_run: dict[str, dict[str, Record]] = {}
     for (key, qid), rec in records.items():
         by_run.setdefault(key, {})[qid] = rec
-    never, always = by_run.get(BASELINES[0], {}), by_run.get(BASELINES[1], {})
+    never, always = by_run.get(baselines[0], {}), by_run.get(baselines[1], {})
     wanted = list(ids) if ids is not None else [q for q in never if q in always]
     shared = [q for q in wanted if q in never and q in always]
     if not shared or (complete and len(shared) < len(wanted)):
         return []
     if runs is None:
         runs = [k for k, recs in by_run.items()
-                if k not in BASELINES and next(iter(recs.values())).get("method") not in BASELINES]
+                if k not in baselines and next(iter(recs.values())).get("method") not in BASELINES]
     out = []
     for key in runs:
         recs = by_run.get(key, {})

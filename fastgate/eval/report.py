@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,8 @@ __all__ = [
     "NO_COIN",
     "Oracle",
     "TimeMatched",
+    "baseline_keys",
+    "dense_always_key",
     "machine_line",
     "new_invocation",
     "oracle_point",
@@ -98,6 +100,36 @@ def machine_line() -> str:
     return f"{cpu} ({os.cpu_count()} cores){gpu}"
 
 
+def _shared_params(runs: Sequence[RunSpec]) -> tuple[tuple[str, Any], ...]:
+    """The parameters (name, value) every run of ``runs`` was given, in the first run's order (keys sort them)."""
+    if not runs:
+        return ()
+    return tuple(p for p in runs[0].params if all(p in r.params for r in runs[1:]))
+
+
+def _baseline(runs: Sequence[RunSpec], held: Collection[str], method: str, retriever: str | None) -> str:
+    """The key of ``method`` (a baseline) with the parameters every run of ``runs`` shares, when such a run is among
+    ``runs`` or ``held``; else its key without parameters."""
+    matched = RunSpec(method, retriever, _shared_params(runs)).key
+    return matched if matched in {r.key for r in runs} or matched in held else RunSpec(method, retriever).key
+
+
+def baseline_keys(runs: Sequence[RunSpec], held: Collection[str] = ()) -> tuple[str, str]:
+    """The run keys of ``never`` and ``always`` that the gated runs of ``runs`` (one invocation's) are measured
+    against: each with the parameters every run of ``runs`` shares where that run is among ``runs`` or ``held`` (the
+    keys with records), else the plain one (:data:`~fastgate.eval.gate_quality.BASELINES`).
+
+    ``fastgate eval --method never,always,dtr --param k=2`` gives every run ``k=2``: its gate is measured against
+    ``always[k=2]``, which reads the 2 passages ``dtr[k=2]`` reads (the plain ``always`` reads 3, and matching exact
+    keys found no baseline at all: no coin section, no second ``always`` pass)."""
+    return _baseline(runs, held, "never", None), _baseline(runs, held, "always", None)
+
+
+def dense_always_key(runs: Sequence[RunSpec], held: Collection[str] = ()) -> str:
+    """:data:`DENSE_ALWAYS` as :func:`baseline_keys` matches it: with the parameters every run shares where held."""
+    return _baseline(runs, held, "always", "dense")
+
+
 def run_always_again(runtime, runs: Sequence[RunSpec], examples, out: Path, answered: Mapping[str, int], *,
                      batch_size: int, progress: bool, invocation: str | None, schedule: str = "window"
                      ) -> RunSummary | None:
@@ -106,7 +138,8 @@ def run_always_again(runtime, runs: Sequence[RunSpec], examples, out: Path, answ
     It runs when this invocation answered questions of ``always`` (``answered[key]`` > 0) and at least one other run
     is in ``runs``, or when an earlier second pass was cut short (its store holds some of the questions); it resumes
     like any run. Returns the second pass's summary over ``examples`` (None when there is none for all of them)."""
-    always = next((r for r in runs if r.key == BASELINES[1]), None)
+    always_key = baseline_keys(runs)[1]  # the invocation's always: with the parameters every run was given
+    always = next((r for r in runs if r.key == always_key), None)
     if always is None or len(runs) < 2:
         return None
     store = ResultsStore(out / AGAIN_FILE)
@@ -282,10 +315,11 @@ def time_matched_section(results: Sequence[TimeMatched], oracle: Oracle | None =
 
 def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: float, always_acc: float,
               oracle: Oracle | None, path: str | Path, title: str,
-              dense: tuple[float, float] | None = None) -> Path:
+              dense: tuple[float, float] | None = None, ends: tuple[str, str] = ("always", DENSE_ALWAYS)) -> Path:
     """Accuracy against seconds per question: each run, the ``never``–``always`` line (the time-matched coins) and
     the oracle point; ``dense``: (seconds, ACC) of ``always[retriever=dense]``, whose line the dense runs' coins lie
-    on; written beside ``path`` and renamed into it."""
+    on; ``ends``: the run keys of the two ``always`` runs the lines end at (:func:`baseline_keys`,
+    :func:`dense_always_key`); written beside ``path`` and renamed into it."""
     try:
         import matplotlib
 
@@ -304,8 +338,8 @@ def plot_cost(summaries: Sequence[RunSummary], never: RunSummary, always_s: floa
                    label=f"oracle (reads {oracle.rate:.0%})")
     pts = [s for s in summaries if s.s_per_q == s.s_per_q]
     # `always` where the line ends (the mean of its passes, what the coins pay), not at its first pass's time
-    ends = {"always": always_s, **({DENSE_ALWAYS: dense[0]} if dense is not None else {})}
-    xs = [ends.get(s.run, s.s_per_q) for s in pts]
+    at = {ends[0]: always_s, **({ends[1]: dense[0]} if dense is not None else {})}
+    xs = [at.get(s.run, s.s_per_q) for s in pts]
     ax.scatter(xs, [s.acc for s in pts], zorder=4, edgecolor="k")
     for s, x in zip(pts, xs):
         ax.annotate(s.run, (x, s.acc), textcoords="offset points", xytext=(4, 4), fontsize=7,
@@ -335,13 +369,16 @@ def _coin_json(g: GateQuality) -> dict[str, Any]:
 
 
 def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpec], summaries: Sequence[RunSummary],
-                 *, header: str, again: RunSummary | None = None, plot_all: bool = False,
-                 sweep: tuple[str, str, str] | None = None) -> list[Path]:
+                 *, header: str | Callable[[Sequence[Record]], str], again: RunSummary | None = None,
+                 plot_all: bool = False, sweep: tuple[str, str, str] | None = None) -> list[Path]:
     """Summarise every run recorded in ``store`` for ``examples`` (earlier invocations included), print the summary,
     write ``summary.md|csv|json`` and the plots; returns the files written.
 
-    ``again``: ``always``'s second pass (:func:`run_always_again`); ``plot_all``: ``--all``'s plot; ``sweep``:
-    ``(method, param, the --sweep text)`` of a sweep."""
+    ``header``: the summary's first line, or a function of the records it summarises that makes it (so that it
+    says how they were answered, e.g. their schedule, whatever this invocation's flags: they may all be earlier
+    ones'). ``again``: ``always``'s second pass (:func:`run_always_again`); ``plot_all``: ``--all``'s plot;
+    ``sweep``: ``(method, param, the --sweep text)`` of a sweep. The gated runs are measured against the
+    baselines :func:`baseline_keys` names for ``runs``."""
     from fastgate.eval.runner import plot_accuracy_vs_retrieval
     from fastgate.methods import METHODS
 
@@ -362,6 +399,10 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
             table.append(dataclasses.replace(summarize(spec, recs), run=key))  # an earlier run keeps its parameters
             summarised += recs
     _one_form(store.path, summarised)
+    if callable(header):
+        header = header(summarised)
+    never_key, always_key = baseline_keys(runs, {k for k, _ in store.records})
+    dense_key = dense_always_key(runs, {k for k, _ in store.records})
     by_run: dict[str, dict[str, Record]] = {}
     for (key, qid), rec in store.records.items():
         by_run.setdefault(key, {})[qid] = rec
@@ -369,44 +410,50 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
     gated_runs = [s.run for s in table if s.method not in BASELINES]
     # a run that reads dense passages is measured against `always` reading dense passages when DIR has that run
     complete = {k for k, recs in by_run.items() if all(q in recs for q in ids)}
-    against = {run: DENSE_ALWAYS if DENSE_ALWAYS in complete and reads_dense(by_run[run]) else BASELINES[1]
+    against = {run: dense_key if dense_key in complete and reads_dense(by_run[run]) else always_key
                for run in gated_runs}
+    baselines = (never_key, always_key)
     gates = gate_quality_for_runs(store.records, ids=ids, answerable=split or None,
-                                  runs=[r for r in gated_runs if against[r] == BASELINES[1]])
-    dense_runs = [r for r in gated_runs if against[r] == DENSE_ALWAYS]
+                                  runs=[r for r in gated_runs if against[r] == always_key], baselines=baselines)
+    dense_runs = [r for r in gated_runs if against[r] == dense_key]
     if dense_runs:
-        view = {(BASELINES[1] if k == DENSE_ALWAYS else k, q): rec for (k, q), rec in store.records.items()
-                if k != BASELINES[1]}
-        gates += gate_quality_for_runs(view, ids=ids, answerable=split or None, runs=dense_runs)
+        view = {(always_key if k == dense_key else k, q): rec for (k, q), rec in store.records.items()
+                if k != always_key}
+        gates += gate_quality_for_runs(view, ids=ids, answerable=split or None, runs=dense_runs,
+                                       baselines=baselines)
         gates.sort(key=lambda g: gated_runs.index(g.run))
-    labels = [g.run + (f" (vs {DENSE_ALWAYS})" if against[g.run] == DENSE_ALWAYS else "") for g in gates]
+    labels = [g.run + (f" (vs {dense_key})" if against[g.run] == dense_key else "") for g in gates]
     rows = {s.run: s for s in table}
-    never_s, always_s = rows.get(BASELINES[0]), rows.get(BASELINES[1])
+    never_s, always_s = rows.get(never_key), rows.get(always_key)
     timed: list[TimeMatched] = []
     oracle, oracle_always_s = None, float("nan")
     if gates and never_s is not None:
         timings = {key: [x for x in [rows[key].s_per_q] + ([again.s_per_q] if again is not None
-                                                           and key == BASELINES[1] else []) if x == x]
-                   for key in (BASELINES[1], DENSE_ALWAYS) if key in rows}
-        if timings.get(BASELINES[1]):
-            oracle_always_s = float(np.mean(timings[BASELINES[1]]))
-            oracle = oracle_point(by_run[BASELINES[0]], by_run[BASELINES[1]], ids, never_s.s_per_q, oracle_always_s)
-        never_sittings = _sittings(by_run[BASELINES[0]], ids)
+                                                           and key == always_key else []) if x == x]
+                   for key in (always_key, dense_key) if key in rows}
+        if timings.get(always_key):
+            oracle_always_s = float(np.mean(timings[always_key]))
+            oracle = oracle_point(by_run[never_key], by_run[always_key], ids, never_s.s_per_q, oracle_always_s)
+        never_sittings = _sittings(by_run[never_key], ids)
         for g, label in zip(gates, labels):
             key = against[g.run]
             if not timings.get(key):
                 continue
             union = _sittings(by_run[g.run], ids) | never_sittings | _sittings(by_run[key], ids)
-            if key == BASELINES[1] and again is not None:  # the coin pays the second pass's timing too
+            if key == always_key and again is not None:  # the coin pays the second pass's timing too
                 union |= again_sittings
-            timed.append(time_matched_coin(by_run[g.run], by_run[BASELINES[0]], by_run[key], ids,
+            timed.append(time_matched_coin(by_run[g.run], by_run[never_key], by_run[key], ids,
                                            s_run=rows[g.run].s_per_q, s_never=never_s.s_per_q,
                                            s_always=timings[key], run=label,
                                            one_sitting=len(union) == 1 and "" not in union))
     sections = [cost_section(table, again)]
     no_coin = None
     if gates:
-        sections.append(coin_section(gates, labels) + ("\n" + time_matched_section(timed, oracle) if timed else ""))
+        # baselines given the invocation's parameters: the section says which runs "never" and "always" are
+        named = "" if baselines == BASELINES else (f"The baselines are `{never_key}` and `{always_key}` (the "
+                                                   "parameters every run of the invocation was given).\n\n")
+        sections.append(named + coin_section(gates, labels)
+                        + ("\n" + time_matched_section(timed, oracle) if timed else ""))
     elif gated_runs:
         no_coin = NO_COIN
         sections.append(NO_COIN + "\n")
@@ -426,19 +473,19 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
             written.append(plot_gate_quality(gates, out / "gate-quality.png", f"do the gates beat a coin? ({n} q)",
                                              labels=labels))
         if oracle is not None and never_s is not None and always_s is not None:
-            dense = rows.get(DENSE_ALWAYS)
-            dense_line = (float(np.mean(timings[DENSE_ALWAYS])), dense.acc) \
-                if dense is not None and timings.get(DENSE_ALWAYS) else None
+            dense = rows.get(dense_key)
+            dense_line = (float(np.mean(timings[dense_key])), dense.acc) \
+                if dense is not None and timings.get(dense_key) else None
             written.append(plot_cost(table, never_s, oracle_always_s, always_s.acc, oracle, out / "cost.png",
-                                     f"accuracy against time ({n} q)", dense=dense_line))
+                                     f"accuracy against time ({n} q)", dense=dense_line, ends=(always_key, dense_key)))
     except InputError as exc:  # matplotlib missing: the tables are written all the same
         print(f"fastgate: no plot: {exc}", file=sys.stderr)
     if sweep is not None:
         method, key, text = sweep
-        anchors = [s for s in table if s.run in BASELINES]
-        points = [s for s in summaries if s.run not in BASELINES]
+        anchors = [s for s in table if s.run in baselines]
+        points = [s for s in summaries if s.run not in baselines]
         labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
-                                             if s.run not in BASELINES]
+                                             if s.run not in baselines]
         written.append(plot_accuracy_vs_retrieval(anchors + points, out / f"sweep-{method}-{key}.png",
                                                   f"{method}: {text} ({n} q)", labels=labels))
     elif plot_all:

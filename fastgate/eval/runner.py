@@ -56,6 +56,7 @@ __all__ = [
     "plot_accuracy_vs_retrieval",
     "replace_file",
     "save_figure",
+    "schedule_line",
     "summarize",
     "write_summary",
 ]
@@ -508,6 +509,41 @@ def _check_schedule(store: ResultsStore, run: RunSpec, schedule: str) -> None:
                          "into a new --out directory")
 
 
+def _check_in_flight(store: ResultsStore, run: RunSpec, batch_size: int) -> None:
+    """Refuse to resume ``run`` under another ``--batch-size`` than its records' (``in_flight``), as under another
+    schedule: its seconds per question would average two settings, and the summary's header could name neither.
+    Records written before they named it are not checked."""
+    if other := _other_value(store, run, "in_flight", batch_size, batch_size):
+        _, qid, was = other
+        raise InputError(f"{store.path}: the records of run {run.key!r} (e.g. question {qid}) were answered with "
+                         f"--batch-size {was}, but this run would use {batch_size}: pass --batch-size {was}, or "
+                         "evaluate into a new --out directory")
+
+
+def schedule_line(records: Iterable[dict[str, Any]]) -> str:
+    """How ``records`` reached the engine, for a summary's header: ``window 32`` (``--schedule window --batch-size
+    32``) or ``batch 16``; where runs were answered otherwise, each way with its runs (``window 3 (never, dtr) and
+    batch 32 (always)``). Records from before they named their ``--batch-size`` (``in_flight``) say ``window`` alone
+    (a record's ``batch_size`` is its group's size, not the window's) and, answered in batches, the largest batch;
+    "" without records."""
+    ways: dict[tuple[str, int | None], dict[str, None]] = {}
+    largest: dict[str, int] = {}  # a legacy run answered in batches: its largest batch
+    for rec in records:
+        schedule = rec.get("schedule", "batches")  # records without one were answered in batches (_check_schedule)
+        size = rec.get("in_flight")
+        if size is None and schedule == "batches":
+            largest[rec["run"]] = max(largest.get(rec["run"], 0), int(rec.get("batch_size") or 0))
+            continue
+        ways.setdefault((schedule, size), {})[rec["run"]] = None
+    for run, size in largest.items():
+        ways.setdefault(("batches", size or None), {})[run] = None
+    words = {key: ("window" if key[0] == "window" else "batch") + ("" if key[1] is None else f" {key[1]}")
+             for key in ways}
+    if len(ways) == 1:
+        return next(iter(words.values()))
+    return " and ".join(f"{words[key]} ({', '.join(runs)})" for key, runs in ways.items())
+
+
 def _check_engine(store: ResultsStore, run: RunSpec, engine: str) -> None:
     """Refuse to resume or summarise ``run`` over records made on another engine (the local model, or another
     server / model behind ``--engine openai``). Records written before they named their engine were made locally."""
@@ -560,8 +596,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
              invocation: str | None = None, schedule: str = "window", timed: bool = True) -> list[RunSummary]:
     """Answer ``examples`` with every run, skipping (run, question) pairs already in ``store``.
 
-    Every run is checked against the records of ``store`` (its parameters, engine, dtype, weights, schedule, questions
-    and gold answers, corpus) before any question is answered, a finished run's too.
+    Every run is checked against the records of ``store`` (its parameters, engine, dtype, weights, questions and gold
+    answers, corpus; a run with questions left, its schedule and batch size too) before any question is answered, a
+    finished run's too.
 
     Args:
         runtime: a :class:`~fastgate.serving.runtime.Runtime` (model loaded once for all runs).
@@ -608,6 +645,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         _check_engine(store, run, engine)
         if timed and any(not store.done(run.key, ex.id) for ex in examples):  # a finished run is only summarised
             _check_schedule(store, run, schedule)
+            _check_in_flight(store, run, batch_size)
         if dtype is not None:
             _check_dtype(store, run, dtype, legacy)
         if weights is not None:
@@ -628,7 +666,8 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
             bar = _progress(len(examples), len(examples) - len(todo), run.key, progress)
             stored = len(examples) - len(todo)
             try:
-                tags = {"params": params, "engine": engine, "schedule": schedule,
+                # in_flight: --batch-size (questions in flight, or per batch); a record's batch_size is its group's
+                tags = {"params": params, "engine": engine, "schedule": schedule, "in_flight": batch_size,
                         **({"corpus": corpus} if corpus is not None else {}),
                         **({"dtype": dtype} if dtype is not None else {}),
                         **({"weights": weights} if weights is not None else {}),

@@ -208,8 +208,8 @@ def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str
     server can check a request on its own thread while the engine decodes on another.
 
     Raises:
-        InputError: not a list of strings, an empty question, one that is not Unicode text (a lone surrogate), or
-            one too long for the context.
+        InputError: not a list of strings, an empty question, one that is not Unicode text (a lone surrogate), one
+            too long for the context, or an answer budget that leaves no room for any question.
     """
     if isinstance(questions, str):
         raise InputError("answer_batch takes a list of questions, not a string")
@@ -217,6 +217,9 @@ def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str
         raise InputError("no questions given")
     scaffold = engine.count_tokens(closed_book_prompt(""))
     limit = engine.lm.max_context - config.max_answer_tokens - scaffold - 1
+    if limit < 1:  # the answer's budget alone fills the context: no question is too long, the budget is too large
+        raise InputError(f"max_answer_tokens = {config.max_answer_tokens} (--max-tokens) leaves no room for a question "
+                         f"in this model's context ({engine.lm.max_context} tokens)")
     out = []
     for q in questions:
         if not isinstance(q, str):

@@ -30,7 +30,7 @@ import numpy as np
 
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
-from fastgate.settings import count
+from fastgate.settings import positive_count
 
 __all__ = ["CalibrationResult", "add_calibrate_parser", "choose_cut", "dev_curve"]
 
@@ -143,6 +143,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     data, examples = _examples(args.data, args.n, args.seed, args.index)
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
         f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
+    runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
+                      weights=args.weights)
+    if remote is None and not (out / "results.jsonl").is_file():
+        # every question is to be answered: the model loads before the run directory is made (a mistyped --model
+        # left calibration/runs/<typo>-... behind, --dry-run too)
+        runtime.engine  # noqa: B018 - the property loads the model
     with hold_out_dir(out, "fastgate calibrate"):  # two calibrations into one directory answered twice
         check_settings(out, EvalSettings(model=model, data=data, seed=args.seed))
         store = ResultsStore(out / "results.jsonl")
@@ -151,8 +157,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"calibrating {args.method} ({spec.param}) for {model}{where} on {len(examples)} question(s) of "
               f"{data}: {run.key}{' and always' if len(runs) > 1 else ''}, {todo} answer(s) to compute -> {out} "
               "(resumable)")
-        runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
-                          weights=args.weights)
         t0 = time.perf_counter()
         evaluate(runtime, runs, examples, store, batch_size=args.batch_size, progress=not args.quiet,
                  timed=False)  # its records are read for their answers and scores
@@ -256,12 +260,13 @@ def _plot(curve, pick, path: Path, method: str) -> None:
 def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate a gated method's threshold for a model on dev questions "
                                          "(resumable); writes $FASTGATE_HOME/calibration/<model>.json")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="embedded model or a local HF directory whose threshold is calibrated (default: %(default)s)")
     p.add_argument("--method", required=True, help="a gated method (see `fastgate methods`)")
     p.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
                    help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions (default: nq:dev:balanced)")
-    p.add_argument("--n", type=count, default=200, help="questions of the seeded order (default: 200)")
+    p.add_argument("--n", type=positive_count, default=200, help="questions of the seeded order (default: 200)")
     p.add_argument("--rule", choices=("rate", "best", "loss"), default="rate",
                    help="rate: retrieve on --rate of the questions; best: the largest gain over the random gate at "
                         "rates up to --rate; loss: the fewest retrievals within --max-loss of the better of never and "
@@ -276,15 +281,17 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--out", default=None, help="records of the pass (default: under $FASTGATE_HOME/calibration/runs)")
     p.add_argument("--write", default=None, help="calibration file (default: $FASTGATE_HOME/calibration/<model>.json)")
     p.add_argument("--dry-run", action="store_true", help="show the threshold, write nothing")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
     from fastgate.serving.runtime import RuntimeConfig
     from fastgate.settings import add_setting_args
 
     # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
     add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
-    p.add_argument("--index", default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--index", default=None,
+                   help="index root holding bm25/ and dense/ (default: the default corpus's)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="questions in flight during the pass (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
     p.add_argument("--quiet", action="store_true")
     from fastgate.serving.engine_args import add_engine_args
 
