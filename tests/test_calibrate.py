@@ -295,3 +295,44 @@ def test_calibrate_holds_its_run_directory(cli, capsys, tmp_path):
     finally:
         os.close(fd)
     assert cli("--method", "dtr", "--rate", "0.5") == 0  # released: it runs
+
+
+def test_calibrating_a_feature_set_the_read_checkpoint_lacks_says_so_and_answers_nothing(cli, capsys, tmp_path,
+                                                                                        tiny):
+    """What `ask --method read --param features=dense` points at when no calibration applies: over a gate with only
+    the `all` set, the checkpoint's own refusal comes first, with the way out, and no question is answered."""
+    from fastgate.gates.read import FEATURE_SETS, ReadModel, save_read_checkpoint
+
+    feats = FEATURE_SETS["all"]
+    m = ReadModel(feats, tuple(0.0 for _ in feats), tuple(1.0 for _ in feats), tuple(0.0 for _ in feats), 0.0)
+    ck = save_read_checkpoint(tmp_path / "all-only", {"all": m}, model=tiny, base="dtr", meta={})
+    assert cli("--method", "read", "--param", f"checkpoint={ck}", "--param", "features=dense") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fastgate: error: read-gate checkpoint {ck} has no 'dense' model (has: all)"), err
+    assert "--param features=all" in err and "\n" not in err
+    results = tmp_path / "runs" / "results.jsonl"
+    assert not results.exists() or not results.read_text().strip()
+
+
+def test_calibrate_checks_its_flags_and_the_model_before_the_run_directory(capsys, monkeypatch, tmp_path):
+    """A mistyped --model left calibration/runs/<typo>-... behind (--dry-run too); --n -5 was told ">= 0", then --n 0
+    ">= 1"; a missing --data file was "neither a built-in set ... nor a JSONL file"."""
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+    from fastgate.errors import UnknownNameError
+
+    def load(name, *args, **kwargs):  # as the real one: neither an embedded name nor a directory
+        raise UnknownNameError("model", name, ["smollm2-135m"])
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", load)
+    assert main(["calibrate", "--method", "dtr", "--model", "smolm2", "--data", "capitals", "--n", "4",
+                 "--dry-run"]) == 2
+    assert "unknown model 'smolm2'" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "calibration").exists()
+    for n in ("-5", "0"):
+        with pytest.raises(SystemExit):
+            main(["calibrate", "--method", "dtr", "--n", n])
+        assert "expected a number of questions >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "--method", "dtr", "--data", str(tmp_path / "nosuch.jsonl")]) == 2
+    assert f"--data {tmp_path / 'nosuch.jsonl'}: no such file" in capsys.readouterr().err

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,51 @@ QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of 
              "When was the Eiffel Tower completed?", "capital of Germany"]
 PARAMS = (("tau", 0.0),)  # DTR always retrieves: every request runs three generations and a dense search
 
+
+_SERVE = """
+import functools, sys
+from fastgate.entrypoints.ray_serve import RayServeConfig, serve_ray
+from fastgate.serving.service import ServiceConfig
+from fastgate.testing import tiny_runtime
+
+index, port = sys.argv[1], int(sys.argv[2])
+serve_ray(ServiceConfig(method="never", index=index), RayServeConfig(replicas=1, num_cpus=1, port=port),
+          runtime_factory=functools.partial(tiny_runtime, index))
+print("serve_ray returned", flush=True)
+"""
+
+
+def test_sigterm_to_the_process_group_exits_promptly(small_index, tmp_path):
+    """``timeout``, ``systemctl stop`` and ``kill -- -PGID`` signal the local Ray's GCS and raylet with the server:
+    the clean-up must see the cluster is gone rather than wait 60 s for the GCS and die with rc 1. First in this
+    module: its own local Ray, before the module's fixture starts one in this process."""
+    import httpx
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(small_index), str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "is ready at" not in log.read_text():  # serve.run has returned: the SIGTERM handler is set
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
+        time.sleep(1.0)
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0 and "serve_ray returned" in text, text
+    assert took < 15, (took, text)
+    assert "Failed to connect to GCS" not in text and "already gone" in text
 
 
 @pytest.fixture(scope="module")

@@ -882,3 +882,38 @@ def test_a_gate_searching_with_another_k_than_its_training_says_so(tmp_path, tin
         build_method("read", tiny_engine, retrievers["bm25"], {"checkpoint": ck, "threshold": 0.0},
                      retrievers=retrievers)
     assert "trained on searches of k=2 passages; k=3" in caplog.text
+
+
+def _all_only_checkpoint(tmp_path, tiny) -> str:
+    """A checkpoint with the full feature set only, as the shipped SmolLM2 gate (no ``dense`` model)."""
+    from fastgate.gates.read import ReadModel
+
+    feats = FEATURE_SETS["all"]
+    m = ReadModel(feats, tuple(0.0 for _ in feats), tuple(1.0 for _ in feats), tuple(0.0 for _ in feats), 0.0)
+    return str(save_read_checkpoint(tmp_path / "all-only", {"all": m}, model=tiny, base="dtr", meta={}))
+
+
+def test_a_feature_set_the_checkpoint_lacks_is_named_before_the_missing_calibration(tmp_path, tiny, small_index,
+                                                                                    monkeypatch, capsys):
+    """`ask --method read --param features=dense` over a gate with only `all` said to run `fastgate calibrate ...
+    --param features=dense`, which then failed on the checkpoint ("has no 'dense' model"): that comes first now."""
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.checkpoints import default_checkpoint
+    from fastgate.methods.calibration import calibrated_params
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    ck = _all_only_checkpoint(tmp_path, tiny)
+    assert main(["ask", "--model", "tiny", "--index", str(small_index), "--method", "read", "--param",
+                 f"checkpoint={ck}", "--param", "features=dense", "Hi?"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"read-gate checkpoint {ck} has no 'dense' model (has: all)" in err and "\n" not in err, err
+    assert "fastgate calibrate" not in err and "--param features=all" in err
+    with pytest.raises(CheckpointError, match="has no 'dense' model"):  # the library's lookup alike
+        calibrated_params("tiny", "read", {"checkpoint": ck, "features": "dense"})
+    with pytest.raises(InputError, match="no calibrated threshold"):  # the set it has: the calibration is missing
+        calibrated_params("tiny", "read", {"checkpoint": ck})
+    if default_checkpoint("smollm2-135m", "read-dtr-dense") is None:  # the reported case: the shipped gate
+        with pytest.raises(CheckpointError, match="smollm2-135m-read-dtr has no 'dense' model"):
+            calibrated_params("smollm2-135m", "read", {"features": "dense"})

@@ -551,3 +551,53 @@ def test_a_server_that_drops_the_stop_token_with_text_before_it_is_taken():
     assert gen.text == " Paris."
     with pytest.raises(RemoteError, match="log-probs for 6 of the answer's 7 bytes"):
         engine._parse(out, "Q: x\\nA:", GenerationConfig(max_new_tokens=4))  # no stop string asked: refused
+
+
+@pytest.mark.parametrize(("command", "local"), [
+    ("ask", ["--model", "qwen2.5-0.5b", "--dtype", "float32", "--weights", "int8", "--step", "compiled", "--device",
+             "cuda"]),
+    ("ask", ["--device", "cuda"]),  # accepted without CUDA: nothing reads it on a remote engine
+    ("eval", ["--step", "compiled"]),
+    ("serve", ["--model", "qwen2.5-0.5b"]),
+    ("calibrate", ["--weights", "int4"]),
+])
+def test_a_local_model_flag_with_the_remote_engine_is_refused_before_anything_is_contacted(command, local, capsys,
+                                                                                           monkeypatch):
+    """``--engine openai`` loads no model: ``--model / --device / --dtype / --step / --weights`` were dropped without a
+    word (rc 0). Refused in one line naming them, before the server (here: nothing listening) is contacted."""
+    import fastgate.engine.remote
+    from fastgate.entrypoints.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the server was contacted")
+
+    monkeypatch.setattr(fastgate.engine.remote.RemoteEngine, "connect", never)
+    remote = ["--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--api-model", "m"]
+    extra = {"ask": ["--method", "never", "Hi?"], "eval": ["--method", "never", "--data", "capitals", "--n", "1"],
+             "serve": ["--method", "never"], "calibrate": ["--method", "dtr"]}[command]
+    assert main([command, *remote, *local, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastgate: error: --engine openai loads no local model") and "\n" not in err, err
+    named = [f"{flag} {value}" for flag, value in zip(local[::2], local[1::2])]
+    assert all(n in err for n in named), err
+
+
+def test_the_local_model_flags_default_to_the_runtime_config_in_every_command():
+    """The remote engine's check reads RuntimeConfig's defaults: every command declaring a local model's flag must
+    default it alike (else an untouched flag would be refused)."""
+    import argparse
+    import dataclasses
+
+    from fastgate.entrypoints.cli import build_parser
+    from fastgate.serving.engine_args import LOCAL_SETTINGS, remote_config
+    from fastgate.serving.runtime import RuntimeConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RuntimeConfig)}
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command in ("ask", "eval", "serve", "calibrate"):
+        for action in subs[command]._actions:
+            if action.dest in LOCAL_SETTINGS:
+                assert action.default == defaults[action.dest], (command, action.dest)
+    args = parser.parse_args(["ask", "--engine", "openai", "--base-url", "http://h:1/v1", "--api-model", "m", "Hi?"])
+    assert remote_config(args) is not None  # untouched local flags: accepted

@@ -4,6 +4,10 @@ never reading the device from the host, and giving the eager packed pass's greed
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_decode import _same  # the loops' comparison: tokens, text, log-probs within 1e-4, taps
@@ -100,6 +104,36 @@ def test_buckets_and_config():
     assert not ModelRunner.__init__.__defaults__[-1] == "compiled"  # auto by default
     assert covers(G()) and covers(G(do_sample=True)) and covers(G(do_sample=True, top_k=TOP_K_MAX))
     assert not covers(G(do_sample=True, top_k=TOP_K_MAX + 1)) and not covers(G(do_sample=True, top_p=0.5))
+
+
+_CACHE_PROBE = """
+import os, sys
+if sys.argv[1] == "dynamo-first":  # as when transformers or another library imported it before fastgate
+    import torch._dynamo
+from fastgate.engine.model_runner import ModelRunner
+from fastgate.engine.static_step import StepConfig
+from fastgate.testing import tiny_model
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+runner = ModelRunner(tiny_model(n_layers=1), step=StepConfig("compiled"))
+step = runner.static_step(0)
+print(cache_dir(), step.cache_dir, sep="\\n")
+"""
+
+
+@pytest.mark.parametrize("order", ["fastgate-first", "dynamo-first"])
+def test_compiled_kernels_are_cached_under_fastgate_home_unless_the_user_chose(tmp_path, order):
+    """In a fresh interpreter (importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default, which
+    fastgate took for the user's choice): the compiled step's kernels go to ``$FASTGATE_HOME/compile``, where inductor
+    looks them up (its ``cache_dir()``); a directory the user set stays theirs."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["FASTGATE_HOME"] = str(tmp_path / "home")
+    run = [sys.executable, "-c", _CACHE_PROBE, order]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    assert out == [str(tmp_path / "home" / "compile")] * 2
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    assert out == [str(tmp_path / "mine")] * 2
 
 
 def test_auto_is_eager_on_cpu(tiny):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -261,8 +262,10 @@ class StaticStep:
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (B, W) -> its CUDA graph (on CUDA)
         self._pool = None  # the graphs' shared memory pool (one bucket replays at a time, as in vLLM)
         fn = _decode
+        self.cache_dir: str | None = None  # where inductor caches the compiled kernels (None: not compiled)
+        self._announced = False  # whether a compile's start was told on stderr (on a CPU only the first is)
         if compiled:
-            _configure(cache_dir)
+            self.cache_dir = _configure(cache_dir)
             # the graphs are captured here, not by mode="reduce-overhead": its trees skip graphs whose inputs are
             # mutated and not static (the store's views, the tap buffers), which is every input this step writes
             # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
@@ -299,6 +302,7 @@ class StaticStep:
         args = (r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
         if not new or self._fn is _decode:
             return self._run(bucket, args)
+        self._announce(bucket)
         try:  # a bucket's first call compiles it; a compiler that fails leaves that bucket eager (the same results)
             with _distinct_sizes():
                 return self._run(bucket, args)
@@ -320,6 +324,17 @@ class StaticStep:
         self.eager_buckets.add(bucket)
         self._graphs.pop(bucket, None)
         return self._run(bucket, args)
+
+    def _announce(self, bucket: tuple[int, int]) -> None:
+        """One line on stderr as a bucket's compile starts: the step then stalls for tens of seconds (minutes on a
+        CPU) with nothing else to show for it. On CUDA every bucket compiles; on a CPU one graph serves them all, so
+        only the first is told. Test backends (anything but inductor) compile nothing worth telling."""
+        if self.backend != "inductor" or (self._announced and not self.cuda_graphs):
+            return
+        self._announced = True
+        width = f" x {bucket[1]} columns" if self.cuda_graphs else ""
+        print(f"fastgate: compiling the decode step for batch {bucket[0]}{width} (cached in {self.cache_dir})",
+              file=sys.stderr, flush=True)
 
     def _without_split_reductions(self) -> Callable | None:
         """The step compiled by inductor with split reductions off (None for another backend): the retry of a bucket
@@ -408,20 +423,49 @@ def _distinct_sizes() -> Iterator[None]:
         fx_config.use_duck_shape = before
 
 
+_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+# The variable as this module found it, and whether it can only have been the user's then: importing torch._dynamo
+# sets it to torch's default (/tmp/torchinductor_<user>; torch 2.13), so a value seen before that import was not
+# torch's. The CLI imports this module (through the model runner) before anything imports torch._dynamo.
+_CACHE_AT_IMPORT: str | None = os.environ.get(_CACHE_VAR)
+_CACHE_AT_IMPORT_IS_USERS: bool = _CACHE_AT_IMPORT is not None and "torch._dynamo" not in sys.modules
+
+
+def _users_cache_dir() -> str | None:
+    """The ``TORCHINDUCTOR_CACHE_DIR`` the user set themselves, None where it is unset or torch's own default.
+
+    torch sets the variable to its default the first time anything asks for inductor's cache directory (importing
+    ``torch._dynamo`` does), so its mere presence says nothing: it is the user's if it was there before torch could
+    have set it (when this module was imported), or if it names another directory than torch's default."""
+    value = os.environ.get(_CACHE_VAR)
+    if value is None:
+        return None
+    if _CACHE_AT_IMPORT_IS_USERS and value == _CACHE_AT_IMPORT:
+        return value
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
+
+
 _configured = False
 
 
-def _configure(cache_dir: str | None) -> None:
-    """Once per process: room for a graph per bucket, and the compiled kernels cached under ``$FASTGATE_HOME``."""
+def _configure(cache_dir: str | None) -> str:
+    """Once per process: room for a graph per bucket, and the compiled kernels cached under ``$FASTGATE_HOME``
+    (``cache_dir`` if given) unless the user set ``TORCHINDUCTOR_CACHE_DIR`` themselves. Returns the cache directory.
+
+    Setting the variable is enough even after torch set it: inductor reads it each time it needs its cache directory
+    (``torch._inductor.runtime.cache_dir_utils.cache_dir``), not once at import; and compile workers inherit it."""
     global _configured
     if _configured:
-        return
+        return os.environ[_CACHE_VAR]
     import torch._dynamo
 
     from fastgate.assets.paths import home
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's own choice wins
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir or home() / "compile")
+    if _users_cache_dir() is None:  # the user's own choice wins; torch's default (a /tmp directory) does not
+        os.environ[_CACHE_VAR] = str(cache_dir or home() / "compile")
     _configured = True
+    return os.environ[_CACHE_VAR]

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,7 +158,64 @@ def serve_ray(config: ServiceConfig, ray_config: RayServeConfig | None = None, t
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        serve.delete(rc.app_name)
-        if started:
-            serve.shutdown()
-            ray.shutdown()
+        # SIGTERM may have gone to the whole process group, the local Ray's GCS included: give it time to go. Ctrl-C
+        # does not reach Ray's processes (they block SIGINT)
+        _shut_down(ray, serve, rc.app_name, started, settle_s=SIGTERM_SETTLE_S if stop.is_set() else 0.0)
+
+
+SHUTDOWN_TIMEOUT_S = 30.0  # the most the Serve clean-up may take before the process goes on exiting without it
+SIGTERM_SETTLE_S = 2.0  # after SIGTERM: how long a GCS that still accepts connections is watched for going away
+
+
+def _gcs_reachable(ray, settle_s: float = 0.0) -> bool:
+    """Whether the Ray cluster's GCS still accepts TCP connections (a plain socket, not Ray's own client), tried
+    every 0.1 s for ``settle_s``: False as soon as one is refused.
+
+    ``SIGTERM`` to the server's process group (``timeout``, ``systemctl stop``, ``kill -- -PGID``) reaches the local
+    Ray's GCS and raylet too: they are in that group. Any Ray call after that (``serve.delete``: the controller's
+    handle is looked up in the GCS) waits 60 s for the GCS to come back, then Ray kills the process (rc 1,
+    "Failed to connect to GCS within 60 seconds"). A socket connect tells the GCS is gone at once; but this process
+    may handle the signal before the GCS has exited (it took 7-35 ms here), hence the settling time."""
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        address = (host.strip("[]"), int(port))
+    except (ValueError, RuntimeError):  # a malformed address, Ray not connected
+        return False
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                pass
+        except OSError:  # refused or unreachable
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
+
+
+def _shut_down(ray, serve, app_name: str, started: bool, settle_s: float = 0.0) -> None:
+    """Delete the app (and Serve and the local Ray, if this process started Ray), within bounded time.
+
+    With the cluster gone (see :func:`_gcs_reachable`, given ``settle_s``) there is nothing left to delete: only
+    the driver is disconnected. Otherwise Serve's clean-up runs in a daemon thread given :data:`SHUTDOWN_TIMEOUT_S`:
+    a cluster that dies midway must not hold the exit for Ray's 60 s reconnection wait."""
+    if _gcs_reachable(ray, settle_s):
+        def clean_up() -> None:
+            try:
+                serve.delete(app_name)
+                if started:
+                    serve.shutdown()
+            except Exception as exc:  # noqa: BLE001 - a cluster dying under the clean-up: nothing left to delete
+                print(f"fastgate: Ray Serve clean-up failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+        worker = threading.Thread(target=clean_up, name="fastgate-ray-shutdown", daemon=True)
+        worker.start()
+        worker.join(SHUTDOWN_TIMEOUT_S)
+        if worker.is_alive():
+            print(f"fastgate: Ray Serve did not shut down within {SHUTDOWN_TIMEOUT_S:.0f} s; exiting without it",
+                  file=sys.stderr)
+    else:
+        print("fastgate: the Ray cluster is already gone (its processes were stopped too); exiting",
+              file=sys.stderr, flush=True)
+    if started:
+        ray.shutdown()

@@ -54,6 +54,7 @@ __all__ = [
     "ShiftGainModel",
     "adapt_gains",
     "StateProjection",
+    "check_read_checkpoint",
     "fit_gain_model",
     "fit_read_model",
     "fit_shift_gain_model",
@@ -571,8 +572,17 @@ def _read_model(m: Mapping[str, Any]) -> ReadModel:
     return ReadModel(tuple(m["features"]), tuple(m["mean"]), tuple(m["std"]), tuple(m["weights"]), float(m["bias"]))
 
 
-def _load(path: str | Path, features: str, *, model: Any, base: str | None, decide: str
-          ) -> tuple[ReadModel | GainModel | ShiftGainModel, dict[str, Any]]:
+def check_read_checkpoint(path: str | Path, features: str, *, model: Any = None, model_name: str | None = None,
+                          base: str | None = None, decide: str = "answer") -> dict[str, Any]:
+    """A read-gate checkpoint's ``config.json``, checked for what a request asks of it without reading its models:
+    made for the ``decide`` mode, for the model (``model``: its name and weights' fingerprint; or by ``model_name``
+    alone, before the model loads), over the ``base`` method (``answer`` mode), and holding a model for the feature
+    set ``features``. The calibration lookup calls it before saying a threshold is missing: a calibration pass over
+    a checkpoint that fails here would fail the same way (``features=dense`` over a gate with only ``all``).
+
+    Raises:
+        CheckpointError: missing or corrupt, or any of the above does not hold.
+    """
     cfg = Path(path) / "config.json"
     try:
         doc = json.loads(cfg.read_text())
@@ -584,16 +594,28 @@ def _load(path: str | Path, features: str, *, model: Any, base: str | None, deci
     if made != decide:
         raise CheckpointError(f"read-gate checkpoint {path} was made for decide={made}, not decide={decide}: pass "
                               f"--param decide={made}, or train one with `fastgate train read --decide {decide}`")
-    if model is not None:
+    name = model.name if model is not None else model_name
+    if name is not None:
         fp = getattr(model, "fingerprint", "")
-        if doc.get("model") != model.name or (doc.get("model_fingerprint") and fp and doc["model_fingerprint"] != fp):
+        if doc.get("model") != name or (doc.get("model_fingerprint") and fp and doc["model_fingerprint"] != fp):
             raise CheckpointError(f"read-gate checkpoint {path} was trained for model {doc.get('model')}, not "
-                                  f"{model.name}: train one with `fastgate train read --model {model.name}`")
+                                  f"{name}: train one with `fastgate train read --model {name}`")
     if decide == "answer" and base is not None and doc.get("base") != base:
         raise CheckpointError(f"read-gate checkpoint {path} was trained over {doc.get('base')}, not {base}")
-    if features not in doc.get("models", {}):
+    models = doc.get("models", {})
+    if features not in models:
+        # the way out: a set it has, or a gate trained with this one (`fastgate train read` fits both by default)
+        mode = f" --decide {decide}" if decide != "answer" else (f" --base {base}" if base else "")
+        way = f"pass --param features={next(iter(models))}, or " if models else ""
         raise CheckpointError(f"read-gate checkpoint {path} has no {features!r} model (has: "
-                              f"{', '.join(doc.get('models', {})) or 'none'})")
+                              f"{', '.join(models) or 'none'}): {way}train one with `fastgate train read{mode} "
+                              f"--features {features}`")
+    return doc
+
+
+def _load(path: str | Path, features: str, *, model: Any, base: str | None, decide: str
+          ) -> tuple[ReadModel | GainModel | ShiftGainModel, dict[str, Any]]:
+    doc = check_read_checkpoint(path, features, model=model, base=base, decide=decide)
     score = doc.get("score", "log-odds")  # checkpoints from before the gain model score log-odds
     if score not in SCORES:
         raise CheckpointError(f"read-gate checkpoint {path}: unknown score {score!r} (known: {', '.join(SCORES)})")

@@ -165,16 +165,7 @@ def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bo
     conditions = " ".join(f"--param {k}={v}" for k, v in sorted(params.items()) if k != spec.param)
     command = f"`fastgate calibrate --method {method} --model {model_name}" + (f" {conditions}`" if conditions else "`")
     if method == "read":
-        if ckpt:  # a checkpoint made for another model: that is what is wrong, not a missing calibration
-            try:
-                made_for = json.loads((Path(ckpt) / "config.json").read_text()).get("model")
-            except (OSError, ValueError, AttributeError):
-                made_for = None  # missing or corrupt: the build says so
-            if made_for and made_for != model_name:
-                from fastgate.errors import CheckpointError
-
-                raise CheckpointError(f"read-gate checkpoint {ckpt} was trained for model {made_for}, not "
-                                      f"{model_name}: train one with `fastgate train read --model {model_name}`")
+        _check_read_checkpoint(cls, model_name, params)  # what is wrong with it first: calibrating would not cure it
         raise InputError(f"no calibrated threshold for {what} (base={params.get('base', defaults.get('base'))}, "
                          f"features={params.get('features', defaults.get('features'))}): the read gate's threshold "
                          "(the price of a read; a log-odds value for checkpoints older than the gain model) belongs "
@@ -187,6 +178,22 @@ def _uncalibrated(model_name: str, method: str, params: dict[str, Any], warn: bo
         logging.getLogger("fastgate.calibration").warning(
             "fastgate: warning: no calibration of %s: using %s=%s, the default (tuned for other models); run %s%s",
             what, spec.param, defaults.get(spec.param), command, served)
+
+
+def _check_read_checkpoint(cls: Any, model_name: str, params: dict[str, Any]) -> None:
+    """Refuse the read gate's checkpoint as building the gate would, before the missing calibration is named: one
+    made for another model, mode or base method, or without the asked feature set (``features=dense`` over the
+    shipped SmolLM2 gate, which has only ``all``), fails ``fastgate calibrate`` the same way, so pointing there led
+    nowhere. What the request's own checks report (parameters that make no config, no checkpoint for the model, a
+    directory without a ``config.json``) is left to them: the CLI runs them first, and they name it better."""
+    from fastgate.errors import CheckpointError
+
+    try:
+        config = cls.config_class(**params)
+        cls.checkpoint_path(config, model_name)
+    except (TypeError, InputError, CheckpointError):  # unknown or ill-typed parameters; no checkpoint to check
+        return
+    cls.preflight(config, model_name)  # resolves it again and checks its header (Read.preflight)
 
 
 def calibrated_params(model_name: str, method: str, params: dict[str, Any] | None = None, *,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fastgate.errors import InputError
@@ -30,6 +31,7 @@ from fastgate.gates.read import (
     DECIDE_MODES,
     FEATURE_SETS,
     ReadGate,
+    check_read_checkpoint,
     load_prefill_checkpoint,
     open_read_checkpoint,
     prefill_features,
@@ -114,7 +116,21 @@ class Read(Method):
 
     @classmethod
     def preflight(cls, config: ReadConfig, model_name: str | None = None):
-        """The checkpoint to load (none for a training pass)."""
+        """The checkpoint to load (none for a training pass), its header checked for this request before the model
+        loads (a feature set it lacks was found after ~11 s of loading, and after calibrate made its run directory).
+
+        Raises:
+            CheckpointError: no checkpoint for the model, or one made for another model, mode or base, or without
+                the feature set."""
+        path = cls.checkpoint_path(config, model_name)
+        if path is not None and (Path(path) / "config.json").is_file():  # (a bare directory: the load says what)
+            check_read_checkpoint(path, config.features, model_name=model_name,
+                                  base=config.base if config.decide == "answer" else None, decide=config.decide)
+        return path
+
+    @classmethod
+    def checkpoint_path(cls, config: ReadConfig, model_name: str | None = None):
+        """The checkpoint ``config`` asks for, resolved (none for a training pass), not checked."""
         if config.collect:
             return None
         from fastgate.gates.checkpoints import default_checkpoint, resolve_checkpoint

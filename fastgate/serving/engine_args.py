@@ -13,11 +13,14 @@ import os
 
 from fastgate.errors import InputError
 
-__all__ = ["REMOTE_SETTINGS", "add_engine_args", "remote_config"]
+__all__ = ["LOCAL_SETTINGS", "REMOTE_SETTINGS", "add_engine_args", "remote_config"]
 
 # RemoteConfig's fields that are flags, in --help order
 REMOTE_SETTINGS = ("base_url", "model", "timeout_s", "concurrency", "max_retries")
 _PREFIX = "api_"
+# RuntimeConfig's fields that say how the local model loads (``--model --device --dtype --step --weights``, their
+# defaults RuntimeConfig's): a remote engine loads none, so a value given for one would be dropped without a word
+LOCAL_SETTINGS = ("model", "device", "dtype", "step", "weights")
 
 
 def add_engine_args(p: argparse.ArgumentParser, black_box: list[str] | None = None) -> None:
@@ -47,15 +50,40 @@ def remote_config(args: argparse.Namespace):
     """The :class:`~fastgate.engine.remote.RemoteConfig` of ``--engine openai`` (None for the local engine).
 
     Raises:
-        InputError: remote flags without ``--engine openai``, or ``--engine openai`` without its URL and model.
+        InputError: remote flags without ``--engine openai``, ``--engine openai`` without its URL and model, or with
+            a local model's flag (``--model``, ``--device``, ``--dtype``, ``--step``, ``--weights``) set.
     """
     values = {name: getattr(args, _PREFIX + name) for name in REMOTE_SETTINGS}
     if args.engine == "local":
         if values["base_url"] is not None or values["model"] is not None:
             raise InputError("--base-url and --api-model need --engine openai")
         return None
+    local = _local_flags(args)
+    if local:  # before the URL's check: both are mistakes, and this one says what --api-model is for
+        raise InputError(f"--engine openai loads no local model: {', '.join(local)} would be ignored (the server's "
+                         "model is --api-model NAME); drop them, or use --engine local")
     if not values["base_url"] or not values["model"]:
         raise InputError("--engine openai needs --base-url URL (with its /v1) and --api-model NAME")
     from fastgate.engine.remote import RemoteConfig
 
     return RemoteConfig(**values, api_key=os.environ.get(args.api_key_env) or None)
+
+
+def _local_flags(args: argparse.Namespace) -> list[str]:
+    """The local model's flags ``args`` holds with another value than their default, as ``--flag value``.
+
+    The defaults are :class:`~fastgate.serving.runtime.RuntimeConfig`'s, which ``ask``, ``eval``, ``serve`` and
+    ``calibrate`` declare their flags with; a command without one of the flags has no attribute for it. A flag given
+    with its default value (``--dtype auto``) cannot be told from one not given, and changes nothing either."""
+    import dataclasses
+
+    from fastgate.serving.runtime import RuntimeConfig
+
+    fields = {f.name: f for f in dataclasses.fields(RuntimeConfig)}
+    given = []
+    for name in LOCAL_SETTINGS:
+        value = getattr(args, name, fields[name].default)
+        if value != fields[name].default:
+            flag = fields[name].metadata.get("flag", "--" + name.replace("_", "-"))  # as add_setting_args names it
+            given.append(f"{flag} {value}")
+    return given
