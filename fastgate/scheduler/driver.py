@@ -30,6 +30,8 @@ from fastgate.scheduler.batching import PHASES, BatchingTable, group_key
 from fastgate.scheduler.config import WHOLE_PROMPTS, SchedulerConfig
 from fastgate.scheduler.task import CancelledError, Counters, Task
 
+RESULT_PHASES = ("generation_s", "retrieval_s", "gate_s")  # the timings every result has (0.0: did not run)
+
 __all__ = ["Scheduler"]
 
 _log = logging.getLogger(__name__)
@@ -332,8 +334,11 @@ class Scheduler:
             else:
                 try:
                     task.trace.use(answer.passages)
-                    task.result = task.method.result(task.question, answer.text, task.trace,
-                                                     {**task.trace.timings, "total_s": task.finished - task.submitted})
+                    # every phase's key, 0.0 where it did not run (a skipped question has no retrieval_s: a reader's
+                    # timings["retrieval_s"] was a KeyError)
+                    timings = {**dict.fromkeys(RESULT_PHASES, 0.0), **task.trace.timings,
+                               "total_s": task.finished - task.submitted}
+                    task.result = task.method.result(task.question, answer.text, task.trace, timings)
                     if answer.details:
                         task.result.details = dict(answer.details)
                 except Exception as exc:  # noqa: BLE001 - a result that cannot be built fails that question only
