@@ -917,3 +917,26 @@ def test_a_feature_set_the_checkpoint_lacks_is_named_before_the_missing_calibrat
     if default_checkpoint("smollm2-135m", "read-dtr-dense") is None:  # the reported case: the shipped gate
         with pytest.raises(CheckpointError, match="smollm2-135m-read-dtr has no 'dense' model"):
             calibrated_params("smollm2-135m", "read", {"features": "dense"})
+
+
+def test_a_checkpoint_for_a_model_loaded_from_a_directory_is_taken_by_its_path(tmp_path, monkeypatch):
+    """The checkpoint's header is checked before the model loads, by the --model the CLI got: a directory's path, where
+    the model (and every checkpoint made for it) is named by the directory's last part. Every such model's read gate
+    was refused ('trained for model my-llama, not /models/my-llama')."""
+    from types import SimpleNamespace
+
+    from fastgate.gates.read import FEATURE_SETS, ReadModel, save_read_checkpoint
+    from fastgate.serving.runtime import check_request
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    feats = FEATURE_SETS["all"]
+    model = ReadModel(feats, tuple(0.0 for _ in feats), tuple(1.0 for _ in feats), tuple(0.0 for _ in feats), 0.0)
+    ck = str(save_read_checkpoint(tmp_path / "ck", {"all": model}, model=SimpleNamespace(name="my-llama",
+                                                                                      fingerprint=""),
+                                  base="dtr", meta={}))
+    (tmp_path / "models" / "my-llama").mkdir(parents=True)
+    params = {"checkpoint": ck, "threshold": 0.0}
+    assert check_request("read", params, None, str(tmp_path / "models" / "my-llama")).method == "read"
+    assert check_request("read", params, None, "my-llama").method == "read"
+    with pytest.raises(CheckpointError, match="trained for model my-llama, not other"):
+        check_request("read", params, None, "other")

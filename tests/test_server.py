@@ -380,6 +380,28 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny_engine, small_
         svc.stop()
 
 
+def test_the_tick_total_counts_a_scheduler_at_a_stopped_one_s_address_as_new(monkeypatch):
+    """After a stop and a start the new scheduler may take the old one's address (CPython reuses freed memory): told
+    apart by id(), its 5 ticks replaced the 165 counted (ticks_total 170 -> 5) and its generation calls went uncounted.
+    The reuse is made certain here: every object the module asks id() of has the same one."""
+    import fastgate.serving.service as service_module
+    from fastgate.serving.service import _Metrics
+
+    monkeypatch.setattr(service_module, "id", lambda obj: 1, raising=False)
+
+    class Sched:
+        def __init__(self, ticks: int, calls: int) -> None:
+            self.ticks, self.generation_calls = ticks, calls
+            self.generation_rows, self.generation_methods = [1] * calls, [("never",)] * calls
+
+    m = _Metrics()
+    old = Sched(165, 165)
+    m.ticks(old)
+    del old  # freed: the next Sched usually takes its address
+    m.ticks(Sched(5, 5))
+    assert m.ticks_total == 170 and m.generation_calls == 170
+
+
 def test_the_tick_total_never_goes_back_after_a_failed_tick(tiny_engine, small_index):
     """A failed tick puts a new scheduler in, which counts its ticks from zero: the exported total took its count
     and went back (165 -> 5). The totals add the new scheduler's counts to the old one's."""

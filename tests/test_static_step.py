@@ -154,19 +154,25 @@ def test_greedy_rows_equal_the_eager_packed_pass(tiny, compiled_runner):
     assert not loop.rows and not loop.busy
 
 
-def test_rows_asking_top_logprobs_run_eagerly_beside_the_static_step(tiny, compiled_runner):
-    """A row that wants each step's top log-probs is not the static step's (it reads the logits): beside greedy rows
-    the step runs, it gets the eager pass's tokens and alternatives."""
-    assert not covers(G(top_logprobs=2))
-    asking = [("The capital of France is", G(max_new_tokens=6, top_logprobs=3, stop_at_eos=False), TapSpec(), 1,
-               None)]
-    eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2] + asking)
-    got, loop = _run(compiled_runner, GREEDY[:2] + asking)
-    for i in eager:
-        a, b = got[i].sequences[0], eager[i].sequences[0]
-        assert a.token_ids == b.token_ids and a.top_logprobs == b.top_logprobs
-    assert len(got[2].sequences[0].top_logprobs) == 6 and got[0].sequences[0].top_logprobs is None
-    assert loop.static_steps >= 1
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_asking_top_logprobs_draw_as_without_them(tiny, compiled_runner, sampled):
+    """A row that wants each step's top log-probs makes the passes it is in eager (the alternatives are read from
+    their logits) and is drawn as the static step draws it: the same tokens as without them (a seeded sampled row was
+    drawn by the eager loop's sampler, other tokens), the eager runner's alternatives."""
+    def asking(top):
+        cfg = G(max_new_tokens=6, do_sample=sampled, top_k=20, top_logprobs=top, stop_at_eos=False)
+        return [("The capital of France is", cfg, TapSpec(), 1, 7)]
+
+    plain, _ = _run(compiled_runner, GREEDY[:2] + asking(0))
+    got, loop = _run(compiled_runner, GREEDY[:2] + asking(3))
+    assert [got[i].sequences[0].token_ids for i in got] == [plain[i].sequences[0].token_ids for i in plain]
+    seq = got[2].sequences[0]
+    assert len(seq.top_logprobs) == 6 and got[0].sequences[0].top_logprobs is None
+    assert all(dict(step).get(t, lp) == lp for t, lp, step in zip(seq.token_ids, seq.token_logprobs, seq.top_logprobs))
+    if not sampled:  # the eager runner's alternatives (a sampled row's draw is the static step's, not the eager loop's)
+        eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2] + asking(3))
+        assert seq.top_logprobs == eager[2].sequences[0].top_logprobs
+    assert loop.static_steps == 0 or all(not r.cfg.top_logprobs for r in loop.rows)
 
 
 def test_sampled_rows_are_reproducible_and_independent_of_the_batch(tiny, compiled_runner):

@@ -54,6 +54,7 @@ __all__ = [
     "ModelSpec",
     "gguf_int4_codes",
     "load",
+    "loaded_name",
     "locate_gguf",
     "prepare",
     "quiet_transformers",
@@ -602,6 +603,15 @@ def return_freed_memory() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+def loaded_name(name_or_path: str) -> str:
+    """The name :func:`load` gives the model ``name_or_path`` (an embedded model's own, a directory's last part):
+    what checkpoints and calibrations made for it record, so that a check before the model loads compares the same."""
+    if name_or_path in MODELS:
+        return name_or_path
+    local = Path(name_or_path).expanduser()
+    return local.name if local.is_dir() else name_or_path
 
 
 def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",

@@ -36,6 +36,7 @@ from fastgate.engine.generation import RowState
 from fastgate.engine.kv_cache import within_cells
 from fastgate.engine.static_step import batch_bucket, choose, covers, row_key, width_bucket
 from fastgate.ops.reference import prefill_attention, prefill_mask
+from fastgate.ops.threads import serial_torch
 
 __all__ = ["PAUSE_TOKENS", "PackedPlan", "PrefillSeg", "SegBatch", "SlotStore", "packed_forward"]
 
@@ -508,6 +509,9 @@ class PackedLoop(DecodeLoop):
             self.chosen = self._choice(self.logits, rows)
         tokens, logps = self.chosen[0].tolist(), self.chosen[1].tolist()
         self.chosen = None
+        if any(rows[r].cfg.top_logprobs for r in active):  # an eager pass made these logits (_static_pass declined)
+            with serial_torch(self.logits, len(rows)):
+                self._record_top(active)
         for r in active:
             row = rows[r]
             row.tokens.append(tokens[r])
@@ -737,6 +741,8 @@ class PackedLoop(DecodeLoop):
         way the step does not cover."""
         rows, m = self.rows, len(feed)
         if not self.static.covers(row.cfg for row in rows):
+            return False
+        if any(row.cfg.top_logprobs for row in rows):  # their alternatives are read from the logits an eager pass keeps
             return False
         b = batch_bucket(m)
         self.store.reserve(b, max(self.lens) + 1, m, max(self.lens), self.max_cells)

@@ -217,10 +217,9 @@ def _decode(model, cache_kw: str, mid: int, keys: list[torch.Tensor], values: li
 
 
 def covers(cfg) -> bool:
-    """Whether :func:`choose` draws as generation config ``cfg`` asks (see :meth:`StaticStep.covers`); a row that
-    wants each step's top log-probs is the eager loop's (it reads the step's logits)."""
-    if cfg.top_logprobs:
-        return False
+    """Whether :func:`choose` draws as generation config ``cfg`` asks (see :meth:`StaticStep.covers`). A row that
+    wants each step's top log-probs is still drawn by it (the same tokens as without them), over logits an eager pass
+    kept (:meth:`fastgate.engine.packed.PackedLoop._static_pass` declines while such a row decodes)."""
     return not cfg.do_sample or 1 <= cfg.top_k <= TOP_K_MAX or (cfg.top_k == 0 and cfg.top_p >= 1.0)
 
 

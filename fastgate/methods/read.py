@@ -124,7 +124,10 @@ class Read(Method):
                 the feature set."""
         path = cls.checkpoint_path(config, model_name)
         if path is not None and (Path(path) / "config.json").is_file():  # (a bare directory: the load says what)
-            check_read_checkpoint(path, config.features, model_name=model_name,
+            from fastgate.assets.models import loaded_name
+
+            # the name the model loads as (a directory's last part: the CLI passes --model as typed, a path)
+            check_read_checkpoint(path, config.features, model_name=loaded_name(model_name) if model_name else None,
                                   base=config.base if config.decide == "answer" else None, decide=config.decide)
         return path
 

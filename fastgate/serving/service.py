@@ -28,6 +28,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -678,7 +679,8 @@ class _Metrics:
         self.latencies: dict[tuple[bool, int], list[float]] = {}
         self._recent: list[float] = []  # latencies of the last answers
         # the scheduler read last, and its generation calls and ticks counted so far
-        self._scheduler_id, self._seen, self._ticks_seen = 0, 0, 0
+        self._scheduler_ref: Callable[[], Any] = lambda: None  # a weak reference to it (not kept alive here)
+        self._seen, self._ticks_seen = 0, 0
 
     def finished(self, seconds: float, retrieved: bool, failed: bool = False, cancelled: bool = False,
                  searches: int = 0) -> None:
@@ -703,11 +705,15 @@ class _Metrics:
     def ticks(self, scheduler) -> None:
         """Take the scheduler's new ticks and generation calls (rows per call, methods sharing them)."""
         with self._lock:
-            # a new scheduler (after a failure) counts from zero: its counts add to the old one's (taken ticks_total
-            # as it was, the exported total went back: 165 -> 5); the old one is alive while the new one is built,
-            # so their ids differ
-            if id(scheduler) != self._scheduler_id:
-                self._scheduler_id, self._seen, self._ticks_seen = id(scheduler), 0, 0
+            # a new scheduler (after a failure, or a stop and a start) counts from zero: its counts add to the old
+            # one's (taken ticks_total as it was, the exported total went back: 165 -> 5). Compared by a weak
+            # reference, not id(): a stopped scheduler's address may be reused by the next one
+            if self._scheduler_ref() is not scheduler:
+                try:
+                    ref = weakref.ref(scheduler)
+                except TypeError:  # an object without weak references (a test's stand-in): held
+                    ref = functools.partial(lambda s: s, scheduler)
+                self._scheduler_ref, self._seen, self._ticks_seen = ref, 0, 0
             self.ticks_total += scheduler.ticks - self._ticks_seen
             self._ticks_seen = scheduler.ticks
             new = scheduler.generation_calls - self._seen
