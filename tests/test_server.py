@@ -939,3 +939,18 @@ def test_a_port_check_binds_as_the_server_would():
                 assert "in use" not in str(exc)
     with pytest.raises(InputError, match="between 0 and 65535"):
         _check_port("127.0.0.1", 70000)
+
+
+def test_a_request_needing_more_rows_than_max_rows_is_refused_before_it_queues(tiny_engine, small_index):
+    """A SeaKR request of more samples than --max-rows was queued and refused only when its generation reached the
+    scheduler; a server whose own method needs more started, logged its warm-up's failure and refused every request."""
+    svc = _service(tiny_engine, small_index, max_rows=4)
+    with pytest.raises(InputError, match="method seakr decodes 8 sequences at once .* max_rows=4 \\(--max-rows\\)"):
+        svc._request("seakr", {"samples": 8})
+    assert svc._request("seakr", {"samples": 4}).method == "seakr"
+    assert svc.queue_depth == 0
+    runtime = Runtime("tiny", index=str(small_index), engine=tiny_engine)
+    own = AnswerService(ServiceConfig(method="seakr", params=(("samples", 8),), index=str(small_index), max_rows=4,
+                                      no_warmup=True), runtime)
+    with pytest.raises(InputError, match="decodes 8 sequences at once"):
+        own.start()

@@ -294,6 +294,12 @@ class Method:
         """The parameters that cannot change this config's answers (an evaluation may resume across their values)."""
         return frozenset()
 
+    @classmethod
+    def rows_at_once(cls, config: MethodConfig) -> int:
+        """The most sequences one of this config's generations decodes together (its samples): a server refuses a
+        request needing more than its ``max_rows`` before queueing it, and a default method needing more at start."""
+        return 1
+
     # ------------------------------------------------------------------ helpers
     def validate(self, questions: list[str]) -> list[str]:
         """Strip questions and reject empty ones or ones that cannot fit the model context."""

@@ -74,6 +74,10 @@ class Seakr(Method):
     def _greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...], answer: bool = False) -> Generate:
         return Generate(prompt, GenerationConfig(max_new_tokens=max_tokens, stop=stop), answer=answer)
 
+    @classmethod
+    def rows_at_once(cls, config: SeakrConfig) -> int:  # type: ignore[override]
+        return config.samples  # the k samples of one context decode together
+
     def _samples(self, prompt: str, max_tokens: int, stop: tuple[str, ...], seed: int) -> Generate:
         """k sampled continuations of ``prompt`` with their EOS states (the eigenscore's input)."""
         c = self.config

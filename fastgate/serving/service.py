@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastgate.errors import FastgateError, InputError, OutOfMemory, out_of_memory
-from fastgate.methods.base import check_questions, check_text
+from fastgate.methods.base import check_questions, check_text, method_class
 from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
@@ -367,6 +367,11 @@ class AnswerService:
             req = check_request(name, params, None, self.runtime.model, remote=remote,
                                 calibrate=functools.partial(self.runtime.calibrated, warn=False))  # said at build
             _check_int_params(req, self.config.max_int_param)
+            rows = method_class(name).rows_at_once(req.config) if req.config is not None and remote is None else 1
+            if rows > self.config.max_rows:  # the scheduler would refuse it only once it ran (a default method: every
+                # request, after the warm-up's failure was logged)
+                raise InputError(f"method {name} decodes {rows} sequences at once with these parameters, more than "
+                                 f"max_rows={self.config.max_rows} (--max-rows)")
             return req
 
         cache_key = (name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in params.items())))
