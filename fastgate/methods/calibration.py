@@ -190,10 +190,10 @@ def _check_read_checkpoint(cls: Any, model_name: str, params: dict[str, Any]) ->
 
     try:
         config = cls.config_class(**params)
-        cls.checkpoint_path(config, model_name)
+        path = cls.checkpoint_path(config, model_name)
     except (TypeError, InputError, CheckpointError):  # unknown or ill-typed parameters; no checkpoint to check
         return
-    cls.preflight(config, model_name)  # resolves it again and checks its header (Read.preflight)
+    cls.check_checkpoint(config, path, model_name)
 
 
 def calibrated_params(model_name: str, method: str, params: dict[str, Any] | None = None, *,

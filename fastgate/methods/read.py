@@ -123,13 +123,23 @@ class Read(Method):
             CheckpointError: no checkpoint for the model, or one made for another model, mode or base, or without
                 the feature set."""
         path = cls.checkpoint_path(config, model_name)
-        if path is not None and (Path(path) / "config.json").is_file():  # (a bare directory: the load says what)
+        cls.check_checkpoint(config, path, model_name)
+        return path
+
+    @classmethod
+    def check_checkpoint(cls, config: ReadConfig, path, model_name: str | None = None) -> None:
+        """The header of the checkpoint at ``path`` (:meth:`checkpoint_path`) checked for ``config`` and the model
+        named ``model_name`` as given (a directory's path too) without reading its models; nothing for a training pass
+        or a directory without a ``config.json`` (its load says what is wrong).
+
+        Raises:
+            CheckpointError: made for another model, mode or base, or without the feature set."""
+        if path is not None and (Path(path) / "config.json").is_file():
             from fastgate.assets.models import loaded_name
 
             # the name the model loads as (a directory's last part: the CLI passes --model as typed, a path)
             check_read_checkpoint(path, config.features, model_name=loaded_name(model_name) if model_name else None,
                                   base=config.base if config.decide == "answer" else None, decide=config.decide)
-        return path
 
     @classmethod
     def checkpoint_path(cls, config: ReadConfig, model_name: str | None = None):
@@ -166,7 +176,8 @@ class Read(Method):
         self._searches = self.searched(c)
         self.gate = None
         if c.decide == "prefill":  # no base method: the gate reads the prompt's pre-answer state
-            model, self.projection = load_prefill_checkpoint(self.preflight(c, engine.lm.name), c.features,
+            # (its header is checked by the load, against the model itself)
+            model, self.projection = load_prefill_checkpoint(self.checkpoint_path(c, engine.lm.name), c.features,
                                                              model=engine.lm)
             self.gate = ReadGate(model, c.threshold)
             return
@@ -176,8 +187,8 @@ class Read(Method):
         base_retriever = self.retrievers.get(base_cls.default_retriever, retriever)
         self.base = base_cls(engine, base_retriever, base_config)
         if not c.collect:
-            path = self.preflight(c, engine.lm.name)
-            ck = open_read_checkpoint(path, c.features, model=engine.lm, base=c.base)
+            path = self.checkpoint_path(c, engine.lm.name)
+            ck = open_read_checkpoint(path, c.features, model=engine.lm, base=c.base)  # its header checked there
             self.gate = ReadGate(ck.model, c.threshold)
             _warn_if_off_training(path, ck.k, c)
 

@@ -49,9 +49,8 @@ _log = logging.getLogger("fastgate.serving")
 GENERATION_LENGTH_PARAMS = ("max_answer_tokens", "answer_tokens", "step_tokens", "sentence_tokens", "pseudo_tokens",
                             "max_rationale_tokens")
 WARMUP_QUESTION = "Who wrote Hamlet?"  # answered (and read) once at start: see AnswerService._warm_up
-# the bounds of the exporter's latency histogram (fastgate.entrypoints.http.metrics' _SECONDS; that module imports
-# prometheus_client, an extra, so they are repeated here and tests/test_server.py checks they agree): the answers
-# between two scrapes are kept folded by them
+# the bounds of the exporter's latency histogram (fastgate.entrypoints.http.metrics takes them from here: this module
+# must not import prometheus_client, an extra): the answers between two scrapes are kept folded by them
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
