@@ -940,3 +940,32 @@ def test_a_checkpoint_for_a_model_loaded_from_a_directory_is_taken_by_its_path(t
     assert check_request("read", params, None, "my-llama").method == "read"
     with pytest.raises(CheckpointError, match="trained for model my-llama, not other"):
         check_request("read", params, None, "other")
+
+
+def test_v1_answer_returns_the_read_gates_details_as_ask_json_does(tmp_path, tiny, tiny_engine, small_index):
+    """`POST /v1/answer` is the `ask --json` object: the read gate's `details` (features, base score, share) came
+    back from the method and FastAPI's response model dropped them; a method without details has no such key."""
+    import httpx
+
+    from fastgate.entrypoints.http import create_app
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
+    from fastgate.testing import serve_in_thread
+
+    ck = _checkpoint(tmp_path, tiny, 1.0)
+    svc = AnswerService(ServiceConfig(method="read", params=(("checkpoint", ck), ("threshold", 0.0)),
+                                      index=str(small_index)),
+                        Runtime("tiny", index=str(small_index), engine=tiny_engine)).start()
+    question = "What is the capital of France?"
+    try:
+        direct = svc._method(svc._request(None, None)).answer(question).to_dict()
+        with serve_in_thread(create_app(svc, timeout_s=60)) as port, httpx.Client(timeout=60) as client:
+            read = client.post(f"http://127.0.0.1:{port}/v1/answer", json={"question": question})
+            never = client.post(f"http://127.0.0.1:{port}/v1/answer", json={"question": question, "method": "never"})
+    finally:
+        svc.stop()
+    assert read.status_code == 200 and never.status_code == 200
+    body = read.json()
+    assert set(direct["details"]) == set(body["details"]) and "features" in body["details"]
+    assert body["details"]["features"] == pytest.approx(direct["details"]["features"])
+    assert "details" not in never.json() and never.json()["engine"] == "local"

@@ -47,4 +47,7 @@ def add_answer_routes(app: Any, service: Any, request_model: type[AnswerRequest]
     async def answer(body: request_model, request: Request) -> Any:  # type: ignore[valid-type]
         return await answer_question(service, body, timeout_s, errors, metrics, request)
 
-    app.post("/v1/answer", response_model=AnswerResponse, responses=NATIVE_RESPONSES)(answer)
+    # response_model_exclude_unset: the fields the record does not hold stay out (a method's `details`, a remote
+    # engine's `weights`), so the body is the `ask --json` object key for key; FastAPI dropped `details` before
+    app.post("/v1/answer", response_model=AnswerResponse, response_model_exclude_unset=True,
+             responses=NATIVE_RESPONSES)(answer)

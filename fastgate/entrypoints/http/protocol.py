@@ -90,6 +90,9 @@ class AnswerResponse(BaseModel):
     engine: str | None = None  # local, or openai:<base-url>:<model> (the records' field; it was dropped here)
     dtype: str | None = None  # the engine's numeric form, as `ask --json` and every eval record name it
     weights: str | None = None
+    # what a method adds of its own (the read gate: its features, base score, answerable-share estimate); absent for
+    # the others, as in `ask --json` (the route leaves out what the record does not hold)
+    details: dict[str, Any] | None = None
 
 
 class ErrorResponse(BaseModel):
