@@ -93,10 +93,12 @@ def test_index_on_a_full_disk(monkeypatch, capsys, tmp_path, small_corpus_file):
     out = tmp_path / "idx"
     (out / "dense").mkdir(parents=True)
     (out / "dense" / "previous").write_text("an earlier index")  # stays as it was
+    (out / "dense" / "fastgate_index.json").write_text("{}")  # (an index: a build replaces nothing else)
     assert main(["index", "--corpus", str(small_corpus_file), "--out", str(out), "--retriever", "dense"]) == 2
     lines = _error_lines(capsys.readouterr().err)
     assert lines == [f"fastgate: error: cannot write the dense index {out / 'dense'}: no space left on device"]
-    assert _leftovers(out) == ["dense", "dense/previous"]  # no temporary build directory, no half index
+    # no temporary build directory, no half index
+    assert _leftovers(out) == ["dense", "dense/fastgate_index.json", "dense/previous"]
 
 
 def test_index_without_write_permission(monkeypatch, capsys, tmp_path, small_corpus_file):

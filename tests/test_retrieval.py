@@ -33,6 +33,56 @@ def test_jsonl_corpus_reports_line_numbers(tmp_path):
         read_jsonl_corpus(path)
 
 
+def test_corpus_ids_titles_and_surrogates_are_checked_not_coerced(tmp_path):
+    """str() made a null title the searchable word "None" and ids of "None" / "{'x': 1}"; a JSON "\\ud800" escape
+    (a lone surrogate) passed the loader and raised a UnicodeEncodeError traceback in the fingerprint."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"id": 7, "title": null, "text": "x"}\n{"id": "b", "text": "y"}\n')
+    assert [(p.id, p.title) for p in read_jsonl_corpus(path)] == [("7", ""), ("b", "")]  # integers: their digits
+    for line, message in [('{"id": null, "text": "x"}', ":1: field id must be a string or an integer, not NoneType"),
+                          ('{"id": true, "text": "x"}', "field id must be a string or an integer, not bool"),
+                          ('{"id": {"x": 1}, "text": "x"}', "not dict"),
+                          ('{"id": " ", "text": "x"}', ":1: field id is empty"),
+                          ('{"id": "a", "title": ["a"], "text": "x"}', "field title must be a string, not list"),
+                          ('{"id": "a", "text": "x\\ud800y"}', r":1: field text holds a lone surrogate escape"),
+                          ('{"id": "a\\udc00", "text": "x"}', "field id holds a lone surrogate")]:
+        path.write_text(line + "\n")
+        with pytest.raises(CorpusError, match=message):
+            read_jsonl_corpus(path)
+    with pytest.raises(CorpusError, match="a directory, not a JSONL file"):
+        read_jsonl_corpus(tmp_path)
+
+
+def test_a_build_never_replaces_what_is_not_an_index(tmp_path, small_corpus_file):
+    """--out holding a bm25/ of the user's own files: the build's swap deleted them (rc 0, no word)."""
+    (tmp_path / "bm25").mkdir()
+    (tmp_path / "bm25" / "precious.txt").write_text("mine")
+    (tmp_path / "dense").write_text("mine too")
+    with pytest.raises(InputError, match="exists and is not a fastgate index"):
+        build_indexes(small_corpus_file, tmp_path, kinds=("bm25",), progress=False)
+    with pytest.raises(InputError, match="exists and is not a fastgate index"):
+        build_indexes(small_corpus_file, tmp_path, kinds=("dense",), progress=False, force=True)
+    assert (tmp_path / "bm25" / "precious.txt").read_text() == "mine"
+    assert (tmp_path / "dense").read_text() == "mine too"
+
+
+def test_a_damaged_index_is_built_again_not_called_up_to_date(tmp_path, small_corpus_file, capsys):
+    """A deleted or truncated index file: `fastgate index` said "up to date" and every search said "rebuild it"."""
+    built = build_indexes(small_corpus_file, tmp_path, progress=False)
+    for p in built["bm25"].glob("*.store"):
+        p.unlink()
+    (built["dense"] / "index.faiss").write_bytes(b"")
+    with pytest.raises(IndexError_):
+        BM25Retriever(built["bm25"])
+    build_indexes(small_corpus_file, tmp_path, progress=True)
+    err = capsys.readouterr().err
+    assert "up to date" not in err and err.count("building it again") == 2
+    assert BM25Retriever(built["bm25"]).search("capital of France", k=1)[0].passage.id == "p1"
+    assert DenseRetriever(built["dense"], device="cpu").search("capital of France", k=1)
+    for part in built["bm25"].iterdir():  # tantivy's meta.json and .managed.json were 0600: other users kept out
+        assert part.stat().st_mode & 0o444 == 0o444, part
+
+
 def test_passages_without_text_are_skipped_and_said(tmp_path, caplog):
     path = tmp_path / "c.jsonl"
     path.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "  \\n\\t "}\n{"id": "c", "text": ""}\n'

@@ -80,6 +80,8 @@ def iter_jsonl_objects(path: Path, fields: str) -> Iterator[tuple[int, dict]]:
 def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
     """Stream a JSONL corpus with one ``{"id", "title", "text"}`` object per line; errors name the line."""
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"the corpus is a directory, not a JSONL file: {path}")
     if not path.is_file():
         raise CorpusError(f"corpus file not found: {path}")
     seen: set[str] = set()
@@ -88,9 +90,26 @@ def iter_jsonl_corpus(path: str | Path) -> Iterator[Passage]:
         missing = [k for k in ("id", "text") if k not in obj]
         if missing:
             raise CorpusError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
-        pid, title, text = str(obj["id"]), str(obj.get("title", "")), obj["text"]
+        pid, title, text = obj["id"], obj.get("title"), obj["text"]
+        # an id is a string or an integer (its digits); str() of anything else made ids such as "None" or
+        # "{'x': 1}" and a null title the searchable word "None"
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise CorpusError(f"{path}:{lineno}: field id must be a string or an integer, not {type(pid).__name__}")
+        pid = str(pid)
+        if not pid.strip():
+            raise CorpusError(f"{path}:{lineno}: field id is empty")
+        if title is None:
+            title = ""
+        if not isinstance(title, str):
+            raise CorpusError(f"{path}:{lineno}: field title must be a string, not {type(title).__name__}")
         if not isinstance(text, str):
             raise CorpusError(f"{path}:{lineno}: field text must be a string")
+        for field, value in (("id", pid), ("title", title), ("text", text)):
+            try:  # JSON's "\ud800" escapes decode to lone surrogates, which no index (nor the fingerprint) can encode
+                value.encode()
+            except UnicodeEncodeError as exc:
+                raise CorpusError(f"{path}:{lineno}: field {field} holds a lone surrogate escape "
+                                  f"({value[exc.start]!r} at character {exc.start}): not text") from None
         if pid in seen:
             raise CorpusError(f"{path}:{lineno}: duplicate id {pid!r}")
         seen.add(pid)

@@ -83,7 +83,7 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
         target = root / kind
         manifest = target / "fastgate_index.json"
         seen = _stamp(manifest)
-        if force or not _up_to_date(manifest, kind, fingerprint, hnsw):
+        if force or not _up_to_date(manifest, kind, fingerprint, hnsw, say=progress):
             # one build of an index at a time (processes starting together on a fresh cache): a process that waited
             # finds the index the first one built (up to date, or, forced, newer than it was) and keeps it
             with one_builder(target, f"fastgate: waiting for another process building {target}" if progress else ""):
@@ -104,14 +104,36 @@ def _stamp(manifest: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_ino
 
 
-def _up_to_date(manifest: Path, kind: str, fingerprint: str, hnsw: bool) -> bool:
-    """Whether the index's manifest names this corpus and, for ``dense``, the asked index type."""
+def _up_to_date(manifest: Path, kind: str, fingerprint: str, hnsw: bool, say: bool = False) -> bool:
+    """Whether the index's manifest names this corpus and, for ``dense``, the asked index type, and the index opens
+    (a deleted or truncated file: "up to date" and kept before, and every search then failed with "rebuild it")."""
     try:
         current = json.loads(manifest.read_text())
     except (OSError, ValueError):  # unreadable, not JSON or not UTF-8: rebuilt
         return False
     same_type = kind != "dense" or current.get("index_type") == ("hnsw" if hnsw else "flat_ip")
-    return current.get("corpus_fingerprint") == fingerprint and same_type
+    return current.get("corpus_fingerprint") == fingerprint and same_type and _opens(manifest.parent, kind, say)
+
+
+def _opens(path: Path, kind: str, say: bool) -> bool:
+    """Whether the ``kind`` index at ``path`` opens and agrees with its manifest (the retrievers' own checks; the
+    dense one without loading the embedder); ``say``: why not, on stderr."""
+    from fastgate.errors import IndexError_
+
+    try:
+        if kind == "bm25":
+            from fastgate.retrieval.bm25 import BM25Retriever
+
+            BM25Retriever(path)
+        else:
+            from fastgate.retrieval.dense import read_dense_index
+
+            read_dense_index(path)
+    except IndexError_ as exc:
+        if say:
+            print(f"fastgate: {str(exc).removesuffix('; rebuild it')}: building it again", file=sys.stderr)
+        return False
+    return True
 
 
 def _build_index(kind: str, name: str, passages, target: Path, *, hnsw: bool, progress: bool) -> None:

@@ -99,6 +99,10 @@ def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[
     next build removes what a killed one left (:func:`cleanup_killed_builds`).
     """
     target = Path(target)
+    if target.exists() and not (target.is_dir() and (target / MANIFEST).is_file()):
+        # what is there is not an index (no manifest): the user's own files, which the swap below deleted
+        raise InputError(f"{target} exists and is not a fastgate index (no {MANIFEST}): it would be replaced; move it "
+                         "away or build the indexes under another directory (--out)")
     target.parent.mkdir(parents=True, exist_ok=True)
     cleanup_killed_builds(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))
@@ -107,6 +111,9 @@ def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[
         manifest = {"kind": kind, "format": INDEX_FORMAT, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared index out
+        for part in tmp.iterdir():  # and tantivy writes meta.json and .managed.json 0600
+            if part.is_file():
+                os.chmod(part, part.stat().st_mode | 0o444)
         trash = None
         if target.exists():
             trash = target.parent / f".{target.name}.old-{os.getpid()}-{time.time_ns()}"

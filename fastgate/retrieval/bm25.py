@@ -74,6 +74,12 @@ class BM25Retriever:
             self._index.reload()
             self._searcher = self._index.searcher()
         except (ValueError, OSError, RuntimeError) as exc:
+            if any(w in str(exc) for w in ("Read-only file system", "PermissionDenied", "Permission denied")):
+                # tantivy writes a lock file (and reads files 0600 before 2026-11-29) even to search: the index may
+                # be whole, and a rebuild is not the remedy
+                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; tantivy writes a lock file "
+                                  "in the index directory even to search: use a copy in a directory this user can "
+                                  "write") from None
             raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
         count = self.manifest.get("n_passages")
         if isinstance(count, bool) or not isinstance(count, int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from fastgate.assets.embedder import Embedder, shared_embedder
 from fastgate.errors import IndexError_, disk_error, require
 from fastgate.retrieval.base import Hit, atomic_index_dir, check_k, read_manifest
 
-__all__ = ["DenseRetriever", "build_dense_index"]
+__all__ = ["DenseRetriever", "build_dense_index", "read_dense_index"]
 
 _HINT = "pip install faiss-cpu (or faiss-gpu-cu12 on a CUDA machine: pip install .[gpu])"
 
@@ -58,6 +59,29 @@ def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder
     return Path(out_dir)
 
 
+def read_dense_index(index_dir: str | Path) -> tuple[dict[str, Any], Any, list[Passage]]:
+    """The manifest, the FAISS index and the passages of a dense index directory, checked against each other;
+    :class:`IndexError_` where a file is missing, corrupt or disagrees."""
+    faiss = require("faiss", _HINT)
+    index_dir = Path(index_dir)
+    manifest = read_manifest(index_dir, "dense")
+    try:
+        index = faiss.read_index(str(index_dir / "index.faiss"))
+    except (RuntimeError, OSError) as exc:
+        raise IndexError_(f"cannot read the dense index at {index_dir}: {exc}; rebuild it") from None
+    passages: list[Passage] = []
+    try:
+        with open(index_dir / "passages.jsonl", encoding="utf-8") as f:
+            for line in f:
+                passages.append(Passage(**json.loads(line)))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+        raise IndexError_(f"the dense index at {index_dir} has corrupt passages ({exc}); rebuild it") from None
+    if index.ntotal != len(passages) or index.ntotal != manifest.get("n_passages"):
+        raise IndexError_(f"the dense index at {index_dir} is inconsistent ({index.ntotal} vectors, "
+                          f"{len(passages)} passages); rebuild it")
+    return manifest, index, passages
+
+
 class DenseRetriever:
     """Top-k passages by cosine similarity of MiniLM embeddings.
 
@@ -72,21 +96,7 @@ class DenseRetriever:
     def __init__(self, index_dir: str | Path, embedder: Embedder | None = None, device: str = "auto") -> None:
         faiss = require("faiss", _HINT)
         self.index_dir = Path(index_dir)
-        self.manifest = read_manifest(self.index_dir, "dense")
-        try:
-            index = faiss.read_index(str(self.index_dir / "index.faiss"))
-        except (RuntimeError, OSError) as exc:
-            raise IndexError_(f"cannot read the dense index at {self.index_dir}: {exc}; rebuild it") from None
-        self.passages: list[Passage] = []
-        try:
-            with open(self.index_dir / "passages.jsonl", encoding="utf-8") as f:
-                for line in f:
-                    self.passages.append(Passage(**json.loads(line)))
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
-            raise IndexError_(f"the dense index at {self.index_dir} has corrupt passages ({exc}); rebuild it") from None
-        if index.ntotal != len(self.passages) or index.ntotal != self.manifest.get("n_passages"):
-            raise IndexError_(f"the dense index at {self.index_dir} is inconsistent ({index.ntotal} vectors, "
-                              f"{len(self.passages)} passages); rebuild it")
+        self.manifest, index, self.passages = read_dense_index(self.index_dir)
         self._row = {p.id: i for i, p in enumerate(self.passages)}
         self._vectors: np.ndarray | None = None
         self.embedder = embedder or shared_embedder("cpu" if device == "cpu" else "auto")
