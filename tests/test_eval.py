@@ -705,3 +705,24 @@ def test_schedule_line_of_records_from_before_they_named_their_batch_size():
     mixed = [*legacy, {"run": "b", "schedule": "window", "in_flight": 2}]
     assert schedule_line(mixed) == "window 2 (b) and batch 16 (a)"
     assert schedule_line([]) == ""
+
+
+def test_eval_without_matplotlib_writes_its_tables_and_says_no_plot(capsys, monkeypatch, tmp_path, tiny, small_index):
+    """The sweep's and --all's plots stopped the command (rc 2) after the tables where matplotlib is missing; the
+    cost and gate-quality plots were already skipped with a word."""
+    import sys
+
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setattr(fastgate.assets.models, "load", lambda name, device="auto", **kw: tiny)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n" for e in EXAMPLES))
+    out = tmp_path / "out"
+    common = ["--data", str(data), "--index", str(small_index), "--out", str(out), "--model", "tiny", "--quiet",
+              "--batch-size", "2"]
+    assert main(["eval", "--method", "dtr", "--retriever", "bm25", "--sweep", "tau=0,inf", *common]) == 0
+    captured = capsys.readouterr()
+    assert "no plot: plots need matplotlib" in captured.err and "| dtr[tau=0,retriever=bm25] | 5 |" in captured.out
+    assert (out / "summary.csv").is_file() and not list(out.glob("*.png"))

@@ -480,17 +480,20 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
                                      f"accuracy against time ({n} q)", dense=dense_line, ends=(always_key, dense_key)))
     except InputError as exc:  # matplotlib missing: the tables are written all the same
         print(f"fastgate: no plot: {exc}", file=sys.stderr)
-    if sweep is not None:
-        method, key, text = sweep
-        anchors = [s for s in table if s.run in baselines]
-        points = [s for s in summaries if s.run not in baselines]
-        labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
-                                             if s.run not in baselines]
-        written.append(plot_accuracy_vs_retrieval(anchors + points, out / f"sweep-{method}-{key}.png",
-                                                  f"{method}: {text} ({n} q)", labels=labels))
-    elif plot_all:
-        written.append(plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({n} q)",
-                                                  labels=[s.method for s in summaries]))
+    try:  # the sweep's and --all's plots too: without matplotlib they stopped the command after the tables
+        if sweep is not None:
+            method, key, text = sweep
+            anchors = [s for s in table if s.run in baselines]
+            points = [s for s in summaries if s.run not in baselines]
+            labels = [s.run for s in anchors] + [f"{key}={dict(r.params).get(key)}" for r, s in zip(runs, summaries)
+                                                 if s.run not in baselines]
+            written.append(plot_accuracy_vs_retrieval(anchors + points, out / f"sweep-{method}-{key}.png",
+                                                      f"{method}: {text} ({n} q)", labels=labels))
+        elif plot_all:
+            written.append(plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({n} q)",
+                                                      labels=[s.method for s in summaries]))
+    except InputError as exc:
+        print(f"fastgate: no plot: {exc}", file=sys.stderr)
     if no_coin:
         print(f"fastgate: {no_coin}", file=sys.stderr)
     return written
