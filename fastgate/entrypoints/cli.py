@@ -159,7 +159,7 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from fastgate.eval.datasets import is_benchmark, load_examples
-    from fastgate.eval.runner import EvalSettings, RunSpec, hold_out_dir
+    from fastgate.eval.runner import EvalSettings, RunSpec, has_results, hold_out_dir
     from fastgate.methods import METHODS
     from fastgate.methods.calibration import CPU_EVAL_BUDGET
     from fastgate.serving.runtime import Runtime, check_request
@@ -215,23 +215,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(model=model, data=data, seed=args.seed, paper_defaults=args.paper_defaults)
     runtime = Runtime(args.model, args.device, args.index, args.paper_defaults, dtype=args.dtype,
                       step=args.step, remote=remote, weights=args.weights)
-    if remote is None and not _has_results(out):
+    if remote is None and not has_results(out):
         # every question is to be answered, so the model loads now, before --out is made: a mistyped --model left
         # DIR/eval.json and DIR/.lock behind (a resumed evaluation with nothing left still never loads it; a
         # server's model name is the server's to refuse, when the first question reaches it)
         runtime.engine  # noqa: B018 - the property loads the model
     with hold_out_dir(out):  # one invocation at a time: released however this ends
         return _eval_into(args, out, settings, runs, data, examples, runtime, budget)
-
-
-def _has_results(out: Path) -> bool:
-    """Whether ``out`` holds answered questions (a ``results.jsonl`` that is not empty; unreadable counts as held)."""
-    try:
-        return (out / "results.jsonl").stat().st_size > 0
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 def _eval_into(args: argparse.Namespace, out: Path, settings, runs, data: str, examples, runtime, budget: str) -> int:

@@ -478,9 +478,6 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
                 if dense is not None and timings.get(dense_key) else None
             written.append(plot_cost(table, never_s, oracle_always_s, always_s.acc, oracle, out / "cost.png",
                                      f"accuracy against time ({n} q)", dense=dense_line, ends=(always_key, dense_key)))
-    except InputError as exc:  # matplotlib missing: the tables are written all the same
-        print(f"fastgate: no plot: {exc}", file=sys.stderr)
-    try:  # the sweep's and --all's plots too: without matplotlib they stopped the command after the tables
         if sweep is not None:
             method, key, text = sweep
             anchors = [s for s in table if s.run in baselines]
@@ -492,7 +489,7 @@ def write_report(out: Path, store: ResultsStore, examples, runs: Sequence[RunSpe
         elif plot_all:
             written.append(plot_accuracy_vs_retrieval(summaries, out / "all.png", f"all methods ({n} q)",
                                                       labels=[s.method for s in summaries]))
-    except InputError as exc:
+    except InputError as exc:  # matplotlib missing: the tables are written all the same (every plot, once said)
         print(f"fastgate: no plot: {exc}", file=sys.stderr)
     if no_coin:
         print(f"fastgate: {no_coin}", file=sys.stderr)

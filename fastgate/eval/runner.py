@@ -52,6 +52,7 @@ __all__ = [
     "SCHEDULES",
     "check_form",
     "evaluate",
+    "has_results",
     "hold_out_dir",
     "plot_accuracy_vs_retrieval",
     "replace_file",
@@ -231,6 +232,18 @@ def make_out_dir(out_dir: Path) -> None:
 
 
 LOCK_FILE = ".lock"
+
+
+def has_results(out: Path) -> bool:
+    """Whether ``out`` holds answered questions (a ``results.jsonl`` that is not empty; unreadable counts as held):
+    where it does not, ``eval`` and ``calibrate`` load the model before they make ``out`` (a mistyped ``--model``
+    left the directory behind)."""
+    try:
+        return (out / "results.jsonl").stat().st_size > 0
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
 from fastgate.assets.paths import index_dir, one_builder
-from fastgate.errors import InputError, UnknownNameError
+from fastgate.errors import IndexError_, InputError, UnknownNameError
 from fastgate.retrieval.base import Hit, Retriever
 
 __all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes",
@@ -118,8 +118,6 @@ def _up_to_date(manifest: Path, kind: str, fingerprint: str, hnsw: bool, say: bo
 def _opens(path: Path, kind: str, say: bool) -> bool:
     """Whether the ``kind`` index at ``path`` opens and agrees with its manifest (the retrievers' own checks; the
     dense one without loading the embedder); ``say``: why not, on stderr."""
-    from fastgate.errors import IndexError_
-
     try:
         if kind == "bm25":
             from fastgate.retrieval.bm25 import BM25Retriever

@@ -92,7 +92,15 @@ def _examples(data: str, n: int | None, seed: int, index: str | None):
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from fastgate.assets.paths import home
-    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate, hold_out_dir
+    from fastgate.eval.runner import (
+        EvalSettings,
+        ResultsStore,
+        RunSpec,
+        check_settings,
+        evaluate,
+        has_results,
+        hold_out_dir,
+    )
     from fastgate.methods import METHODS, make_config
     from fastgate.methods.base import method_class
     from fastgate.methods.calibration import CPU_EVAL_BUDGET, user_calibration_file, write_calibration
@@ -145,7 +153,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
     runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
                       weights=args.weights)
-    if remote is None and not (out / "results.jsonl").is_file():
+    if remote is None and not has_results(out):
         # every question is to be answered: the model loads before the run directory is made (a mistyped --model
         # left calibration/runs/<typo>-... behind, --dry-run too)
         runtime.engine  # noqa: B018 - the property loads the model
