@@ -64,6 +64,12 @@ def test_a_build_never_replaces_what_is_not_an_index(tmp_path, small_corpus_file
         build_indexes(small_corpus_file, tmp_path, kinds=("dense",), progress=False, force=True)
     assert (tmp_path / "bm25" / "precious.txt").read_text() == "mine"
     assert (tmp_path / "dense").read_text() == "mine too"
+    # both kinds: refused before either is built (bm25 was built, then dense/ refused)
+    (tmp_path / "both").mkdir()
+    (tmp_path / "both" / "dense").write_text("mine")
+    with pytest.raises(InputError, match="exists and is not a fastgate index"):
+        build_indexes(small_corpus_file, tmp_path / "both", kinds=("bm25", "dense"), progress=False)
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["dense"]
 
 
 def test_a_damaged_index_is_built_again_not_called_up_to_date(tmp_path, small_corpus_file, capsys):
@@ -374,3 +380,38 @@ def test_a_runtime_refuses_indexes_of_two_corpora_side_by_side(tmp_path, small_c
     for _ in range(2):  # refused again: it is not kept (a second call returned it unchecked)
         with pytest.raises(IndexError_, match="different corpora"):
             mixed.retriever("bm25")
+
+
+_SEARCH_READ_ONLY = """
+import sys
+from fastgate.retrieval.bm25 import BM25Retriever
+r = BM25Retriever(sys.argv[1])
+print(len(r), r.search("capital of France", k=1)[0].passage.id)
+"""
+
+
+def test_a_read_only_bm25_index_is_searched_through_links(tmp_path):
+    """tantivy locks `.tantivy-meta.lock` in the index directory even to search: an index whose directory this user
+    cannot write (a read-only mount, another user's) and that lacks the file is opened through links to its files."""
+    import os
+    import subprocess
+    import sys
+
+    passages = [Passage("p1", "Paris", "Paris is the capital of France."), Passage("p2", "Rome", "Rome is in Italy.")]
+    index = build_bm25_index(passages, tmp_path / "bm25")
+    for lock in index.glob(".tantivy-*"):
+        lock.unlink()
+    before = sorted(p.name for p in index.iterdir())
+    index.chmod(0o555)
+    # root ignores the mode: the search runs without the capability that lets it
+    prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"] if os.geteuid() == 0 else []
+    if prefix and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a directory's mode cannot be made to bind")
+    try:
+        run = subprocess.run([*prefix, sys.executable, "-c", _SEARCH_READ_ONLY, str(index)], capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        index.chmod(0o755)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["2", "p1"]
+    assert sorted(p.name for p in index.iterdir()) == before  # nothing written into it

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastgate.assets.corpus import DEFAULT_CORPUS, load_corpus
 from fastgate.assets.paths import index_dir, one_builder
 from fastgate.errors import IndexError_, InputError, UnknownNameError
-from fastgate.retrieval.base import Hit, Retriever
+from fastgate.retrieval.base import Hit, Retriever, check_replaceable
 
 __all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes",
            "corpus_fingerprint_of", "open_retriever"]
@@ -77,6 +77,8 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
         raise InputError(f"{out_root} is a file: the indexes go in a directory (--out)")
     name, passages = load_corpus(corpus)
     root = Path(out_root) if out_root is not None else index_dir(name)
+    for kind in kinds:  # all refused before any is built: `--retriever all` built bm25, then refused dense/
+        check_replaceable(root / kind)
     fingerprint = corpus_fingerprint(passages)
     built: dict[str, Path] = {}
     for kind in kinds:

@@ -17,7 +17,7 @@ from fastgate.assets.corpus import Passage
 from fastgate.assets.paths import remove_stale
 from fastgate.errors import IndexError_, InputError
 
-__all__ = ["Hit", "Retriever", "atomic_index_dir", "cleanup_killed_builds", "read_manifest"]
+__all__ = ["Hit", "Retriever", "atomic_index_dir", "check_replaceable", "cleanup_killed_builds", "read_manifest"]
 
 MANIFEST = "fastgate_index.json"
 INDEX_FORMAT = 1
@@ -91,6 +91,14 @@ def _dead_owner(path: Path, prefix: str) -> bool:
     return int(pid) == os.getpid()
 
 
+def check_replaceable(target: Path) -> None:
+    """Refuse a build into ``target`` where what is there is not an index (no manifest): the user's own files, which
+    a build's swap would delete."""
+    if target.exists() and not (target.is_dir() and (target / MANIFEST).is_file()):
+        raise InputError(f"{target} exists and is not a fastgate index (no {MANIFEST}): it would be replaced; move it "
+                         "away or build the indexes under another directory (--out)")
+
+
 @contextmanager
 def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[Path]:
     """Build an index in a temporary sibling directory and move it into place only when complete.
@@ -99,10 +107,7 @@ def atomic_index_dir(target: Path, kind: str, meta: dict[str, Any]) -> Iterator[
     next build removes what a killed one left (:func:`cleanup_killed_builds`).
     """
     target = Path(target)
-    if target.exists() and not (target.is_dir() and (target / MANIFEST).is_file()):
-        # what is there is not an index (no manifest): the user's own files, which the swap below deleted
-        raise InputError(f"{target} exists and is not a fastgate index (no {MANIFEST}): it would be replaced; move it "
-                         "away or build the indexes under another directory (--out)")
+    check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     cleanup_killed_builds(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -56,6 +57,11 @@ def build_bm25_index(passages: Iterable[Passage], out_dir: str | Path, corpus_na
     return Path(out_dir)
 
 
+def _denied(exc: BaseException) -> bool:
+    """Whether tantivy could not write or read a file for want of permission (its errors carry the OS's words)."""
+    return any(w in str(exc) for w in ("Read-only file system", "PermissionDenied", "Permission denied"))
+
+
 class BM25Retriever:
     """Top-k passages by BM25 over title + text.
 
@@ -69,18 +75,25 @@ class BM25Retriever:
         tantivy = require("tantivy", _HINT)
         self.index_dir = Path(index_dir)
         self.manifest = read_manifest(self.index_dir, "bm25")
+        self._shadow = None  # a writable directory of links to a read-only index's files (below)
         try:
-            self._index = tantivy.Index.open(str(self.index_dir))
-            self._index.reload()
-            self._searcher = self._index.searcher()
+            self._index, self._searcher = self._open(tantivy, self.index_dir)
         except (ValueError, OSError, RuntimeError) as exc:
-            if any(w in str(exc) for w in ("Read-only file system", "PermissionDenied", "Permission denied")):
-                # tantivy writes a lock file (and reads files 0600 before 2026-11-29) even to search: the index may
-                # be whole, and a rebuild is not the remedy
-                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; tantivy writes a lock file "
-                                  "in the index directory even to search: use a copy in a directory this user can "
-                                  "write") from None
-            raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
+            if not _denied(exc):
+                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
+            # tantivy creates and locks `.tantivy-meta.lock` in the index directory even to search, so an index on a
+            # read-only mount, or in a directory of another user's without that file, cannot be opened where it is.
+            # Its files are only read: a private directory of links to them takes the lock instead
+            try:
+                self._shadow = tempfile.TemporaryDirectory(prefix="fastgate-bm25-")  # removed with this object
+                for entry in self.index_dir.iterdir():
+                    if not entry.name.startswith(".tantivy-"):  # the lock files are made anew beside the links
+                        (Path(self._shadow.name) / entry.name).symlink_to(entry.resolve())
+                self._index, self._searcher = self._open(tantivy, Path(self._shadow.name))
+            except (ValueError, OSError, RuntimeError) as exc2:
+                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; nor through links to its "
+                                  f"files in a directory of this user's ({exc2}): its files must be readable by this "
+                                  "user") from None
         count = self.manifest.get("n_passages")
         if isinstance(count, bool) or not isinstance(count, int):
             raise IndexError_(f"the manifest of the bm25 index at {self.index_dir} has no passage count "
@@ -90,6 +103,12 @@ class BM25Retriever:
                 f"bm25 index at {self.index_dir} has {self._searcher.num_docs} documents but its manifest says "
                 f"{count}; rebuild it"
             )
+
+    @staticmethod
+    def _open(tantivy, path: Path):
+        index = tantivy.Index.open(str(path))
+        index.reload()
+        return index, index.searcher()
 
     def __len__(self) -> int:
         return int(self._searcher.num_docs)
