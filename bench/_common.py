@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import platform
 import statistics
@@ -12,9 +13,19 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SERVE_HINT = "pip install 'fastgate[serve,remote]'"  # the server the benches start, and httpx, their client
+
+
+def require(module: str, hint: str) -> ModuleType:
+    """``module`` imported, or the bench ended with one line naming it and how to install it (``hint``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: needs {module}, which is not installed ({exc}): {hint}") from None
 
 
 def results_dir() -> Path:
@@ -132,8 +143,10 @@ def _fmt(v: Any) -> str:
 
 def start_server(tree: Path, port: int, args: list[str], what: str = "the fastgate server") -> subprocess.Popen:
     """``fastgate serve --port PORT ... ARGS`` of checkout ``tree`` in a subprocess (loopback, quiet logs, a deep
-    queue and long timeouts for load tests), once its ``/healthz`` answers (at most 5 minutes: the model loads)."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
+    queue and long timeouts for load tests; ``tree`` prepended to the caller's ``PYTHONPATH``), once its ``/healthz``
+    answers (at most 5 minutes: the model loads)."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)  # the tree first
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "fastgate", "serve", "--port", str(port), "--max-queue", "1024", "--timeout", "600",
            "--log-level", "warning", *args]  # the caller's flags last: they override these
     return wait_healthy(subprocess.Popen(cmd, env=env, cwd=tree), f"http://127.0.0.1:{port}/healthz", 300, what)
@@ -141,7 +154,7 @@ def start_server(tree: Path, port: int, args: list[str], what: str = "the fastga
 
 def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, what: str) -> subprocess.Popen:
     """``proc`` once ``url`` answers 200; killed, and the bench ended, if it exits first or ``seconds`` pass."""
-    import httpx
+    httpx = require("httpx", SERVE_HINT)
 
     deadline = time.time() + seconds
     while True:

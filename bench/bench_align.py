@@ -5,7 +5,12 @@ Providers, in one run:
 - ``python``: fastgate's pure-Python fallback of the same ops;
 - ``scaar_window`` (real tokenizer): SCAAR App. B's alignment, decode the whole output into words, then grow a window
   of tokens and decode it until it equals the next word; compared with fastgate's full path on the same token ids
-  (byte pieces from the tokenizer + the C++ ops, ``fastgate_tokens``).
+  (byte pieces from the tokenizer + the C++ ops, in ``ext_us_per_token``).
+
+Rows: ``op``, ``pieces`` (``str`` or ``bytes``: what the ops were given; the tokenizer rows' are ``bytes``),
+``tokens``, ``ext_us_per_token``, then ``python_us_per_token`` (the synthetic rows, ``op`` ``align_words+
+word_logprobs``) or ``scaar_window_us_per_token`` and ``tokenizer`` (the SmolLM2 tokenizer, ``smollm2-135m``, when
+prepared, else the tiny test one, ``tiny-bytelevel``; ``op`` ``token_ids->word_logprobs``), and ``speedup``.
 
 Run: python bench/bench_align.py [--tokens 64,256,1024]. Appends to bench/results/align.csv.
 """
@@ -80,14 +85,14 @@ def tokenizer_rows(ext, ns: list[int]) -> list[dict]:
 
         t_fast = median_time(fastgate_path)
         t_ref = median_time(lambda: scaar_window(tokenizer, ids, logprobs), repeat=3)
-        rows.append({"op": "token_ids->word_logprobs", "pieces": name, "tokens": len(ids),
+        rows.append({"op": "token_ids->word_logprobs", "pieces": "bytes", "tokenizer": name, "tokens": len(ids),
                      "ext_us_per_token": t_fast / len(ids) * 1e6, "scaar_window_us_per_token": t_ref / len(ids) * 1e6,
                      "speedup": t_ref / t_fast})
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="64,256,1024")
     args = parser.parse_args()
     if not ops.ext_available():
@@ -112,7 +117,7 @@ def main() -> None:
                          "speedup": t_py / t_ext})
     print_table(rows, ["pieces", "tokens", "ext_us_per_token", "python_us_per_token", "speedup"])
     window = tokenizer_rows(ext, [int(x) for x in args.tokens.split(",")])
-    print_table(window, ["pieces", "tokens", "ext_us_per_token", "scaar_window_us_per_token", "speedup"])
+    print_table(window, ["tokenizer", "pieces", "tokens", "ext_us_per_token", "scaar_window_us_per_token", "speedup"])
     print(f"appended to {append_rows('align', rows + window)}")
 
 

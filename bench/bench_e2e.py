@@ -35,7 +35,7 @@ from _common import append_rows, print_table  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="probing,dtr,seakr,cbdr,scaar")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", default="heldout")

@@ -624,21 +624,33 @@ def run_llama_cpp(args, contexts: list[int], batches: list[int], machine: dict, 
             "weights_MB": size / 1e6}
     ids = {c: llama_cpp_prompt(llm, c) for c in contexts}
     times: dict[int, list[float]] = {}
+    widths: dict[int, int] = {}
+    written: set[int] = set()
+
+    def write(c: int) -> None:  # context c's row: the median of its rounds so far
+        step = statistics.median(times[c])
+        kv = kv_bytes(cfg, widths[c])  # f16 keys and values
+        bound = (size + kv) / bw
+        emit({"kind": "step", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
+              "context": c, "cache_width": widths[c], "step_ms": step * 1e3, "bound_ms": bound * 1e3,
+              "of_bound": bound / step, "vs_short": step / statistics.median(times[contexts[0]]),
+              "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "rounds": len(times[c]), **info})
+        written.add(c)
+
     for rnd in range(args.rounds):
+        if rnd and out_of_time():
+            break
         for c in contexts:
             if rnd and out_of_time():
                 break
-            t, width = llm.step(ids[c], args.steps)  # timed in llama.cpp's process
+            t, widths[c] = llm.step(ids[c], args.steps)  # timed in llama.cpp's process
             times.setdefault(c, []).append(t)
             print(f"{kind} llama.cpp batch 1 context {c}: {t * 1e3:.1f} ms", file=sys.stderr)
-            if rnd == args.rounds - 1 or out_of_time():
-                step = statistics.median(times[c])
-                kv = kv_bytes(cfg, width)  # f16 keys and values
-                bound = (size + kv) / bw
-                emit({"kind": "step", "design": "llama.cpp", "mode": "native", "dtype": kind, "batch": 1,
-                      "context": c, "cache_width": width, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
-                      "of_bound": bound / step, "vs_short": step / statistics.median(times[contexts[0]]),
-                      "kv_MB": kv / 1e6, "read_GBps": bw / 1e9, "rounds": len(times[c]), **info})
+            if rnd == args.rounds - 1:
+                write(c)
+    for c in contexts:  # past --max-minutes: every context measured and not yet written, on the rounds it had
+        if c in times and c not in written:
+            write(c)
     if length and not out_of_time():
         prefill_llama_cpp(llm, args, n, length, kind, info, emit, out_of_time)
     llm.close()

@@ -4,8 +4,8 @@ drift (this project's shared 2-core VMs move ±30% within minutes: bench_engine.
 minutes apart.
 
 Each round times every form at every (batch, context), then the next round. Reports per shape each form's median and
-the median of its per-round ratios to the first form (``vs_first``), rows in ``bench/results/forms.csv`` (written as
-measured).
+the median of its per-round ratios to the first form (``vs_first``), rows in ``bench/results/forms.csv`` (a shape's
+rows written as soon as its last round is measured).
 
 Run: python bench/bench_forms.py [--model smollm2-135m] [--forms float32:float,auto:auto] [--shapes 1x30,16x600]
 [--rounds 5] [--steps 8]
@@ -49,6 +49,23 @@ def main() -> None:
         engines[(dtype, weights)] = Engine(lm, prefix_cache=0, step="eager")
     prompts = {(f, s): prompt_ids(e, *s) for f, e in engines.items() for s in shapes}
     times: dict[tuple, list[float]] = {}
+    first = next(iter(engines))
+    rows = []
+
+    def shape_rows(shape: tuple[int, int]) -> list[dict]:  # every form's row of one shape, over its rounds
+        out = []
+        ref = times[(first, shape)]
+        for form, engine in engines.items():
+            mine = times[(form, shape)]
+            ratios = [a / b for a, b in zip(mine, ref)]
+            out.append({"batch": shape[0], "context": shape[1], "form": ":".join(form), "dtype": engine.dtype_name,
+                        "weights": engine.lm.weights,
+                        "ms": statistics.median(mine) * 1e3, "vs_first": statistics.median(ratios),
+                        "vs_first_min": min(ratios), "vs_first_max": max(ratios), "rounds": len(mine),
+                        "threads": torch.get_num_threads(), "model": args.model, "cpu": cpu_name(),
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+        return out
+
     for rnd in range(args.rounds):
         for shape in shapes:
             line = []
@@ -57,24 +74,12 @@ def main() -> None:
                 times.setdefault((form, shape), []).append(t)
                 line.append(f"{engine.dtype_name}/{engine.lm.weights} {t * 1e3:.1f} ms")
             print(f"round {rnd} batch {shape[0]} context {shape[1]}: " + ", ".join(line), file=sys.stderr)
-    rows = []
-    first = next(iter(engines))
-    for shape in shapes:
-        ref = times[(first, shape)]
-        for form, engine in engines.items():
-            mine = times[(form, shape)]
-            ratios = [a / b for a, b in zip(mine, ref)]
-            rows.append({"batch": shape[0], "context": shape[1], "form": ":".join(form), "dtype": engine.dtype_name,
-                         "weights": engine.lm.weights,
-                         "ms": statistics.median(mine) * 1e3, "vs_first": statistics.median(ratios),
-                         "vs_first_min": min(ratios), "vs_first_max": max(ratios), "rounds": args.rounds,
-                         "threads": torch.get_num_threads(), "model": args.model, "cpu": cpu_name(),
-                         "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+            if rnd == args.rounds - 1:  # this shape's rounds are done: its rows are written now
+                rows.extend(shape_rows(shape))
+                if not args.no_save:
+                    append_rows("forms", rows[-len(engines):])
     print_table(rows, ["batch", "context", "form", "dtype", "weights", "ms", "vs_first", "vs_first_min",
                        "vs_first_max"])
-    if not args.no_save:
-        append_rows("forms", rows)
-
 
 if __name__ == "__main__":
     main()

@@ -8,10 +8,11 @@ Two parts, in one run, for each ``--models`` entry:
   :class:`fastgate.engine.lm_head.SlicedHead` keeps the plain product for that row count). ``GBps`` is the weight bytes
   read per second and ``of_bound`` that rate over the read bandwidth of a ``sum`` in the same run (the head reads its
   weight once).
-- ``step``: a packed decode step (:class:`fastgate.engine.packed.PackedLoop`, the service's layout) of ``--batch`` rows
-with
-  ``--context``-token prompts, with the engine's head sliced (the default) and plain (``head_columns=0``); rounds
-  alternate the two so drift hits both alike.
+- ``step``: a packed decode step (:class:`fastgate.engine.packed.PackedLoop`, the service's layout) of ``--batch``
+  rows with ``--context``-token prompts, with the engine's head sliced (the default) and plain (``head_columns=0``);
+  rounds alternate the two so drift hits both alike.
+
+Every row names ``dtype``: the head weight's (``head``), the engine's weights' (``step``).
 
 Run: python bench/bench_lm_head.py [--models smollm2-135m,qwen2.5-0.5b] [--rows 1,4,16,32] [--columns 1024,2048,4096]
 Appends to bench/results/lm_head.csv.
@@ -36,7 +37,7 @@ from fastgate.engine.local import Engine  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m")
     ap.add_argument("--rows", default="1,4,16,32")
     ap.add_argument("--columns", default="1024,2048,4096")
@@ -75,9 +76,10 @@ def main() -> None:
             for columns in times:
                 engine = Engine(lm, prefix_cache=0, head_columns=columns)
                 times[columns].append(loop_step(engine, rows_ids, args.steps, "packed")[0])
-        Engine(lm)  # the default head again
+        dtype = Engine(lm).dtype_name  # the default head again; the step's weights' dtype (the head rows' too)
         plain, sliced = statistics.median(times[0]), statistics.median(times[DEFAULT_COLUMNS])
-        rows.append({"part": "step", "model": name, "vocab": vocab, "hidden": hidden, "rows": args.batch,
+        rows.append({"part": "step", "model": name, "dtype": dtype, "vocab": vocab, "hidden": hidden,
+                     "rows": args.batch,
                      "columns": DEFAULT_COLUMNS, "plain_ms": plain * 1e3, "sliced_ms": sliced * 1e3,
                      "speedup": plain / sliced, "same": "", "GBps": "", "of_bound": "",
                      "read_GBps": bandwidth / 1e9, "context": args.context, "threads": torch.get_num_threads()})

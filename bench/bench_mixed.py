@@ -23,7 +23,9 @@ Starts ``fastgate serve --method dtr`` on a free loopback port (a subprocess, re
 With ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/old <commit>``) the same scenarios
 run against a server started from that tree, in the same run, so the two designs are compared under the same
 conditions (``--baseline-args`` passes that server's own flags); ``--variant NAME=FLAGS`` adds a server of this tree
-with other flags (e.g. ``--variant "whole-prefill=--prefill-budget 0"``). Rows go to bench/results/mixed.csv.
+with other flags (e.g. ``--variant "whole-prefill=--prefill-budget 0"``). Rows go to bench/results/mixed.csv, each
+design's as soon as it is measured; a design whose server does not start is reported and skipped, and the run then
+exits with status 1 after the others are measured and written (the first design measured sets the Poisson rate).
 
 The questions go through one pooled client (``--client pooled``, kept-alive connections, as bench_serve's clients and
 any real one); ``--client fresh`` builds a client per question as the runs before 2026-11-28 12:00 UTC did: httpx makes
@@ -54,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, print_table, start_server  # noqa: E402
+from _common import SERVE_HINT, append_rows, print_table, require, start_server  # noqa: E402
 
 CANDIDATES = [  # well-known facts (skipped by the calibrated gate) and corpus facts (retrieved), alternating
     "Who wrote Hamlet?", "What is the capital of Burkina Faso?", "What is the capital of France?",
@@ -216,7 +218,7 @@ def scenarios(url: str, per_class: int, max_seconds: float, fractions: list[floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-class", type=int, default=8, help="skip and retrieve questions each (default: 8)")
     ap.add_argument("--max-seconds", type=float, default=300, help="bound on the question selection per design")
     ap.add_argument("--baseline", default=None, help="a checkout of another commit to compare with, same run")
@@ -237,6 +239,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alone latencies, bursts, sequential passes and late "
                     "arrivals this many times, each figure the median over rounds (default: %(default)s)")
     args = ap.parse_args()
+    require("httpx", SERVE_HINT)  # the client: ended with an install hint here, not a traceback later
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     fractions = [float(f) for f in args.poisson.split(",") if f.strip()]
@@ -258,9 +261,15 @@ def main() -> None:
         _CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                                 keepalive_expiry=2.0))
     rows = []
+    failed = []  # the designs whose server did not start
     for name, tree, extra in designs:
         port = _free_port()
-        proc = _start(tree, port, extra)
+        try:
+            proc = _start(tree, port, extra)
+        except SystemExit as exc:  # reported; the other designs are measured all the same
+            print(f"bench_mixed: design {name}: {exc}", file=sys.stderr)
+            failed.append(name)
+            continue
         try:
             commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip()
@@ -271,8 +280,10 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+        append_rows("mixed", rows[-1:])  # written as measured: a later design's failure loses none of it
         print_table(rows[-1:], list(rows[-1]))
-    append_rows("mixed", rows)
+    if not rows:
+        sys.exit(f"bench_mixed: no design measured ({', '.join(failed)}: the server did not start)")
     print()
     print_table(rows, ["design", "alone_skip_p50_s", "burst_skip_p50_s", "burst_skip_x_alone", "late_skip_x_alone",
                        "burst_retrieve_p50_s", "burst_wall_s", "sequential_wall_s", "burst_speedup"])
@@ -281,6 +292,8 @@ def main() -> None:
         print()
         print_table(rows, ["design", "sustainable_qps"] + [f"{tag}_{c}_p{q}_s" for c in ("skip", "retrieve")
                                                            for q in (50, 95, 99)])
+    if failed:
+        sys.exit(f"bench_mixed: the server of {', '.join(failed)} did not start: {len(rows)} design(s) written")
 
 
 if __name__ == "__main__":

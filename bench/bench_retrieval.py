@@ -13,19 +13,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, median_time, print_table  # noqa: E402
+from _common import append_rows, median_time, print_table, require  # noqa: E402
 
 from fastgate.eval.datasets import country_capitals  # noqa: E402
 from fastgate.retrieval import open_retriever  # noqa: E402
 
 
 def main() -> None:
-    import faiss
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--k", type=int, default=5)
     args = parser.parse_args()
+    faiss = require("faiss", "pip install faiss-cpu (a dependency of fastgate: pip install -e . installs it)")
     bm25, dense = open_retriever("bm25"), open_retriever("dense")
     vectors = np.load(dense.index_dir / "vectors.npy")  # [N, dim]
     hnsw = faiss.IndexHNSWFlat(vectors.shape[1], 32, faiss.METRIC_INNER_PRODUCT)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_rows, print_table  # noqa: E402
+from _common import SERVE_HINT, append_rows, print_table, require  # noqa: E402
 
 
 def _free_port() -> int:
@@ -61,7 +61,7 @@ def _batch_totals(url: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="dtr")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--clients", default="1,4,16,64")
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2, help="with --ray: the replicas compared with 1")
     ap.add_argument("--args", default="", help="extra `fastgate serve` flags (e.g. \"--prefill-budget 0\")")
     args = ap.parse_args()
+    require("httpx", SERVE_HINT)  # the client: ended with an install hint here, not a traceback later
 
     from fastgate.eval.datasets import load_qa, sample_examples
 

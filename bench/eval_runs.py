@@ -11,6 +11,10 @@ parameters::
         --run 'read:decide=prefill,checkpoint=CK2,threshold=-0.3' --run 'always:retriever=dense'
 
 ``retriever=`` in a run's parameters is its retriever (what ``fastgate eval --retriever`` gives every run).
+``--dtype`` and ``--weights`` are ``fastgate eval``'s (the same choices and defaults): name them when resuming into
+an ``--out`` whose records were made in a dtype that ``auto``'s timed probe may not pick again. As ``fastgate eval``,
+a user error (records of another dtype in ``--out``, an unknown benchmark...) prints one line, ``eval_runs: error:
+...``, and exits with status 2.
 """
 
 from __future__ import annotations
@@ -33,14 +37,26 @@ def _run(text: str) -> tuple[str, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastgate.errors import FastgateError
+
+    try:
+        return _main(argv)
+    except FastgateError as exc:  # as the CLI: one line and status 2, no traceback
+        print(f"eval_runs: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from fastgate.assets.pins import DEFAULT_MODEL
     from fastgate.eval.datasets import load_benchmark, parse_benchmark
-    from fastgate.eval.report import machine_line, new_invocation, run_always_again, write_report
-    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_settings, evaluate
+    from fastgate.eval.report import AGAIN_FILE, machine_line, new_invocation, run_always_again, write_report
+    from fastgate.eval.runner import EvalSettings, ResultsStore, RunSpec, check_form, check_settings, evaluate
     from fastgate.methods.calibration import CPU_EVAL_BUDGET
     from fastgate.serving.runtime import Runtime, check_request
+    from fastgate.serving.service import ServiceConfig
+    from fastgate.settings import add_setting_args
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True, help="METHOD[:name=value,...], repeatable")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", required=True, help="a benchmark NAME:SPLIT:SUBSET")
@@ -50,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (or per batch)")
     p.add_argument("--schedule", choices=("window", "batches"), default="window", help="as fastgate eval's")
     p.add_argument("--device", default="auto")
+    add_setting_args(p, ServiceConfig, ("dtype", "weights"))  # fastgate eval's flags: its choices and defaults
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     runs = []
@@ -64,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     check_settings(out, EvalSettings(model=args.model, data=data, seed=args.seed))
     store = ResultsStore(out / "results.jsonl")
-    runtime = Runtime(args.model, args.device)
+    runtime = Runtime(args.model, args.device, dtype=args.dtype, weights=args.weights)
+    # one directory, one engine, dtype and weights: refused before any run answers (as fastgate eval)
+    check_form(store, runtime)
+    check_form(ResultsStore(out / AGAIN_FILE), runtime)
     answered = {r.key: sum(not store.done(r.key, ex.id) for ex in examples) for r in runs}
     invocation = new_invocation()
     print(f"evaluating {', '.join(r.key for r in runs)} on {len(examples)} question(s) of {data} -> {out}",

@@ -3,7 +3,7 @@
 # H100 (issue 45):
 #
 #   bash bench/gpu_suite.sh tests     # (a) the GPU tests: kernels and their parity on CUDA, both loops, the static
-#                                     #     step, dtypes, int8 weights
+#                                     #     step, dtypes, int8 and int4 weights, the fused ops
 #   bash bench/gpu_suite.sh smollm2   # (b) profile_step.py (an eager step's host time), then bench_engine.py on
 #                                     #     random weights in SmolLM2-135M's shapes: packed eager
 #                                     #     (a true eager step), packed-compiled (the static step, CUDA graphs),
@@ -36,6 +36,7 @@ case "$PART" in
   all)  # the three in one call, each under its own budget and in its own folder, then one archive (see the header)
     OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
     work=$(mktemp -d)  # not under $OUT: at most 8 files come back from a device call, the parts write dozens
+    trap 'rm -rf "$work"' EXIT  # removed however the call ends (its files are in $OUT/gpu.tgz)
     worst=0
     mkdir -p "$OUT"
     # the archive is rewritten after each part, so a call cut short (its timeout_s under the parts' 560 s) still

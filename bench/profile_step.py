@@ -5,6 +5,10 @@ A diagnosis, not a benchmark: on a lent GPU the eager step took 50-90 ms for 30 
 by their own host time and by device time, and counts the synchronising calls (``aten::item``, device-to-host copies,
 ``cudaStreamSynchronize``), for ``--model`` (an embedded model or a random-weight shape of bench_engine.py).
 
+torch.profiler does not record the C++ extension's pybind calls (fastgate's fused and quantised kernels), so the
+tables may account for a small part of a step: beside them, a ``per step: profiled ops X ms of Y ms wall`` line says
+how much of each profiled step's wall time (profiler overhead included) the operators hold.
+
 ``--prefill 16x700`` profiles a prefill instead: the serving path's packed passes (``PackedLoop.add``) and, beside
 them, HF's one forward of the same batch (what bench_engine.py's prefill rows time), each operator's total.
 
@@ -69,11 +73,14 @@ def main() -> None:
               f"{args.context}, {engine.dtype_name}, {engine.device})", flush=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
+            t = time.perf_counter()
             for _ in range(args.steps):
                 loop.step()
             sync()
+            wall = time.perf_counter() - t
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
+    print(coverage(events, wall, args.steps, "step"), flush=True)
     if cuda:
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
     print("per step: calls that may synchronise or copy")
@@ -81,6 +88,16 @@ def main() -> None:
         if e.key in SYNCING or "Memcpy" in e.key or "Synchronize" in e.key:
             ms = e.self_cpu_time_total / args.steps / 1e3
             print(f"  {e.key:40s} {e.count / args.steps:8.1f} calls  {ms:8.2f} ms")
+
+
+def coverage(events, wall_s: float, n: int, what: str) -> str:
+    """The host time the profiler attributed to operators (its tables' "Self CPU time total") beside the wall time,
+    per ``what`` (``n`` of them profiled): torch.profiler does not record the C++ extension's pybind calls (the
+    fused and quantised kernels), so a table may account for a small part of a step."""
+    ops_ms = sum(e.self_cpu_time_total for e in events) / n / 1e3
+    wall_ms = wall_s / n * 1e3
+    return (f"per {what}: profiled ops {ops_ms:.2f} ms of {wall_ms:.2f} ms wall ({ops_ms / wall_ms:.0%}): the rest is "
+            "in the C++ extension's calls, which torch.profiler does not record (and in Python between operators)")
 
 
 def profile_prefill(engine, args, cuda: bool) -> None:
@@ -96,9 +113,10 @@ def profile_prefill(engine, args, cuda: bool) -> None:
         t = min(prefill_time(engine, rows, design) for _ in range(2))
         print(f"{design} prefill {n}x{length}: {t:.3f} s, {n * length / t:.0f} tok/s ({engine.dtype_name})", flush=True)
         with profile(activities=activities) as prof:
-            prefill_time(engine, rows, design)
+            wall = prefill_time(engine, rows, design)
         events = prof.key_averages()
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60), flush=True)
+        print(coverage(events, wall, 1, f"{design} prefill"), flush=True)
         if cuda:  # where the device's time goes, and how many kernels ran (a pass of many small ones is host-bound)
             print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60),
                   flush=True)
