@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "RESULTS.md")]
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+_PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]+$")  # DIR, FILE, URL: a value the reader supplies (`checkpoint=DIR`)
 
 
 def _blocks(text: str) -> list[str]:
@@ -38,7 +39,8 @@ def _blocks(text: str) -> list[str]:
 def _commands(page: Path) -> list[tuple[str, list[str]]]:
     """``(line, argv)`` of every fastgate command in the page's code blocks: continuation lines joined, shell
     variables a block sets expanded, each command of a ``&&`` / ``|`` / ``;`` chain on its own; commands with
-    placeholders (``<...>``, ``...``, an unset ``$VAR``, a synopsis's ``[--flag]``) are left out."""
+    placeholders (``<...>``, ``--flag ...`` but not a question written ``"..."``, an unset ``$VAR``, a synopsis's
+    ``[--flag]``, an upper-case value such as ``DIR``) are left out."""
     found = []
     for block in _blocks(page.read_text()):
         env: dict[str, str] = {}
@@ -68,7 +70,9 @@ def _commands(page: Path) -> list[tuple[str, list[str]]]:
                         expanded.extend(shlex.split(env[tok[1:].strip("{}")]))
                     else:
                         expanded.append(tok)
-                if any("<" in t or "..." in t or "$" in t or t.startswith("[") for t in expanded):
+                # a question written as "..." is a question; any other "..." stands for what the reader fills in
+                if any("<" in t or ("..." in t and t != "...") or "$" in t or t.startswith("[")
+                       or _PLACEHOLDER.match(t.rpartition("=")[2]) for t in expanded):
                     continue
                 found.append((line, expanded))
     return found
@@ -96,7 +100,7 @@ def test_a_documented_command_parses_and_names_real_methods(page, line, argv):
             pytest.fail(f"{page}: `{line}` does not parse: {err.getvalue().strip()}")
         return
     methods = getattr(args, "method", None)
-    if not methods or args.command not in ("ask", "eval", "serve"):
+    if not methods or args.command not in ("ask", "eval", "serve", "calibrate"):
         return
     remote = "openai" if getattr(args, "engine", "local") == "openai" else None
     params = parse_params(getattr(args, "param", None) or [])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 import unicodedata
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,6 +60,11 @@ def build_bm25_index(passages: Iterable[Passage], out_dir: str | Path, corpus_na
     return Path(out_dir)
 
 
+def _remove_shadow(path: Path, pid: int) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _denied(exc: BaseException) -> bool:
     """Whether tantivy could not write or read a file for want of permission (its errors carry the OS's words)."""
     return any(w in str(exc) for w in ("Read-only file system", "PermissionDenied", "Permission denied"))
@@ -75,7 +83,7 @@ class BM25Retriever:
         tantivy = require("tantivy", _HINT)
         self.index_dir = Path(index_dir)
         self.manifest = read_manifest(self.index_dir, "bm25")
-        self._shadow = None  # a writable directory of links to a read-only index's files (below)
+        self._shadow: weakref.finalize | None = None  # removes the directory of links to a read-only index (below)
         try:
             self._index, self._searcher = self._open(tantivy, self.index_dir)
         except (ValueError, OSError, RuntimeError) as exc:
@@ -85,12 +93,20 @@ class BM25Retriever:
             # read-only mount, or in a directory of another user's without that file, cannot be opened where it is.
             # Its files are only read: a private directory of links to them takes the lock instead
             try:
-                self._shadow = tempfile.TemporaryDirectory(prefix="fastgate-bm25-")  # removed with this object
+                shadow = Path(tempfile.mkdtemp(prefix="fastgate-bm25-"))  # 0700, a random name
+            except OSError as exc2:
+                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; nor make a directory of "
+                                  f"links to its files ({exc2}): set TMPDIR to a directory this user can "
+                                  "write") from None
+            # removed when this retriever goes or the process ends, by the process that made it (not a forked child)
+            self._shadow = weakref.finalize(self, _remove_shadow, shadow, os.getpid())
+            try:
                 for entry in self.index_dir.iterdir():
                     if not entry.name.startswith(".tantivy-"):  # the lock files are made anew beside the links
-                        (Path(self._shadow.name) / entry.name).symlink_to(entry.resolve())
-                self._index, self._searcher = self._open(tantivy, Path(self._shadow.name))
+                        (shadow / entry.name).symlink_to(entry.resolve())
+                self._index, self._searcher = self._open(tantivy, shadow)
             except (ValueError, OSError, RuntimeError) as exc2:
+                self._shadow()
                 raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; nor through links to its "
                                   f"files in a directory of this user's ({exc2}): its files must be readable by this "
                                   "user") from None
@@ -109,6 +125,12 @@ class BM25Retriever:
         index = tantivy.Index.open(str(path))
         index.reload()
         return index, index.searcher()
+
+    def close(self) -> None:
+        """Remove the directory of links a read-only index was opened through (if any); the searcher keeps the files
+        it has open. Also done when the retriever is collected or the process ends."""
+        if self._shadow is not None:
+            self._shadow()
 
     def __len__(self) -> int:
         return int(self._searcher.num_docs)

@@ -14,6 +14,7 @@ Run from the repository root (the qwen2.5-0.5b weights installed; ~10 minutes of
     .venv/bin/python docs/results/read-training-qwen2.5-0.5b/popularity.py
 """
 
+import hashlib
 import json
 import math
 import sys
@@ -69,7 +70,9 @@ def main() -> None:
     torch.set_num_threads(2)
     data = S.load(Runtime("qwen2.5-0.5b", "cpu").retriever("bm25"))
     questions = [r["question"] for s in S.STORES for r in data[s]["usable"]]
-    nlls = question_nll(questions, Path("/tmp/popularity-qnll.json"))
+    key = hashlib.sha256("\n".join(questions).encode()).hexdigest()[:16]  # these questions, this model
+    nlls = question_nll(questions, Path(f"/tmp/popularity-qnll-qwen2.5-0.5b-{key}.json"))
+    assert len(nlls) == len(questions), (len(nlls), len(questions))
     _, passages = load_corpus()
     df: Counter = Counter()
     for p in passages:
