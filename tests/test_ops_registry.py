@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fastgate import ops
-from fastgate.errors import BackendUnavailableError, InputError
+from fastgate.errors import BackendUnavailableError, InputError, ShapeError
 from fastgate.gates.checkpoints import random_probe_params
 from fastgate.ops import reference, registry
 from fastgate.ops._cpu import CpuOps
@@ -257,7 +257,7 @@ def test_triton_eigenscore_falls_back_to_the_reference_beyond_its_register_tile(
         z = torch.randn(2, k, 24, device=DEVICE)
         valid = torch.ones(2, k, dtype=torch.bool, device=DEVICE)
         valid[1, ::7] = False
-        with pytest.raises(Exception, match=f"k={k}"):
+        with pytest.raises(ShapeError, match=f"k={k} > {gram.MAX_K}"):
             kernel(z)  # the kernel alone cannot take it ...
         for kwargs in ({}, {"valid": valid}, {"scale": "cov"}):
             # ... the registry's op gives the reference's numbers instead of raising

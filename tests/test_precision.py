@@ -74,9 +74,20 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
-def test_the_probe_times_both_dtypes():
+def test_the_probe_times_both_dtypes(monkeypatch):
+    seen = []  # (input dtype, weight dtype, input shape, weight shape) of each product the probe times
+    linear = torch.nn.functional.linear
+
+    def spy(x, w, *args, **kwargs):
+        seen.append((x.dtype, w.dtype, tuple(x.shape), tuple(w.shape)))
+        return linear(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)  # the probe looks it up at each call
     result = probe_bf16(4, 32, 64, repeat=1)
     assert result.float32_s > 0 and result.bfloat16_s > 0 and result.speedup > 0
+    # the model's shapes ([rows, d_in] times an nn.Linear's [d_out, d_in]) in each dtype, both operands alike
+    assert set(seen) == {(torch.float32, torch.float32, (4, 32), (64, 32)),
+                         (torch.bfloat16, torch.bfloat16, (4, 32), (64, 32))}
 
 
 @pytest.fixture(scope="module")

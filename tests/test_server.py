@@ -15,7 +15,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
-from fastgate.errors import InputError  # noqa: E402
+from fastgate.errors import FastgateError, InputError  # noqa: E402
 from fastgate.serving.runtime import Runtime  # noqa: E402
 from fastgate.serving.service import AnswerService, OverloadedError, ServiceConfig  # noqa: E402
 
@@ -276,7 +276,7 @@ def test_overload_and_stop(tiny_engine, small_index):
     assert err.value.retry_after_s >= 1 and svc.metrics.rejected_total == 1
     svc.stop(drain=False)
     for f in (a, b):  # accepted requests are never lost silently: they fail with a reason
-        with pytest.raises(Exception, match="stopped"):
+        with pytest.raises(FastgateError, match="the service stopped before answering"):
             f.result(timeout=5)
 
 
@@ -297,7 +297,7 @@ def test_a_request_accepted_as_the_service_stops_is_answered_or_failed(tiny_engi
         svc.stop(drain=True)
         future = submitted.result(timeout=30)
     assert future.result(timeout=10)["answer"] is not None  # drained: answered
-    with pytest.raises(Exception, match="not running"):
+    with pytest.raises(FastgateError, match="the service is not running"):
         svc.submit(QUESTIONS[1])
     assert svc.kv_used_bytes == 0 and svc.queue_depth == 0
 
@@ -346,7 +346,7 @@ def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
         time.sleep(0.01)
     svc.stop(drain=False)
     for f in futures:
-        with pytest.raises(Exception, match="stopped"):
+        with pytest.raises(FastgateError, match="the service stopped before answering"):
             f.result(timeout=10)
     assert svc.kv_used_bytes == 0 and svc.live_programs == 0
 
