@@ -64,10 +64,12 @@ setup(
         "fastgate.entrypoints",
         "fastgate.entrypoints.http",
         "fastgate.kernels",
+        "fastgate.calibrations",  # data only (no __init__.py): named so that setuptools neither warns nor guesses
+        "fastgate.checkpoints",
     ],
     package_dir={"fastgate": "fastgate", "fastgate.kernels": "kernels"},
     # the shipped learned-gate weights (fastgate/checkpoints/<model>-<kind>/), small safetensors + JSON
-    package_data={"fastgate": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "calibrations/*.json"]},
+    package_data={"fastgate.checkpoints": ["*/*.json", "*/*.safetensors"], "fastgate.calibrations": ["*.json"]},
     ext_modules=[] if SKIP_EXT else [CMakeExtension("fastgate._C")],
     cmdclass={"build_ext": CMakeBuild},
 )
