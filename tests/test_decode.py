@@ -518,6 +518,30 @@ def test_packed_store_spare_leaves_room_for_what_other_loops_hold(tiny_engine):
     assert cells[200] <= 600 - 200 < cells[0] <= 600, cells
 
 
+def test_a_store_s_spare_columns_do_not_keep_out_a_row_the_budget_holds(tiny_engine):
+    """A running row's store holds spare columns (its width + 64 or a quarter); a second generation that fits the
+    budget beside the first at their own widths joins: the growth trims the spare. Charging the spare kept it out, so
+    under a tight budget generations ran one at a time. Answers unchanged."""
+    cfg = G(max_new_tokens=40, stop_at_eos=False)
+    specs = [(f"prompt {i} " + "word " * 8, cfg, TapSpec(), 1, None) for i in range(2)]
+    n = tiny_engine.count_tokens(specs[0][0])
+    need = tiny_engine.kv.row_columns(tiny_engine.kv.prompt_tokens(n, 40), 40)
+    max_cells = 2 * need + 2 * n  # both rows at their widths, and a prefill buffer
+    loop = PackedLoop(tiny_engine, mid=tiny_engine.n_layers // 2, max_cells=max_cells)
+    first = loop.admit(specs[:1])
+    loop.step()
+    assert loop.size == 1 and loop.store.rows_cap * loop.store.cols_cap + n <= max_cells
+    assert loop.store.cols_cap > need  # the spare is there
+    assert loop.cells_after([(tiny_engine.kv.prompt_tokens(n, 40), 1, 40)]) <= max_cells
+    second = loop.admit(specs[1:])
+    loop.step()
+    assert loop.size == 2 and loop.store.rows_cap * loop.store.cols_cap <= max_cells
+    while loop.busy:
+        loop.step()
+    for ticket, spec in zip(first + second, specs):
+        _same(ticket.result, _alone(tiny_engine, spec))
+
+
 def test_a_cancelled_prefill_gives_its_share_of_the_budget_back(tiny_engine):
     """A queued prefill bounds the running loop's spare by what its cache may take; cancelled before it ran and dropped
     (drop_ended), the loop's spare is its whole budget again, and the running rows' answer is unchanged."""

@@ -380,8 +380,9 @@ class PackedLoop(DecodeLoop):
 
     def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
         """The most rows × columns the store and the prefill buffers can reach if generations ``joining``
-        ((prompt tokens, rows, new tokens) each) join now and nothing else does: the store as wide as its
-        longest row will grow and never smaller than it is, plus every queued prompt's prefill buffer (where fresh
+        ((prompt tokens, rows, new tokens) each) join now and nothing else does: the store as it is where it need not
+        grow, else its rows as wide as its longest row will grow (a growth's spare yields to the budget), plus every
+        queued prompt's prefill buffer (where fresh
         prompts are batched, up to :data:`WHOLE_PADDING` times its length: a pass of whole prompts holds their padded
         batch)."""
         kv = self.runner.kv
@@ -393,8 +394,16 @@ class PackedLoop(DecodeLoop):
         for prompt, _, new in joining:
             cols.append(kv.row_columns(prompt, new))
             prompts += prompt
-        rows = self.size + sum(k for _, k, _ in joining)
-        return max(rows, self.store.rows_cap) * max(max(cols), self.store.cols_cap) + self._prefill_cells(prompts)
+        rows, width = self.size + sum(k for _, k, _ in joining), max(cols)
+        store = self.store
+        if rows > store.rows_cap or width > store.cols_cap:
+            # the store grows, and a growth's spare is trimmed to the budget (reserve, within_cells): what it needs is
+            # rows x width. Charging the columns' spare it holds now (cols + 64 or a quarter) kept a second generation
+            # out of a budget that holds both: under a tight budget they ran one at a time
+            cells = rows * width
+        else:
+            cells = store.rows_cap * store.cols_cap  # it stays as it is
+        return cells + self._prefill_cells(prompts)
 
     # -------------------------------------------------------------- admission
     @torch.inference_mode()

@@ -173,8 +173,9 @@ class Admission:
                 alone = self._empty_loop.cells_after([ask])
                 if alone > self._max_cells:
                     self.delivery.finish(item[0], error=InputError(
-                        f"this generation needs {_mib(alone * self._cell)} of KV cache ({k} rows of "
-                        f"{self.kv.row_columns(prompt, new)} tokens), more than the budget of "
+                        f"this generation needs {_mib(alone * self._cell)} of KV cache ({k} "
+                        f"row{'s' if k != 1 else ''} of {self.kv.row_columns(prompt, new)} tokens, and its prompt's "
+                        f"{prompt} tokens once more while it is prefilled), more than the budget of "
                         f"{_mib(self.config.kv_budget)}"))
                     continue
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
@@ -397,4 +398,7 @@ class Admission:
 def _mib(nbytes: float) -> str:
     """A size in MiB as a person reads it: "0 MiB ... budget of 0 MiB" said nothing below a MiB."""
     mib = nbytes / 2**20
-    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
+    if mib >= 10:
+        return f"{mib:.0f} MiB"
+    # below 10 MiB three figures, KiB below one: "needs 0.25 MiB ... more than the budget of 0.25 MiB" hid 258 > 256 KiB
+    return f"{mib:.3g} MiB" if mib >= 1 else f"{nbytes / 2**10:.3g} KiB"
