@@ -297,6 +297,38 @@ def test_a_full_kv_budget_makes_generations_wait_and_memory_returns(world, budge
     assert sched.kv_bytes == 0 and sched.idle  # nothing is held after the burst
 
 
+def test_a_store_that_must_grow_is_charged_what_it_holds_until_it_does(world):
+    """A store of spare rows (5 x 200 for one row of 136 columns) and a generation joining that needs 202 columns:
+    admission charged the growth's need (2 x 202) while the store kept its 1,000 cells for the prompt's chunked
+    prefill, and the cells held went past the budget (1,100 of 1,001); it now charges the larger of the two. Answers
+    are each generation's alone."""
+    engine = world[0]
+    cell = engine.kv.cell_bytes
+    budget = 1001 * cell
+    first, second = "x", "x" * 100
+    assert (engine.count_tokens(first), engine.count_tokens(second)) == (1, 100)
+    cfgs = [GenerationConfig(max_new_tokens=133, stop_at_eos=False), GenerationConfig(max_new_tokens=100,
+                                                                                        stop_at_eos=False)]
+
+    def gen(prompt, cfg):
+        (out,) = (yield Generate(prompt, cfg)).sequences
+        return out.token_ids
+
+    sched = Scheduler(engine, kv_budget=budget, prefill_budget=16, layout="packed")
+    tasks = [Task(None, "", program=gen(first, cfgs[0])), Task(None, "", program=gen(second, cfgs[1]))]
+    sched._inbox.append(tasks[0])
+    step = peak = 0
+    while not all(t.done for t in tasks):
+        if step == 3:
+            sched._inbox.append(tasks[1])
+        sched.step()
+        step += 1
+        peak = max(peak, sched.kv_bytes)
+    assert tasks[1].error is None and 0 < peak <= budget
+    assert [t.result for t in tasks] == [engine.generate([p], c).sequences[0].token_ids
+                                         for p, c in zip((first, second), cfgs)]
+
+
 def test_whole_prompts_batched_under_a_kv_budget_hold_no_more_cells_than_it_allows(world, monkeypatch):
     """Fresh prompts prefilled whole in one batched pass (CUDA's path, forced on a CPU) keep their padded batch as
     their buffers while the store grows for them: admission counts a queued prompt at up to WHOLE_PADDING its

@@ -396,13 +396,12 @@ class PackedLoop(DecodeLoop):
             prompts += prompt
         rows, width = self.size + sum(k for _, k, _ in joining), max(cols)
         store = self.store
+        cells = store.rows_cap * store.cols_cap  # what it holds until it grows (a joining prompt's prefill first)
         if rows > store.rows_cap or width > store.cols_cap:
-            # the store grows, and a growth's spare is trimmed to the budget (reserve, within_cells): what it needs is
-            # rows x width. Charging the columns' spare it holds now (cols + 64 or a quarter) kept a second generation
-            # out of a budget that holds both: under a tight budget they ran one at a time
-            cells = rows * width
-        else:
-            cells = store.rows_cap * store.cols_cap  # it stays as it is
+            # it grows, and a growth's spare yields to the budget (reserve, within_cells): rows x width at least.
+            # Charging the spare it would grow to (the longest row + 64 or a quarter) kept a second generation out
+            # of a budget that holds both: under a tight budget they ran one at a time
+            cells = max(cells, rows * width)
         return cells + self._prefill_cells(prompts)
 
     # -------------------------------------------------------------- admission
