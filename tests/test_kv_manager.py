@@ -49,4 +49,5 @@ def test_the_engine_and_its_loops_ask_the_one_owner(tiny_engine):
     ids, cut = tiny_engine.encode([prompt], 8)
     assert not cut[0] and len(ids[0]) == tiny_engine.count_tokens(prompt)
     loop = DecodeLoop(tiny_engine, tiny_engine.n_layers // 2)
-    assert loop.cells_after([(len(ids[0]), 3, 8)]) == 3 * kv.row_columns(len(ids[0]), 8)
+    # three rows at their final width, and the prompt's own cache while it prefills
+    assert loop.cells_after([(len(ids[0]), 3, 8)]) == 3 * kv.row_columns(len(ids[0]), 8) + len(ids[0])

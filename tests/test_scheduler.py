@@ -329,6 +329,34 @@ def test_a_store_that_must_grow_is_charged_what_it_holds_until_it_does(world):
                                          for p, c in zip((first, second), cfgs)]
 
 
+def test_a_padded_loop_s_spare_and_a_chunked_prefill_stay_within_the_budget(world):
+    """The padded layout: one row's cache grew to ~1,195 cells of spare within a 1,245-cell budget; a 250-token prompt
+    joining was charged its final need while its chunked prefill ran beside that spare (1,435 cells held). Admission
+    now charges what the rows' buffers hold and the prefills' own caches."""
+    engine = world[0]
+    budget = 1245 * engine.kv.cell_bytes
+    arrivals = {3: ("x" * 174, 6), 8: ("x" * 250, 66), 15: ("x" * 6, 30)}
+
+    def gen(prompt, cfg):
+        (out,) = (yield Generate(prompt, cfg)).sequences
+        return out.token_ids
+
+    sched = Scheduler(engine, kv_budget=budget, prefill_budget=16, layout="padded")
+    tasks, step, peak = {}, 0, 0
+    while len(tasks) < len(arrivals) or not all(t.done for t in tasks.values()):
+        if step in arrivals:
+            prompt, new = arrivals[step]
+            tasks[step] = Task(None, "", program=gen(prompt, GenerationConfig(max_new_tokens=new, stop_at_eos=False)))
+            sched._inbox.append(tasks[step])
+        sched.step()
+        step += 1
+        peak = max(peak, sched.kv_bytes)
+    assert [t.error for t in tasks.values()] == [None] * 3 and 0 < peak <= budget
+    assert [tasks[s].result for s in sorted(tasks)] == [
+        engine.generate([p], GenerationConfig(max_new_tokens=n, stop_at_eos=False)).sequences[0].token_ids
+        for p, n in (arrivals[s] for s in sorted(arrivals))]
+
+
 def test_whole_prompts_batched_under_a_kv_budget_hold_no_more_cells_than_it_allows(world, monkeypatch):
     """Fresh prompts prefilled whole in one batched pass (CUDA's path, forced on a CPU) keep their padded batch as
     their buffers while the store grows for them: admission counts a queued prompt at up to WHOLE_PADDING its

@@ -213,18 +213,26 @@ class DecodeLoop:
     def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
         """The most rows × columns the cache can reach if generations ``joining`` ((prompt tokens, rows, new tokens)
         each) join now and nothing else does: every row right-aligned to the widest prompt, the width growing until
-        the row with the most steps left ends (a forced EOS and a flush step included)."""
+        the row with the most steps left ends (a forced EOS and a flush step included), and never less than the
+        running rows' buffers hold now; plus the prefills' own caches (the queued and the joining prompts)."""
         kv = self.runner.kv
         live = [r for r in self.rows if not r.final]
         width = self.mask.shape[1] if live else 0
         steps = [kv.steps_left(r.cfg.max_new_tokens, len(r.tokens)) for r in live]
+        prompts = 0  # the prefills' own caches, beside the running rows' until they join
         for job in self.prefilling:
             width = max(width, max(len(r) for r in job.rows))
             steps += [kv.steps_left(s.config.max_new_tokens) for s in job.specs]
+            prompts += len(job.rows) * max(len(r) for r in job.rows)  # as _cap counts them
         for prompt, _, new in joining:
             width = max(width, prompt)
             steps.append(kv.steps_left(new))
-        return (self.size + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
+            prompts += prompt
+        need = (self.size + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
+        # the running rows' buffers keep the spare they grew to until the rows join or end: a join charged its need
+        # alone while a prefill ran beside them went past the budget (1,435 of 1,245 cells)
+        held = cache_bytes(self.cache) // kv.cell_bytes if self.cache is not None else 0
+        return max(held, need) + prompts
 
     # ------------------------------------------------------------------ admission
     @torch.inference_mode()
