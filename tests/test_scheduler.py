@@ -357,6 +357,30 @@ def test_a_padded_loop_s_spare_and_a_chunked_prefill_stay_within_the_budget(worl
         for p, n in (arrivals[s] for s in sorted(arrivals))]
 
 
+def test_a_padded_loop_s_finished_rows_count_until_they_leave_its_buffers(world):
+    """Fan-out rows under a tight budget (padded layout): a row that had finished still held its place in the buffers
+    when a join merged into them, and admission counted only the unfinished rows (1,840 of 1,663 cells)."""
+    engine = world[0]
+    budget = 1663 * engine.kv.cell_bytes
+    arrivals = [(0, 164, 31, 2), (1, 111, 90, 1), (15, 234, 135, 2), (15, 88, 81, 2)]
+
+    def gen(prompt, cfg, k):
+        return (yield Generate(prompt, cfg, k=k)).sequences
+
+    sched = Scheduler(engine, kv_budget=budget, prefill_budget=None, layout="padded")
+    tasks, step, peak = [], 0, 0
+    while len(tasks) < len(arrivals) or not all(t.done for t in tasks):
+        for at, n, new, k in arrivals:
+            if at == step:
+                cfg = GenerationConfig(max_new_tokens=new, stop_at_eos=False)
+                tasks.append(Task(None, "", program=gen("x" * n, cfg, k)))
+                sched._inbox.append(tasks[-1])
+        sched.step()
+        step += 1
+        peak = max(peak, sched.kv_bytes)
+    assert [t.error for t in tasks] == [None] * 4 and 0 < peak <= budget
+
+
 def test_whole_prompts_batched_under_a_kv_budget_hold_no_more_cells_than_it_allows(world, monkeypatch):
     """Fresh prompts prefilled whole in one batched pass (CUDA's path, forced on a CPU) keep their padded batch as
     their buffers while the store grows for them: admission counts a queued prompt at up to WHOLE_PADDING its

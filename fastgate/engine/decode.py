@@ -228,7 +228,9 @@ class DecodeLoop:
             width = max(width, prompt)
             steps.append(kv.steps_left(new))
             prompts += prompt
-        need = (self.size + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
+        # finished rows keep their place in the buffers until a step selects them out, which a join may precede
+        rows = len(self.rows) + sum(s.k for job in self.prefilling for s in job.specs)
+        need = (rows + sum(k for _, k, _ in joining)) * (width + max(steps, default=0))
         # the running rows' buffers keep the spare they grew to until the rows join or end: a join charged its need
         # alone while a prefill ran beside them went past the budget (1,435 of 1,245 cells)
         held = cache_bytes(self.cache) // kv.cell_bytes if self.cache is not None else 0
