@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib
 import os
 import platform
 import statistics
@@ -21,11 +20,15 @@ SERVE_HINT = "pip install 'fastgate[serve,remote]'"  # the server the benches st
 
 
 def require(module: str, hint: str) -> ModuleType:
-    """``module`` imported, or the bench ended with one line naming it and how to install it (``hint``)."""
+    """``module`` imported (:func:`fastgate.errors.require`), or the bench ended with its one line naming it and how
+    to install it (``hint``) instead of a traceback."""
+    from fastgate.errors import MissingDependencyError
+    from fastgate.errors import require as import_or_hint
+
     try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise SystemExit(f"{Path(sys.argv[0]).name}: needs {module}, which is not installed ({exc}): {hint}") from None
+        return import_or_hint(module, hint)
+    except MissingDependencyError as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {exc}") from None
 
 
 def results_dir() -> Path:

@@ -219,11 +219,10 @@ class DecodeLoop:
         live = [r for r in self.rows if not r.final]
         width = self.mask.shape[1] if live else 0
         steps = [kv.steps_left(r.cfg.max_new_tokens, len(r.tokens)) for r in live]
-        prompts = 0  # the prefills' own caches, beside the running rows' until they join
+        prompts = self._prefilling_cells()  # the prefills' own caches, beside the running rows' until they join
         for job in self.prefilling:
             width = max(width, max(len(r) for r in job.rows))
             steps += [kv.steps_left(s.config.max_new_tokens) for s in job.specs]
-            prompts += len(job.rows) * max(len(r) for r in job.rows)  # as _cap counts them
         for prompt, _, new in joining:
             width = max(width, prompt)
             steps.append(kv.steps_left(new))
@@ -278,12 +277,16 @@ class DecodeLoop:
         self._cap()
         return tickets
 
+    def _prefilling_cells(self) -> int:
+        """The cells the queued prefills' own caches take: each job's rows at its longest prompt."""
+        return sum(len(job.rows) * max(len(r) for r in job.rows) for job in self.prefilling)
+
     def _cap(self) -> None:
         """Bound the spare of the loop's buffers by ``max_cells`` less what the queued prefills' caches may take, so
         that the loop and its prefills together stay within it."""
         if self.max_cells is None or self.cache is None:
             return
-        held = sum(len(job.rows) * max(len(r) for r in job.rows) for job in self.prefilling)
+        held = self._prefilling_cells()
         for layer in self.cache.layers:
             if hasattr(layer, "max_cells"):
                 layer.max_cells = max(1, self.max_cells - held)

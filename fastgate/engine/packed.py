@@ -381,10 +381,9 @@ class PackedLoop(DecodeLoop):
     def cells_after(self, joining: list[tuple[int, int, int]] = ()) -> int:
         """The most rows × columns the store and the prefill buffers can reach if generations ``joining``
         ((prompt tokens, rows, new tokens) each) join now and nothing else does: the store as it is where it need not
-        grow, else its rows as wide as its longest row will grow (a growth's spare yields to the budget), plus every
-        queued prompt's prefill buffer (where fresh
-        prompts are batched, up to :data:`WHOLE_PADDING` times its length: a pass of whole prompts holds their padded
-        batch)."""
+        grow, else the larger of that and its rows as wide as its longest row will grow (a growth's spare yields to
+        the budget), plus every queued prompt's prefill buffer (where fresh prompts are batched, up to
+        :data:`WHOLE_PADDING` times its length: a pass of whole prompts holds their padded batch)."""
         kv = self.runner.kv
         cols = [self._final_cols()]
         prompts = 0

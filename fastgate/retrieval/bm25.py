@@ -87,17 +87,17 @@ class BM25Retriever:
         try:
             self._index, self._searcher = self._open(tantivy, self.index_dir)
         except (ValueError, OSError, RuntimeError) as exc:
+            failed = f"cannot open the bm25 index at {self.index_dir}: {exc}"
             if not _denied(exc):
-                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; rebuild it") from None
+                raise IndexError_(f"{failed}; rebuild it") from None
             # tantivy creates and locks `.tantivy-meta.lock` in the index directory even to search, so an index on a
             # read-only mount, or in a directory of another user's without that file, cannot be opened where it is.
             # Its files are only read: a private directory of links to them takes the lock instead
             try:
                 shadow = Path(tempfile.mkdtemp(prefix="fastgate-bm25-"))  # 0700, a random name
             except OSError as exc2:
-                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; nor make a directory of "
-                                  f"links to its files ({exc2}): set TMPDIR to a directory this user can "
-                                  "write") from None
+                raise IndexError_(f"{failed}; nor make a directory of links to its files ({exc2}): set TMPDIR to "
+                                  "a directory this user can write") from None
             # removed when this retriever goes or the process ends, by the process that made it (not a forked child)
             self._shadow = weakref.finalize(self, _remove_shadow, shadow, os.getpid())
             try:
@@ -107,9 +107,8 @@ class BM25Retriever:
                 self._index, self._searcher = self._open(tantivy, shadow)
             except (ValueError, OSError, RuntimeError) as exc2:
                 self._shadow()
-                raise IndexError_(f"cannot open the bm25 index at {self.index_dir}: {exc}; nor through links to its "
-                                  f"files in a directory of this user's ({exc2}): its files must be readable by this "
-                                  "user") from None
+                raise IndexError_(f"{failed}; nor through links to its files in a directory of this user's "
+                                  f"({exc2}): its files must be readable by this user") from None
         count = self.manifest.get("n_passages")
         if isinstance(count, bool) or not isinstance(count, int):
             raise IndexError_(f"the manifest of the bm25 index at {self.index_dir} has no passage count "

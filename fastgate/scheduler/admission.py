@@ -173,10 +173,10 @@ class Admission:
                 alone = self._empty_loop.cells_after([ask])
                 if alone > self._max_cells:
                     self.delivery.finish(item[0], error=InputError(
-                        f"this generation needs {_mib(alone * self._cell)} of KV cache ({k} "
+                        f"this generation needs {_readable_size(alone * self._cell)} of KV cache ({k} "
                         f"row{'s' if k != 1 else ''} of {self.kv.row_columns(prompt, new)} tokens, and its prompt's "
                         f"{prompt} tokens once more while it is prefilled), more than the budget of "
-                        f"{_mib(self.config.kv_budget)}"))
+                        f"{_readable_size(self.config.kv_budget)}"))
                     continue
                 if mid not in self.loops:  # an empty loop holds nothing: building one allocates nothing
                     self.loops[mid] = self._new_loop(mid)
@@ -395,8 +395,8 @@ class Admission:
                     loop.drop_ended()
 
 
-def _mib(nbytes: float) -> str:
-    """A size in MiB as a person reads it: "0 MiB ... budget of 0 MiB" said nothing below a MiB."""
+def _readable_size(nbytes: float) -> str:
+    """A size as a person reads it, in MiB or KiB below one: "0 MiB ... budget of 0 MiB" said nothing below a MiB."""
     mib = nbytes / 2**20
     if mib >= 10:
         return f"{mib:.0f} MiB"
