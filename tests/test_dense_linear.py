@@ -41,8 +41,9 @@ def test_reordered_product_is_f_linear_bitwise(n, k, bias):
         x = torch.randn((m, k + 5), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)  # [M, K + 5]
         for rows in (x[:, :k].contiguous(), x[:, 5:]):  # contiguous, and rows with a stride
             assert torch.equal(product(rows), F.linear(rows, weight, b)), (m, rows.is_contiguous())
-    if dense._shape_agrees.get((n, k, bias), True):
+    if dense._probed.get((n, k, bias), 0) >= 0:
         assert product.reordered is not None  # made once, at the first product
+        assert dense._probed[(n, k, bias)] == len(dense._PROBE_ROWS)  # 769 rows: every row class probed
 
 
 def test_other_inputs_take_the_plain_weight():
@@ -61,14 +62,60 @@ def test_other_inputs_take_the_plain_weight():
 
 
 def test_a_shape_whose_probe_disagrees_keeps_f_linear(monkeypatch):
-    monkeypatch.setattr(dense, "_shape_agrees", {})
+    monkeypatch.setattr(dense, "_probed", {})
     monkeypatch.setattr(dense, "_agrees", lambda *a: False)
     weight = _weight(16, 32)
     product = ReorderedLinear(weight)
     x = torch.randn(5, 32).to(torch.bfloat16)
     assert torch.equal(product(x), F.linear(x, weight))
     assert product.reordered is None and not product._ok
-    assert dense._shape_agrees == {(16, 32, False): False}
+    assert dense._probed == {(16, 32, False): -1}
+    with pytest.raises(ValueError, match="no reordered weight agrees"):
+        ReorderedLinear(weight).release(lambda: weight)
+
+
+@needs_onednn
+def test_row_classes_are_probed_at_their_first_product(monkeypatch):
+    """A shape is probed for the row classes a product needs, at its first product of that many rows: a decode
+    step's few rows never pay a prompt chunk's probe (qwen2.5-0.5b's LM head: 2.4 s of its first answer)."""
+    probed: list[tuple[int, ...]] = []
+    agrees = dense._agrees
+    monkeypatch.setattr(dense, "_probed", {})
+    monkeypatch.setattr(dense, "_agrees", lambda *a: probed.append(a[3]) or agrees(*a))
+    weight = _weight(40, 24)
+    product = ReorderedLinear(weight)
+    for m, new in [(1, (1,)), (1, None), (2, (3,)), (3, None), (20, (33,)), (98, (97, 515)), (2000, None)]:
+        probed.clear()
+        x = torch.randn((m, 24), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)  # [M, K]
+        assert torch.equal(product(x), F.linear(x, weight))
+        assert probed == ([new] if new else []), m
+    other = ReorderedLinear(_weight(40, 24, seed=3))  # the same shape: probed already, for every class
+    probed.clear()
+    other(torch.randn((600, 24)).to(torch.bfloat16))
+    assert probed == [] and other.reordered is not None
+
+
+@needs_onednn
+def test_a_released_weight_is_made_again_to_probe_and_kept_where_a_class_disagrees(monkeypatch):
+    """After release the plain weight is gone: a class not yet probed makes it again for the probe; a class that
+    disagrees then keeps it (F.linear for every count from then on, the same bits)."""
+    agrees = dense._agrees
+    monkeypatch.setattr(dense, "_probed", {})
+    monkeypatch.setattr(dense, "_agrees", lambda *a: max(a[3]) < 97 and agrees(*a))  # the 97-row class disagrees
+    weight = _weight(40, 24)
+    made: list[int] = []
+    product = ReorderedLinear(weight.clone())
+    product.release(lambda: made.append(1) or weight.clone())
+    assert product.weight is None and made == [] and dense._probed[(40, 24, False)] == 1
+    x = torch.randn((20, 24)).to(torch.bfloat16)
+    assert torch.equal(product(x), F.linear(x, weight)) and made == [1]  # made again to probe 3 and 33 rows
+    assert product.weight is None and product.reordered is not None
+    x = torch.randn((50, 24)).to(torch.bfloat16)
+    assert torch.equal(product(x), F.linear(x, weight)) and len(made) == 2  # made again to probe 97 rows: kept
+    assert dense._probed[(40, 24, False)] == -1 and not product._ok and product.reordered is None
+    assert product.weight is not None
+    product(torch.randn((2, 24)).to(torch.bfloat16))
+    assert len(made) == 2
 
 
 def test_registry_binds_the_reordered_product_where_it_agrees():
@@ -299,7 +346,8 @@ def test_shared_columns_compute_once_a_rows_and_drop_the_product(edges):
 
 
 @needs_onednn
-def test_a_released_weight_is_made_again_for_other_inputs():
+def test_a_released_weight_is_made_again_for_other_inputs(monkeypatch):
+    monkeypatch.setattr(dense, "_probed", {})
     weight = _weight(24, 64)
     product = ReorderedLinear(weight)
     made = []
@@ -308,6 +356,32 @@ def test_a_released_weight_is_made_again_for_other_inputs():
     x = torch.randn(3, 2, 64).to(torch.bfloat16)  # [3, 2, K]: not 2-D, the plain weight made again
     assert torch.equal(product(x), F.linear(x, weight)) and made == [1]
     rows = torch.randn(9, 64).to(torch.bfloat16)
-    assert torch.equal(product(rows), F.linear(rows, weight)) and made == [1]
+    assert torch.equal(product(rows), F.linear(rows, weight)) and made == [1, 1]  # to probe 9 rows' class
+    assert torch.equal(product(rows), F.linear(rows, weight)) and made == [1, 1]  # probed: the reordered weight
     with pytest.raises(ValueError, match="no reordered weight"):
         ReorderedLinear(weight.float()).release(lambda: weight)
+
+
+@needs_onednn
+def test_a_warm_up_probes_every_row_class_left(monkeypatch, tiny):
+    """``Engine.finish_warm_up`` (a server's and an evaluation's warm-up, after their first answer) probes the row
+    classes a first pass did not need, so that no later product pays for them; a product dropped meanwhile is not
+    kept alive for it."""
+    from fastgate.engine.local import Engine
+
+    probed: list[tuple[int, ...]] = []
+    agrees = dense._agrees
+    monkeypatch.setattr(dense, "_probed", {})
+    monkeypatch.setattr(dense, "_pending", weakref.WeakSet())
+    monkeypatch.setattr(dense, "_agrees", lambda *a: probed.append(a[3]) or agrees(*a))
+    product = ReorderedLinear(_weight(40, 24))
+    gone = ReorderedLinear(_weight(8, 24))
+    product(torch.randn((2, 24)).to(torch.bfloat16))
+    del gone
+    gc.collect()
+    assert probed == [(1, 3)] and len(dense._pending) == 1
+    Engine(tiny).finish_warm_up()
+    assert probed == [(1, 3), (33, 97, 515)] and len(dense._pending) == 0
+    probed.clear()
+    x = torch.randn((700, 24)).to(torch.bfloat16)
+    assert torch.equal(product(x), F.linear(x, product.weight)) and probed == []

@@ -85,6 +85,14 @@ class Engine:
     sliced_head = property(lambda self: self.runner.sliced_head)
     prefix_hits = property(lambda self: self.runner.prefix_hits, doc="Prompts prefilled from a cached prefix.")
 
+    def finish_warm_up(self) -> None:
+        """Take on now the one-time work the products' first calls of more rows would do (oneDNN's probes of each
+        class of row counts, :func:`fastgate.ops.dense.probe_pending`): a warm-up calls it after its first answer,
+        so that no timed pass or request pays for it. Changes no result."""
+        from fastgate.ops.dense import probe_pending
+
+        probe_pending()
+
     def count_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` as a prompt (special tokens included)."""
         return self.runner.count_tokens(text)

@@ -25,14 +25,18 @@ binding by any op, the reference's too, then multiplies the reordered weight: th
 CPU has no bf16 oneDNN product, under the ``torch`` backend, for float32 rows and for any input the reordered weight
 does not take (another dtype or device, not 2-D), the product is ``F.linear`` of the plain weight (made again from
 the codes where it was handed over). The registry binds the reordered product only where a probe finds it
-``F.linear``'s bits (:func:`onednn_agrees`), and each weight shape is probed again at its first product
-(:class:`ReorderedLinear`).
+``F.linear``'s bits (:func:`onednn_agrees`), and each weight shape is probed again for each class of row counts at its
+first product of that many rows (:class:`ReorderedLinear`): the classes of few rows at a decode step, those up to a
+prompt chunk's at a prefill. Probing every class at once cost qwen2.5-0.5b's LM head (151,936 x 896) 2.4 s of its
+first answer, mostly for the 515-row class, which a head meets only with prompt log-probs.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeAlias
 
@@ -40,14 +44,18 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["OnednnDense", "ReorderedLinear", "SharedColumns", "columns_agree", "onednn_agrees", "onednn_dense_linear",
-           "resting_dense_linear", "torch_dense_linear"]
+           "probe_pending", "resting_dense_linear", "torch_dense_linear"]
 
-# rows a probe multiplies: one, a few, past a 32-row block, a prime, a prompt chunk's
+# rows a probe multiplies: one, a few, past a 32-row block, a prime, a prompt chunk's; each stands for the class of
+# row counts above the one before it (the last for every count above it too)
 _PROBE_ROWS = (1, 3, 33, 97, 515)
 
 Product: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N]
 
-_shape_agrees: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias) -> the reordered product gave F.linear's bits
+# (N, K, bias) -> how many row classes (of _PROBE_ROWS, in order) the reordered product gave F.linear's bits for;
+# -1: one did not (the shape keeps F.linear)
+_probed: dict[tuple[int, int, bool], int] = {}
+_pending: weakref.WeakSet = weakref.WeakSet()  # ReorderedLinear products with row classes not yet probed
 _columns_agree: dict[tuple, bool] = {}  # (N, K, dtype, edges) -> row blocks' products are the whole one's columns
 _adopting = threading.Lock()  # OnednnDense.adopt
 
@@ -67,13 +75,14 @@ def _product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")  # [M, N]
 
 
-def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Tensor) -> bool:
-    """Whether the reordered product of ``weight`` gives ``F.linear``'s bits on random rows of :data:`_PROBE_ROWS`
-    (and on rows with a stride), with ``bias`` where given."""
+def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Tensor,
+            rows_probed: tuple[int, ...] = _PROBE_ROWS) -> bool:
+    """Whether the reordered product of ``weight`` gives ``F.linear``'s bits on random rows of each count of
+    ``rows_probed`` (and on rows with a stride), with ``bias`` where given."""
     gen = torch.Generator().manual_seed(0)
     k = weight.shape[1]
     try:
-        for m in _PROBE_ROWS:
+        for m in rows_probed:
             x = torch.randn((m, k + 3), generator=gen).to(weight.dtype)  # [M, K + 3]
             for rows in (x[:, :k].contiguous(), x[:, 3:]):  # contiguous, and rows with a stride
                 if not torch.equal(_product(rows, reordered, bias), F.linear(rows, weight, bias)):
@@ -83,10 +92,30 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Te
     return True
 
 
+def probe_pending() -> int:
+    """Probe every row class of every reordered product made so far that a larger product would still probe (each
+    shape once), and make their reordered weights: the one-time work a warm-up takes on before serving or a timed
+    run, so that no later pass pays it. Returns how many products were completed."""
+    done = 0
+    for product in list(_pending):
+        if product._ok:
+            product._takes(_PROBE_ROWS[-1])
+            done += 1
+        _pending.discard(product)
+    return done
+
+
+def _row_classes(m: int) -> int:
+    """How many classes of :data:`_PROBE_ROWS` a product of ``m`` rows needs probed: those up to the first count of
+    at least ``m`` (every class past the last count)."""
+    return min(bisect.bisect_left(_PROBE_ROWS, m), len(_PROBE_ROWS) - 1) + 1
+
+
 class ReorderedLinear:
     """``x [M, K] -> F.linear(x, weight, bias) [M, N]`` bit for bit, bf16 CPU rows multiplied by the weight
-    reordered once (module docstring), made at the first such call after a probe of the weight's shape; every
-    other input by ``F.linear`` of the plain weight."""
+    reordered once (module docstring), made at the first such call; a class of row counts goes through it once the
+    weight's shape was probed for that class (at the first product of that many rows), every other input by
+    ``F.linear`` of the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  rest: Callable[[], None] | None = None) -> None:
@@ -94,31 +123,43 @@ class ReorderedLinear:
             raise ValueError(f"dense_linear needs a weight [N, K] and a bias [N], got {tuple(weight.shape)} and "
                              f"{None if bias is None else tuple(bias.shape)}")
         self.weight, self.bias = weight, bias
-        self.in_features = weight.shape[1]
+        self.out_features, self.in_features = weight.shape
         self._plain: Callable[[], torch.Tensor] | None = None  # makes the plain weight again once it is released
         self.rest = rest  # called before each product: the extension's spinning workers sleep (module docstring)
         self.reordered: torch.Tensor | None = None  # made at the first bf16 product
         self._ok = (weight.dtype is torch.bfloat16 and weight.device.type == "cpu"
                     and (bias is None or (bias.dtype is torch.bfloat16 and bias.device.type == "cpu")))
+        if self._ok:
+            _pending.add(self)
 
-    def _make(self) -> bool:
-        """The reordered weight, where this shape's probe agrees (probed once a shape and process)."""
-        weight, bias = self.weight.detach().contiguous(), self.bias
-        reordered = _reorder(weight)
-        key = (weight.shape[0], weight.shape[1], bias is not None)
-        if key not in _shape_agrees:
-            _shape_agrees[key] = _agrees(weight, bias, reordered)
-        if not _shape_agrees[key]:
-            self._ok = False
-            return False
-        self.reordered = reordered
-        return True
+    def _takes(self, m: int) -> bool:
+        """Whether ``m`` rows go through the reordered weight (made now if not yet): this shape's row classes up to
+        ``m``'s probed (once a shape, class and process), every one of them ``F.linear``'s bits. Where one is not, the
+        shape keeps ``F.linear`` for every count (the plain weight made again and kept where it was released)."""
+        key = (self.out_features, self.in_features, self.bias is not None)
+        need, done = _row_classes(m), _probed.get(key, 0)
+        if done >= need and self.reordered is not None:
+            return True
+        weight = None
+        if done >= 0:
+            weight = (self.weight if self.weight is not None else self._plain()).detach().contiguous()  # [N, K]
+            if self.reordered is None:
+                self.reordered = _reorder(weight)
+            if done >= need or _agrees(weight, self.bias, self.reordered, _PROBE_ROWS[done:need]):
+                _probed[key] = max(need, _probed.get(key, 0))
+                return True
+            _probed[key] = -1
+        self._ok, self.reordered = False, None
+        if self.weight is None:  # released: held plain again, for F.linear of every count
+            self.weight = weight if weight is not None else self._plain()
+        return False
 
     def release(self, plain: Callable[[], torch.Tensor]) -> None:
         """Drop the plain weight (its owner drops its own reference: the weight is then held once, reordered);
-        ``plain()`` makes it again, equal, for an input the reordered product does not take. Made first if not yet;
-        raises where this shape's reordered product does not agree (the plain weight is then the only one)."""
-        if self.reordered is None and not (self._ok and self._make()):
+        ``plain()`` makes it again, equal, to probe a row class not yet probed and for an input the reordered product
+        does not take. Made first if not yet; raises where this shape's reordered product of one row does not agree
+        (the plain weight is then the only one)."""
+        if not (self._ok and self._takes(1)):
             raise ValueError("release: no reordered weight agrees for this shape")
         self.weight, self._plain = None, plain
 
@@ -126,8 +167,7 @@ class ReorderedLinear:
         if self.rest is not None:
             self.rest()
         if (self._ok and x.dtype is torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-                and x.shape[1] == self.in_features and x.shape[0] > 0
-                and (self.reordered is not None or self._make())):
+                and x.shape[0] > 0 and x.shape[1] == self.in_features and self._takes(x.shape[0])):
             return _product(x, self.reordered, self.bias)  # [M, N]
         return F.linear(x, self.weight if self.weight is not None else self._plain(), self.bias)
 

@@ -248,6 +248,7 @@ class AnswerService:
             if default.retriever is not None:  # a method that never retrieves opens no index (nor builds one)
                 reader = self._method(check_request("always", {}, default.retriever, self.runtime.model))  # kept
                 sched.answer(reader, [WARMUP_QUESTION])
+            self.runtime.engine.finish_warm_up()  # the products' probes for more rows than these passes had
         except Exception as exc:  # noqa: BLE001 - said, and the server starts: a request gets its own error
             _log.warning("fastgate: warning: the warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
             return
