@@ -134,6 +134,7 @@ def main() -> None:
             for label, runtime in (("local", local), ("remote", remote)):
                 method = runtime.build(request)
                 method.answer_batch(questions[:1])  # warm-up (prefix cache, embedder, connections)
+                runtime.engine.finish_warm_up()
                 eng = runtime.engine
                 before = (getattr(eng, "http_s", 0.0), getattr(eng, "server_s", 0.0), getattr(eng, "requests", 0))
                 recorder.seen.clear()

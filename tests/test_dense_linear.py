@@ -385,3 +385,43 @@ def test_a_warm_up_probes_every_row_class_left(monkeypatch, tiny):
     probed.clear()
     x = torch.randn((700, 24)).to(torch.bfloat16)
     assert torch.equal(product(x), F.linear(x, product.weight)) and probed == []
+
+
+@needs_onednn
+def test_two_threads_probing_one_shape_take_turns(monkeypatch):
+    """Thread A probes the 33-row class (slowly) while thread B's 600-row product finds the 515-row class
+    disagreeing: B waits for A's probe, both get ``F.linear``'s bits and shape, and the disagreement is kept (before,
+    A returned a [20, 0] tensor: B had dropped the reordered weight A was about to multiply, and A's verdict
+    overwrote B's)."""
+    import threading
+
+    real = dense._agrees
+    a_probing, b_called = threading.Event(), threading.Event()
+
+    def agrees(w, b, r, rows=dense._PROBE_ROWS):
+        if rows == (33,):  # A's probe: slow, as a real one is (it releases the GIL in torch)
+            a_probing.set()
+            b_called.wait(1.0)  # B's product has started (it waits for this probe)
+        return max(rows) < 515 and real(w, b, r, rows)  # the 515-row class disagrees
+
+    monkeypatch.setattr(dense, "_probed", {})
+    monkeypatch.setattr(dense, "_agrees", agrees)
+    weight = _weight(16, 32)
+    product = ReorderedLinear(weight)
+    product(torch.randn(2, 32).to(torch.bfloat16))  # the 1- and 3-row classes probed
+    out: dict[str, torch.Tensor] = {}
+    xa, xb = torch.randn(20, 32).to(torch.bfloat16), torch.randn(600, 32).to(torch.bfloat16)
+    a = threading.Thread(target=lambda: out.update(a=product(xa)))
+    a.start()
+    assert a_probing.wait(5.0)
+
+    def call_b():
+        b_called.set()
+        out["b"] = product(xb)
+
+    b = threading.Thread(target=call_b)
+    b.start()
+    a.join(10.0)
+    b.join(10.0)
+    assert torch.equal(out["a"], F.linear(xa, weight)) and torch.equal(out["b"], F.linear(xb, weight))
+    assert dense._probed[(16, 32, False)] == -1 and not product._ok and product.reordered is None

@@ -5,6 +5,7 @@ damaged files."""
 from __future__ import annotations
 
 import importlib.util
+import struct
 
 import numpy as np
 import pytest
@@ -110,3 +111,51 @@ def test_a_string_array_cut_short_is_refused(tmp_path):
     (tmp_path / "count.gguf").write_bytes(whole[:at] + (2**62).to_bytes(8, "little") + whole[at + 8:])
     with pytest.raises(ModelError, match="not a complete GGUF file"):
         read_gguf_tensors(tmp_path / "count.gguf")
+
+
+def _raw(kvs=(), tensors=((b"one", 1, (4,), 0, 0),)) -> bytes:
+    """A GGUF v3 built by hand (damaged values a writer refuses): ``kvs`` of (key, value type, payload bytes),
+    ``tensors`` of (name, n_dims, dims, type, offset); four float32 values as the data, at the default alignment."""
+    out = struct.pack("<IIQQ", 0x46554747, 3, len(tensors), len(kvs))
+    for key, kind, payload in kvs:
+        out += struct.pack("<Q", len(key)) + key + struct.pack("<I", kind) + payload
+    for name, n_dims, dims, kind, offset in tensors:
+        out += struct.pack("<Q", len(name)) + name + struct.pack(f"<I{len(dims)}QIQ", n_dims, *dims, kind, offset)
+    return out + b"\0" * (-len(out) % 32) + np.arange(4, dtype=np.float32).tobytes()
+
+
+DAMAGED = {  # what the file holds -> what the error says (each was an OverflowError, a RecursionError or accepted)
+    "a u64 array of 2**62": (_raw([(b"a", 9, struct.pack("<IQ", 10, 2**62))]), "header ends early"),
+    "a u8 array of 2**63": (_raw([(b"a", 9, struct.pack("<IQ", 0, 2**63))]), "header ends early"),
+    "a string of 2**63 bytes": (_raw([(b"a", 8, struct.pack("<Q", 2**63))]), "header ends early"),
+    "a string array's item of 2**64 - 1 bytes": (_raw([(b"a", 9, struct.pack("<IQQ", 8, 2, 2**64 - 1))]),
+                                                 "header ends early"),
+    "arrays nested 5000 deep": (_raw([(b"n", 9, struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0))]),
+                                "nested more than 8 deep"),
+    "a name that is not UTF-8": (_raw(tensors=((b"\xff\xfe", 1, (4,), 0, 0),)), "not UTF-8"),
+    "a tensor given twice": (_raw(tensors=((b"one", 1, (4,), 0, 0), (b"one", 1, (4,), 0, 0))), "given twice"),
+    "general.alignment given twice": (_raw([(b"general.alignment", 4, struct.pack("<I", 32))] * 2), "given twice"),
+    "five dimensions": (_raw(tensors=((b"one", 5, (1, 1, 1, 1, 4), 0, 0),)), "5 dimensions"),
+    "dimensions whose product wraps around 64 bits": (_raw(tensors=((b"one", 2, (2**32, 2**32), 0, 0),)),
+                                                      "bytes end past its end"),
+    "Q4_1 rows of 48 weights": (_raw(tensors=((b"one", 2, (48, 1), 3, 0),)), "not whole blocks of 32"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_header_is_refused_in_one_line(tmp_path, case):
+    data, message = DAMAGED[case]
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelError, match=message):
+        read_gguf_tensors(path)
+
+
+def test_a_hand_built_file_reads_as_gguf_reads_it(tmp_path):
+    """The builder of the damaged files makes a sound one when nothing is damaged (so each case above fails for its
+    own damage)."""
+    path = tmp_path / "sound.gguf"
+    path.write_bytes(_raw([(b"a", 9, struct.pack("<IQ", 10, 2) + struct.pack("<2Q", 1, 2)),
+                           (b"general.alignment", 4, struct.pack("<I", 32))]))
+    (tensor,) = _same_as_gguf(path)
+    assert tensor.name == "one" and np.array_equal(tensor.data.view(np.float32), np.arange(4, dtype=np.float32))

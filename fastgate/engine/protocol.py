@@ -47,6 +47,10 @@ class LLMEngine(Protocol):
         """Tokens of ``text`` as a prompt (an estimate where the tokenizer is not here)."""
         ...
 
+    def finish_warm_up(self) -> None:
+        """Take on the one-time work a warm-up's first answer left for later passes (nothing where none is left)."""
+        ...
+
     def cache_prefix(self, text: str) -> int:
         """Keep the KV of ``text`` for prompts that start with it; the prefix's tokens (0: nothing cached)."""
         ...

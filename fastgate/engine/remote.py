@@ -173,6 +173,9 @@ class RemoteEngine:
         absurdly long questions early; the server checks its own context."""
         return max(1, len(text.encode("utf-8")) // 4)
 
+    def finish_warm_up(self) -> None:
+        """Nothing: the server warms itself up."""
+
     def cache_prefix(self, text: str) -> int:
         """Nothing is cached on this side (servers with prefix caching do it themselves)."""
         return 0

@@ -730,8 +730,7 @@ def _warm_up(runtime, request, todo: Sequence[QAExample], schedule: str) -> None
                 method.answer_batch([ex.question])
         except (InputError, RemoteError):
             pass
-        if not method.engine.remote:
-            method.engine.finish_warm_up()  # the products' probes for more rows than one question's passes had
+        method.engine.finish_warm_up()  # the products' probes for more rows than one question's passes had
         return
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -58,6 +59,7 @@ _probed: dict[tuple[int, int, bool], int] = {}
 _pending: weakref.WeakSet = weakref.WeakSet()  # ReorderedLinear products with row classes not yet probed
 _columns_agree: dict[tuple, bool] = {}  # (N, K, dtype, edges) -> row blocks' products are the whole one's columns
 _adopting = threading.Lock()  # OnednnDense.adopt
+_probing = threading.Lock()  # one thread at a time probes a row class (ReorderedLinear._probe)
 
 
 def torch_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
@@ -78,11 +80,12 @@ def _product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None
 def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Tensor,
             rows_probed: tuple[int, ...] = _PROBE_ROWS) -> bool:
     """Whether the reordered product of ``weight`` gives ``F.linear``'s bits on random rows of each count of
-    ``rows_probed`` (and on rows with a stride), with ``bias`` where given."""
-    gen = torch.Generator().manual_seed(0)
+    ``rows_probed`` (and on rows with a stride), with ``bias`` where given. Each count's rows are seeded by the count:
+    a class probed alone sees the rows it would see among the others."""
     k = weight.shape[1]
     try:
         for m in rows_probed:
+            gen = torch.Generator().manual_seed(m)
             x = torch.randn((m, k + 3), generator=gen).to(weight.dtype)  # [M, K + 3]
             for rows in (x[:, :k].contiguous(), x[:, 3:]):  # contiguous, and rows with a stride
                 if not torch.equal(_product(rows, reordered, bias), F.linear(rows, weight, bias)):
@@ -95,12 +98,11 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, reordered: torch.Te
 def probe_pending() -> int:
     """Probe every row class of every reordered product made so far that a larger product would still probe (each
     shape once), and make their reordered weights: the one-time work a warm-up takes on before serving or a timed
-    run, so that no later pass pays it. Returns how many products were completed."""
+    run, so that no later pass pays it. Returns how many of them take every row count through their reordered
+    weights (the others keep ``F.linear``: a class did not agree)."""
     done = 0
     for product in list(_pending):
-        if product._ok:
-            product._takes(_PROBE_ROWS[-1])
-            done += 1
+        done += product._reordered_for(_PROBE_ROWS[-1] + 1) is not None
         _pending.discard(product)
     return done
 
@@ -111,11 +113,17 @@ def _row_classes(m: int) -> int:
     return min(bisect.bisect_left(_PROBE_ROWS, m), len(_PROBE_ROWS) - 1) + 1
 
 
+def _rows_covered(classes: int) -> float:
+    """The most rows ``classes`` probed classes stand for (every count once all are)."""
+    return math.inf if classes >= len(_PROBE_ROWS) else _PROBE_ROWS[classes - 1] if classes > 0 else 0
+
+
 class ReorderedLinear:
     """``x [M, K] -> F.linear(x, weight, bias) [M, N]`` bit for bit, bf16 CPU rows multiplied by the weight
     reordered once (module docstring), made at the first such call; a class of row counts goes through it once the
     weight's shape was probed for that class (at the first product of that many rows), every other input by
-    ``F.linear`` of the plain weight."""
+    ``F.linear`` of the plain weight. A class that does not agree sends the shape's every count to ``F.linear`` from
+    then on (the counts of the classes that agreed gave its bits before: the same bits either way)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  rest: Callable[[], None] | None = None) -> None:
@@ -127,39 +135,51 @@ class ReorderedLinear:
         self._plain: Callable[[], torch.Tensor] | None = None  # makes the plain weight again once it is released
         self.rest = rest  # called before each product: the extension's spinning workers sleep (module docstring)
         self.reordered: torch.Tensor | None = None  # made at the first bf16 product
+        self._rows_ok: float = 0  # products of up to this many rows take the reordered weight (their classes probed)
         self._ok = (weight.dtype is torch.bfloat16 and weight.device.type == "cpu"
                     and (bias is None or (bias.dtype is torch.bfloat16 and bias.device.type == "cpu")))
         if self._ok:
             _pending.add(self)
 
-    def _takes(self, m: int) -> bool:
-        """Whether ``m`` rows go through the reordered weight (made now if not yet): this shape's row classes up to
-        ``m``'s probed (once a shape, class and process), every one of them ``F.linear``'s bits. Where one is not, the
-        shape keeps ``F.linear`` for every count (the plain weight made again and kept where it was released)."""
+    def _reordered_for(self, m: int) -> torch.Tensor | None:
+        """The reordered weight a product of ``m`` rows multiplies, or None for ``F.linear`` (:meth:`_probe`). The
+        caller multiplies the tensor returned: another thread may drop ``self.reordered`` meanwhile."""
+        reordered = self.reordered
+        if reordered is not None and m <= self._rows_ok:
+            return reordered
+        with _probing:
+            return self._probe(m)
+
+    def _probe(self, m: int) -> torch.Tensor | None:
+        """Under ``_probing``: the reordered weight (made now if not yet) where this shape's row classes up to ``m``'s
+        were probed (once a shape, class and process) and every one gave ``F.linear``'s bits; else None, and the shape
+        keeps ``F.linear`` for every count (the plain weight made again and kept where it was released)."""
+        if not self._ok:
+            return None
         key = (self.out_features, self.in_features, self.bias is not None)
         need, done = _row_classes(m), _probed.get(key, 0)
-        if done >= need and self.reordered is not None:
-            return True
         weight = None
         if done >= 0:
-            weight = (self.weight if self.weight is not None else self._plain()).detach().contiguous()  # [N, K]
+            if done < need or self.reordered is None:
+                weight = (self.weight if self.weight is not None else self._plain()).detach().contiguous()  # [N, K]
             if self.reordered is None:
                 self.reordered = _reorder(weight)
             if done >= need or _agrees(weight, self.bias, self.reordered, _PROBE_ROWS[done:need]):
-                _probed[key] = max(need, _probed.get(key, 0))
-                return True
+                _probed[key] = max(need, done)
+                self._rows_ok = _rows_covered(_probed[key])
+                return self.reordered
             _probed[key] = -1
-        self._ok, self.reordered = False, None
+        self._ok, self.reordered, self._rows_ok = False, None, 0
         if self.weight is None:  # released: held plain again, for F.linear of every count
             self.weight = weight if weight is not None else self._plain()
-        return False
+        return None
 
     def release(self, plain: Callable[[], torch.Tensor]) -> None:
         """Drop the plain weight (its owner drops its own reference: the weight is then held once, reordered);
         ``plain()`` makes it again, equal, to probe a row class not yet probed and for an input the reordered product
         does not take. Made first if not yet; raises where this shape's reordered product of one row does not agree
         (the plain weight is then the only one)."""
-        if not (self._ok and self._takes(1)):
+        if self._reordered_for(1) is None:
             raise ValueError("release: no reordered weight agrees for this shape")
         self.weight, self._plain = None, plain
 
@@ -167,9 +187,12 @@ class ReorderedLinear:
         if self.rest is not None:
             self.rest()
         if (self._ok and x.dtype is torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-                and x.shape[0] > 0 and x.shape[1] == self.in_features and self._takes(x.shape[0])):
-            return _product(x, self.reordered, self.bias)  # [M, N]
-        return F.linear(x, self.weight if self.weight is not None else self._plain(), self.bias)
+                and x.shape[0] > 0 and x.shape[1] == self.in_features):
+            reordered = self._reordered_for(x.shape[0])
+            if reordered is not None:
+                return _product(x, reordered, self.bias)  # [M, N]
+        weight = self.weight
+        return F.linear(x, weight if weight is not None else self._plain(), self.bias)
 
 
 def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
