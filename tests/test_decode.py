@@ -560,3 +560,50 @@ def test_a_cancelled_prefill_gives_its_share_of_the_budget_back(tiny_engine):
     while loop.busy:
         loop.step()
     _same(ticket.result, _alone(tiny_engine, running))
+
+
+def test_a_store_grows_layer_by_layer(monkeypatch):
+    """A growth copies each layer's rows into its new buffer and drops the old one before the next layer's is
+    made: it holds the new store and one old layer's buffers, not both stores whole (the KV budget counts one).
+    The rows' values move unchanged; an allocation that fails midway leaves an empty store, not layers of two
+    shapes."""
+    import weakref
+
+    from fastgate.engine import packed
+    from fastgate.engine.packed import SlotStore
+
+    layers = 6
+    store = SlotStore(layers, 2, 4, torch.float32, "cpu")
+    store.reserve(3, 10, 0, 0)
+    for buf in (*store.keys, *store.values):
+        buf.normal_()
+    before = [(k[:3, :, :10].clone(), v[:3, :, :10].clone()) for k, v in zip(store.keys, store.values)]
+    old = [weakref.ref(t) for t in (*store.keys, *store.values)]
+    alive, empty = [], torch.empty
+
+    def counting_empty(*args, **kwargs):
+        alive.append(sum(r() is not None for r in old))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(packed.torch, "empty", counting_empty)
+    store.reserve(8, 300, 3, 10)
+    monkeypatch.setattr(packed.torch, "empty", empty)
+    assert len(alive) == 2 * layers and max(alive[1:]) <= 2 * layers - 1
+    assert alive == [2 * layers - i for i in range(2 * layers)]  # one old buffer fewer at each new one (was 12 each)
+    assert store.rows_cap >= 8 and store.cols_cap >= 300
+    for (k, v), layer_k, layer_v in zip(before, store.keys, store.values):
+        assert torch.equal(layer_k[:3, :, :10], k) and torch.equal(layer_v[:3, :, :10], v)
+        assert not layer_k[:3, :, 10:].any() and not layer_k[3:].any()
+
+    made = []
+
+    def failing_empty(*args, **kwargs):
+        if len(made) == 3:
+            raise MemoryError("no room")
+        made.append(1)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(packed.torch, "empty", failing_empty)
+    with pytest.raises(MemoryError):
+        store.reserve(64, 2000, 8, 300)
+    assert store.keys == [] and store.values == [] and store.rows_cap == store.cols_cap == 0

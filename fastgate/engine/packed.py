@@ -90,8 +90,17 @@ class SlotStore:
             new[used_rows:].zero_()
             return new
 
-        self.keys = [grown(self.keys[layer] if used else None) for layer in range(self.n_layers)]
-        self.values = [grown(self.values[layer] if used else None) for layer in range(self.n_layers)]
+        # layer by layer, each old buffer dropped once copied: a growth holds the new store and one old layer's
+        # buffer (where nothing else holds the old ones), not both stores whole (the budget counts one)
+        keys, values = (self.keys, self.values) if used else ([None] * self.n_layers, [None] * self.n_layers)
+        self.keys, self.values = keys, values
+        try:
+            for layer in range(self.n_layers):
+                keys[layer] = grown(keys[layer])
+                values[layer] = grown(values[layer])
+        except BaseException:  # an allocation failed midway: the layers differ in shape, nothing of it can be used
+            self.keys, self.values, self.rows_cap, self.cols_cap = [], [], 0, 0
+            raise
         self.rows_cap, self.cols_cap = new_r, new_c
 
     def write_rows(self, first: int, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, n: int) -> None:
