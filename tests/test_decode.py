@@ -579,6 +579,7 @@ def test_a_store_grows_layer_by_layer(monkeypatch):
         buf.normal_()
     before = [(k[:3, :, :10].clone(), v[:3, :, :10].clone()) for k, v in zip(store.keys, store.values)]
     old = [weakref.ref(t) for t in (*store.keys, *store.values)]
+    old_lists = (store.keys, store.values)
     alive, empty = [], torch.empty
 
     def counting_empty(*args, **kwargs):
@@ -591,6 +592,10 @@ def test_a_store_grows_layer_by_layer(monkeypatch):
     assert len(alive) == 2 * layers and max(alive[1:]) <= 2 * layers - 1
     assert alive == [2 * layers - i for i in range(2 * layers)]  # one old buffer fewer at each new one (was 12 each)
     assert store.rows_cap >= 8 and store.cols_cap >= 300
+    # new lists (the C++ decode stack keeps the buffers' pointers while the lists stay the same objects), the old
+    # ones emptied (whoever keeps them holds no old buffer)
+    assert store.keys is not old_lists[0] and store.values is not old_lists[1]
+    assert all(t is None for t in (*old_lists[0], *old_lists[1]))
     for (k, v), layer_k, layer_v in zip(before, store.keys, store.values):
         assert torch.equal(layer_k[:3, :, :10], k) and torch.equal(layer_v[:3, :, :10], v)
         assert not layer_k[:3, :, 10:].any() and not layer_k[3:].any()

@@ -299,3 +299,51 @@ def test_stack_rejects_bad_inputs_before_writing():
     assert all(not k.any() for k in keys) and all(not v.any() for v in values)
     out = stack(h, cos, sin, keys, values, torch.tensor([0, 5]), 0, n)  # [2, d]
     assert out.shape == (2, stack.d) and torch.isfinite(out).all() and keys[0][1, :, 5].any()
+
+
+def _joining_runs(lm, stacked: bool, budget=None):
+    """One prompt decoding alone for four steps, then five more joining (the store grows under the running row:
+    new buffers the stack must bind, not the pointers it kept), each generation to its end; the store's largest
+    (rows, columns) before and after the join."""
+    from fastgate.config import GenerationConfig, TapSpec
+    from fastgate.engine.model_runner import ModelRunner
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.ops.decoder import no_decode_layers
+
+    runner = ModelRunner(lm, backend="ext", prefix_cache=0, step="eager")
+    if not stacked:
+        runner.ops = dataclasses.replace(runner.ops, decode_layers=no_decode_layers)
+    cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    loop = PackedLoop(runner, mid=2)
+    tickets = loop.admit([(PROMPTS[0], cfg, TapSpec(layers=(0, 2, 4)), 1, None)])
+    for _ in range(4):
+        loop.step(budget)
+    first = last = (loop.store.rows_cap, loop.store.cols_cap)
+    tickets += loop.admit([(p, cfg, TapSpec(layers=(0, 2, 4)), 1, None) for p in PROMPTS[1:]])
+    while loop.busy:
+        loop.step(budget)
+        last = max(last, (loop.store.rows_cap, loop.store.cols_cap))  # (the store is let go at the end)
+    return (first, last), [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
+                    t.result.running_sum) for t in tickets]
+
+
+@needs_layers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_binds_a_grown_store(dtype):
+    """Rows joining a store the stack already multiplied into: the store grows into new buffers (new lists, so the
+    stack binds them: a growth that kept the lists the same objects left the stack on the old pointers, "positions
+    must lie in 0..301" on SmolLM2's FLARE), the same tokens, log-probs and running sums as the per-op path."""
+    from fastgate.assets.quant import quantize_model
+    from fastgate.testing import tiny_model
+
+    if dtype is torch.bfloat16 and _bf16_ext() is None:
+        pytest.skip("no C++ extension with decode_layers_bf16")
+    runs = []
+    for stacked in (True, False):
+        lm = tiny_model(dtype=dtype)
+        quantize_model(lm.model, "int4")
+        runs.append(_joining_runs(lm, stacked))
+    ((first, last), a), (_, b) = runs
+    assert first[0] < len(PROMPTS) <= last[0]  # grew under the stack
+    for x, y in zip(a, b, strict=True):
+        assert x[0] == y[0] and x[1] == y[1] and torch.equal(x[2], y[2])

@@ -90,14 +90,20 @@ class SlotStore:
             new[used_rows:].zero_()
             return new
 
-        # layer by layer, each old buffer dropped once copied: a growth holds the new store and one old layer's
-        # buffer (where nothing else holds the old ones), not both stores whole (the budget counts one)
-        keys, values = (self.keys, self.values) if used else ([None] * self.n_layers, [None] * self.n_layers)
+        # layer by layer, each old buffer dropped from the old lists once copied: a growth holds the new store and
+        # one old layer's buffer, not both stores whole (the budget counts one). New lists: a list's identity says
+        # its buffers are unchanged (the C++ decode stack keeps their pointers while the store's lists stay the same
+        # objects); the old lists are emptied in place, as whoever keeps them must bind the new ones anyway
+        old_keys, old_values = (self.keys, self.values) if used else ([None] * self.n_layers, [None] * self.n_layers)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         self.keys, self.values = keys, values
         try:
             for layer in range(self.n_layers):
-                keys[layer] = grown(keys[layer])
-                values[layer] = grown(values[layer])
+                keys.append(grown(old_keys[layer]))
+                old_keys[layer] = None
+                values.append(grown(old_values[layer]))
+                old_values[layer] = None
         except BaseException:  # an allocation failed midway: the layers differ in shape, nothing of it can be used
             self.keys, self.values, self.rows_cap, self.cols_cap = [], [], 0, 0
             raise
