@@ -115,12 +115,14 @@ def test_quantization_error_is_bounded_by_half_a_step():
     assert rel.item() < 0.01
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (769, 31), (64, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (769, 31), (64, 96), (300, 700), (3, 70001)])
 def test_quantization_is_its_definition_bit_for_bit_and_leaves_the_weight(shape, dtype):
-    """quantize_int8 works on one copy in place (a load's quantization 8x faster): the codes and scales of the plain
-    definition, ``round(w / (|w|'s row max / 127))``, on awkward shapes, zero and negative-only rows, a transposed
-    (non-contiguous) weight, and the weight given left as it was (a float32 weight is the model's own)."""
+    """quantize_int8 works in blocks of rows through a small float32 buffer, the row maxima in the weight's own
+    dtype (a load's quantization 10x faster): the codes and scales of the plain definition, ``round(w / (|w|'s row
+    max / 127))`` in float32, on awkward shapes (several blocks and a partial one; rows longer than a block), zero and
+    negative-only rows, each float dtype, a transposed (non-contiguous) weight, and the weight given left as it was (a
+    float32 weight is the model's own)."""
     gen = torch.Generator().manual_seed(shape[0])
     w = (torch.randn(shape, generator=gen) * torch.rand((shape[0], 1), generator=gen) * 5).to(dtype)
     w[0] = 0.0
