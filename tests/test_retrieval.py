@@ -421,3 +421,31 @@ def test_a_read_only_bm25_index_is_searched_through_links(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["2", "p1", "True", "False", "p2"]
     assert sorted(p.name for p in index.iterdir()) == before  # nothing written into it
+
+
+def test_the_links_directory_is_removed_when_a_file_reappears_in_it(tmp_path, monkeypatch):
+    """tantivy's watcher thread can make `.tantivy-meta.lock` anew while the directory of links is being removed (its
+    meta.json link gone): the removal tries again (a full test run once left the directory behind)."""
+    import os
+    import shutil
+
+    from fastgate.retrieval import bm25
+
+    shadow = tmp_path / "fastgate-bm25-x"
+    shadow.mkdir()
+    (shadow / "meta.json").write_text("{}")
+    real, calls = shutil.rmtree, []
+
+    def racing_rmtree(path, ignore_errors=False):
+        calls.append(1)
+        real(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # the watcher's lock file, made again as the first removal ends
+            shadow.mkdir()
+            (shadow / ".tantivy-meta.lock").touch()
+
+    monkeypatch.setattr(bm25.shutil, "rmtree", racing_rmtree)
+    bm25._remove_shadow(shadow, os.getpid())
+    assert not shadow.exists() and len(calls) == 2
+    shadow.mkdir()
+    bm25._remove_shadow(shadow, os.getpid() + 1)  # another process's (a forked child's): left to its maker
+    assert shadow.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import unicodedata
 import weakref
 from collections.abc import Iterable
@@ -60,9 +61,17 @@ def build_bm25_index(passages: Iterable[Passage], out_dir: str | Path, corpus_na
     return Path(out_dir)
 
 
-def _remove_shadow(path: Path, pid: int) -> None:
-    if os.getpid() == pid:
+def _remove_shadow(path: Path, pid: int, attempts: int = 5) -> None:
+    """Remove the directory of links (in the process that made it). Again if something is left: tantivy's watcher
+    thread polls the index's meta.json and, finding its link gone mid-removal, may make `.tantivy-meta.lock` anew
+    before the directory itself is removed (a full test run left the directory once)."""
+    if os.getpid() != pid:
+        return
+    for attempt in range(attempts):
         shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.01 * (attempt + 1))
 
 
 def _denied(exc: BaseException) -> bool:
