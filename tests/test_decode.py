@@ -563,10 +563,11 @@ def test_a_cancelled_prefill_gives_its_share_of_the_budget_back(tiny_engine):
 
 
 def test_a_store_grows_layer_by_layer(monkeypatch):
-    """A growth copies each layer's rows into its new buffer and drops the old one before the next layer's is
+    """A growth copies each layer's rows into its new buffers and drops the old ones before the next layer's are
     made: it holds the new store and one old layer's buffers, not both stores whole (the KV budget counts one).
     The rows' values move unchanged; an allocation that fails midway leaves an empty store, not layers of two
-    shapes."""
+    shapes, and says so to a growth that would copy rows from it; lists kept by another (the C++ decode stack) hold
+    no old buffer after a growth, a failed one or a release."""
     import weakref
 
     from fastgate.engine import packed
@@ -589,8 +590,8 @@ def test_a_store_grows_layer_by_layer(monkeypatch):
     monkeypatch.setattr(packed.torch, "empty", counting_empty)
     store.reserve(8, 300, 3, 10)
     monkeypatch.setattr(packed.torch, "empty", empty)
-    assert len(alive) == 2 * layers and max(alive[1:]) <= 2 * layers - 1
-    assert alive == [2 * layers - i for i in range(2 * layers)]  # one old buffer fewer at each new one (was 12 each)
+    # one old layer (its keys and values) fewer at each new layer's buffers (all twelve or six alive before)
+    assert alive == [2 * layers - 2 * (i // 2) for i in range(2 * layers)]
     assert store.rows_cap >= 8 and store.cols_cap >= 300
     # new lists (the C++ decode stack keeps the buffers' pointers while the lists stay the same objects), the old
     # ones emptied (whoever keeps them holds no old buffer)
@@ -599,6 +600,7 @@ def test_a_store_grows_layer_by_layer(monkeypatch):
     for (k, v), layer_k, layer_v in zip(before, store.keys, store.values):
         assert torch.equal(layer_k[:3, :, :10], k) and torch.equal(layer_v[:3, :, :10], v)
         assert not layer_k[:3, :, 10:].any() and not layer_k[3:].any()
+        assert not layer_v[:3, :, 10:].any() and not layer_v[3:].any()
 
     made = []
 
@@ -609,6 +611,18 @@ def test_a_store_grows_layer_by_layer(monkeypatch):
         return empty(*args, **kwargs)
 
     monkeypatch.setattr(packed.torch, "empty", failing_empty)
+    kept = (store.keys, store.values)  # as the C++ decode stack keeps the last lists it bound
     with pytest.raises(MemoryError):
         store.reserve(64, 2000, 8, 300)
     assert store.keys == [] and store.values == [] and store.rows_cap == store.cols_cap == 0
+    assert kept == ([], [])  # no old buffer held through them
+    monkeypatch.setattr(packed.torch, "empty", empty)
+    with pytest.raises(RuntimeError, match="lost its buffers"):  # rows to copy from a store that has none
+        store.reserve(64, 2000, 8, 300)
+    store.reserve(4, 16, 0, 0)  # nothing to copy: a store again
+    kept = (store.keys, store.values)
+    store.reserve(9, 40, 0, 0)  # a growth with nothing to copy lets the old buffers go before making the new
+    assert kept == ([], []) and len(store.keys) == layers and store.rows_cap >= 9
+    kept = (store.keys, store.values)
+    store.release()
+    assert kept == ([], []) and store.keys == [] and store.rows_cap == 0

@@ -323,6 +323,8 @@ def _joining_runs(lm, stacked: bool, budget=None):
     while loop.busy:
         loop.step(budget)
         last = max(last, (loop.store.rows_cap, loop.store.cols_cap))  # (the store is let go at the end)
+    stacks = [st._store for st in runner.fused._stacks.values() if st is not None and st._store is not None]
+    assert not any(t is not None for st in stacks for t in (*st[0], *st[1]))  # the idle loop's store let go there too
     return (first, last), [(list(t.result.sequences[0].token_ids), list(t.result.sequences[0].token_logprobs),
                     t.result.running_sum) for t in tickets]
 
@@ -332,7 +334,8 @@ def _joining_runs(lm, stacked: bool, budget=None):
 def test_the_stack_binds_a_grown_store(dtype):
     """Rows joining a store the stack already multiplied into: the store grows into new buffers (new lists, so the
     stack binds them: a growth that kept the lists the same objects left the stack on the old pointers, "positions
-    must lie in 0..301" on SmolLM2's FLARE), the same tokens, log-probs and running sums as the per-op path."""
+    must lie in 0..301" on SmolLM2's FLARE), the same tokens, log-probs and running sums as the per-op path; once
+    the loop is idle, the lists the stack kept hold none of the store's buffers."""
     from fastgate.assets.quant import quantize_model
     from fastgate.testing import tiny_model
 

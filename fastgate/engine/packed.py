@@ -78,6 +78,9 @@ class SlotStore:
                                     self.cols_cap if cols <= self.cols_cap else spare_c, rows, cols, max_cells)
         shape = (new_r, self.kv_heads, new_c, self.head_dim)
         used = used_rows and used_cols
+        if used and len(self.keys) != self.n_layers:
+            raise RuntimeError("the KV store lost its buffers in a growth that failed (an allocation): its rows "
+                               "must be prefilled again in a new store")
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:
             # every cell written once: the kept rows' columns copied, the rest zeros (zero-filling all, then copying,
@@ -94,20 +97,33 @@ class SlotStore:
         # one old layer's buffer, not both stores whole (the budget counts one). New lists: a list's identity says
         # its buffers are unchanged (the C++ decode stack keeps their pointers while the store's lists stay the same
         # objects); the old lists are emptied in place, as whoever keeps them must bind the new ones anyway
-        old_keys, old_values = (self.keys, self.values) if used else ([None] * self.n_layers, [None] * self.n_layers)
+        old_keys, old_values = self.keys, self.values
+        if not used:  # nothing to copy: the old buffers go before the new ones are made
+            old_keys.clear()
+            old_values.clear()
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         self.keys, self.values = keys, values
         try:
             for layer in range(self.n_layers):
-                keys.append(grown(old_keys[layer]))
-                old_keys[layer] = None
-                values.append(grown(old_values[layer]))
-                old_values[layer] = None
+                keys.append(grown(old_keys[layer] if used else None))
+                values.append(grown(old_values[layer] if used else None))
+                if used:
+                    old_keys[layer] = old_values[layer] = None
         except BaseException:  # an allocation failed midway: the layers differ in shape, nothing of it can be used
-            self.keys, self.values, self.rows_cap, self.cols_cap = [], [], 0, 0
+            self.release()  # (a later growth that would copy rows says so)
+            old_keys.clear()
+            old_values.clear()
             raise
         self.rows_cap, self.cols_cap = new_r, new_c
+
+    def release(self) -> None:
+        """Let every buffer go, also where another holds the lists (the C++ decode stack keeps the last lists it
+        bound): new empty lists, the old ones emptied."""
+        old_keys, old_values = self.keys, self.values
+        self.keys, self.values, self.rows_cap, self.cols_cap = [], [], 0, 0
+        old_keys.clear()
+        old_values.clear()
 
     def write_rows(self, first: int, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, n: int) -> None:
         """Rows ``first .. first + n - 1`` get the first ``length`` columns of ``kv`` (one sequence's prefill
@@ -576,6 +592,7 @@ class PackedLoop(DecodeLoop):
         if self.rows:
             self._compact([])
         elif not self.prefilling and self.store.rows_cap:
+            self.store.release()  # (the decode stack may hold its lists)
             self.store = self._new_store()
 
     def _compact(self, keep: list[int]) -> list[int]:
@@ -587,7 +604,8 @@ class PackedLoop(DecodeLoop):
         if not keep:
             self.rows, self.lens, self.logits, self.running, self.count = [], [], None, None, None
             self.layers, self.chosen = (), None
-            if not self.prefilling:  # an idle loop holds nothing
+            if not self.prefilling:  # an idle loop holds nothing (the decode stack may hold the store's lists)
+                self.store.release()
                 self.store = self._new_store()
             return []
         order = list(range(m))

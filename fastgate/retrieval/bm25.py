@@ -69,7 +69,7 @@ def _remove_shadow(path: Path, pid: int, attempts: int = 5) -> None:
         return
     for attempt in range(attempts):
         shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
+        if not path.exists() or attempt == attempts - 1:
             return
         time.sleep(0.01 * (attempt + 1))
 
