@@ -391,6 +391,11 @@ class PackedLoop(DecodeLoop):
         return SlotStore(r.n_layers, r.kv_heads, r.head_dim, r.dtype, r.device,
                          buckets=r.static_step(self.mid) is not None)
 
+    def _let_store_go(self) -> None:
+        """A new empty store; the old one's buffers released also where the C++ decode stack keeps its lists."""
+        self.store.release()
+        self.store = self._new_store()
+
     # -------------------------------------------------------------- state
     @property
     def kv_bytes(self) -> int:
@@ -592,8 +597,7 @@ class PackedLoop(DecodeLoop):
         if self.rows:
             self._compact([])
         elif not self.prefilling and self.store.rows_cap:
-            self.store.release()  # (the decode stack may hold its lists)
-            self.store = self._new_store()
+            self._let_store_go()
 
     def _compact(self, keep: list[int]) -> list[int]:
         """Keep rows ``keep``: each row that leaves takes the last kept row into its place (one row's copy of
@@ -604,9 +608,8 @@ class PackedLoop(DecodeLoop):
         if not keep:
             self.rows, self.lens, self.logits, self.running, self.count = [], [], None, None, None
             self.layers, self.chosen = (), None
-            if not self.prefilling:  # an idle loop holds nothing (the decode stack may hold the store's lists)
-                self.store.release()
-                self.store = self._new_store()
+            if not self.prefilling:  # an idle loop holds nothing
+                self._let_store_go()
             return []
         order = list(range(m))
         kept = set(keep)

@@ -161,7 +161,7 @@ class ReorderedLinear:
         weight = None
         if done >= 0:
             if done < need or self.reordered is None:
-                weight = (self.weight if self.weight is not None else self._plain()).detach().contiguous()  # [N, K]
+                weight = self._plain_weight().detach().contiguous()  # [N, K]
             if self.reordered is None:
                 self.reordered = _reorder(weight)
             if done >= need or _agrees(weight, self.bias, self.reordered, _PROBE_ROWS[done:need]):
@@ -173,6 +173,12 @@ class ReorderedLinear:
         if self.weight is None:  # released: held plain again, for F.linear of every count
             self.weight = weight if weight is not None else self._plain()
         return None
+
+    def _plain_weight(self) -> torch.Tensor:
+        """The plain weight ``[N, K]``: held, or made again where it was released (read once: another thread may
+        hold it again meanwhile)."""
+        weight = self.weight
+        return weight if weight is not None else self._plain()
 
     def release(self, plain: Callable[[], torch.Tensor]) -> None:
         """Drop the plain weight (its owner drops its own reference: the weight is then held once, reordered);
@@ -191,8 +197,7 @@ class ReorderedLinear:
             reordered = self._reordered_for(x.shape[0])
             if reordered is not None:
                 return _product(x, reordered, self.bias)  # [M, N]
-        weight = self.weight
-        return F.linear(x, weight if weight is not None else self._plain(), self.bias)
+        return F.linear(x, self._plain_weight(), self.bias)
 
 
 def onednn_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
