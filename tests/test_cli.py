@@ -125,6 +125,32 @@ def test_help_for_each_command(capsys):
         assert f"usage: fastgate {command}" in capsys.readouterr().out
 
 
+def test_help_and_usage_errors_build_only_the_named_command(capsys):
+    """A run builds the arguments of the command it names; the others by name and help line: the same help and
+    usage errors as the whole parser, and `fastgate --help` without the imports that take torch (1.6-1.9 s)."""
+    import fastgate.entrypoints.cli as cli
+
+    def help_of(parser, argv):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        out = capsys.readouterr()
+        return exit_.value.code, out.out, out.err
+
+    for argv in (["--help"], ["frob"], ["ask"], ["train"], ["train", "read", "--help"], ["calibrate", "--help"],
+                 *([c, "--help"] for c in cli._COMMANDS)):
+        lazy = cli.build_parser(cli._command_of(argv))
+        assert help_of(lazy, argv) == help_of(cli.build_parser(), argv), argv
+    only_ask = cli.build_parser("ask")
+    assert only_ask.parse_args(["ask", "Who?"]).func is cli._cmd_ask
+    assert not hasattr(only_ask.parse_args(["eval"]), "func")  # not built: this run names ask
+    assert cli._command_of(["--version"]) == "" and cli._command_of(["-h", "eval", "--n", "3"]) == "eval"
+    code = ("import sys; from fastgate.entrypoints.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("[]"), proc.stdout + proc.stderr
+
+
 def test_subprocess_error_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "fastgate", "ask", "", "--method", "never"], capture_output=True,
                           text=True, timeout=120)
@@ -226,7 +252,7 @@ def test_ctrl_c_while_the_parser_is_built_is_one_line(capsys, monkeypatch):
     """Building the parser imports for seconds, outside the command's error map: Ctrl-C there was a traceback."""
     import fastgate.entrypoints.cli as cli
 
-    def interrupted():
+    def interrupted(*_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)

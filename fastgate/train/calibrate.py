@@ -32,7 +32,7 @@ from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
 from fastgate.settings import positive_count
 
-__all__ = ["CalibrationResult", "add_calibrate_parser", "choose_cut", "dev_curve"]
+__all__ = ["CalibrationResult", "add_calibrate_args", "choose_cut", "dev_curve"]
 
 
 @dataclass(frozen=True)
@@ -265,9 +265,8 @@ def _plot(curve, pick, path: Path, method: str) -> None:
     plt.close(fig)
 
 
-def add_calibrate_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="calibrate a gated method's threshold for a model on dev questions "
-                                         "(resumable); writes $FASTGATE_HOME/calibration/<model>.json")
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    """``fastgate calibrate``'s arguments on its parser ``p`` (its name and help line are the command line's)."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="embedded model or a local HF directory whose threshold is calibrated (default: %(default)s)")
     p.add_argument("--method", required=True, help="a gated method (see `fastgate methods`)")

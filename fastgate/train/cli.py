@@ -13,7 +13,7 @@ from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
 from fastgate.settings import count
 
-__all__ = ["add_train_parser"]
+__all__ = ["add_train_args"]
 
 
 def _layers(text: str | None, one: bool) -> tuple[int, ...] | None:
@@ -190,8 +190,9 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_train_parser(sub) -> None:
-    train = sub.add_parser("train", help="train the learned gates (Probing-RAG probers, CBDR confidence model)")
+def add_train_args(train: argparse.ArgumentParser) -> None:
+    """``fastgate train``'s kinds and their arguments on its parser ``train`` (its name and help line are the command
+    line's)."""
     kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,read,evaluate,reranker}", required=True)
     ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
                                            "accuracy vs the majority class)")
