@@ -25,6 +25,10 @@ its
   with ``step="eager"`` (``auto`` would compile on CUDA), and every row's ``mode`` is what its loop actually ran;
   ``--compile-batches`` and ``--compile-contexts`` bound the graphs both compiled designs build (one per batch and
   context), and ``compiles`` counts the graphs dynamo built so far in the run.
+- ``packed-compiled-symbolic`` (mode ``compiled``): the same step with symbolic sizes (``StepConfig.sizes``): one
+  compile for every bucket, a CUDA graph captured per bucket on GPU (vLLM's design). A CPU's ``packed-compiled``
+  already is this; on CUDA it answers whether one compile (a server's later buckets start in a capture, not a 26-47 s
+  compile) costs the step anything against the graph compiled per bucket. Run it after ``packed-compiled`` in one run.
 - ``llama.cpp`` (mode ``native``): llama-cpp-python on the very GGUF file the embedded model is converted from (its
   own quantized blocks, ``dtype`` names the GGUF type), decode steps at batch 1 only (its ``Llama`` decodes one
   sequence), with as many threads as torch; the ``--prefill`` batch as the engine's rows (N different L-token prompts,
@@ -102,11 +106,11 @@ from fastgate.ops.quant import INT4_HALF, int4_bf16_form  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
-DESIGNS = ("packed", "packed-hf", "packed-compiled", "padded", "hf-dynamic", "hf-eager", "hf-static-compile",
-           "llama.cpp")
+DESIGNS = ("packed", "packed-hf", "packed-compiled", "packed-compiled-symbolic", "padded", "hf-dynamic", "hf-eager",
+           "hf-static-compile", "llama.cpp")
 PREFILL_FORMS = {"packed": "packed passes of the runner's prefill chunk (from text)", "engine": "row chunks",
                  "hf-eager": "one HF forward"}  # each prefill row's prefill_shape: what it timed
-COMPILED = ("packed-compiled", "hf-static-compile")  # the designs that compile a graph per batch and context
+COMPILED = ("packed-compiled", "packed-compiled-symbolic", "hf-static-compile")  # designs that compile graphs
 LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
                   "--no-binary llama-cpp-python llama-cpp-python)")
 SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
@@ -492,6 +496,9 @@ def main() -> None:
             # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and
             # width bucket
             compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
+            # and with symbolic sizes: one graph for every bucket (on a CPU the same as `compiled`'s)
+            symbolic = Engine(lm, prefix_cache=0,
+                              step=StepConfig("compiled", backend=args.compile_backend, sizes="symbolic"))
             name = engine.dtype_name
             held_as = lm.weights  # auto resolved (fastgate.assets.quant.choose_weights)
             reason = lm.dtype_reason
@@ -535,9 +542,10 @@ def main() -> None:
                             elif d == "packed-hf":
                                 t, width, kv = loop_step(hf_engine, ids[(b, c)], args.steps, d)
                                 mode = "eager"
-                            elif d == "packed-compiled":
-                                t, width, kv = loop_step(compiled, ids[(b, c)], args.steps, d)
-                                mode = step_mode(compiled)
+                            elif d in ("packed-compiled", "packed-compiled-symbolic"):
+                                eng = compiled if d == "packed-compiled" else symbolic
+                                t, width, kv = loop_step(eng, ids[(b, c)], args.steps, d)
+                                mode = step_mode(eng)
                             elif d == "hf-eager":
                                 with plain_head(engine):
                                     t, width, kv = hf_eager_step(engine, ids[(b, c)], args.steps)
@@ -585,7 +593,7 @@ def main() -> None:
                           "vs_hf_ids": statistics.median(samples["hf-eager"]) / max(t - tok_s, 1e-9),
                           "tokens_per_s": n * length / t,
                           "weights_MB": weight_bytes(lm.model, n * length) / 1e6, **machine})
-            del engine, hf_engine, compiled, lm
+            del engine, hf_engine, compiled, symbolic, lm
     if "llama.cpp" in designs and not out_of_time():
         run_llama_cpp(args, contexts, batches, machine, emit, out_of_time)
     steps = [r for r in rows if r["kind"] == "step"]

@@ -242,6 +242,32 @@ def test_a_first_bucket_equal_to_another_size_does_not_pin_the_graph_to_it(tiny,
     assert counting.graphs == 1
 
 
+@pytest.mark.parametrize(("sizes", "graphs"), [("auto", 1), ("symbolic", 1), ("bucket", 3)])
+def test_the_step_s_sizes_say_how_many_graphs_its_buckets_trace(tiny, sizes, graphs):
+    """``StepConfig.sizes``: symbolic sizes (a CPU's auto) trace one graph for the buckets of 2, 4 and 8 rows; sizes
+    fixed per bucket (CUDA's auto) one each, with the same tokens; a bad value is an InputError at construction."""
+    torch._dynamo.reset()
+    counting = _Counting()
+    runner = ModelRunner(tiny, step=StepConfig("compiled", backend=counting, sizes=sizes))
+    loop = PackedLoop(runner, mid=1)
+    cfg = G(max_new_tokens=3, stop_at_eos=False)
+    eager = PackedLoop(ModelRunner(tiny, step="eager"), mid=1)
+    for n in (2, 4, 8):  # the rows finish together: no batch-1 step
+        specs = [(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(n)]
+        for lp in (loop, eager):
+            lp.add(specs)
+        got, want = [], []
+        while loop.busy:
+            got += [s.token_ids for t in loop.step() for s in t.result.sequences]
+        while eager.busy:
+            want += [s.token_ids for t in eager.step() for s in t.result.sequences]
+        assert got == want
+    assert loop.static.symbolic == (sizes != "bucket") and loop.static_steps > 0
+    assert counting.graphs == graphs
+    with pytest.raises(InputError, match="sizes must be auto, bucket, symbolic, got 'dynamic'"):
+        StepConfig("compiled", sizes="dynamic")
+
+
 def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     """Traced through AOTAutograd (functionalized in-place writes to the store and the tap buffers, as inductor
     receives them), with fullgraph=True: the same greedy tokens and taps as the eager pass."""
@@ -416,17 +442,20 @@ def test_runtime_and_service_name_the_step(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_step_gives_the_eager_greedy_tokens():
-    """On a GPU: the step compiled by inductor with CUDA graphs (the default there) gives the eager pass's greedy
-    tokens and, within bf16-free float32 tolerance, its taps."""
+@pytest.mark.parametrize("sizes", ["auto", "symbolic"])
+def test_cuda_graph_step_gives_the_eager_greedy_tokens(sizes):
+    """On a GPU: the step compiled by inductor with CUDA graphs (the default there; with symbolic sizes, one compile
+    and a graph captured per bucket) gives the eager pass's greedy tokens and, within bf16-free float32 tolerance, its
+    taps."""
     from fastgate.testing import tiny_model
 
     lm = tiny_model(n_layers=2)
     lm.model.to("cuda")
     eager, _ = _run(ModelRunner(lm, step="eager"), GREEDY)
-    runner = ModelRunner(lm)  # auto: compiled on CUDA
+    runner = ModelRunner(lm, step=StepConfig(sizes=sizes))  # auto: compiled on CUDA
     assert runner.compiled
     got, loop = _run(runner, GREEDY)
     for i in eager:
         _same(got[i], eager[i])
-    assert loop.static_steps > 0 and loop.static.compiled
+    assert loop.static_steps > 0 and loop.static.compiled and loop.static.cuda_graphs
+    assert loop.static.symbolic == (sizes == "symbolic") and len(loop.static._graphs) == len(loop.static.buckets)

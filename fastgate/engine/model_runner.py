@@ -265,7 +265,7 @@ class ModelRunner:
         step = self._static.get(mid)
         if step is None:
             step = self._static[mid] = StaticStep(self, mid, backend=self.step_config.backend,
-                                                  cache_dir=self.step_config.cache_dir)
+                                                  cache_dir=self.step_config.cache_dir, sizes=self.step_config.sizes)
         return step
 
     @property

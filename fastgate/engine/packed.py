@@ -789,9 +789,11 @@ class PackedLoop(DecodeLoop):
             return False
         b = batch_bucket(m)
         self.store.reserve(b, max(self.lens) + 1, m, max(self.lens), self.max_cells)
-        # on CUDA every column of the store: a graph per (batch bucket, store width), whatever the rows' lengths; on a
-        # CPU (symbolic sizes) the columns the rows use, so that a long context does not read the store's spare
-        width = self.store.cols_cap if self.static.cuda_graphs else max(self.lens) + 1
+        # on CUDA, or with sizes fixed per bucket, every column of the store: a graph (CUDA's, or a compiled one) per
+        # (batch bucket, store width), whatever the rows' lengths; on a CPU with symbolic sizes the columns the rows
+        # use, so that a long context does not read the store's spare
+        whole = self.static.cuda_graphs or not self.static.symbolic
+        width = self.store.cols_cap if whole else max(self.lens) + 1
         if self.store.rows_cap < b or self.store.cols_cap != width_bucket(self.store.cols_cap):  # max_cells cut them
             return False
         eng = self.runner

@@ -11,7 +11,11 @@ traces it once per bucket and, on CUDA, captures it as a CUDA graph (:class:`_Gr
 one graph per batch size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes are
 left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the step
 attends over the columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare
-of a 1024-column store made the step 1.2× slower than the eager one). Inside the one graph:
+of a 1024-column store made the step 1.2× slower than the eager one). On CUDA the sizes can be symbolic too
+(``StepConfig.sizes="symbolic"``): one compile, then a CUDA graph captured per bucket, as vLLM compiles once and
+captures per batch size; per-bucket compiles stall a server for 26-47 s at each new bucket (an H200), but whether
+symbolic sizes cost the step anything there is not yet measured, so fixed sizes stay CUDA's default. Inside the one
+graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.engine.packed.SlotStore` rows at the row's own
@@ -53,8 +57,8 @@ from fastgate.assets.quant import Int4Linear, Int8Linear
 from fastgate.engine.attention import attention_dtype, attention_implementation, register_attention
 from fastgate.errors import InputError
 
-__all__ = ["BATCH_BUCKETS", "STEP_MODES", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket", "choose",
-           "compiled_by_default", "covers", "row_key", "uniform", "width_bucket"]
+__all__ = ["BATCH_BUCKETS", "STEP_MODES", "STEP_SIZES", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket",
+           "choose", "compiled_by_default", "covers", "row_key", "uniform", "width_bucket"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # the batch sizes a graph is traced for (vLLM captures a similar set)
 TOP_K_MAX = 64  # sampled rows draw among their top-k within this many candidates (SeaKR samples with top-k 50)
@@ -158,6 +162,7 @@ class _StoreView:
 
 
 STEP_MODES = ("auto", "eager", "compiled")  # how decode steps run: auto is compiled on CUDA, eager on a CPU
+STEP_SIZES = ("auto", "bucket", "symbolic")  # the compiled step's sizes (StepConfig.sizes)
 _ATTENTION = "fastgate_static"  # the step's attention function's name in transformers' AttentionInterface
 
 
@@ -230,10 +235,17 @@ class StepConfig:
     mode: str = "auto"  # compiled on CUDA (CUDA graphs), eager on CPU (see compiled_by_default); or eager, compiled
     backend: object = "inductor"  # torch.compile's backend ("aot_eager": tracing without code generation, for tests)
     cache_dir: str | None = None  # compiled kernels' cache (None: $FASTGATE_HOME/compile): a later start reuses them
+    # the compiled step's sizes: symbolic (one graph serves every bucket; on CUDA a CUDA graph is still captured per
+    # bucket, as vLLM does), or fixed per bucket (a compile for each bucket a server meets: 26-47 s each on an H200,
+    # the scheduler stalled meanwhile); auto: symbolic on a CPU, per bucket on CUDA, whose symbolic step is not yet
+    # measured against it (bench_engine.py's packed-compiled-symbolic design)
+    sizes: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
             raise InputError(f"step must be auto, eager or compiled, got {self.mode!r}")
+        if self.sizes not in STEP_SIZES:
+            raise InputError(f"the step's sizes must be {', '.join(STEP_SIZES)}, got {self.sizes!r}")
 
 
 def compiled_by_default(device) -> bool:
@@ -251,13 +263,21 @@ class StaticStep:
         compiled: run through ``torch.compile(fullgraph=True)``, and on CUDA captured as a CUDA graph per bucket
             (:class:`_Graph`); False: the same function eagerly (the reference).
         backend: ``torch.compile``'s backend.
+        cache_dir: where inductor caches the compiled kernels (None: ``$FASTGATE_HOME/compile``).
+        sizes: ``symbolic`` (one graph for every bucket), ``bucket`` (a graph per bucket) or ``auto`` (symbolic on a
+            CPU, per bucket on CUDA): see :class:`StepConfig`.
     """
 
     def __init__(self, runner, mid: int, compiled: bool = True, backend: str = "inductor",
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, sizes: str = "auto") -> None:
         self.runner, self.mid, self.compiled, self.backend = runner, mid, compiled, backend
         self.buckets: set[tuple[int, int]] = set()  # (B, W) buckets run so far
         self.cuda_graphs = compiled and torch.device(runner.device).type == "cuda"
+        if sizes not in STEP_SIZES:
+            raise InputError(f"the step's sizes must be {', '.join(STEP_SIZES)}, got {sizes!r}")
+        # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
+        # compiles for a minute or two once instead of per bucket; on CUDA (auto) each bucket's sizes are fixed
+        self.symbolic = not self.cuda_graphs if sizes == "auto" else sizes == "symbolic"
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (B, W) -> its CUDA graph (on CUDA)
         self._pool = None  # the graphs' shared memory pool (one bucket replays at a time, as in vLLM)
         fn = _decode
@@ -267,9 +287,7 @@ class StaticStep:
             self.cache_dir = _configure(cache_dir)
             # the graphs are captured here, not by mode="reduce-overhead": its trees skip graphs whose inputs are
             # mutated and not static (the store's views, the tap buffers), which is every input this step writes
-            # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
-            # compiles for a minute or two once instead of per bucket; a CUDA graph needs the static shapes anyway
-            fn = torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend=backend)
+            fn = torch.compile(_decode, fullgraph=True, dynamic=self.symbolic, backend=backend)
         self._fn = fn
         self._fns: dict[tuple[int, int], Callable] = {}  # (B, W) -> the function a bucket runs where not self._fn
         self.eager_buckets: set[tuple[int, int]] = set()  # buckets whose compile failed: they run eagerly
@@ -326,12 +344,13 @@ class StaticStep:
 
     def _announce(self, bucket: tuple[int, int]) -> None:
         """One line on stderr as a bucket's compile starts: the step then stalls for tens of seconds (minutes on a
-        CPU) with nothing else to show for it. On CUDA every bucket compiles; on a CPU one graph serves them all, so
-        only the first is told. Test backends (anything but inductor) compile nothing worth telling."""
-        if self.backend != "inductor" or (self._announced and not self.cuda_graphs):
+        CPU) with nothing else to show for it. With sizes fixed per bucket every bucket compiles; with symbolic sizes
+        one graph serves them all, so only the first is told. Test backends (anything but inductor) compile nothing
+        worth telling."""
+        if self.backend != "inductor" or (self._announced and self.symbolic):
             return
         self._announced = True
-        width = f" x {bucket[1]} columns" if self.cuda_graphs else ""
+        width = "" if self.symbolic else f" x {bucket[1]} columns"
         print(f"fastgate: compiling the decode step for batch {bucket[0]}{width} (cached in {self.cache_dir})",
               file=sys.stderr, flush=True)
 
@@ -340,7 +359,7 @@ class StaticStep:
         whose compile failed, before it falls back to the eager step."""
         if self.backend != "inductor":
             return None
-        return torch.compile(_decode, fullgraph=True, dynamic=not self.cuda_graphs, backend="inductor",
+        return torch.compile(_decode, fullgraph=True, dynamic=self.symbolic, backend="inductor",
                              options={"split_reductions": False})
 
     def _run(self, bucket: tuple[int, int], args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
