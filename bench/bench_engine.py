@@ -25,10 +25,12 @@ its
   with ``step="eager"`` (``auto`` would compile on CUDA), and every row's ``mode`` is what its loop actually ran;
   ``--compile-batches`` and ``--compile-contexts`` bound the graphs both compiled designs build (one per batch and
   context), and ``compiles`` counts the graphs dynamo built so far in the run.
-- ``packed-compiled-symbolic`` (mode ``compiled``): the same step with symbolic sizes (``StepConfig.sizes``): one
-  compile for every bucket, a CUDA graph captured per bucket on GPU (vLLM's design). A CPU's ``packed-compiled``
-  already is this; on CUDA it answers whether one compile (a server's later buckets start in a capture, not a 26-47 s
-  compile) costs the step anything against the graph compiled per bucket. Run it after ``packed-compiled`` in one run.
+- ``packed-compiled-symbolic`` (mode ``compiled``): the same step with symbolic sizes (``StepConfig.sizes``): two
+  compiles in all (batch 1 is specialised; its first row compiles the graph of more rows, e.g. at batch 16), then a
+  CUDA graph captured per bucket on GPU (vLLM's design), so its ``first_step_s`` at any later batch or context is a
+  capture, not a compile. It is not bounded by ``--compile-batches`` / ``--compile-contexts``. A CPU's
+  ``packed-compiled`` already is this (the two share their graphs there); on CUDA it answers whether symbolic sizes
+  cost the step anything against a graph compiled per bucket, whose compiles stall a server 26-47 s each.
 - ``llama.cpp`` (mode ``native``): llama-cpp-python on the very GGUF file the embedded model is converted from (its
   own quantized blocks, ``dtype`` names the GGUF type), decode steps at batch 1 only (its ``Llama`` decodes one
   sequence), with as many threads as torch; the ``--prefill`` batch as the engine's rows (N different L-token prompts,
@@ -108,9 +110,12 @@ FILLER = ("The river rises in the northern hills and flows south through farmlan
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
 DESIGNS = ("packed", "packed-hf", "packed-compiled", "packed-compiled-symbolic", "padded", "hf-dynamic", "hf-eager",
            "hf-static-compile", "llama.cpp")
+CPU_SKIPS = ("packed-compiled-symbolic",)  # the default designs a CPU run leaves out: packed-compiled is the same
 PREFILL_FORMS = {"packed": "packed passes of the runner's prefill chunk (from text)", "engine": "row chunks",
                  "hf-eager": "one HF forward"}  # each prefill row's prefill_shape: what it timed
-COMPILED = ("packed-compiled", "packed-compiled-symbolic", "hf-static-compile")  # designs that compile graphs
+# the designs that compile a graph per batch and context (bounded by --compile-batches / --compile-contexts); the
+# symbolic step compiles two graphs whatever the shapes (batch 1's and the rest's), so every shape runs it
+COMPILED = ("packed-compiled", "hf-static-compile")
 LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
                   "--no-binary llama-cpp-python llama-cpp-python)")
 SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
@@ -430,7 +435,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="weights' dtypes, comma-separated (or auto)")
     parser.add_argument("--weights", default="float,auto", help=f"weight formats, comma-separated, of {WEIGHTS} (auto: "
                         "what fastgate picks for the dtype and machine; a form measured already is skipped)")
-    parser.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
+    parser.add_argument("--designs", default=None, help=f"comma-separated, of {', '.join(DESIGNS)} (default: all; on a "
+                        f"CPU all but {', '.join(CPU_SKIPS)})")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="30,600", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--compile-batches", default="1,16,64", help="batches the compiled designs run (compiles)")
@@ -450,7 +456,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    designs = [d for d in args.designs.split(",") if d]
+    if args.designs is not None:
+        designs = [d for d in args.designs.split(",") if d]
+    else:
+        designs = [d for d in DESIGNS if resolve_device(args.device).type == "cuda" or d not in CPU_SKIPS]
     unknown = sorted(set(designs) - set(DESIGNS))
     if unknown:
         parser.error(f"unknown designs {unknown}")

@@ -7,8 +7,9 @@
 #   bash bench/gpu_suite.sh smollm2   # (b) profile_step.py (an eager step's host time), then bench_engine.py on
 #                                     #     random weights in SmolLM2-135M's shapes: packed eager
 #                                     #     (a true eager step), packed-compiled (the static step, CUDA graphs),
-#                                     #     packed-compiled-symbolic (one compile, a CUDA graph per bucket: its
-#                                     #     first_step_s at batch 16 is a capture, not a compile),
+#                                     #     packed-compiled-symbolic (two compiles, batch 1's and the rest's,
+#                                     #     then a CUDA graph per bucket: its first_step_s at batch 64 or at
+#                                     #     another context is a capture, not a compile),
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
 #                                     #     then bench_engine.py on random weights in Llama-3-8B's shapes (~16 GB bf16)
@@ -113,13 +114,14 @@ case "$PART" in
         >> "$OUT/profile.log" 2>&1 || echo "profile_step batch $1 context $2: exit $?" >> "$OUT/profile.log"
     done
     grep -s "one step" "$OUT/profile.log"
-    # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600, packed-compiled-symbolic once
-    # (batch 1 is specialised: two): 6 graphs
+    # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600; packed-compiled-symbolic two
+    # (batch 1's and the rest's), every other shape of it a capture: 6 graphs
     shapes="--designs packed,packed-compiled,packed-compiled-symbolic,padded,hf-eager,hf-static-compile --batches 1,16,64 \
 --contexts 30,600"
-    # the `all` part's shapes: the serving ones only (b1 and b16 at 600: the same compiles, no more rows)
+    # the `all` part's shapes: the serving ones (b1 and b16 at 600: the same compiles), and b64 where only the
+    # eager designs and the symbolic step's capture run
     [ -n "${SMOLLM2_QUICK:-}" ] && shapes="--designs packed,packed-compiled,packed-compiled-symbolic,hf-eager,\
-hf-static-compile --batches 1,16 --contexts 600"
+hf-static-compile --batches 1,16,64 --contexts 600"
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model smollm2-135m-shape --dtypes "$DTYPES" \
       --weights float $shapes --compile-batches 1,16 --compile-contexts 600 --prefill 16x700 --steps 30 --rounds 1 \
       --max-minutes "$(minutes 60)" 2>&1 | tee "$LOG"

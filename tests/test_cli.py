@@ -144,6 +144,8 @@ def test_help_and_usage_errors_build_only_the_named_command(capsys):
     assert only_ask.parse_args(["ask", "Who?"]).func is cli._cmd_ask
     assert not hasattr(only_ask.parse_args(["eval"]), "func")  # not built: this run names ask
     assert cli._command_of(["--version"]) == "" and cli._command_of(["-h", "eval", "--n", "3"]) == "eval"
+    # the command is the first word that is not an option only while no option before it takes a value
+    assert all(a.nargs == 0 or a.dest == "command" for a in cli.build_parser()._actions)
     code = ("import sys; from fastgate.entrypoints.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")

@@ -278,9 +278,12 @@ def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     assert loop.static_steps > 0 and loop.static.compiled
 
 
-def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_others_stay_compiled(tiny):
+@pytest.mark.parametrize("sizes", ["bucket", "symbolic"])
+def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_others_stay_compiled(tiny, sizes):
     """The first graph the backend is given fails (as inductor's CUDA codegen did at 16 rows): that bucket runs the
-    eager step, with one warning naming it; the next bucket compiles; the tokens are the eager pass's throughout."""
+    eager step, with one warning naming it; the tokens are the eager pass's throughout. With sizes per bucket the
+    next bucket compiles; with symbolic sizes the later buckets of the failed graph (more than one row) run eagerly
+    without compiling it again, while batch 1's own graph compiles."""
     calls = []
 
     def flaky(gm, example_inputs):
@@ -289,16 +292,26 @@ def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_others_stay_compiled(
             raise RuntimeError("codegen failed")
         return gm.forward
 
+    torch._dynamo.reset()
     eager, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:2], joins=[GREEDY[2:3]])
-    runner = ModelRunner(tiny, step=StepConfig("compiled", backend=flaky))
+    alone, _ = _run(ModelRunner(tiny, step="eager"), GREEDY[:1])
+    runner = ModelRunner(tiny, step=StepConfig("compiled", backend=flaky, sizes=sizes))
     with pytest.warns(RuntimeWarning, match="that bucket's steps run eagerly") as caught:
         got, loop = _run(runner, GREEDY[:2], joins=[GREEDY[2:3]])
+        got_alone, _ = _run(runner, GREEDY[:1])  # one row: batch 1's bucket (a graph of its own when symbolic)
     for i in eager:
         _same(got[i], eager[i])
+    _same(got_alone[0], alone[0])
     static = loop.static
-    assert len(static.eager_buckets) == 1 and static.eager_buckets < static.buckets  # one bucket fell back
-    assert static.compiled and len(calls) >= 2  # the others compiled after it
-    assert sum("run eagerly" in str(w.message) for w in caught) == 1
+    rows = {b for b, _ in static.buckets}
+    assert rows >= {1, 2, 4}, rows  # two rows, three after the join, then one alone: both graphs of symbolic sizes
+    assert static.compiled and sum("run eagerly" in str(w.message) for w in caught) == 1
+    if sizes == "bucket":
+        assert len(static.eager_buckets) == 1 and static.eager_buckets < static.buckets  # one bucket fell back
+        assert len(calls) >= 2  # the others compiled after it
+    else:
+        assert static.eager_buckets == {k for k in static.buckets if k[0] > 1}  # the failed graph's buckets
+        assert len(calls) == 2  # the failed graph once, batch 1's graph once: no compile again per bucket
 
 
 _HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}
@@ -452,10 +465,19 @@ def test_cuda_graph_step_gives_the_eager_greedy_tokens(sizes):
     lm = tiny_model(n_layers=2)
     lm.model.to("cuda")
     eager, _ = _run(ModelRunner(lm, step="eager"), GREEDY)
+    from torch._dynamo.utils import counters
+
     runner = ModelRunner(lm, step=StepConfig(sizes=sizes))  # auto: compiled on CUDA
     assert runner.compiled
+    graphs = counters["stats"]["unique_graphs"]
     got, loop = _run(runner, GREEDY)
     for i in eager:
         _same(got[i], eager[i])
-    assert loop.static_steps > 0 and loop.static.compiled and loop.static.cuda_graphs
-    assert loop.static.symbolic == (sizes == "symbolic") and len(loop.static._graphs) == len(loop.static.buckets)
+    static = loop.static
+    assert loop.static_steps > 0 and static.compiled and static.cuda_graphs and not static.eager_buckets
+    assert len(static._graphs) == len(static.buckets)  # a CUDA graph captured per bucket either way
+    compiled = counters["stats"]["unique_graphs"] - graphs
+    if sizes == "symbolic":  # two graphs at most (batch 1 is specialised), however many buckets ran
+        assert static.symbolic and compiled <= 2 < len(static.buckets), (compiled, static.buckets)
+    else:  # a graph per bucket
+        assert not static.symbolic and compiled >= len(static.buckets) > 2, (compiled, static.buckets)

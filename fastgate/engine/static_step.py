@@ -282,7 +282,7 @@ class StaticStep:
         self._pool = None  # the graphs' shared memory pool (one bucket replays at a time, as in vLLM)
         fn = _decode
         self.cache_dir: str | None = None  # where inductor caches the compiled kernels (None: not compiled)
-        self._announced = False  # whether a compile's start was told on stderr (on a CPU only the first is)
+        self._announced: set = set()  # the graphs whose compile's start was told on stderr (_announce)
         if compiled:
             self.cache_dir = _configure(cache_dir)
             # the graphs are captured here, not by mode="reduce-overhead": its trees skip graphs whose inputs are
@@ -291,6 +291,9 @@ class StaticStep:
         self._fn = fn
         self._fns: dict[tuple[int, int], Callable] = {}  # (B, W) -> the function a bucket runs where not self._fn
         self.eager_buckets: set[tuple[int, int]] = set()  # buckets whose compile failed: they run eagerly
+        # symbolic sizes: what the buckets of a graph (keyed by batch == 1) run after its compile failed: the retry
+        # compiled without split reductions, or the eager step
+        self._fallback: dict[bool, Callable] = {}
         register_attention(_ATTENTION, _attention)  # before the step is traced
 
     @property
@@ -310,33 +313,51 @@ class StaticStep:
         b, width = ints.shape[1], keys[0].shape[2]
         if b not in BATCH_BUCKETS and b % BATCH_BUCKETS[-1]:
             raise ValueError(f"static step: {b} rows is not a batch bucket {BATCH_BUCKETS}")
-        if self.cuda_graphs and width != width_bucket(width):
+        if (self.cuda_graphs or not self.symbolic) and width != width_bucket(width):
             raise ValueError(f"static step: width {width} is not a width bucket")
-        bucket = (b, width_bucket(width))  # on a CPU any width runs: its bucket is what the graph was traced for
+        bucket = (b, width_bucket(width))  # with symbolic sizes any width runs: its bucket is what it was traced for
         new = bucket not in self.buckets
         self.buckets.add(bucket)
         r = self.runner
         args = (r.model, r.cache_kw, self.mid, keys, values, ints, floats, running, count, eos)
         if not new or self._fn is _decode:
             return self._run(bucket, args)
+        # with symbolic sizes a bucket's graph is one of two (batch 1 is specialised): where that graph's compile
+        # failed at an earlier bucket, this one takes what that bucket ended with, not another failing compile
+        fallback = self._fallback.get(b == 1) if self.symbolic else None
+        if fallback is _decode:
+            return self._eager(bucket, args)
+        if fallback is not None:
+            self._fns[bucket] = fallback
         self._announce(bucket)
         try:  # a bucket's first call compiles it; a compiler that fails leaves that bucket eager (the same results)
             with _distinct_sizes():
                 return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
             failure = exc
-        retry = self._without_split_reductions()
+        retry = self._without_split_reductions() if fallback is None else None
         if retry is not None:  # inductor's CUDA codegen failed at 16 and 64 rows in its split reductions (an H200)
             self._fns[bucket] = retry
             self._graphs.pop(bucket, None)
             try:
                 with _distinct_sizes():
-                    return self._run(bucket, args)
+                    out = self._run(bucket, args)
+                if self.symbolic:
+                    self._fallback[b == 1] = retry
+                return out
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
+        later = ("so do the later buckets of its graph (symbolic sizes: one graph for batch 1, one for more rows), "
+                 "the other graph stays compiled" if self.symbolic else "the other buckets stay compiled")
         warnings.warn(f"fastgate: compiling the decode step for {b} rows x {bucket[1]} columns failed "
-                      f"({type(failure).__name__}: {failure}); that bucket's steps run eagerly, the other buckets "
-                      "stay compiled", RuntimeWarning, stacklevel=2)
+                      f"({type(failure).__name__}: {failure}); that bucket's steps run eagerly, {later}",
+                      RuntimeWarning, stacklevel=2)
+        if self.symbolic:
+            self._fallback[b == 1] = _decode
+        return self._eager(bucket, args)
+
+    def _eager(self, bucket: tuple[int, int], args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``bucket`` eagerly from now on (its compile failed)."""
         self._fns[bucket] = _decode
         self.eager_buckets.add(bucket)
         self._graphs.pop(bucket, None)
@@ -345,11 +366,12 @@ class StaticStep:
     def _announce(self, bucket: tuple[int, int]) -> None:
         """One line on stderr as a bucket's compile starts: the step then stalls for tens of seconds (minutes on a
         CPU) with nothing else to show for it. With sizes fixed per bucket every bucket compiles; with symbolic sizes
-        one graph serves them all, so only the first is told. Test backends (anything but inductor) compile nothing
-        worth telling."""
-        if self.backend != "inductor" or (self._announced and self.symbolic):
+        two graphs serve them all (batch 1 is specialised), so each is told once. Test backends (anything but
+        inductor) compile nothing worth telling."""
+        graph = bucket[0] == 1 if self.symbolic else bucket
+        if self.backend != "inductor" or graph in self._announced:
             return
-        self._announced = True
+        self._announced.add(graph)
         width = "" if self.symbolic else f" x {bucket[1]} columns"
         print(f"fastgate: compiling the decode step for batch {bucket[0]}{width} (cached in {self.cache_dir})",
               file=sys.stderr, flush=True)
