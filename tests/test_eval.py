@@ -90,6 +90,43 @@ def test_store_drops_a_cut_last_line_and_rejects_garbage(tmp_path):
     assert ResultsStore(path).records[("dtr", "c")]["answer"] == "line\u2028sep\x85next"
 
 
+def test_store_reads_compressed_records_and_writes_them_out_only_to_add(tmp_path):
+    """Records committed as results.jsonl.gz (docs/results) are read as they are; reading writes nothing; the first
+    append writes them out as results.jsonl with the new ones after; has_results sees them; a bad gzip is one
+    InputError naming the file; a cut last line is dropped without touching the compressed file."""
+    import gzip
+
+    from fastgate.eval.runner import has_results
+
+    path = tmp_path / "results.jsonl"
+    packed = gzip.compress("".join(json.dumps(_record(qid=q)) + "\n" for q in "ab").encode())
+    (tmp_path / "results.jsonl.gz").write_bytes(packed)
+    assert has_results(tmp_path)
+    store = ResultsStore(path)
+    assert list(store.records) == [("dtr", "a"), ("dtr", "b")] and not path.exists()
+    store.append([])
+    assert not path.exists()  # nothing added: nothing written
+    store.append([_record(qid="c")])
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b", "c"]
+    store.append([_record(qid="d")])  # once written out, appends go to the plain file alone
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b", "c", "d"]
+    assert list(ResultsStore(path).records) == [("dtr", q) for q in "abcd"]  # the plain file wins from now on
+    assert (tmp_path / "results.jsonl.gz").read_bytes() == packed
+    path.unlink()
+    cut = gzip.compress((json.dumps(_record(qid="a")) + "\n" + '{"run": "dtr", "id": "b", "ans').encode())
+    (tmp_path / "results.jsonl.gz").write_bytes(cut)
+    store = ResultsStore(path)
+    assert list(store.records) == [("dtr", "a")]
+    store.append([_record(qid="e")])
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "e"]  # no glued half record
+    path.unlink()
+    (tmp_path / "results.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(InputError, match=r"results\.jsonl\.gz is not a readable gzip file"):
+        ResultsStore(path)
+    (tmp_path / "results.jsonl.gz").unlink()
+    assert not has_results(tmp_path)
+
+
 def test_settings_must_match(tmp_path):
     check_settings(tmp_path, EvalSettings(model="tiny"))
     check_settings(tmp_path, EvalSettings(model="tiny"))  # same settings: fine

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     dirs = [Path(a) for a in argv] or sorted(p.parent for p in ROOT.glob("*/eval.json"))
     rows, labels, sections = [], [], []
     for d in dirs:
-        store_runs = {json.loads(line)["run"] for line in (d / "results.jsonl").read_text().splitlines() if line}
+        store_runs = {run for run, _ in ResultsStore(d / "results.jsonl").records}  # or results.jsonl.gz
         if not set(BASELINES) <= store_runs:
             continue
         every, text = directory(d)

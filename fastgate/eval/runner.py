@@ -123,21 +123,30 @@ class ResultsStore:
     """``results.jsonl`` of an output directory: loads finished records, appends new ones durably.
 
     A line cut by an interruption (no final newline) is dropped on open, so appending never glues two records.
+    Where only ``results.jsonl.gz`` is there (records committed compressed: docs/results), it is read, and the first
+    append writes it out as ``results.jsonl`` before adding to it; reading writes nothing.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.records: dict[tuple[str, str], dict[str, Any]] = {}
+        self._packed: bytes | None = None  # the records read from results.jsonl.gz, until an append writes them out
+        gz = packed_path(self.path)
         if self.path.exists():
-            self._load()
+            self._load(self.path.read_bytes(), self.path)
+        elif gz.exists():
+            self._packed = _gunzip(gz)
+            self._load(self._packed, gz)
 
-    def _load(self) -> None:
-        data = self.path.read_bytes()
+    def _load(self, data: bytes, where: Path) -> None:
         if data and not data.endswith(b"\n"):
             cut = data.rfind(b"\n") + 1
-            with open(self.path, "r+b") as f:  # drop the partial last line
-                f.truncate(cut)
+            if where == self.path:
+                with open(self.path, "r+b") as f:  # drop the partial last line
+                    f.truncate(cut)
             data = data[:cut]
+            if self._packed is not None:
+                self._packed = data
         for n, line in enumerate(data.split(b"\n"), 1):
             if not line.strip():
                 continue
@@ -145,7 +154,7 @@ class ResultsStore:
                 rec = json.loads(line.decode("utf-8"))
                 self.records[(rec["run"], rec["id"])] = rec
             except (ValueError, KeyError, TypeError) as exc:
-                raise InputError(f"{self.path}:{n} is not a result record ({exc}); move the file away to start "
+                raise InputError(f"{where}:{n} is not a result record ({exc}); move the file away to start "
                                  "over") from None
 
     def done(self, run: str, example_id: str) -> bool:
@@ -157,6 +166,8 @@ class ResultsStore:
         if not records:
             return
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        if self._packed is not None and not self.path.exists():  # the compressed records first, then these
+            data = self._packed + data
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -174,8 +185,24 @@ class ResultsStore:
                 os.close(fd)
         except OSError as exc:
             raise _write_error(exc, "cannot append results to", self.path) from None
+        self._packed = None
         for r in records:
             self.records[(r["run"], r["id"])] = r
+
+
+def packed_path(path: Path) -> Path:
+    """``results.jsonl.gz`` beside ``results.jsonl``: records committed compressed."""
+    return path.with_name(path.name + ".gz")
+
+
+def _gunzip(path: Path) -> bytes:
+    import gzip
+    import zlib
+
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise InputError(f"{path} is not a readable gzip file ({exc}); move it away to start over") from None
 
 
 def check_settings(out_dir: Path, settings: EvalSettings) -> None:
@@ -241,7 +268,7 @@ def has_results(out: Path) -> bool:
     try:
         return (out / "results.jsonl").stat().st_size > 0
     except FileNotFoundError:
-        return False
+        return packed_path(out / "results.jsonl").exists()
     except OSError:
         return True
 

@@ -49,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parents[2]))
 
+from fastgate.eval.runner import ResultsStore  # noqa: E402
 from fastgate.gates.read import FEATURE_SETS, _content, _words, fit_read_model, fit_state_projection  # noqa: E402
 from fastgate.train.read import (  # noqa: E402
     _folds,
@@ -71,7 +72,7 @@ def load(retriever) -> dict:
     """Every store's usable records with features (passage features backfilled), labels and BM25 hits."""
     out = {}
     for s in STORES:
-        recs = [json.loads(line) for line in open(ROOT / s / "results.jsonl")]
+        recs = list(ResultsStore(ROOT / s / "results.jsonl").records.values())  # file order (results.jsonl.gz)
         hits = search_again(recs, retriever)
         backfill_passage_features(recs, hits)
         rows, fixed, cb, rd = collect_rows(recs)
