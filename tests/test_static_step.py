@@ -268,6 +268,36 @@ def test_the_step_s_sizes_say_how_many_graphs_its_buckets_trace(tiny, sizes, gra
         StepConfig("compiled", sizes="dynamic")
 
 
+def test_a_bucket_past_the_kv_budget_steps_eagerly_without_regrowing_the_store(tiny):
+    """Three rows (a bucket of 4) under a budget that holds them but not 4 rows at a bucket's width: the rows step
+    eagerly in the store as the join made it. Growing it for the bucket anyway cut its width to the rows' need, past
+    the budget, and moved every row again at each new column (12 moves, 220 cells of a 178-cell budget). With room
+    for the bucket the step runs compiled."""
+    cfg = G(max_new_tokens=30, stop_at_eos=False)
+    specs = [(f"Question number {i} is asked here?", cfg, TapSpec(), 1, None) for i in range(3)]
+    rows, _ = ModelRunner(tiny, step="eager").encode([s[0] for s in specs], [30] * 3)
+    final = max(len(r) for r in rows) + 30
+
+    def run(step, max_cells):
+        loop = PackedLoop(ModelRunner(tiny, step=step), mid=1, max_cells=max_cells)
+        loop.add(specs)
+        tokens, held, moves, ptr = [], [], 0, loop.store.keys[0].data_ptr()
+        while loop.busy:
+            tokens += [s.token_ids for t in loop.step() for s in t.result.sequences]
+            if loop.store.keys:
+                moves += loop.store.keys[0].data_ptr() != ptr
+                ptr = loop.store.keys[0].data_ptr()
+                held.append(loop.store.rows_cap * loop.store.cols_cap)
+        return tokens, max(held), moves, loop.static_steps
+
+    tight = 3 * final + 10  # the three rows, not four at 64 columns
+    want, _, _, _ = run("eager", tight)
+    tokens, held, moves, static = run(StepConfig("compiled", backend="eager"), tight)
+    assert tokens == want and held <= tight and moves == 0 and static == 0
+    tokens, held, _, static = run(StepConfig("compiled", backend="eager"), 4 * 64)
+    assert tokens == want and held <= 4 * 64 and static > 0
+
+
 def test_aot_traced_step_equals_eager_and_traces_whole(tiny):
     """Traced through AOTAutograd (functionalized in-place writes to the store and the tap buffers, as inductor
     receives them), with fullgraph=True: the same greedy tokens and taps as the eager pass."""

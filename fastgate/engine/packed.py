@@ -788,7 +788,20 @@ class PackedLoop(DecodeLoop):
         if any(row.cfg.top_logprobs for row in rows):  # their alternatives are read from the logits an eager pass keeps
             return False
         b = batch_bucket(m)
-        self.store.reserve(b, max(self.lens) + 1, m, max(self.lens), self.max_cells)
+        # the store the step needs: the bucket's rows, a width bucket's columns (a join under a budget can leave the
+        # store narrower than a bucket: it then grows to one)
+        cols = width_bucket(max(max(self.lens) + 1, self.store.cols_cap))
+        bound = None
+        if self.max_cells is not None:  # as the joins' reservations bound it (_reserve_for): the other loops' and
+            # the queued prompts' cells out
+            elsewhere = self.held_elsewhere() if self.held_elsewhere is not None else 0
+            bound = max(1, self.max_cells - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)) - elsewhere)
+            if (b > self.store.rows_cap or cols > self.store.cols_cap) and b * cols > bound:
+                # the bucket would pass the budget: the rows step eagerly in the store as it is. Growing it anyway
+                # cut its width to the rows' need, past the budget, and moved every row again at each step's new
+                # column (17 rows at 600 tokens: 32 x 601, 32 x 602, ...)
+                return False
+        self.store.reserve(b, cols, m, max(self.lens), bound)
         # on CUDA, or with sizes fixed per bucket, every column of the store: a graph (CUDA's, or a compiled one) per
         # (batch bucket, store width), whatever the rows' lengths; on a CPU with symbolic sizes the columns the rows
         # use, so that a long context does not read the store's spare
