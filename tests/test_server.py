@@ -338,6 +338,42 @@ def test_a_tick_out_of_memory_fails_its_requests_with_a_reason_and_the_service_s
         svc.stop()
 
 
+def test_a_loop_out_of_memory_fails_its_requests_with_a_reason_and_lets_its_memory_go(tiny_engine, small_index,
+                                                                                     monkeypatch):
+    """One decode loop's step runs out of memory (on a GPU: a bucket's graph, a store's growth): its requests fail
+    with the out-of-memory error a server answers 503 with (it was the raw error: a 500), the loop's rows and store
+    go at once (not when the collector breaks the scheduler's cycles), and the service serves on."""
+    import torch
+
+    from fastgate.engine.packed import PackedLoop
+    from fastgate.errors import OutOfMemory
+
+    real_step, real_drop, armed, dropped = PackedLoop.step, PackedLoop.drop, [], []
+
+    def step(self, *args, **kwargs):
+        if armed:
+            armed.clear()  # once
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(self, *args, **kwargs)
+
+    def drop(self):
+        real_drop(self)
+        dropped.append((self.size, self.store.rows_cap, self.kv_bytes))
+
+    monkeypatch.setattr(PackedLoop, "step", step)
+    monkeypatch.setattr(PackedLoop, "drop", drop)
+    svc = _service(tiny_engine, small_index).start()
+    try:
+        armed.append(True)  # after the warm-up
+        with pytest.raises(OutOfMemory, match="ran out of memory answering this request") as caught:
+            svc.submit(QUESTIONS[0]).result(timeout=30)
+        assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+        assert dropped == [(0, 0, 0)]  # no rows, no store left
+        assert svc.submit(QUESTIONS[1]).result(timeout=30)["answer"] is not None
+    finally:
+        svc.stop()
+
+
 def test_stop_without_draining_frees_the_kv_cache(tiny_engine, small_index):
     svc = _service(tiny_engine, small_index).start()
     futures = [svc.submit(q, method="seakr", params={"samples": 4, "max_steps": 4}) for q in QUESTIONS[:2]]

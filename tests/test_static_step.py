@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -342,6 +343,36 @@ def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_others_stay_compiled(
     else:
         assert static.eager_buckets == {k for k in static.buckets if k[0] > 1}  # the failed graph's buckets
         assert len(calls) == 2  # the failed graph once, batch 1's graph once: no compile again per bucket
+
+
+def test_an_allocation_failure_while_a_bucket_compiles_is_not_taken_for_a_compiler_failure(tiny):
+    """A bucket's first call that runs out of memory (torch.compile reports it as a BackendCompilerFailed raised from
+    the allocator's error) reaches the caller, which frees memory or fails the rows: no second compile, no bucket
+    pinned eager, no warning; the next call compiles it."""
+    from fastgate.errors import out_of_memory
+
+    calls = []
+
+    def short_of_memory(gm, example_inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return gm.forward
+
+    torch._dynamo.reset()
+    loop = PackedLoop(ModelRunner(tiny, step=StepConfig("compiled", backend=short_of_memory)), mid=1)
+    cfg = G(max_new_tokens=4, stop_at_eos=False)
+    loop.add([(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compile-failure warning would raise here instead of the allocation error
+        with pytest.raises(Exception) as caught:
+            while loop.busy:
+                loop.step()
+    assert out_of_memory(caught.value) and len(calls) == 1 and not loop.static.eager_buckets
+    assert not out_of_memory(RuntimeError("codegen failed")) and out_of_memory(MemoryError())
+    wrapped = RuntimeError("backend failed")
+    wrapped.__cause__ = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    assert out_of_memory(wrapped)
 
 
 _HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}

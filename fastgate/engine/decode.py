@@ -195,6 +195,13 @@ class DecodeLoop:
         self.count: torch.Tensor | None = None  # [M] float32
         self.prefilling: list[_Prefill] = []  # admitted prompts whose prefill has not ended (see admit)
 
+    def drop(self) -> None:
+        """Let go of every row and buffer (a loop a failure ended: its generations are lost). Its memory goes back
+        now, not when the garbage collector breaks the cycles a scheduler's loop is part of: after an allocation
+        failure the next loop allocates beside it."""
+        self.rows, self.prefilling = [], []
+        self.cache = self.mask = self.logits = self.running = self.count = None
+
     # ------------------------------------------------------------------ state
     @property
     def size(self) -> int:

@@ -210,6 +210,10 @@ class ModelRunner:
         self.n_layers = model.n_layers
         self.hidden_size = model.hidden_size
         self.device = model.device
+        if self.device.type == "cuda" and self.device.index is not None:
+            # the current CUDA device is where CUDA graphs are captured (their side stream) and Triton launches its
+            # kernels: on cuda:1 they ran on device 0 with device 1's pointers (one model's GPU per process)
+            torch.cuda.set_device(self.device)
         self.dtype = next(self.model.parameters()).dtype  # the weights' (and KV cache's), chosen when the model loaded
         # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32
         # (fastgate.engine.attention.attention_dtype); prompt chunks keep the cache's dtype (equal there)

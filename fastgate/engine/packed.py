@@ -396,6 +396,10 @@ class PackedLoop(DecodeLoop):
         self.store.release()
         self.store = self._new_store()
 
+    def drop(self) -> None:
+        super().drop()
+        self._let_store_go()
+
     # -------------------------------------------------------------- state
     @property
     def kv_bytes(self) -> int:

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from fastgate.assets.quant import Int4Linear, Int8Linear
 from fastgate.engine.attention import attention_dtype, attention_implementation, register_attention
-from fastgate.errors import InputError
+from fastgate.errors import InputError, out_of_memory
 
 __all__ = ["BATCH_BUCKETS", "STEP_MODES", "STEP_SIZES", "TOP_K_MAX", "StaticStep", "StepConfig", "batch_bucket",
            "choose", "compiled_by_default", "covers", "row_key", "uniform", "width_bucket"]
@@ -334,6 +334,8 @@ class StaticStep:
             with _distinct_sizes():
                 return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
+            if out_of_memory(exc):  # not the compiler's fault: the caller frees memory or fails the rows (a
+                raise  # retry would compile for tens of seconds, then pin the bucket eager for good)
             failure = exc
         retry = self._without_split_reductions() if fallback is None else None
         if retry is not None:  # inductor's CUDA codegen failed at 16 and 64 rows in its split reductions (an H200)
@@ -346,6 +348,8 @@ class StaticStep:
                     self._fallback[b == 1] = retry
                 return out
             except Exception as exc:  # noqa: BLE001 - as above
+                if out_of_memory(exc):
+                    raise
                 failure = exc
         later = ("so do the later buckets of its graph (symbolic sizes: one graph for batch 1, one for more rows), "
                  "the other graph stays compiled" if self.symbolic else "the other buckets stay compiled")
@@ -423,18 +427,21 @@ class _Graph:
         self.ints, self.floats = ints.clone(), floats.clone()  # [6, B], [4, B]: what every replay reads
         saved = (running.clone(), count.clone(), eos.clone())
         captured = (model, cache_kw, mid, keys, values, self.ints, self.floats, running, count, eos)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(*captured)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(*captured)  # (tokens [B], logprobs [B]): the graph's own buffers
-        running.copy_(saved[0])
-        count.copy_(saved[1])
-        eos.copy_(saved[2])
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(*captured)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = fn(*captured)  # (tokens [B], logprobs [B]): the graph's own buffers
+        finally:  # also where a warm-up or the capture failed: the step then runs again (a retry, or eagerly), and
+            # the tap sums must not keep the failed runs' additions (the rows' counts 5x this step's)
+            running.copy_(saved[0])
+            count.copy_(saved[1])
+            eos.copy_(saved[2])
 
     def __call__(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay with this step's inputs. The outputs are overwritten by the next replay: the loop reads them (its

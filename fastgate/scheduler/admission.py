@@ -342,6 +342,7 @@ class Admission:
                 self.lane = None
             else:
                 self.loops = {mid: lp for mid, lp in self.loops.items() if lp is not loop}
+            loop.drop()  # its memory back now (an allocation failure's next loop allocates beside it)
             for task, ticket in members:
                 self._inflight.pop(id(ticket), None)
                 self._streams.pop(id(ticket), None)
