@@ -162,6 +162,26 @@ def test_start_warms_up_off_the_books_and_answers_as_a_cold_start(small_index):
             svc.stop()
 
 
+def test_a_compiled_step_s_warm_up_builds_its_graph_for_several_rows(small_index):
+    """Where decode steps are compiled, the warm-up also answers two questions at once: the step's graph for more
+    than one row (batch 1's is its own) is built before the server listens, not under the first requests that
+    decode together (tens of seconds on a GPU); an eager server's warm-up stays one question."""
+    from fastgate.engine.local import Engine
+    from fastgate.engine.static_step import StepConfig
+    from fastgate.testing import tiny_model
+
+    engine = Engine(tiny_model(), step=StepConfig("compiled", backend="eager"))
+    svc = AnswerService(ServiceConfig(method="dtr", params=(("tau", 1e9),), index=str(small_index)),
+                        Runtime("tiny", index=str(small_index), engine=engine)).start()
+    try:
+        assert svc.step_name == "compiled" and svc.warmup_s is not None
+        rows = {b for step in engine.runner._static.values() for b, _ in step.buckets}
+        assert 1 in rows and max(rows) >= 2, rows
+        assert svc.submit(QUESTIONS[0]).result(timeout=60)["answer"] is not None
+    finally:
+        svc.stop()
+
+
 def test_a_server_whose_method_never_retrieves_warms_up_without_an_index(tiny_engine, tmp_path, caplog):
     """No index opened (nor the default corpus's built) for a method that never reads."""
     runtime = Runtime("tiny", index=str(tmp_path / "no-index-here"), engine=tiny_engine)

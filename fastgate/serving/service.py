@@ -41,14 +41,15 @@ from fastgate.scheduler.config import SchedulerConfig
 from fastgate.serving.runtime import RuntimeConfig
 from fastgate.settings import setting
 
-__all__ = ["GENERATION_LENGTH_PARAMS", "LATENCY_BUCKETS_S", "WARMUP_QUESTION", "AnswerService", "OverloadedError",
-           "ServiceConfig"]
+__all__ = ["GENERATION_LENGTH_PARAMS", "LATENCY_BUCKETS_S", "WARMUP_QUESTION", "WARMUP_SECOND", "AnswerService",
+           "OverloadedError", "ServiceConfig"]
 
 _log = logging.getLogger("fastgate.serving")
 # the methods' parameters that set how many tokens one generation may take: bounded as max_tokens is
 GENERATION_LENGTH_PARAMS = ("max_answer_tokens", "answer_tokens", "step_tokens", "sentence_tokens", "pseudo_tokens",
                             "max_rationale_tokens")
 WARMUP_QUESTION = "Who wrote Hamlet?"  # answered (and read) once at start: see AnswerService._warm_up
+WARMUP_SECOND = "What is the capital of France?"  # beside it where decode steps are compiled (two rows' graph)
 # the bounds of the exporter's latency histogram (fastgate.entrypoints.http.metrics takes them from here: this module
 # must not import prometheus_client, an extra): the answers between two scrapes are kept folded by them
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -230,7 +231,8 @@ class AnswerService:
         return self
 
     def _warm_up(self, scheduler_cls) -> None:
-        """Answer :data:`WARMUP_QUESTION` with the default method and read it through the default method's retriever
+        """Answer :data:`WARMUP_QUESTION` with the default method (where decode steps are compiled, also beside
+        :data:`WARMUP_SECOND`: the step's graph for several rows) and read it through the default method's retriever
         (``always``; not for a method that never retrieves), on a scheduler of the service's settings dropped after,
         so that the first request does not pay for the one-time work of the model's first passes: oneDNN's reordered
         weights, the quantized kernels' tiles, the few-shot block's cached prefix, each prompt chunk's first product,
@@ -245,6 +247,11 @@ class AnswerService:
             # a scheduler of the service's settings, without the service's queue (``feed``): nothing else runs
             sched = scheduler_cls(self.runtime.engine, self.config.scheduler_config())
             sched.answer(self._method(default), [WARMUP_QUESTION])
+            rows = method_class(default.method).rows_at_once(default.config) if default.config is not None else 1
+            if self.step_name == "compiled" and 2 * rows <= self.config.max_rows:
+                # two at once: the compiled step's graph for more than one row (batch 1's is a graph of its own) is
+                # built here, not under the first requests that decode together (tens of seconds on a GPU)
+                sched.answer(self._method(default), [WARMUP_QUESTION, WARMUP_SECOND])
             if default.retriever is not None:  # a method that never retrieves opens no index (nor builds one)
                 reader = self._method(check_request("always", {}, default.retriever, self.runtime.model))  # kept
                 sched.answer(reader, [WARMUP_QUESTION])
