@@ -325,7 +325,8 @@ class Scheduler:
             # a failed allocation is the batch's size, not the request: a server says 503 with a reason, not 500
             cause = error
             error = OutOfMemory(f"ran out of memory answering this request ({type(cause).__name__}: {cause}); retry, "
-                                "or run fewer at once (--max-live, --max-rows, --kv-budget-mb)")
+                                "or run fewer at once (a server's --max-live, --max-rows, --kv-budget-mb; an "
+                                "evaluation's --batch-size)")
             error.__cause__ = cause
         task.end(error)
         if error is not None:
