@@ -578,6 +578,7 @@ def test_http_health_metrics_schema(server):
     assert health["status"] == "ok" and health["kv_budget_mb"] > 0 and health["kv_used_mb"] >= 0
     assert health["layout"] == "packed"  # the tiny Llama runs packed passes (fastgate.engine.packed)
     assert health["dtype"] == "float32"  # the weights' dtype, chosen when the model loaded
+    assert health["device"] == "cpu" and health["device_reserved_mb"] is None  # CUDA's allocator: a GPU's only
     httpx.post(f"{url}/v1/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
     assert httpx.get(f"{url}/healthz").json()["kv_used_mb"] == 0  # an idle loop holds no cache
     text = httpx.get(f"{url}/metrics").text
@@ -606,6 +607,18 @@ def test_http_timeout_gives_504(tiny_engine, small_index):
     assert r.status_code == 504 and "not answered" in r.json()["error"]
     (future,) = futures
     assert future.cancelled() and svc.queue_depth == 0  # dropped, and out of the queue: it will not be run
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_healthz_names_the_cuda_device_and_its_allocator_s_memory(small_index):
+    from fastgate.engine.local import Engine
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model()
+    lm.model.to("cuda")
+    svc = AnswerService(ServiceConfig(index=str(small_index)), Runtime("tiny", index=str(small_index),
+                                                                       engine=Engine(lm, step="eager")))
+    assert svc.device_name.startswith("cuda:") and svc.device_reserved_bytes > 0
 
 
 def test_a_streamed_timeout_is_counted_once_and_healthz_says_503_once_stopped(tiny_engine, small_index):

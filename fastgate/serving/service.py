@@ -337,6 +337,30 @@ class AnswerService:
         return "compiled" if compiled_by_default(resolve_device(rt.device)) else "eager"
 
     @property
+    def device_name(self) -> str:
+        """Where the model runs (``cpu``, ``cuda:0``; ``remote`` behind a remote engine), as ``/healthz`` says."""
+        import torch
+
+        from fastgate.assets.models import resolve_device
+
+        rt = self.runtime
+        if rt.remote is not None:
+            return "remote"
+        dev = rt.engine.runner.device if rt.loaded else resolve_device(rt.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return str(dev)
+
+    @property
+    def device_reserved_bytes(self) -> int | None:
+        """Bytes torch's CUDA allocator holds on the model's device (the KV store, the compiled step's graphs and
+        buffers, the weights: more than ``kv_used_bytes``); None off CUDA."""
+        import torch
+
+        name = self.device_name
+        return torch.cuda.memory_reserved(torch.device(name)) if name.startswith("cuda") else None
+
+    @property
     def weights_name(self) -> str | None:
         """How the linear weights are held (``float``, ``int8``, ``int4``, ``int4-dense``; None on a remote engine), as
         ``/healthz`` says."""

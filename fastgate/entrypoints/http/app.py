@@ -55,8 +55,9 @@ def create_app(service: Any, timeout_s: float | None = None, replica: str | None
                 "dtype": service.dtype_name, "weights": service.weights_name, "step": service.step_name,
                 "method": cfg.method, "queue_depth": service.queue_depth,
                 "live_programs": service.live_programs, "kv_budget_mb": cfg.kv_budget_mb,
-                "kv_used_mb": round(service.kv_used_bytes / 2**20, 1), "layout": service.layout, "replica": replica,
-                "pid": os.getpid()})
+                "kv_used_mb": round(service.kv_used_bytes / 2**20, 1), "layout": service.layout,
+                "device": service.device_name, "device_reserved_mb": None if (held := service.device_reserved_bytes)
+                is None else round(held / 2**20, 1), "replica": replica, "pid": os.getpid()})
 
     openai = OpenAIServing(service, timeout, errors, http_metrics, replica)
     add_openai_routes(app, openai, models.chat, models.completion)
