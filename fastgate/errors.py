@@ -76,15 +76,16 @@ class OutOfMemory(FastgateError):
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation failure: torch's ``OutOfMemoryError`` (CUDA), a ``MemoryError``, or the CPU
-    allocator's ``RuntimeError`` ("can't allocate memory"), also as the cause of another error (torch.compile
-    reports a failure inside its backend as a ``BackendCompilerFailed`` raised from it)."""
+    allocator's ``RuntimeError`` ("can't allocate memory"), also inside another error: torch.compile reports a
+    failure in its backend as a ``BackendCompilerFailed`` holding it (``inner_exception``; torch 2.13 sets no
+    ``__cause__``), and an error raised while handling one keeps it as its context."""
     seen = 0
-    while exc is not None and seen < 8:  # a cause chain is short; a cycle must not loop forever
+    while exc is not None and seen < 8:  # a chain is short; a cycle must not loop forever
         if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
             return True
         if isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc)):
             return True
-        exc, seen = exc.__cause__, seen + 1
+        exc, seen = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__, seen + 1
     return False
 
 

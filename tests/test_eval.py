@@ -125,6 +125,11 @@ def test_store_reads_compressed_records_and_writes_them_out_only_to_add(tmp_path
         ResultsStore(path)
     (tmp_path / "results.jsonl.gz").unlink()
     assert not has_results(tmp_path)
+    # compressed records are records: an evaluation of other settings is refused there, not written over them
+    check_settings(tmp_path, EvalSettings(model="tiny"))
+    (tmp_path / "results.jsonl.gz").write_bytes(packed)
+    with pytest.raises(InputError, match="other settings.*seed"):
+        check_settings(tmp_path, EvalSettings(model="tiny", seed=3))
 
 
 def test_settings_must_match(tmp_path):

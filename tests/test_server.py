@@ -182,6 +182,21 @@ def test_a_compiled_step_s_warm_up_builds_its_graph_for_several_rows(small_index
         svc.stop()
 
 
+def test_the_scheduler_thread_binds_the_engine_s_device(tiny_engine, small_index, monkeypatch):
+    """torch's current CUDA device is per thread: the server's scheduler thread makes the engine's its own before it
+    steps (on cuda:1 its graphs and Triton kernels went to device 0); the engine's thread did when it was built."""
+    import threading
+
+    bound = []
+    monkeypatch.setattr(type(tiny_engine), "bind_thread", lambda self: bound.append(threading.current_thread().name))
+    svc = _service(tiny_engine, small_index, no_warmup=True).start()
+    try:
+        assert svc.submit(QUESTIONS[0]).result(timeout=30)["answer"] is not None
+        assert bound == ["fastgate-scheduler"]
+    finally:
+        svc.stop()
+
+
 def test_a_server_whose_method_never_retrieves_warms_up_without_an_index(tiny_engine, tmp_path, caplog):
     """No index opened (nor the default corpus's built) for a method that never reads."""
     runtime = Runtime("tiny", index=str(tmp_path / "no-index-here"), engine=tiny_engine)

@@ -356,23 +356,36 @@ def test_an_allocation_failure_while_a_bucket_compiles_is_not_taken_for_a_compil
     def short_of_memory(gm, example_inputs):
         calls.append(1)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise MemoryError()  # torch.compile holds it in a BackendCompilerFailed (inner_exception, no __cause__)
+        if len(calls) == 2:
+            raise RuntimeError("codegen failed")  # then a real compiler failure at the same bucket's next first call
         return gm.forward
 
     torch._dynamo.reset()
-    loop = PackedLoop(ModelRunner(tiny, step=StepConfig("compiled", backend=short_of_memory)), mid=1)
+    runner = ModelRunner(tiny, step=StepConfig("compiled", backend=short_of_memory))
     cfg = G(max_new_tokens=4, stop_at_eos=False)
-    loop.add([(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(2)])
+    specs = [(f"Question {i}?", cfg, TapSpec(), 1, None) for i in range(2)]
+    loop = PackedLoop(runner, mid=1)
+    loop.add(specs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a compile-failure warning would raise here instead of the allocation error
         with pytest.raises(Exception) as caught:
             while loop.busy:
                 loop.step()
     assert out_of_memory(caught.value) and len(calls) == 1 and not loop.static.eager_buckets
+    assert not loop.static.buckets  # its next call is a first call again
+    want, _ = _run(ModelRunner(tiny, step="eager"), specs)
+    with pytest.warns(RuntimeWarning, match="that bucket's steps run eagerly"):  # the compiler's failure falls back
+        got, _ = _run(runner, specs)
+    for i in want:
+        _same(got[i], want[i])
     assert not out_of_memory(RuntimeError("codegen failed")) and out_of_memory(MemoryError())
     wrapped = RuntimeError("backend failed")
     wrapped.__cause__ = RuntimeError("DefaultCPUAllocator: can't allocate memory")
     assert out_of_memory(wrapped)
+    held = RuntimeError("backend failed")
+    held.inner_exception = MemoryError()  # torch._dynamo.exc.BackendCompilerFailed's way
+    assert out_of_memory(held)
 
 
 _HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "tolist"}

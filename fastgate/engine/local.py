@@ -93,6 +93,10 @@ class Engine:
 
         probe_pending()
 
+    def bind_thread(self) -> None:
+        """The calling thread's current CUDA device is the model's (:meth:`ModelRunner.bind_thread`)."""
+        self.runner.bind_thread()
+
     def count_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` as a prompt (special tokens included)."""
         return self.runner.count_tokens(text)

@@ -210,10 +210,7 @@ class ModelRunner:
         self.n_layers = model.n_layers
         self.hidden_size = model.hidden_size
         self.device = model.device
-        if self.device.type == "cuda" and self.device.index is not None:
-            # the current CUDA device is where CUDA graphs are captured (their side stream) and Triton launches its
-            # kernels: on cuda:1 they ran on device 0 with device 1's pointers (one model's GPU per process)
-            torch.cuda.set_device(self.device)
+        self.bind_thread()  # the building thread; a server's scheduler thread binds itself when it starts
         self.dtype = next(self.model.parameters()).dtype  # the weights' (and KV cache's), chosen when the model loaded
         # chosen once: the packed decode rows' attention over a bf16 / fp16 cache on a CPU runs in float32
         # (fastgate.engine.attention.attention_dtype); prompt chunks keep the cache's dtype (equal there)
@@ -261,6 +258,13 @@ class ModelRunner:
             # its layers' joins replaced the parts' own weights and de-quantized copies by views of one tensor: the
             # parts' buffers are free now (qwen2.5-0.5b int4-dense: 0.55 GB resident given back)
             return_freed_memory()
+
+    def bind_thread(self) -> None:
+        """Make the model's CUDA device the calling thread's current one (torch's current device is per thread).
+        CUDA graphs are captured on the current device's streams and Triton launches its kernels there: on
+        ``cuda:1`` they ran on device 0 with device 1's pointers. Nothing off CUDA or on the default device."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def static_step(self, mid: int) -> StaticStep | None:
         """The static decode step keeping layer ``mid``'s EOS states (None when decode steps run eager)."""

@@ -51,6 +51,12 @@ class LLMEngine(Protocol):
         """Take on the one-time work a warm-up's first answer left for later passes (nothing where none is left)."""
         ...
 
+    def bind_thread(self) -> None:
+        """Make the calling thread's current device the engine's, for work that runs on the current device rather
+        than a tensor's (CUDA graphs, Triton launches): a thread that runs the engine calls it first (nothing off
+        CUDA or remotely)."""
+        ...
+
     def cache_prefix(self, text: str) -> int:
         """Keep the KV of ``text`` for prompts that start with it; the prefix's tokens (0: nothing cached)."""
         ...

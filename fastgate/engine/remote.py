@@ -176,6 +176,9 @@ class RemoteEngine:
     def finish_warm_up(self) -> None:
         """Nothing: the server warms itself up."""
 
+    def bind_thread(self) -> None:
+        """Nothing: no device here."""
+
     def cache_prefix(self, text: str) -> int:
         """Nothing is cached on this side (servers with prefix caching do it themselves)."""
         return 0

@@ -335,7 +335,10 @@ class StaticStep:
                 return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
             if out_of_memory(exc):  # not the compiler's fault: the caller frees memory or fails the rows (a
-                raise  # retry would compile for tens of seconds, then pin the bucket eager for good)
+                # retry would compile for tens of seconds, then pin the bucket eager for good); the bucket's next call
+                # is a first call again (a compile failure there still falls back)
+                self.buckets.discard(bucket)
+                raise
             failure = exc
         retry = self._without_split_reductions() if fallback is None else None
         if retry is not None:  # inductor's CUDA codegen failed at 16 and 64 rows in its split reductions (an H200)
@@ -349,6 +352,8 @@ class StaticStep:
                 return out
             except Exception as exc:  # noqa: BLE001 - as above
                 if out_of_memory(exc):
+                    self.buckets.discard(bucket)
+                    self._fns.pop(bucket, None)
                     raise
                 failure = exc
         later = ("so do the later buckets of its graph (symbolic sizes: one graph for batch 1, one for more rows), "
@@ -427,8 +432,8 @@ class _Graph:
         self.ints, self.floats = ints.clone(), floats.clone()  # [6, B], [4, B]: what every replay reads
         saved = (running.clone(), count.clone(), eos.clone())
         captured = (model, cache_kw, mid, keys, values, self.ints, self.floats, running, count, eos)
+        side = torch.cuda.Stream()
         try:
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
@@ -438,7 +443,9 @@ class _Graph:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.out = fn(*captured)  # (tokens [B], logprobs [B]): the graph's own buffers
         finally:  # also where a warm-up or the capture failed: the step then runs again (a retry, or eagerly), and
-            # the tap sums must not keep the failed runs' additions (the rows' counts 5x this step's)
+            # the tap sums must not keep the failed runs' additions (the rows' counts 5x this step's); after the side
+            # stream's work, which a failed warm-up left unwaited
+            torch.cuda.current_stream().wait_stream(side)
             running.copy_(saved[0])
             count.copy_(saved[1])
             eos.copy_(saved[2])

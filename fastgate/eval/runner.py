@@ -232,9 +232,11 @@ def check_settings(out_dir: Path, settings: EvalSettings) -> None:
 
 
 def _holds_records(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds a record file that is not empty (``results.jsonl``, ``always-again.jsonl``)."""
+    """Whether ``out_dir`` holds a record file that is not empty (``results.jsonl``, ``always-again.jsonl``, also
+    gzipped as docs/results commits them)."""
     try:
-        return any(p.is_file() and p.stat().st_size > 0 for p in out_dir.glob("*.jsonl"))
+        return any(p.is_file() and p.stat().st_size > 0 for pattern in ("*.jsonl", "*.jsonl.gz")
+                   for p in out_dir.glob(pattern))
     except OSError:
         return True  # unreadable: as if it held records (refused, never overwritten)
 

@@ -553,6 +553,7 @@ class AnswerService:
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
+        self.runtime.engine.bind_thread()  # this thread's current CUDA device: the model's (graphs, Triton kernels)
         sched = self._scheduler
         while not self._stop.is_set():
             self._admit(block=sched.idle)
