@@ -13,6 +13,11 @@
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
 #                                     #     then bench_engine.py on random weights in Llama-3-8B's shapes (~16 GB bf16)
+#   bash bench/gpu_suite.sh serving   # (d) bench_gpu_serving.py: the answer service end to end on the GPU (in process,
+#                                     #     no HTTP), bursts of 1-32 questions the first time and warm, for the
+#                                     #     eager step, the compiled step per bucket (CUDA's auto) and with
+#                                     #     symbolic sizes: what a server's users wait for while steps compile,
+#                                     #     the measurement CUDA's default sizes wait on (one call, ~5 minutes)
 #   bash bench/gpu_suite.sh all       # one call of ~9 minutes (timeout_s 590: its parts may take 580 s; 292 s and
 #                                     #     393 s on an H200) for a session lent 15 minutes of device time in all:
 #                                     #     the tests (200 s), the SmolLM2-shaped bench at the serving shapes (b1 and
@@ -36,7 +41,7 @@ set -uo pipefail
 
 PART=${1:-}
 case "$PART" in
-  tests|smollm2|llama3) ;;
+  tests|smollm2|llama3|serving) ;;
   all)  # the three in one call, each under its own budget and in its own folder, then one archive (see the header)
     OUT=${OUT:-bench/results/gpu-all-$(date -u +%Y%m%dT%H%M%SZ)}
     work=$(mktemp -d)  # not under $OUT: at most 8 files come back from a device call, the parts write dozens
@@ -56,7 +61,7 @@ case "$PART" in
     grep -E "^ +[a-z-]+ +(eager|compiled|eager-fallback) |^ +[a-z-]+ +bfloat16 " "$work/smollm2.out"
     grep -E "^part " "$work/tests.out" "$work/smollm2.out" "$work/llama3.out"
     exit "$worst" ;;  # the last part that failed (0: none)
-  *) echo "usage: bash bench/gpu_suite.sh tests|smollm2|llama3|all" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_suite.sh tests|smollm2|llama3|serving|all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench/results/gpu-$PART-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
@@ -149,6 +154,12 @@ hf-static-compile --batches 1,16 --contexts 600"
       --weights float --designs packed,packed-compiled,padded,hf-eager,hf-static-compile --batches 1,16,64 \
       --contexts 30,600 --compile-batches 1 --compile-contexts 600 --prefill 16x700 --steps 20 --rounds 1 \
       --max-minutes "$(minutes 120)" 2>&1 | tee -a "$LOG"
+    status=${PIPESTATUS[0]}
+    ;;
+  serving)
+    # COMPILE_BACKEND=eager: a CPU smoke run of the command line (tracing without code generation)
+    timeout "$(left)" "$PY" bench/bench_gpu_serving.py --device "$DEVICE" --dtype "${DTYPES%%,*}" \
+      --backend "${COMPILE_BACKEND:-inductor}" --bursts 1,2,4,8,16,32 2>&1 | tee "$LOG"
     status=${PIPESTATUS[0]}
     ;;
 esac
