@@ -404,6 +404,17 @@ def test_a_loop_out_of_memory_fails_its_requests_with_a_reason_and_lets_its_memo
             svc.submit(QUESTIONS[0]).result(timeout=30)
         assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
         assert dropped == [(0, 0, 0)]  # no rows, no store left
+        try:  # fastgate's own errors stay what they are, also when raised while handling an allocation failure
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            except torch.OutOfMemoryError:
+                raise InputError("the question is empty") from None
+        except InputError as exc:
+            from fastgate.scheduler.task import Task
+
+            task = Task(None, "Who?")
+            svc.scheduler.finish(task, error=exc)
+            assert task.error is exc
         assert svc.submit(QUESTIONS[1]).result(timeout=30)["answer"] is not None
     finally:
         svc.stop()

@@ -23,7 +23,7 @@ from typing import Any
 
 from fastgate.config import check_tap_layers
 from fastgate.engine.protocol import LLMEngine
-from fastgate.errors import InputError, OutOfMemory, out_of_memory
+from fastgate.errors import FastgateError, InputError, OutOfMemory, out_of_memory
 from fastgate.programs import All, Answer, Batched, Decide, Generate, PromptStates, Search, SearchVectors
 from fastgate.scheduler.admission import Admission
 from fastgate.scheduler.batching import PHASES, BatchingTable, group_key
@@ -321,7 +321,7 @@ class Scheduler:
     def finish(self, task: Task, answer: Any = None, error: BaseException | None = None) -> None:
         """End ``task`` with the program's ``answer`` (its result is built by the method) or ``error``; tell its
         ``on_done``."""
-        if error is not None and out_of_memory(error) and not isinstance(error, OutOfMemory):
+        if error is not None and not isinstance(error, FastgateError) and out_of_memory(error):
             # a failed allocation is the batch's size, not the request: a server says 503 with a reason, not 500
             cause = error
             error = OutOfMemory(f"ran out of memory answering this request ({type(cause).__name__}: {cause}); retry, "
