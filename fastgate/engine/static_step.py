@@ -12,10 +12,10 @@ one graph per batch size. On a CPU there is no graph to capture and compiling ta
 left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the step
 attends over the columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare
 of a 1024-column store made the step 1.2× slower than the eager one). On CUDA the sizes can be symbolic too
-(``StepConfig.sizes="symbolic"``): one compile, then a CUDA graph captured per bucket, as vLLM compiles once and
-captures per batch size; per-bucket compiles stall a server for 26-47 s at each new bucket (an H200), but whether
-symbolic sizes cost the step anything there is not yet measured, so fixed sizes stay CUDA's default. Inside the one
-graph:
+(``StepConfig.sizes="symbolic"``): two compiles (batch 1's graph and the rest's), then a CUDA graph captured per
+bucket, as vLLM compiles once and captures per batch size; per-bucket compiles stall a server for 26-47 s at each new
+bucket (an H200), but whether symbolic sizes cost the step anything there is not yet measured, so fixed sizes stay
+CUDA's default. Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.engine.packed.SlotStore` rows at the row's own
