@@ -587,3 +587,18 @@ def test_library_entry_points_give_the_projects_errors(tiny):
     for name, value in (("head_columns", "a"), ("prefill_chunk", "a"), ("prefix_cache", 2.5)):
         with pytest.raises(InputError, match=f"{name} must be an integer"):
             Engine(tiny, **{name: value})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_service_names_the_cuda_device_and_its_allocator_s_memory():
+    """What /healthz says on a GPU (``device``, ``device_reserved_mb``), without the HTTP layer or an index: this
+    module runs in the GPU suite, where fastapi and tantivy are not installed."""
+    from fastgate.engine.local import Engine
+    from fastgate.serving.runtime import Runtime
+    from fastgate.serving.service import AnswerService, ServiceConfig
+    from fastgate.testing import tiny_model
+
+    lm = tiny_model()
+    lm.model.to("cuda")
+    svc = AnswerService(ServiceConfig(method="never"), Runtime("tiny", engine=Engine(lm, step="eager")))
+    assert svc.device_name == f"cuda:{torch.cuda.current_device()}" and svc.device_reserved_bytes > 0

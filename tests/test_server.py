@@ -635,18 +635,6 @@ def test_http_timeout_gives_504(tiny_engine, small_index):
     assert future.cancelled() and svc.queue_depth == 0  # dropped, and out of the queue: it will not be run
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_healthz_names_the_cuda_device_and_its_allocator_s_memory(small_index):
-    from fastgate.engine.local import Engine
-    from fastgate.testing import tiny_model
-
-    lm = tiny_model()
-    lm.model.to("cuda")
-    svc = AnswerService(ServiceConfig(index=str(small_index)), Runtime("tiny", index=str(small_index),
-                                                                       engine=Engine(lm, step="eager")))
-    assert svc.device_name.startswith("cuda:") and svc.device_reserved_bytes > 0
-
-
 def test_a_streamed_timeout_is_counted_once_and_healthz_says_503_once_stopped(tiny_engine, small_index):
     from fastapi.testclient import TestClient
 
