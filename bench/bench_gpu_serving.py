@@ -40,7 +40,7 @@ from fastgate.entrypoints import passive_omp_threads  # noqa: E402
 passive_omp_threads()  # before torch loads (bench_engine imports it)
 import torch  # noqa: E402
 from _common import append_rows, print_table  # noqa: E402
-from bench_engine import build_model  # noqa: E402
+from bench_engine import build_model, compiles, step_mode  # noqa: E402
 
 from fastgate.engine.local import Engine  # noqa: E402
 from fastgate.engine.static_step import StepConfig  # noqa: E402
@@ -51,13 +51,6 @@ from fastgate.serving.service import AnswerService, ServiceConfig  # noqa: E402
 # 26-47 s each on an H200), then eager (no compiles; a baseline)
 DESIGNS = ("compiled-symbolic", "compiled-bucket", "eager")
 WARM_ROUNDS = 3  # warm bursts per size, the median reported
-
-
-def graphs() -> int:
-    """Graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 CAPTURES = [0]  # CUDA graphs captured in this process (static_step._Graph made)
@@ -84,14 +77,6 @@ def burst(svc: AnswerService, n: int, start: int, max_tokens: int, timeout: floa
                           max_tokens=max_tokens) for i in range(n)]
     tokens = sum(int(f.result(timeout=timeout).get("generated_tokens", 0)) for f in futures)
     return time.perf_counter() - t, tokens
-
-
-def step_mode(engine: Engine) -> str:
-    """How the engine's steps ran: ``compiled``, ``eager``, or ``eager-fallback`` where a bucket's compile failed."""
-    runner = engine.runner
-    if not runner.compiled:
-        return "eager"
-    return "compiled" if all(not s.eager_buckets for s in runner._static.values()) else "eager-fallback"
 
 
 def main() -> None:
@@ -131,7 +116,7 @@ def main() -> None:
         step = "eager" if design == "eager" else StepConfig("compiled", backend=args.backend,
                                                            sizes=design.removeprefix("compiled-"))
         engine = Engine(lm, step=step)
-        before, captured = graphs(), CAPTURES[0]
+        before, captured = compiles(), CAPTURES[0]
         t0 = time.perf_counter()
         svc = None
         try:  # a design that fails is said, and the next one runs
@@ -139,14 +124,14 @@ def main() -> None:
                                 Runtime(args.model, device=args.device, engine=engine)).start()
             started = time.perf_counter() - t0
             print(f"{design}: started in {started:.1f} s (warm-up {svc.warmup_s or 0:.1f} s), "
-                  f"{graphs() - before} graphs", file=sys.stderr, flush=True)
+                  f"{compiles() - before} graphs", file=sys.stderr, flush=True)
             asked = 0
             for n in bursts:
                 if out_of_time():
                     break
-                g0, c0 = graphs(), CAPTURES[0]
+                g0, c0 = compiles(), CAPTURES[0]
                 first, tokens = burst(svc, n, asked, args.max_tokens, args.timeout)
-                first_graphs, first_captures = graphs() - g0, CAPTURES[0] - c0
+                first_graphs, first_captures = compiles() - g0, CAPTURES[0] - c0
                 asked += n
                 warm, warm_captures = [], 0
                 for _ in range(WARM_ROUNDS):
@@ -159,7 +144,7 @@ def main() -> None:
                        "first_graphs": first_graphs, "first_captures": first_captures,
                        "warm_s": statistics.median(warm), "warm_captures": warm_captures,
                        "tokens": tokens, "tokens_per_s_warm": tokens / statistics.median(warm),
-                       "graphs": graphs() - before, "captures": CAPTURES[0] - captured, "start_s": started,
+                       "graphs": compiles() - before, "captures": CAPTURES[0] - captured, "start_s": started,
                        "warmup_s": svc.warmup_s, "reserved_mb": None if reserved is None else reserved / 2**20,
                        "model": args.model, "dtype": engine.dtype_name, "device": svc.device_name}
                 rows.append(row)
