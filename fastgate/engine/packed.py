@@ -760,6 +760,14 @@ class PackedLoop(DecodeLoop):
             self._enter_job(job, logits[j], pre.get(id(job)))
         return ran
 
+    def _cells_left(self, held: int, waiting: list[_Job]) -> int | None:
+        """The cells the store may grow to under ``max_cells`` (None: no bound): the budget less ``held`` cells, the
+        ``waiting`` prompts' prefill buffers and what the scheduler's other loops hold (admission counts them all)."""
+        if self.max_cells is None:
+            return None
+        elsewhere = self.held_elsewhere() if self.held_elsewhere is not None else 0
+        return max(1, self.max_cells - held - self._prefill_cells(sum(len(j.ids) for j in waiting)) - elsewhere)
+
     def _reserve_for(self, jobs: list[_Job], held: int | None = None) -> None:
         """Room in the store for every row of ``jobs`` (prompts ending in this pass), as wide as the longest live row
         will grow (no growth while they decode); under ``max_cells`` the spare leaves room for what the jobs hold
@@ -769,12 +777,7 @@ class PackedLoop(DecodeLoop):
         kv = self.runner.kv
         ids = {id(job) for job in jobs}
         waiting = [j for j in self.prefilling if id(j) not in ids]  # the prompts still queued after these
-        bound = None
-        if self.max_cells is not None:
-            queued = sum(len(j.ids) for j in waiting)
-            held = sum(len(job.ids) for job in jobs) if held is None else held
-            elsewhere = self.held_elsewhere() if self.held_elsewhere is not None else 0
-            bound = max(1, self.max_cells - held - self._prefill_cells(queued) - elsewhere)
+        bound = self._cells_left(sum(len(job.ids) for job in jobs) if held is None else held, waiting)
         cols = max(self._final_cols(), *(kv.row_columns(len(job.ids), job.spec.config.max_new_tokens) for job in jobs))
         m, rows = len(self.rows), len(self.rows) + sum(job.spec.k for job in jobs)
         # a growth makes room for the queued prompts' rows too: 16 prompts of a 16 x 700 prefill joining a few a pass
@@ -795,16 +798,13 @@ class PackedLoop(DecodeLoop):
         # the store the step needs: the bucket's rows, a width bucket's columns (a join under a budget can leave the
         # store narrower than a bucket: it then grows to one)
         cols = width_bucket(max(max(self.lens) + 1, self.store.cols_cap))
-        bound = None
-        if self.max_cells is not None:  # as the joins' reservations bound it (_reserve_for): the other loops' and
-            # the queued prompts' cells out
-            elsewhere = self.held_elsewhere() if self.held_elsewhere is not None else 0
-            bound = max(1, self.max_cells - self._prefill_cells(sum(len(j.ids) for j in self.prefilling)) - elsewhere)
-            if (b > self.store.rows_cap or cols > self.store.cols_cap) and b * cols > bound:
-                # the bucket would pass the budget: the rows step eagerly in the store as it is. Growing it anyway
-                # cut its width to the rows' need, past the budget, and moved every row again at each step's new
-                # column (17 rows at 600 tokens: 32 x 601, 32 x 602, ...)
-                return False
+        bound = self._cells_left(0, self.prefilling)  # as the joins' reservations are bounded
+        grows = b > self.store.rows_cap or cols > self.store.cols_cap
+        if grows and bound is not None and b * cols > bound:
+            # the bucket would pass the budget: the rows step eagerly in the store as it is. Growing it anyway cut its
+            # width to the rows' need, past the budget, and moved every row again at each step's new column (17 rows
+            # at 600 tokens: 32 x 601, 32 x 602, ...)
+            return False
         self.store.reserve(b, cols, m, max(self.lens), bound)
         # on CUDA, or with sizes fixed per bucket, every column of the store: a graph (CUDA's, or a compiled one) per
         # (batch bucket, store width), whatever the rows' lengths; on a CPU with symbolic sizes the columns the rows

@@ -244,8 +244,12 @@ class StepConfig:
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
             raise InputError(f"step must be auto, eager or compiled, got {self.mode!r}")
-        if self.sizes not in STEP_SIZES:
-            raise InputError(f"the step's sizes must be {', '.join(STEP_SIZES)}, got {self.sizes!r}")
+        _check_sizes(self.sizes)
+
+
+def _check_sizes(sizes: str) -> None:
+    if sizes not in STEP_SIZES:
+        raise InputError(f"the step's sizes must be {', '.join(STEP_SIZES)}, got {sizes!r}")
 
 
 def compiled_by_default(device) -> bool:
@@ -273,8 +277,7 @@ class StaticStep:
         self.runner, self.mid, self.compiled, self.backend = runner, mid, compiled, backend
         self.buckets: set[tuple[int, int]] = set()  # (B, W) buckets run so far
         self.cuda_graphs = compiled and torch.device(runner.device).type == "cuda"
-        if sizes not in STEP_SIZES:
-            raise InputError(f"the step's sizes must be {', '.join(STEP_SIZES)}, got {sizes!r}")
+        _check_sizes(sizes)
         # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
         # compiles for a minute or two once instead of per bucket; on CUDA (auto) each bucket's sizes are fixed
         self.symbolic = not self.cuda_graphs if sizes == "auto" else sizes == "symbolic"
@@ -335,9 +338,8 @@ class StaticStep:
                 return self._run(bucket, args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the step itself is correct eagerly
             if out_of_memory(exc):  # not the compiler's fault: the caller frees memory or fails the rows (a
-                # retry would compile for tens of seconds, then pin the bucket eager for good); the bucket's next call
-                # is a first call again (a compile failure there still falls back)
-                self.buckets.discard(bucket)
+                # retry would compile for tens of seconds, then pin the bucket eager for good)
+                self._forget(bucket)
                 raise
             failure = exc
         retry = self._without_split_reductions() if fallback is None else None
@@ -352,8 +354,7 @@ class StaticStep:
                 return out
             except Exception as exc:  # noqa: BLE001 - as above
                 if out_of_memory(exc):
-                    self.buckets.discard(bucket)
-                    self._fns.pop(bucket, None)
+                    self._forget(bucket)
                     raise
                 failure = exc
         later = ("so do the later buckets of its graph (symbolic sizes: one graph for batch 1, one for more rows), "
@@ -364,6 +365,12 @@ class StaticStep:
         if self.symbolic:
             self._fallback[b == 1] = _decode
         return self._eager(bucket, args)
+
+    def _forget(self, bucket: tuple[int, int]) -> None:
+        """``bucket`` as if it had not run: its next call is a first call again (a compile failure there still falls
+        back; with symbolic sizes it takes its graph's fallback then)."""
+        self.buckets.discard(bucket)
+        self._fns.pop(bucket, None)
 
     def _eager(self, bucket: tuple[int, int], args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``bucket`` eagerly from now on (its compile failed)."""

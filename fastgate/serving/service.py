@@ -179,6 +179,11 @@ def cut_to_tokens(count_tokens, text: str, limit: int) -> str | None:
     return text[:lo].rstrip()
 
 
+def _rows_at_once(req) -> int:
+    """Sequences the request's method decodes at once with its parameters (1 without a config)."""
+    return method_class(req.method).rows_at_once(req.config) if req.config is not None else 1
+
+
 class AnswerService:
     """Thread-safe answering on one scheduler (see the module docstring).
 
@@ -247,8 +252,7 @@ class AnswerService:
             # a scheduler of the service's settings, without the service's queue (``feed``): nothing else runs
             sched = scheduler_cls(self.runtime.engine, self.config.scheduler_config())
             sched.answer(self._method(default), [WARMUP_QUESTION])
-            rows = method_class(default.method).rows_at_once(default.config) if default.config is not None else 1
-            if self.step_name == "compiled" and 2 * rows <= self.config.max_rows:
+            if self.step_name == "compiled" and 2 * _rows_at_once(default) <= self.config.max_rows:
                 # two at once: the compiled step's graph for more than one row (batch 1's is a graph of its own) is
                 # built here, not under the first requests that decode together (tens of seconds on a GPU)
                 sched.answer(self._method(default), [WARMUP_QUESTION, WARMUP_SECOND])
@@ -398,7 +402,7 @@ class AnswerService:
             req = check_request(name, params, None, self.runtime.model, remote=remote,
                                 calibrate=functools.partial(self.runtime.calibrated, warn=False))  # said at build
             _check_int_params(req, self.config.max_int_param)
-            rows = method_class(name).rows_at_once(req.config) if req.config is not None and remote is None else 1
+            rows = _rows_at_once(req) if remote is None else 1
             if rows > self.config.max_rows:  # the scheduler would refuse it only once it ran (a default method: every
                 # request, after the warm-up's failure was logged)
                 raise InputError(f"method {name} decodes {rows} sequences at once with these parameters, more than "
