@@ -18,19 +18,17 @@ place);
   (``fullgraph``; ``mode="reduce-overhead"``, CUDA graphs, on GPU). Compiling takes minutes on a small CPU: only the
   batches of ``--compile-batches``.
 
-- ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.engine.static_step`):
-its
-  decode-only passes as one function per batch bucket, traced by ``torch.compile(fullgraph=True)`` (a CUDA graph per
-  bucket on GPU); ``first_step_s`` is the slowest first step of a loop (it compiles a new bucket). ``packed`` is built
-  with ``step="eager"`` (``auto`` would compile on CUDA), and every row's ``mode`` is what its loop actually ran;
-  ``--compile-batches`` and ``--compile-contexts`` bound the graphs both compiled designs build (one per batch and
-  context), and ``compiles`` counts the graphs dynamo built so far in the run.
-- ``packed-compiled-symbolic`` (mode ``compiled``): the same step with symbolic sizes (``StepConfig.sizes``): two
-  compiles in all (batch 1 is specialised; its first row compiles the graph of more rows, e.g. at batch 16), then a
-  CUDA graph captured per bucket on GPU (vLLM's design), so its ``first_step_s`` at any later batch or context is a
-  capture, not a compile. It is not bounded by ``--compile-batches`` / ``--compile-contexts``. A CPU's
-  ``packed-compiled`` already is this (the two share their graphs there); on CUDA it answers whether symbolic sizes
-  cost the step anything against a graph compiled per bucket, whose compiles stall a server 26-47 s each.
+- ``packed-compiled`` (mode ``compiled``): the packed loop with the static step (:mod:`fastgate.engine.static_step`)
+  as users get it (``StepConfig.sizes`` ``auto``: symbolic sizes): its decode-only passes as one function traced by
+  ``torch.compile(fullgraph=True)``, two compiles in all (batch 1 is specialised; its first row compiles the graph of
+  more rows, e.g. at batch 16), then on GPU a CUDA graph captured per bucket (vLLM's design), so its ``first_step_s``
+  at a later batch or context is a capture, not a compile. ``packed`` is built with ``step="eager"`` (``auto`` would
+  compile on CUDA), and every row's ``mode`` is what its loop actually ran; ``compiles`` counts the graphs dynamo
+  built so far in the run.
+- ``packed-compiled-bucket`` (mode ``compiled``): the same step with sizes fixed per (batch, width) bucket
+  (``StepConfig(sizes="bucket")``): a compile per bucket (26-47 s each on an H200, a server's scheduler stalled
+  meanwhile), left out on a CPU by default. It and ``hf-static-compile`` compile only at ``--compile-batches`` and
+  ``--compile-contexts`` (one graph per batch and context).
 - ``llama.cpp`` (mode ``native``): llama-cpp-python on the very GGUF file the embedded model is converted from (its
   own quantized blocks, ``dtype`` names the GGUF type), decode steps at batch 1 only (its ``Llama`` decodes one
   sequence), with as many threads as torch; the ``--prefill`` batch as the engine's rows (N different L-token prompts,
@@ -108,14 +106,15 @@ from fastgate.ops.quant import INT4_HALF, int4_bf16_form  # noqa: E402
 
 FILLER = ("The river rises in the northern hills and flows south through farmland, past the old mill and the "
           "market town, before it reaches the sea at a wide estuary where ships once loaded wool and grain. ")
-DESIGNS = ("packed", "packed-hf", "packed-compiled", "packed-compiled-symbolic", "padded", "hf-dynamic", "hf-eager",
+DESIGNS = ("packed", "packed-hf", "packed-compiled", "packed-compiled-bucket", "padded", "hf-dynamic", "hf-eager",
            "hf-static-compile", "llama.cpp")
-CPU_SKIPS = ("packed-compiled-symbolic",)  # the default designs a CPU run leaves out: packed-compiled is the same
+CPU_SKIPS = ("packed-compiled-bucket",)  # the default designs a CPU run leaves out (minutes of compiling a bucket)
 PREFILL_FORMS = {"packed": "packed passes of the runner's prefill chunk (from text)", "engine": "row chunks",
                  "hf-eager": "one HF forward"}  # each prefill row's prefill_shape: what it timed
 # the designs that compile a graph per batch and context (bounded by --compile-batches / --compile-contexts); the
-# symbolic step compiles two graphs whatever the shapes (batch 1's and the rest's), so every shape runs it
-COMPILED = ("packed-compiled", "hf-static-compile")
+# symbolic step (packed-compiled) compiles two graphs whatever the shapes (batch 1's and the rest's), so every shape
+# runs it
+COMPILED = ("packed-compiled-bucket", "hf-static-compile")
 LLAMA_CPP_HINT = ("llama_cpp is not importable: `make llama-cpp` builds llama-cpp-python from source (or: pip install "
                   "--no-binary llama-cpp-python llama-cpp-python)")
 SHAPES = {  # random weights in a model's shapes: timings without its weights (nothing to download or carry)
@@ -502,12 +501,12 @@ def main() -> None:
             FIRST_STEP.clear()  # first steps are this model's
             engine = Engine(lm, prefix_cache=0, step="eager")  # every row prefilled whole; eager on CUDA too
             hf_engine = Engine(lm, prefix_cache=0, step="eager", forward="hf")  # HF's module tree, hooks for taps
-            # the same model with the static step compiled (fastgate.engine.static_step): one graph per batch and
-            # width bucket
+            # the same model with the static step compiled (fastgate.engine.static_step): symbolic sizes (auto),
+            # one graph for every bucket of more than one row
             compiled = Engine(lm, prefix_cache=0, step=StepConfig("compiled", backend=args.compile_backend))
-            # and with symbolic sizes: one graph for every bucket (on a CPU the same as `compiled`'s)
-            symbolic = Engine(lm, prefix_cache=0,
-                              step=StepConfig("compiled", backend=args.compile_backend, sizes="symbolic"))
+            # and with sizes fixed per bucket: one graph per batch and width bucket
+            bucket = Engine(lm, prefix_cache=0,
+                            step=StepConfig("compiled", backend=args.compile_backend, sizes="bucket"))
             name = engine.dtype_name
             held_as = lm.weights  # auto resolved (fastgate.assets.quant.choose_weights)
             reason = lm.dtype_reason
@@ -551,8 +550,8 @@ def main() -> None:
                             elif d == "packed-hf":
                                 t, width, kv = loop_step(hf_engine, ids[(b, c)], args.steps, d)
                                 mode = "eager"
-                            elif d in ("packed-compiled", "packed-compiled-symbolic"):
-                                eng = compiled if d == "packed-compiled" else symbolic
+                            elif d in ("packed-compiled", "packed-compiled-bucket"):
+                                eng = compiled if d == "packed-compiled" else bucket
                                 t, width, kv = loop_step(eng, ids[(b, c)], args.steps, d)
                                 mode = step_mode(eng)
                             elif d == "hf-eager":
@@ -602,7 +601,7 @@ def main() -> None:
                           "vs_hf_ids": statistics.median(samples["hf-eager"]) / max(t - tok_s, 1e-9),
                           "tokens_per_s": n * length / t,
                           "weights_MB": weight_bytes(lm.model, n * length) / 1e6, **machine})
-            del engine, hf_engine, compiled, symbolic, lm
+            del engine, hf_engine, compiled, bucket, lm
     if "llama.cpp" in designs and not out_of_time():
         run_llama_cpp(args, contexts, batches, machine, emit, out_of_time)
     steps = [r for r in rows if r["kind"] == "step"]

@@ -1,16 +1,16 @@
 """The answer service end to end on one device, in process: what a server's users wait for while its decode steps
 compile, and after.
 
-No server has run end to end on a GPU here (the GPU suite's tests and benches call the engine, not the service), and
-on CUDA the compiled step compiles each (batch, width) bucket at its first step with the default sizes (26-47 s on an
-H200, the scheduler waiting) where symbolic sizes compile twice in all. This bench answers bursts of N questions at
-once (``never``: one closed-book generation each of ``--max-tokens`` tokens, which random weights never end early; no
-retrieval, so no index or embedder) through :class:`fastgate.serving.service.AnswerService` (no HTTP layer: fastapi
-and uvicorn are not on the GPU image), on random weights in SmolLM2-135M's shapes with the tiny test tokenizer
+The GPU suite's tests and benches call the engine, not the service. With sizes fixed per bucket the compiled step
+compiles each (batch, width) bucket at its first step (26-47 s on an H200, the scheduler waiting), where symbolic sizes
+(``auto``'s since this bench measured them, 2026-11-30) compile twice in all. This bench answers bursts of N questions
+at once (``never``: one closed-book generation each of ``--max-tokens`` tokens, which random weights never end early; no
+retrieval, so no index or embedder) through :class:`fastgate.serving.service.AnswerService` (no HTTP layer: fastapi and
+uvicorn are not on the GPU image), on random weights in SmolLM2-135M's shapes with the tiny test tokenizer
 (bench_engine.py's ``build_model``), for each step design, the unknown first:
 
-- ``compiled-symbolic``: the compiled step with symbolic sizes (``StepConfig(sizes="symbolic")``);
-- ``compiled-bucket``: the compiled step with a graph per bucket (CUDA's ``auto``; ``--bucket-bursts``, fewer sizes:
+- ``compiled-symbolic``: the compiled step with symbolic sizes (``StepConfig(sizes="symbolic")``, ``auto``'s);
+- ``compiled-bucket``: the compiled step with a graph per bucket (``sizes="bucket"``; ``--bucket-bursts``, fewer sizes:
   each new one a compile);
 - ``eager``: ``step="eager"`` (a CPU's ``auto``), the baseline.
 

@@ -6,17 +6,17 @@
 #                                     #     step, dtypes, int8 and int4 weights, the fused ops
 #   bash bench/gpu_suite.sh smollm2   # (b) profile_step.py (an eager step's host time), then bench_engine.py on
 #                                     #     random weights in SmolLM2-135M's shapes: packed eager
-#                                     #     (a true eager step), packed-compiled (the static step, CUDA graphs),
-#                                     #     packed-compiled-symbolic (two compiles, batch 1's and the rest's,
-#                                     #     then a CUDA graph per bucket: its first_step_s at batch 64 or at
-#                                     #     context 30 is a capture, not a compile),
+#                                     #     (a true eager step), packed-compiled (the static step as users get it:
+#                                     #     two compiles, batch 1's and the rest's, then a CUDA graph per bucket:
+#                                     #     its first_step_s at batch 64 or at context 30 is a capture, not a
+#                                     #     compile), packed-compiled-bucket (sizes fixed per bucket: a compile each),
 #                                     #     padded, hf-eager and HF StaticCache + torch.compile; a 16 x 700 prefill
 #   bash bench/gpu_suite.sh llama3    # (c) the kernel benches (bench_probe.py, bench_eigenscore.py: Triton on CUDA),
 #                                     #     then bench_engine.py on random weights in Llama-3-8B's shapes (~16 GB bf16)
 #   bash bench/gpu_suite.sh serving   # (d) bench_gpu_serving.py: the answer service end to end on the GPU (in process,
 #                                     #     no HTTP), bursts of 1-32 questions the first time and warm, for the
-#                                     #     eager step, the compiled step per bucket (CUDA's auto) and with
-#                                     #     symbolic sizes: what a server's users wait for while steps compile,
+#                                     #     eager step, the compiled step per bucket and with symbolic sizes
+#                                     #     (auto's): what a server's users wait for while steps compile,
 #                                     #     the measurement CUDA's default sizes wait on (one call, ~5 minutes)
 #   bash bench/gpu_suite.sh all       # one call of ~9 minutes (timeout_s 590: its parts may take 585 s; 292 s and
 #                                     #     393 s on an H200) for a session lent 15 minutes of device time in all:
@@ -123,12 +123,12 @@ case "$PART" in
         >> "$OUT/profile.log" 2>&1 || echo "profile_step batch $1 context $2: exit $?" >> "$OUT/profile.log"
     done
     grep -s "one step" "$OUT/profile.log"
-    # compiles: packed-compiled and hf-static-compile at batches 1 and 16, context 600; packed-compiled-symbolic two
+    # compiles: packed-compiled-bucket and hf-static-compile at batches 1 and 16, context 600; packed-compiled two
     # (batch 1's and the rest's), every other shape of it a capture: 6 graphs
-    shapes="--designs packed,packed-compiled,packed-compiled-symbolic,padded,hf-eager,hf-static-compile \
+    shapes="--designs packed,packed-compiled,packed-compiled-bucket,padded,hf-eager,hf-static-compile \
 --batches 1,16,64 --contexts 30,600"
-    # the `all` part's shapes: the serving ones only (b1 and b16 at 600: four compiles; the symbolic step is the whole
-    # part's and the serving part's, its two compiles past the `all` call's time)
+    # the `all` part's shapes: the serving ones only (b1 and b16 at 600: four compiles, packed-compiled's two and HF's
+    # two; the per-bucket step is the whole part's and the serving part's)
     [ -n "${SMOLLM2_QUICK:-}" ] && shapes="--designs packed,packed-compiled,hf-eager,hf-static-compile --batches 1,16 \
 --contexts 600"
     timeout "$(left)" "$PY" bench/bench_engine.py --device "$DEVICE" --model smollm2-135m-shape --dtypes "$DTYPES" \

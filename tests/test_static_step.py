@@ -245,8 +245,8 @@ def test_a_first_bucket_equal_to_another_size_does_not_pin_the_graph_to_it(tiny,
 
 @pytest.mark.parametrize(("sizes", "graphs"), [("auto", 1), ("symbolic", 1), ("bucket", 3)])
 def test_the_step_s_sizes_say_how_many_graphs_its_buckets_trace(tiny, sizes, graphs):
-    """``StepConfig.sizes``: symbolic sizes (a CPU's auto) trace one graph for the buckets of 2, 4 and 8 rows; sizes
-    fixed per bucket (CUDA's auto) one each, with the same tokens; a bad value is an InputError at construction."""
+    """``StepConfig.sizes``: symbolic sizes (auto's) trace one graph for the buckets of 2, 4 and 8 rows; sizes
+    fixed per bucket one each, with the same tokens; a bad value is an InputError at construction."""
     torch._dynamo.reset()
     counting = _Counting()
     runner = ModelRunner(tiny, step=StepConfig("compiled", backend=counting, sizes=sizes))
@@ -529,11 +529,11 @@ def test_runtime_and_service_name_the_step(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("sizes", ["auto", "symbolic"])
+@pytest.mark.parametrize("sizes", ["auto", "bucket"])
 def test_cuda_graph_step_gives_the_eager_greedy_tokens(sizes):
-    """On a GPU: the step compiled by inductor with CUDA graphs (the default there; with symbolic sizes, one compile
-    and a graph captured per bucket) gives the eager pass's greedy tokens and, within bf16-free float32 tolerance, its
-    taps."""
+    """On a GPU: the step compiled by inductor with CUDA graphs (the default there; with symbolic sizes, auto's, two
+    compiles and a graph captured per bucket; with fixed sizes a compile per bucket) gives the eager pass's greedy
+    tokens and, within bf16-free float32 tolerance, its taps."""
     from fastgate.testing import tiny_model
 
     lm = tiny_model(n_layers=2)
@@ -551,7 +551,7 @@ def test_cuda_graph_step_gives_the_eager_greedy_tokens(sizes):
     assert loop.static_steps > 0 and static.compiled and static.cuda_graphs and not static.eager_buckets
     assert len(static._graphs) == len(static.buckets)  # a CUDA graph captured per bucket either way
     compiled = counters["stats"]["unique_graphs"] - graphs
-    if sizes == "symbolic":  # two graphs at most (batch 1 is specialised), however many buckets ran
+    if sizes == "auto":  # symbolic sizes: two graphs at most (batch 1 is specialised), however many buckets ran
         assert static.symbolic and compiled <= 2 < len(static.buckets), (compiled, static.buckets)
     else:  # a graph per bucket
         assert not static.symbolic and compiled >= len(static.buckets) > 2, (compiled, static.buckets)

@@ -9,13 +9,13 @@ every shape is fixed by a *bucket* — ``B`` rows (1, 2, 4, … 128; the rows pa
 buffer's width: attending over all of it keeps one graph per width) — so that ``torch.compile(fullgraph=True)``
 traces it once per bucket and, on CUDA, captures it as a CUDA graph (:class:`_Graph`), as vLLM and SGLang capture
 one graph per batch size. On a CPU there is no graph to capture and compiling takes minutes a shape: the sizes are
-left symbolic there (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and the step
+left symbolic (``dynamic=True``), one graph (two: batch 1 is specialised) serves every bucket, and on a CPU the step
 attends over the columns the rows use rather than the store's whole width (at 16 rows × 600 tokens reading the spare
-of a 1024-column store made the step 1.2× slower than the eager one). On CUDA the sizes can be symbolic too
-(``StepConfig.sizes="symbolic"``): two compiles (batch 1's graph and the rest's), then a CUDA graph captured per
-bucket, as vLLM compiles once and captures per batch size; per-bucket compiles stall a server for 26-47 s at each new
-bucket (an H200), but whether symbolic sizes cost the step anything there is not yet measured, so fixed sizes stay
-CUDA's default. Inside the one graph:
+of a 1024-column store made the step 1.2× slower than the eager one). On CUDA the sizes are symbolic too: two
+compiles (batch 1's graph and the rest's), then a CUDA graph captured per bucket, as vLLM compiles once and captures
+per batch size. Fixed sizes (``StepConfig.sizes="bucket"``) compile at each new bucket's first step, 26-47 s on an
+H200 with the scheduler waiting, for a warm step no faster (bench/bench_gpu_serving.py, 2026-11-30: 0.193 s against
+0.197 s for 64 tokens at batch 1, 0.279 s against 0.259 s at batch 4). Inside the one graph:
 
 * the model's own decoder layers (HF's modules, called one by one: the same arithmetic as the eager pass), each
   writing its new key / value into the packed loop's :class:`~fastgate.engine.packed.SlotStore` rows at the row's own
@@ -237,8 +237,7 @@ class StepConfig:
     cache_dir: str | None = None  # compiled kernels' cache (None: $FASTGATE_HOME/compile): a later start reuses them
     # the compiled step's sizes: symbolic (one graph serves every bucket; on CUDA a CUDA graph is still captured per
     # bucket, as vLLM does), or fixed per bucket (a compile for each bucket a server meets: 26-47 s each on an H200,
-    # the scheduler stalled meanwhile); auto: symbolic on a CPU, per bucket on CUDA, whose symbolic step is not yet
-    # measured against it (bench_engine.py's packed-compiled-symbolic design)
+    # the scheduler stalled meanwhile, for a warm step no faster there); auto: symbolic everywhere
     sizes: str = "auto"
 
     def __post_init__(self) -> None:
@@ -268,8 +267,8 @@ class StaticStep:
             (:class:`_Graph`); False: the same function eagerly (the reference).
         backend: ``torch.compile``'s backend.
         cache_dir: where inductor caches the compiled kernels (None: ``$FASTGATE_HOME/compile``).
-        sizes: ``symbolic`` (one graph for every bucket), ``bucket`` (a graph per bucket) or ``auto`` (symbolic on a
-            CPU, per bucket on CUDA): see :class:`StepConfig`.
+        sizes: ``symbolic`` (one graph for every bucket), ``bucket`` (a graph per bucket) or ``auto`` (symbolic): see
+            :class:`StepConfig`.
     """
 
     def __init__(self, runner, mid: int, compiled: bool = True, backend: str = "inductor",
@@ -278,9 +277,9 @@ class StaticStep:
         self.buckets: set[tuple[int, int]] = set()  # (B, W) buckets run so far
         self.cuda_graphs = compiled and torch.device(runner.device).type == "cuda"
         _check_sizes(sizes)
-        # on a CPU, sizes are symbolic: one graph serves every bucket (two: batch 1 is specialised), so a server
-        # compiles for a minute or two once instead of per bucket; on CUDA (auto) each bucket's sizes are fixed
-        self.symbolic = not self.cuda_graphs if sizes == "auto" else sizes == "symbolic"
+        # symbolic sizes (auto): one graph serves every bucket (two: batch 1 is specialised), so a server compiles
+        # once, for a minute or two, instead of at each new bucket while its requests wait
+        self.symbolic = sizes != "bucket"
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (B, W) -> its CUDA graph (on CUDA)
         self._pool = None  # the graphs' shared memory pool (one bucket replays at a time, as in vLLM)
         fn = _decode
