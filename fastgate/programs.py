@@ -164,12 +164,15 @@ Request = Generate | PromptStates | Search | SearchVectors | PassageVectors | Em
 
 @dataclass
 class Answer:
-    """What a program returns: the answer text, the passages it was answered from, and method-specific details for
-    the record (the read gate's features and closed-book answer)."""
+    """What a program returns: the answer text, the passages it was answered from, method-specific details for the
+    record (the read gate's features and closed-book answer) and, where the answer is the text of a generation that
+    was not asked for as the answer (``Generate.answer``: a closed-book answer a gate kept after seeing it), that
+    generation, so that the answer's finish reason (``length`` at the token limit) and tokens are its."""
 
     text: str
     passages: Sequence[Hit] = ()
     details: dict[str, Any] = field(default_factory=dict)
+    generation: Any = None  # a fastgate.engine.generation.Sequence (not imported: programs stay below the engine)
 
 
 Program = Generator[Any, Any, Answer]

@@ -169,6 +169,10 @@ def test_invalid_requests_get_openai_style_errors(client):
         ({"messages": [{"role": "user", "content": "  "}]}, "empty"),
         ({"messages": user, "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text"),
+        ({"messages": user, "temperature": 5}, "temperature must be between 0 and 2"),  # accepted with 200 before
+        ({"messages": user, "temperature": -1}, "temperature must be between 0 and 2"),
+        ({"messages": user, "top_p": 2}, "top_p must be in (0, 1]"),
+        ({"messages": user, "max_tokens": 64, "extra_body": {"max_answer_tokens": 2}}, "differ"),  # 64 won silently
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="fastgate-never", **kwargs)
@@ -272,6 +276,10 @@ def test_plain_completions_of_the_lm_return_logprobs_to_the_openai_client(client
     sampled = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=7,
                                          logprobs=0).choices[0] for _ in range(2)]
     assert sampled[0].text == sampled[1].text and sampled[0].logprobs.top_logprobs is None  # seeded: reproducible
+    # without a seed each request draws afresh (every unseeded request sampled the same text: seed 0)
+    fresh = {client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0).choices[0].text
+             for _ in range(4)}
+    assert len(fresh) > 1, fresh
 
 
 def test_fastgate_never_returns_its_answer_logprobs_in_chat_and_completion_format(client, service):
@@ -326,6 +334,39 @@ def test_a_stream_whose_program_fails_ends_with_the_errors_own_code(tiny_engine,
         assert error["code"] == "timeout" and error["type"] == "timeout_error", error
     finally:
         svc.stop()
+
+
+def test_an_error_building_a_response_is_a_counted_500_in_openai_format(client, service, monkeypatch):
+    """An error no route maps, raised once the answer is there (here: its usage cannot be built): streamed, the
+    stream stopped without an error event or [DONE] (the client read a broken chunked body); not streamed, the client
+    got Starlette's plain-text 500 and the connection was dropped; neither was counted in /metrics. Now: the error as
+    the stream's last event, then [DONE]; a JSON 500 in OpenAI's format; both counted, the server serving on."""
+    import fastgate.entrypoints.http.openai as routes
+
+    def broken(record):
+        raise ValueError("no usage")
+
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    body = {"model": "fastgate-never", "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 4}
+
+    def errors_500(http) -> float:
+        rows = [ln for ln in http.get(f"{base}/metrics").text.splitlines()
+                if ln.startswith('fastgate_requests_total{status="500"}')]
+        return float(rows[0].split()[-1]) if rows else 0.0
+
+    with httpx.Client(timeout=60) as http:
+        before = errors_500(http)
+        monkeypatch.setattr(routes, "usage", broken)
+        r = http.post(f"{base}/v1/chat/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        assert "ValueError: no usage" in r.json()["error"]["message"]
+        with http.stream("POST", f"{base}/v1/chat/completions",
+                         json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            events = [ln.removeprefix("data: ") for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error", events
+        monkeypatch.undo()
+        assert errors_500(http) == before + 2
+        assert http.post(f"{base}/v1/chat/completions", json=body).status_code == 200  # the same connection
 
 
 def test_completion_logprobs_offsets_count_from_the_stripped_answer():

@@ -57,6 +57,19 @@ def test_max_tokens_bounds_an_answer_taken_out_of_a_chain_of_thought(service, me
     assert free["answer"].startswith(record["answer"])
 
 
+def test_a_kept_closed_book_answer_cut_at_max_tokens_finishes_with_length(service):
+    """dtr's skip path returns its closed-book generation, which was not asked for as the answer (the gate decides
+    after it): its finish reason was "stop" at the token limit where never's was "length", and its answer tokens were
+    none (no logprobs). Now the kept generation is the answer's."""
+    never = service.submit(QUESTIONS[1], "never", max_tokens=3).result(timeout=60)
+    skip = service.submit(QUESTIONS[1], "dtr", params={"tau": "inf"}, max_tokens=3).result(timeout=60)
+    assert not skip["retrieved"] and skip["answer"] == never["answer"]
+    assert never["finish_reason"] == skip["finish_reason"] == "length"  # the tiny random model rambles
+    job = service.submit(QUESTIONS[1], "dtr", params={"tau": "inf"}, max_tokens=3, answer_tokens=True)
+    pieces, logprobs = job.result(timeout=60)["_answer_tokens"]
+    assert len(pieces) == len(logprobs) == 3
+
+
 def test_cut_to_tokens():
     from fastgate.serving.service import cut_to_tokens
 

@@ -77,7 +77,7 @@ class Dtr(Method):
         first = (yield self.closed_book(question)).sequences[0]
         step = yield Decide(self.gate, first)  # UGT: retrieve iff the answer's NLL >= tau
         if not step.retrieve:
-            return Answer(first.text.strip())
+            return Answer(first.text.strip(), generation=first)
         pseudo_cfg = GenerationConfig(max_new_tokens=self.config.pseudo_tokens, stop=("\n",))
         pseudo = (yield Generate(pseudo_context_prompt(question), pseudo_cfg)).sequences[0]
         passage = pseudo.text.strip() or question  # an empty pseudo-context: fall back to the question

@@ -268,7 +268,7 @@ class Read(Method):
             if step.share is not None:  # a shift-gain gate: its answerable-share estimate after this decision's
                 details["answerable_share"] = round(step.share, 4)  # batch of scores (not gate.share: moved since)
             if not step.retrieve:
-                return Answer(closed.text.strip(), details=details)
+                return Answer(closed.text.strip(), details=details, generation=closed)
         reading = hits[self.reads_from(c, getattr(self.retriever, "name", "bm25"))] or hits[self._searches[0]]
         answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
         return Answer(answer.text.strip(), reading, details={**details, "read": True})

@@ -341,6 +341,8 @@ class Scheduler:
             else:
                 try:
                     task.trace.use(answer.passages)
+                    if answer.generation is not None and task.trace.answer is None:  # a kept closed-book answer
+                        task.trace.set_answer(answer.generation)
                     # every phase's key, 0.0 where it did not run (a skipped question has no retrieval_s: a reader's
                     # timings["retrieval_s"] was a KeyError)
                     timings = {**dict.fromkeys(RESULT_PHASES, 0.0), **task.trace.timings,
@@ -369,8 +371,7 @@ class Scheduler:
             trace.prompt_tokens += out.sequences[0].prompt_tokens if out.sequences else 0
             trace.truncated = trace.truncated or any(s.truncated for s in out.sequences)
             if req.answer and out.sequences:
-                seq = trace.answer = out.sequences[0]
-                trace.finish_reason = "length" if seq.finish_reason == "length" else "stop"
+                seq = trace.set_answer(out.sequences[0])
                 self.emit(task, {"event": "answer", "text": seq.text, "stop": list(req.config.stop), "done": True})
         elif isinstance(req, PromptStates):
             trace.lm_calls += 1

@@ -46,6 +46,12 @@ class Trace:
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the batched calls it took part in, by phase
     answer: Any = None  # the Generation of its answer generation (Generate with answer=True), once delivered
 
+    def set_answer(self, seq: Any) -> Any:
+        """``seq`` (a generated sequence) is the answer's generation: its finish reason is the answer's."""
+        self.answer = seq
+        self.finish_reason = "length" if seq.finish_reason == "length" else "stop"
+        return seq
+
     def use(self, hits: Iterable[Hit]) -> None:
         """Add ``hits`` to the passages used (deduplicated, in order)."""
         seen = {h.id for h in self.passages}

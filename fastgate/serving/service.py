@@ -501,6 +501,10 @@ class AnswerService:
                 raise InputError("max_tokens must be an integer")
             if not 1 <= max_tokens <= self.config.max_tokens_limit:
                 raise InputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
+            given = params.get("max_answer_tokens")
+            if given is not None and given != max_tokens:  # one of the two would be dropped without a word
+                raise InputError(f"max_tokens ({max_tokens}) and the parameter max_answer_tokens ({given!r}) differ: "
+                                 "give one")
             params["max_answer_tokens"] = max_tokens
         req = self._request(method, params)
         for name in GENERATION_LENGTH_PARAMS:  # max_tokens's bound, whichever way a generation's length is asked for

@@ -34,9 +34,13 @@ async def answer_question(service: Any, body: AnswerRequest, timeout_s: float, e
         record = await wait_answer(service, future, timeout_s, request)
     except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
         return errors.native(exc)
+    try:
+        out = finite(record)
+    except Exception as exc:  # noqa: BLE001 - a record that cannot be sent: 500, counted
+        return errors.native(exc)
     metrics.count(200)
     metrics.observe(time.perf_counter() - t0)
-    return finite(record)
+    return out
 
 
 def add_answer_routes(app: Any, service: Any, request_model: type[AnswerRequest], timeout_s: float, errors: ErrorMap,

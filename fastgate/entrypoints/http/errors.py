@@ -28,6 +28,7 @@ Imports :mod:`fastgate.entrypoints.http.common` and :mod:`fastgate.entrypoints.h
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,8 @@ from fastgate.entrypoints.http.protocol import ErrorBody, ErrorResponse
 from fastgate.errors import CheckpointError, FastgateError, InputError, OutOfMemory, RemoteError
 from fastgate.scheduler import CancelledError as ProgramCancelled
 from fastgate.serving.service import OverloadedError
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["NATIVE_RESPONSES", "OPENAI_RESPONSES", "ApiError", "BodyLimit", "ErrorMap", "openai_error",
            "validation_message"]
@@ -121,6 +124,7 @@ class ErrorMap:
             return ApiError(504, f"not answered within {self.service_timeout_s:g} s", code="timeout")
         if isinstance(exc, FastgateError) and not queued:  # e.g. the service is stopping
             return ApiError(503, str(exc), code="unavailable", headers={"Retry-After": "5"})
+        _log.error("internal error answering a request", exc_info=exc)  # the operator's traceback; the client's 500
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
     def native(self, exc: BaseException, *, queued: bool = True) -> JSONResponse:
@@ -157,6 +161,13 @@ class ErrorMap:
             if request.url.path in OPENAI_PATHS:
                 return self.openai(ApiError(400, message, param, "invalid_value"))
             return self.native(ApiError(422, message))
+
+        @app.exception_handler(Exception)
+        async def _internal(request: Request, exc: Exception) -> JSONResponse:
+            # an error a route did not map (a response that cannot be built): a 500 in the path's own format,
+            # counted, where Starlette would answer plain text; the error is still logged with its traceback
+            err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+            return self.openai(err) if request.url.path in OPENAI_PATHS else self.native(err)
 
         @app.exception_handler(StarletteHTTPException)
         async def _unparsed(request: Request, exc: StarletteHTTPException):

@@ -150,7 +150,7 @@ class OpenAIServing:
                     raise ApiError(400, "max_tokens and max_completion_tokens differ", "max_completion_tokens")
                 max_tokens = body.max_completion_tokens
             return await self.answer(True, body, question, max_tokens, ignored, request)
-        except ApiError as exc:
+        except Exception as exc:  # noqa: BLE001 - an ApiError, or one no route mapped: 500 in OpenAI's format
             return self.errors.openai(exc)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -165,7 +165,7 @@ class OpenAIServing:
                 return await plain_completion(self.service, body, prompt, self.timeout_s, self.errors, self.metrics,
                                               self.replica, request)
             return await self.answer(False, body, prompt, body.max_tokens, [], request)
-        except ApiError as exc:
+        except Exception as exc:  # noqa: BLE001 - an ApiError, or one no route mapped: 500 in OpenAI's format
             return self.errors.openai(exc)
 
     # ------------------------------------------------------------------------------------------------ an answer
@@ -197,6 +197,12 @@ class OpenAIServing:
             if value is not None and not neutral(check, value):
                 raise ApiError(400, f"unsupported parameter {name}={json.dumps(value)[:80]}: {why}", name,
                                "unsupported_parameter")
+        # accepted and not applied (greedy answers), but refused out of range as the plain completions refuse them:
+        # a client's mistake is said, not silently ignored
+        if body.temperature is not None and not 0 <= body.temperature <= 2:
+            raise ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
+        if body.top_p is not None and not 0 < body.top_p <= 1:
+            raise ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
         ignored += [n for n in IGNORED_DECLARED if getattr(body, n) is not None]
         ignored += [n for n in IGNORED_EXTRA if extra.pop(n, None) is not None]
         extra = {k: v for k, v in extra.items() if v is not None}  # null: the default, as for OpenAI's fields
@@ -239,8 +245,6 @@ class OpenAIServing:
             record = await wait_answer(self.service, future, self.timeout_s, request)
         except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
             raise self.errors.error(exc, openai=True) from None
-        self.metrics.count(200)
-        self.metrics.observe(time.perf_counter() - t0)
         tokens = record.pop("_answer_tokens", None)
         logprobs = None
         if top is not None and tokens is not None:  # the greedy answer: its chosen tokens are the top ones
@@ -251,9 +255,12 @@ class OpenAIServing:
         answer, finish = record["answer"], record.get("finish_reason", "stop")
         choice = {"index": 0, "message": {"role": "assistant", "content": answer}} if chat else \
             {"index": 0, "text": answer}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [{**choice, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage(record), "fastgate": self.extension(record, ignored)}
+        response = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": body.model, "choices": [{**choice, "finish_reason": finish, "logprobs": logprobs}],
+                    "usage": usage(record), "fastgate": self.extension(record, ignored)}
+        self.metrics.count(200)  # once the response is built (an error building it is a 500, counted as such)
+        self.metrics.observe(time.perf_counter() - t0)
+        return response
 
     def stream(self, chat: bool, rid: str, created: int, model: str, question: str, method: str,
                params: dict[str, Any], max_tokens: int | None, ignored: list[str], include_usage: bool,
@@ -310,6 +317,10 @@ class OpenAIServing:
                 yield "data: [DONE]\n\n"
                 self.metrics.count(200)
                 self.metrics.observe(time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001 - a chunk that could not be built: the headers (200) are sent,
+                counted = True  # so the error is the stream's last event, as a failed program's is, then [DONE]
+                yield sse(self.errors.openai_event(exc))
+                yield "data: [DONE]\n\n"
             finally:  # the client went away (the response task is cancelled) or the stream ended
                 if not future.done():
                     service.cancel(future)

@@ -13,6 +13,7 @@ here.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from typing import Any
@@ -77,9 +78,12 @@ def _config(body: CompletionRequest) -> tuple[GenerationConfig, int | None]:
         raise ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
     if not 0 < top_p <= 1:
         raise ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
+    # a sampled completion without a seed draws afresh each time, as OpenAI's and vLLM's do (the engine seeds an
+    # unseeded sampled row with 0, the same text for every request); a seed makes it repeatable
+    seed = body.seed if body.seed is not None or temperature == 0 else secrets.randbits(63)
     config = GenerationConfig(max_new_tokens=body.max_tokens or 16, do_sample=temperature > 0,
                               temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
-                              top_k=max(0, top_k or 0), seed=body.seed, stop=tuple(stop or ()),
+                              top_k=max(0, top_k or 0), seed=seed, stop=tuple(stop or ()),
                               stop_at_eos=not ignore_eos)
     return config, logprobs
 
@@ -91,23 +95,24 @@ async def plain_completion(service: Any, body: CompletionRequest, prompt: str, t
     t0 = time.perf_counter()
     try:
         config, logprobs = _config(body)
-        future = service.submit_completion(prompt, config, body.seed, logprobs or 0)
+        future = service.submit_completion(prompt, config, config.seed, logprobs or 0)
     except FastgateError as exc:
         raise errors.error(exc, openai=True, queued=False) from None
     try:
         done = await wait_answer(service, future, timeout_s, request)
     except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
         raise errors.error(exc, openai=True) from None
-    metrics.count(200)
-    metrics.observe(time.perf_counter() - t0)
     seq = done.generation
     lp = completion_logprobs(done.pieces, seq.token_logprobs, done.top) if logprobs is not None else None
     n_out = len(seq.token_ids)
-    return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-            "model": body.model,
-            "choices": [{"index": 0, "text": seq.text, "logprobs": lp, "stop_reason": seq.stop_string,
-                         "finish_reason": "length" if seq.finish_reason == "length" else "stop"}],
-            "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": n_out,
-                      "total_tokens": seq.prompt_tokens + n_out},
-            "fastgate": {"finish": seq.finish_reason, "truncated": seq.truncated, "replica": replica,
-                         "server_s": time.perf_counter() - t0}}
+    response = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": body.model,
+                "choices": [{"index": 0, "text": seq.text, "logprobs": lp, "stop_reason": seq.stop_string,
+                             "finish_reason": "length" if seq.finish_reason == "length" else "stop"}],
+                "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": n_out,
+                          "total_tokens": seq.prompt_tokens + n_out},
+                "fastgate": {"finish": seq.finish_reason, "truncated": seq.truncated, "replica": replica,
+                             "server_s": time.perf_counter() - t0}}
+    metrics.count(200)  # once the response is built (the route answers an error building it with a counted 500)
+    metrics.observe(time.perf_counter() - t0)
+    return response
