@@ -218,6 +218,13 @@ def test_invalid_requests_get_openai_style_errors(client):
     assert r.status_code == 400 and r.json()["error"]["param"] is None  # not the offset as a field name
     assert "not valid JSON at character 9" in r.json()["error"]["message"]
     assert client.models.retrieve("fastgate-dtr").id == "fastgate-dtr"  # the OpenAI client's models.retrieve
+    card = client.models.retrieve("fastgate")  # the name the completions take for the default method: 404 before
+    assert card.id == "fastgate" and card.model_extra["fastgate"]["method"] == "dtr"
+    r = httpx.get(f"{root}v1/answer", timeout=30)  # the native endpoint's format: FastAPI's {"detail"} before
+    assert r.status_code == 405 and "POST /v1/answer" in r.json()["error"] and "allow" in r.headers
+    with pytest.raises(openai.BadRequestError) as err:  # every error names its code (some had none)
+        client.chat.completions.create(model="fastgate-never", messages=[*user, {"role": "assistant", "content": "x"}])
+    assert err.value.code == "invalid_value" and err.value.param == "messages"
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4o")
     assert err.value.code == "model_not_found"

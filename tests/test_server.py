@@ -464,6 +464,7 @@ def test_a_cancelled_queued_request_leaves_the_queue_at_once(tiny_engine, small_
         for f in given_up:
             svc.cancel(f)
         assert all(f.cancelled() for f in given_up) and svc.queue_depth == 0
+        assert svc.metrics.cancelled == svc.metrics.failed == 2  # counted (a queued one was not: 5 timeouts read 4)
         waiting = [svc.submit(q, "never") for q in QUESTIONS[2:4]]  # accepted: their places are free
         assert svc.queue_depth == 2
         with pytest.raises(OverloadedError, match="2 requests queued"):  # the queue is full of live requests only
@@ -624,8 +625,11 @@ def test_http_health_metrics_schema(server):
     for name in ("fastgate_requests_total{status=\"200\"}", "fastgate_request_latency_seconds_bucket",
                  "fastgate_generation_rows_bucket", "fastgate_answer_latency_seconds_bucket{le=\"0.05\",retrieved=",
                  "fastgate_live_programs", "fastgate_shared_generation_calls_total", "fastgate_retrieval_rate",
-                 "fastgate_queue_depth", "fastgate_searches_total"):
+                 "fastgate_queue_depth", "fastgate_searches_total", "fastgate_rejected_total", "fastgate_failed_total"):
         assert name in text
+    # the service's totals only grow: counters (they were gauges), under the names they had
+    for name in ("fastgate_cancelled", "fastgate_answered", "fastgate_searches", "fastgate_scheduler_ticks"):
+        assert f"# TYPE {name}_total counter" in text and f"\n{name}_total " in text
     schema = httpx.get(f"{url}/openapi.json").json()
     assert "/v1/answer" in schema["paths"] and json.dumps(schema)
 

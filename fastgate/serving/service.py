@@ -536,7 +536,8 @@ class AnswerService:
     def cancel(self, future: Future) -> None:
         """Give up on a submitted request (timed out, or its client went away): dropped if still queued (its place
         is free at once), else its program stops at the next tick. Thread-safe."""
-        if future.cancel():
+        if future.cancel():  # still queued: dropped, counted as a cancellation here (the worker never sees it run)
+            self.metrics.finished(0.0, retrieved=False, failed=True, cancelled=True)
             self._unqueue(future)
         else:  # already running: the worker cancels its program
             with self._lock:
@@ -621,7 +622,7 @@ class AnswerService:
             if block:
                 block = False
                 window_end = time.perf_counter() + self.config.admit_wait_ms / 1000
-            if not job.future.set_running_or_notify_cancel():  # cancelled while queued: dropped
+            if not job.future.set_running_or_notify_cancel():  # cancelled while queued (counted then): dropped
                 continue
             if job.program is not None:  # a plain completion
                 job.task = self._scheduler.submit(None, "", on_done=self._done, program=job.program)

@@ -179,6 +179,9 @@ class ErrorMap:
             path = request.url.path
             if isinstance(exc.__cause__, _TooLarge):  # FastAPI turned BodyLimit's error into a 400 "error parsing"
                 return exc.__cause__.response(path, self)
+            if exc.status_code == 405 and path == "/v1/answer":  # the native endpoint's own format
+                return self.native(ApiError(405, f"{request.method} is not allowed here: POST /v1/answer",
+                                            headers=exc.headers))
             if exc.status_code in (404, 405) and path.startswith("/v1/") and path != "/v1/answer":
                 what = "no such endpoint" if exc.status_code == 404 else f"{request.method} is not allowed here"
                 return self.openai(ApiError(exc.status_code, f"{what}: {request.method} {path} (this server has "

@@ -10,12 +10,45 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from fastgate.serving.service import LATENCY_BUCKETS_S
 
 __all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics"]
 
 _SECONDS = LATENCY_BUCKETS_S  # the service folds its answers' latencies into these buckets between scrapes
+
+
+# the service's own counters, exported as Prometheus counters (they only grow): name -> (its attribute of
+# ``AnswerService.metrics``, help)
+_TOTALS: dict[str, tuple[str, str]] = {
+    "fastgate_generation_calls_total": ("generation_calls",
+                                        "decode steps (closed generation calls without the decode loop)"),
+    "fastgate_shared_generation_calls_total": ("shared_generation_calls",
+                                               "decode steps whose rows came from programs of more than one method"),
+    "fastgate_scheduler_ticks_total": ("ticks_total", "scheduler ticks that ran requests"),
+    "fastgate_cancelled_total": ("cancelled", "requests cancelled (timeout, disconnect), running or still queued"),
+    "fastgate_answered_total": ("answered", "questions answered"),
+    "fastgate_retrieved_total": ("retrieved", "answered questions that read retrieved passages"),
+    "fastgate_searches_total": ("searches", "retrieval calls: searches, read or not (the read gate searches every "
+                                            "question)"),
+    "fastgate_failed_total": ("failed", "requests that ended without an answer (errors and cancellations)"),
+    "fastgate_rejected_total": ("rejected_total", "requests refused because the queue was full (503)"),
+}
+
+
+class _Totals:
+    """A collector of the service's counters as they were at the last render (read there, under the service's
+    lock, with the histograms they go with)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def collect(self):
+        for name, (_, help_line) in _TOTALS.items():
+            family = CounterMetricFamily(name, help_line)
+            family.add_metric([], self.values[name])
+            yield family
 
 
 class HttpMetrics:
@@ -34,21 +67,10 @@ class HttpMetrics:
                                        "submit-to-answer latency by whether it retrieved", ["retrieved"],
                                        registry=registry, buckets=_SECONDS)
         self.live = Gauge("fastgate_live_programs", "requests whose programs are running", registry=registry)
-        self.gen_calls = Gauge("fastgate_generation_calls_total",
-                               "decode steps (closed generation calls without the decode loop)", registry=registry)
-        self.shared_calls = Gauge("fastgate_shared_generation_calls_total",
-                                  "decode steps whose rows came from programs of more than one method",
-                                  registry=registry)
-        self.ticks = Gauge("fastgate_scheduler_ticks_total", "scheduler ticks that ran requests", registry=registry)
-        self.cancelled = Gauge("fastgate_cancelled_total",
-                               "requests whose programs were cancelled (timeout, disconnect)", registry=registry)
-        self.answered = Gauge("fastgate_answered_total", "questions answered", registry=registry)
-        self.retrieved = Gauge("fastgate_retrieved_total", "answered questions that read retrieved passages",
-                               registry=registry)
-        self.searches = Gauge("fastgate_searches_total", "retrieval calls: searches, read or not (the read gate "
-                              "searches every question)", registry=registry)
         self.retrieval_rate = Gauge("fastgate_retrieval_rate", "retrieved / answered", registry=registry)
         self.depth = Gauge("fastgate_queue_depth", "requests waiting for a batch", registry=registry)
+        self._totals: dict[str, float] = dict.fromkeys(_TOTALS, 0.0)  # the service's counters at the last render
+        registry.register(_Totals(self._totals))
 
     def count(self, status: int) -> None:
         """One request answered with ``status``."""
@@ -67,13 +89,7 @@ class HttpMetrics:
         for was_retrieved, seconds in latencies:
             self.class_latency.labels("yes" if was_retrieved else "no").observe(seconds)
         self.live.set(service.live_programs)
-        self.gen_calls.set(m.generation_calls)
-        self.shared_calls.set(m.shared_generation_calls)
-        self.ticks.set(m.ticks_total)
-        self.cancelled.set(m.cancelled)
-        self.answered.set(m.answered)
-        self.retrieved.set(m.retrieved)
-        self.searches.set(m.searches)
+        self._totals.update({name: getattr(m, attr) for name, (attr, _) in _TOTALS.items()})
         self.retrieval_rate.set(m.retrieved / m.answered if m.answered else 0.0)
         self.depth.set(service.queue_depth)
         return generate_latest(self.registry).decode()

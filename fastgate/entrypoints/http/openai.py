@@ -120,10 +120,13 @@ class OpenAIServing:
         return {"object": "list", "data": data}
 
     def model(self, model_id: str) -> dict[str, Any]:
-        """``GET /v1/models/{model_id}``: that model of :meth:`models`; :class:`ApiError` 404 for one not served."""
+        """``GET /v1/models/{model_id}``: that model of :meth:`models` (``fastgate``: the default method's, as the
+        completions take it); :class:`ApiError` 404 for one not served."""
         for card in self.models()["data"]:
             if card["id"] == model_id:
                 return card
+            if model_id == "fastgate" and card["fastgate"]["default"]:
+                return {**card, "id": "fastgate"}
         known = ", ".join(card["id"] for card in self.models()["data"])
         raise ApiError(404, f"the model {model_id!r} does not exist; this server has: {known}", "model",
                        "model_not_found")
@@ -135,10 +138,10 @@ class OpenAIServing:
             last = body.messages[-1]
             if last.role != "user":
                 raise ApiError(400, f"the last message must be the user's question (role user), not {last.role!r}",
-                               "messages")
+                               "messages", "invalid_value")
             if isinstance(last.content, list):
                 if any(p.type != "text" for p in last.content):
-                    raise ApiError(400, "only text content parts are supported", "messages")
+                    raise ApiError(400, "only text content parts are supported", "messages", "unsupported_parameter")
                 question = "\n".join(p.text or "" for p in last.content)
             else:
                 question = last.content or ""
@@ -147,7 +150,8 @@ class OpenAIServing:
             max_tokens = body.max_tokens
             if body.max_completion_tokens is not None:
                 if max_tokens is not None and max_tokens != body.max_completion_tokens:
-                    raise ApiError(400, "max_tokens and max_completion_tokens differ", "max_completion_tokens")
+                    raise ApiError(400, "max_tokens and max_completion_tokens differ", "max_completion_tokens",
+                                   "invalid_value")
                 max_tokens = body.max_completion_tokens
             return await self.answer(True, body, question, max_tokens, ignored, request)
         except Exception as exc:  # noqa: BLE001 - an ApiError, or one no route mapped: 500 in OpenAI's format
@@ -159,7 +163,7 @@ class OpenAIServing:
             prompt = body.prompt
             if isinstance(prompt, list):
                 if len(prompt) != 1:
-                    raise ApiError(400, f"one prompt per request, got {len(prompt)}", "prompt")
+                    raise ApiError(400, f"one prompt per request, got {len(prompt)}", "prompt", "unsupported_parameter")
                 prompt = prompt[0]
             if is_plain_model(self.service, body.model):
                 return await plain_completion(self.service, body, prompt, self.timeout_s, self.errors, self.metrics,
@@ -209,7 +213,8 @@ class OpenAIServing:
         params = dict(body.params or {})
         twice = sorted(set(params) & set(extra))
         if twice:
-            raise ApiError(400, f"parameter {twice[0]} is given both in params and beside it", twice[0])
+            raise ApiError(400, f"parameter {twice[0]} is given both in params and beside it", twice[0],
+                           "invalid_value")
         return method, {**params, **extra}
 
     def submit(self, question: str, method: str, params: dict[str, Any], max_tokens: int | None,
@@ -274,7 +279,7 @@ class OpenAIServing:
         async def events_then_answer():
             text = AnswerStream()
             deadline = time.monotonic() + timeout_s
-            counted = False  # the stream's status was counted (its error event's): the finally clause must not
+            counted = False  # the stream's outcome was counted (200, or its error event's status): else 499 at the end
             try:
                 if chat:
                     yield sse(chunk(chat, rid, created, model, role=True))
@@ -315,6 +320,7 @@ class OpenAIServing:
                     yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                "created": created, "model": model, "choices": [], "usage": usage(record)})
                 yield "data: [DONE]\n\n"
+                counted = True
                 self.metrics.count(200)
                 self.metrics.observe(time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001 - a chunk that could not be built: the headers (200) are sent,
@@ -324,8 +330,8 @@ class OpenAIServing:
             finally:  # the client went away (the response task is cancelled) or the stream ended
                 if not future.done():
                     service.cancel(future)
-                    if not counted:
-                        self.errors.count(499)  # the client went away: counted as a non-streamed request's is
+                if not counted:  # the client went away, before or after its answer was ready: counted as a
+                    self.errors.count(499)  # non-streamed request's is
 
         return StreamingResponse(events_then_answer(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
