@@ -21,6 +21,7 @@ def run_main(capsys, *argv):
     "argv,message",
     [
         (["ask", "   "], "the question is empty"),
+        (["ask", "Who?", " "], "question 2 of 2 is empty"),  # of several: which one
         (["ask", "Who?", "--method", "magic"], "unknown method 'magic'"),
         (["ask", "Who?", "--retriever", "elastic"], "unknown retriever 'elastic'"),
         (["ask", "Who?", "--param", "tau"], "--param expects name=value"),
@@ -275,6 +276,9 @@ def test_prepare_verify_says_what_it_verified(capsys, monkeypatch, tmp_path):
     import fastgate.retrieval
 
     monkeypatch.setattr(fastgate.retrieval, "build_indexes", lambda *args, **kwargs: {})
+    code, _, err = run_main(capsys, "prepare", "--model", str(tmp_path))  # any directory was taken for a model
+    assert code == 2 and "is a directory but not a model (no config.json)" in err
+    (tmp_path / "config.json").write_text("{}")
     code, out, _ = run_main(capsys, "prepare", "--model", str(tmp_path), "--verify")
     assert code == 0 and f"model {tmp_path}: a local directory, nothing to verify" in out
     code, out, _ = run_main(capsys, "prepare", "--model", str(tmp_path))

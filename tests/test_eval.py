@@ -507,7 +507,7 @@ def test_every_run_is_checked_before_any_run_answers(runtime, tmp_path):
     assert store.path.read_bytes() == before  # always answered nothing
 
 
-def test_one_out_holds_one_engine_dtype_and_weights(runtime, tmp_path):
+def test_one_out_holds_one_model_engine_dtype_and_weights(runtime, tmp_path):
     from fastgate.eval.runner import check_form
 
     store = ResultsStore(tmp_path / "results.jsonl")
@@ -516,8 +516,10 @@ def test_one_out_holds_one_engine_dtype_and_weights(runtime, tmp_path):
     for fields, message in [({"dtype": "bfloat16"}, r"made with the weights in bfloat16 \(run 'never', e\.g\. "
                              r"question q1\), but this evaluation would use float32.*pass --dtype bfloat16"),
                             ({"weights": "int8"}, "made with int8 weights .*pass --weights int8"),
-                            ({"engine": "openai:http://x/v1:m"}, "made on the engine openai:http://x/v1:m")]:
-        _retag(store.path, **{"dtype": "float32", "weights": "float", "engine": "local", **fields})
+                            ({"engine": "openai:http://x/v1:m"}, "made on the engine openai:http://x/v1:m"),
+                            # records of another model without their eval.json were adopted, labelled as this one's
+                            ({"model": "smollm2-135m"}, "made by the model smollm2-135m .*pass --model smollm2-135m")]:
+        _retag(store.path, **{"dtype": "float32", "weights": "float", "engine": "local", "model": "tiny", **fields})
         with pytest.raises(InputError, match=message):
             check_form(ResultsStore(store.path), runtime)
 

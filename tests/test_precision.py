@@ -90,6 +90,35 @@ def test_the_probe_times_both_dtypes(monkeypatch):
                          (torch.bfloat16, torch.bfloat16, (4, 32), (64, 32))}
 
 
+def test_the_probe_times_both_products_in_turn_and_keeps_each_one_s_least(monkeypatch):
+    """Another process's load slowed the probe's float32 runs or its bf16 runs (each timed in a block, the median
+    kept), and a busy machine's auto flipped to float32 in 4 of 150 starts, refusing its own records on a resume.
+    Under a fake clock: the slow rounds (another process's turn) slow both products of a round alike, and the least
+    time of each is what is kept."""
+    import fastgate.assets.precision as precision
+
+    clock, calls = [0.0], []
+    busy = iter([True, False, True, True, False, True, True, True, False, True] * 3)  # by round
+
+    def product(name, cost):
+        def run():
+            calls.append(name)
+            clock[0] += cost * (5 if state["busy"] else 1)
+        return run
+
+    state = {"busy": False}
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: clock[0])
+    f32, b16 = product("f32", 2.0), product("b16", 1.0)
+
+    def round_start():  # a round begins when the float32 product is timed: the round's load is drawn then
+        state["busy"] = next(busy)
+        f32()
+
+    best = precision._best_times([round_start, b16], repeat=9)
+    assert best == [2.0, 1.0]  # the unloaded rounds' times, not a median of loaded ones
+    assert calls[:2] == ["f32", "b16"] and calls[2:] == ["f32", "b16"] * 9  # warm-ups, then in turn
+
+
 @pytest.fixture(scope="module")
 def bf16_engine():
     from fastgate.engine.local import Engine

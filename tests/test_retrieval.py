@@ -72,6 +72,37 @@ def test_a_build_never_replaces_what_is_not_an_index(tmp_path, small_corpus_file
     assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["dense"]
 
 
+def test_a_build_replaces_another_corpus_s_index_only_when_forced(tmp_path, small_corpus_file, monkeypatch):
+    """A user's corpus named like the default one (`fastgate index --corpus x/wiki-summaries.jsonl`, no --out) was
+    built over the default corpus's index, which every later search then read; two user corpora of one name, or
+    `--out DIR` holding another corpus's index, the same. Now refused without --force, the old index kept; the
+    default corpus still rebuilds its own directory (a new version of its package)."""
+    from fastgate.assets.corpus import DEFAULT_CORPUS
+    from fastgate.assets.paths import index_dir
+
+    other = tmp_path / "elsewhere" / small_corpus_file.name
+    other.parent.mkdir()
+    other.write_text(json.dumps({"id": "o1", "title": "Other", "text": "Another corpus entirely."}) + "\n")
+    built = build_indexes(small_corpus_file, tmp_path / "idx", kinds=("bm25",), progress=False)
+    manifest = (built["bm25"] / "fastgate_index.json").read_text()
+    with pytest.raises(InputError, match=r"holds the bm25 index of another corpus .*--force"):
+        build_indexes(other, tmp_path / "idx", kinds=("bm25",), progress=False)
+    assert (built["bm25"] / "fastgate_index.json").read_text() == manifest  # kept
+    assert len(build_indexes(other, tmp_path / "idx", kinds=("bm25",), progress=False, force=True)) == 1
+    assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 1
+    # the default corpus's directory: a user's file of that name is refused; the default corpus itself replaces
+    # whatever is there (here a user's index left by an older fastgate)
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    root = index_dir(DEFAULT_CORPUS)
+    build_indexes(other, root, kinds=("bm25",), progress=False)
+    named = tmp_path / f"{DEFAULT_CORPUS}.jsonl"
+    named.write_text(small_corpus_file.read_text())
+    with pytest.raises(InputError, match="another corpus"):
+        build_indexes(named, None, kinds=("bm25",), progress=False)
+    build_indexes(DEFAULT_CORPUS, root, kinds=("bm25",), progress=False)
+    assert json.loads((root / "bm25" / "fastgate_index.json").read_text())["n_passages"] > 1000
+
+
 def test_a_damaged_index_is_built_again_not_called_up_to_date(tmp_path, small_corpus_file, capsys):
     """A deleted or truncated index file: `fastgate index` said "up to date" and every search said "rebuild it"."""
     built = build_indexes(small_corpus_file, tmp_path, progress=False)

@@ -84,8 +84,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from fastgate.serving.runtime import Runtime, check_request, finite, result_record
 
     questions = [q.strip() for q in args.question]
-    if not questions or any(not q for q in questions):
+    if not questions:
         raise InputError("the question is empty")
+    empty = [i + 1 for i, q in enumerate(questions) if not q]
+    if empty:  # of several, which one
+        raise InputError("the question is empty" if len(questions) == 1 else
+                         f"question {empty[0]} of {len(questions)} is empty")
     params: dict[str, Any] = _parse_params(args.param)
     _flag_param(params, "k", "--k", args.k)
     _flag_param(params, "max_answer_tokens", "--max-tokens", args.max_tokens)
@@ -337,6 +341,9 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     if args.model not in MODELS and not Path(args.model).is_dir():  # a local HF directory has nothing to convert
         raise UnknownNameError("embedded model", args.model, list(MODELS))
+    if args.model not in MODELS and not (Path(args.model) / "config.json").is_file():  # what the loader reads first
+        raise InputError(f"{args.model} is a directory but not a model (no config.json): give an embedded model's "
+                         f"name ({', '.join(MODELS)}) or a Hugging Face model directory")
     specs = []
     if args.benchmarks:  # every name is checked before any work starts
         from fastgate.eval.datasets import BENCHMARKS, load_benchmark, parse_benchmark
@@ -397,7 +404,8 @@ def _ask_args(ask: argparse.ArgumentParser) -> None:
     _add_settings(ask, ("method",), method="{methods} (default: %(default)s)")
     ask.add_argument("--retriever", default=None,
                      help=f"{_names()['retrievers']} (default: the method's: dense for dtr, bm25 for the others)")
-    ask.add_argument("--k", type=int, default=None, help="passages per retrieval (default: the method's, 3)")
+    ask.add_argument("--k", type=int, default=None,
+                     help="passages per retrieval (default: the method's: 3, probing's 5)")
     _add_settings(ask, ("index",))
     ask.add_argument("--param", action="append", metavar="NAME=VALUE",
                      help="method parameter, repeatable (see `fastgate methods`)")
@@ -538,7 +546,8 @@ _COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], 
               "HTTP JSON API with dynamic batching of concurrent requests. Loopback by default.", _serve_args),
     "calibrate": ("calibrate a gated method's threshold for a model on dev questions (resumable); writes "
                   "$FASTGATE_HOME/calibration/<model>.json", None, _calibrate_args),
-    "train": ("train the learned gates (Probing-RAG probers, CBDR confidence model)", None, _train_args),
+    "train": ("train the learned gates (Probing-RAG probers, CBDR confidence model, the read gate), the CBDR "
+              "reranker, or evaluate a checkpoint", None, _train_args),
 }
 
 

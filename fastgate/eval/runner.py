@@ -281,11 +281,17 @@ def hold_out_dir(out_dir: Path, what: str = "fastgate eval") -> Iterator[None]:
     the file names the holder's pid. Two evaluations into one directory would both answer every question (each
     record twice) and time each other's load.
 
+    A directory this call created is removed again where the block fails before anything but its settings and
+    lock were written (an unreachable server, a bad flag found late): an error left ``eval.json`` and ``.lock``
+    behind, inside ``$FASTGATE_HOME`` for ``fastgate calibrate``.
+
     Raises:
         InputError: another process holds it ("``DIR`` is in use by another fastgate eval (pid N)")."""
+    created = not out_dir.exists()
     make_out_dir(out_dir)
     if fcntl is None:
-        yield
+        with _removed_if_empty_on_error(out_dir, created):
+            yield
         return
     path = out_dir / LOCK_FILE
     try:
@@ -305,9 +311,25 @@ def hold_out_dir(out_dir: Path, what: str = "fastgate eval") -> Iterator[None]:
         with contextlib.suppress(OSError):  # the pid is for the message above only
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        with _removed_if_empty_on_error(out_dir, created):  # under the lock: nobody else is writing there
+            yield
     finally:
         os.close(fd)  # releases the lock (so does the process's end, however it ends)
+
+
+@contextlib.contextmanager
+def _removed_if_empty_on_error(out_dir: Path, created: bool) -> Iterator[None]:
+    """Within: where the block raises and ``out_dir`` was ``created`` for it and holds nothing but ``eval.json`` and
+    the lock file, remove them and the directory (the error is raised as it was)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if created and {p.name for p in out_dir.iterdir()} <= {"eval.json", LOCK_FILE}:
+                for name in ("eval.json", LOCK_FILE):
+                    (out_dir / name).unlink(missing_ok=True)
+                out_dir.rmdir()
+        raise
 
 
 def _write_error(exc: OSError, what: str, path: Path) -> OSError:
@@ -610,16 +632,21 @@ def _form_of(runtime) -> tuple[str | None, str | None, str | None, str]:
 
 
 def check_form(store: ResultsStore, runtime) -> None:
-    """Refuse to add to or summarise ``store`` when any of its records (any run's, any question's) was made on another
-    engine, with the weights in another dtype or held otherwise than ``runtime`` would make them: one output directory
-    holds the records of one engine, dtype and weights, so that its table compares like with like (a float32 run
-    beside bf16 ones timed and answered differently). Records that name none count as made locally, in the legacy
-    dtype (:func:`_form_of`) with float weights, as :func:`evaluate`'s checks of one run count them.
+    """Refuse to add to or summarise ``store`` when any of its records (any run's, any question's) was made by another
+    model, on another engine, with the weights in another dtype or held otherwise than ``runtime`` would make them:
+    one output directory holds the records of one model, engine, dtype and weights, so that its table compares like
+    with like (a float32 run beside bf16 ones timed and answered differently). Records that name none count as made
+    locally, in the legacy dtype (:func:`_form_of`) with float weights, as :func:`evaluate`'s checks of one run
+    count them.
 
     Raises:
         InputError: naming a run and question of the other form, and the flag that gives it."""
     dtype, legacy, weights, engine = _form_of(runtime)
-    checks = [("engine", engine, "local", "on the engine {}", "")]
+    model = getattr(runtime, "model_name", None)
+    # the model first: eval.json names it, but records copied or left without it (eval.json lost) were adopted by
+    # another model's evaluation, whose table then showed them under its name
+    checks = [("model", model, model, "by the model {}", ", or pass --model {}")] if model else []
+    checks.append(("engine", engine, "local", "on the engine {}", ""))
     if dtype is not None:
         checks.append(("dtype", dtype, legacy, "with the weights in {}", ", or pass --dtype {}"))
     if weights is not None:
@@ -629,7 +656,8 @@ def check_form(store: ResultsStore, runtime) -> None:
             key, qid, was = other
             raise InputError(f"{store.path} holds records made {made.format(was)} (run {key!r}, e.g. question "
                              f"{qid}), but this evaluation would use {value}: one --out holds the records of one "
-                             f"engine, dtype and weights; evaluate into a new --out directory{flag.format(was)}")
+                             f"model, engine, dtype and weights; evaluate into a new --out directory"
+                             f"{flag.format(was)}")
 
 
 def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], store: ResultsStore,

@@ -80,6 +80,16 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     for kind in kinds:  # all refused before any is built: `--retriever all` built bm25, then refused dense/
         check_replaceable(root / kind)
     fingerprint = corpus_fingerprint(passages)
+    # the default corpus owns its directory (a new version of its package rebuilds it); another corpus's index is
+    # replaced only when asked: a user's corpus file named like the default one (or two user corpora of one name)
+    # silently became every later search's index
+    owner = str(corpus) in (DEFAULT_CORPUS, "default") and root == index_dir(DEFAULT_CORPUS)
+    if not force and not owner:
+        for kind in kinds:
+            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint)
+            if other is not None:
+                raise InputError(f"{root / kind} holds the {kind} index of another corpus ({other}); build this "
+                                 "one under another directory (--out), or pass --force to replace it")
     built: dict[str, Path] = {}
     for kind in kinds:
         target = root / kind
@@ -95,6 +105,18 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
             print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
         built[kind] = target
     return built
+
+
+def _other_corpus(manifest: Path, fingerprint: str) -> str | None:
+    """What the index of ``manifest`` was built from ("name, N passages") where that is a corpus other than the one
+    of ``fingerprint``; None where it is this corpus's, or there is no readable manifest (nothing to keep)."""
+    try:
+        current = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(current, dict) or current.get("corpus_fingerprint") in (None, fingerprint):
+        return None
+    return f"{current.get('corpus', '?')}, {current.get('n_passages', '?')} passages"
 
 
 def _stamp(manifest: Path) -> tuple[int, int] | None:
