@@ -424,7 +424,8 @@ def _index_args(index: argparse.ArgumentParser) -> None:
     index.add_argument("--out", default=None, help="output root (default: $FASTGATE_HOME/indexes/<corpus>)")
     index.add_argument("--retriever", default="all", choices=["all", "bm25", "dense"], help="which index to build")
     index.add_argument("--hnsw", action="store_true", help="dense: HNSW graph instead of exact flat inner product")
-    index.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    index.add_argument("--force", action="store_true",
+                       help="rebuild even if up to date, or where the directory holds another corpus's index")
     index.set_defaults(func=_cmd_index)
 
 
