@@ -330,9 +330,137 @@ def test_calibrate_checks_its_flags_and_the_model_before_the_run_directory(capsy
                  "--dry-run"]) == 2
     assert "unknown model 'smolm2'" in capsys.readouterr().err
     assert not (tmp_path / "home" / "calibration").exists()
-    for n in ("-5", "0"):
+    for n in ("-5", "0", "1"):  # calibration needs two questions: one bound for all three
         with pytest.raises(SystemExit):
             main(["calibrate", "--method", "dtr", "--n", n])
-        assert "expected a number of questions >= 1" in capsys.readouterr().err
+        assert "expected a number of questions >= 2" in capsys.readouterr().err
     assert main(["calibrate", "--method", "dtr", "--data", str(tmp_path / "nosuch.jsonl")]) == 2
     assert f"--data {tmp_path / 'nosuch.jsonl'}: no such file" in capsys.readouterr().err
+
+
+def test_another_models_calibration_file_is_neither_merged_into_nor_applied(cli, capsys, monkeypatch, tmp_path):
+    """`calibrate --write FILE` on qwen's file rewrote it as the tiny model's, qwen's entries with it; a user file whose
+    "model" is another model's was applied to the model its name says."""
+    other = tmp_path / "qwen.json"
+    doc = {"model": "qwen2.5-0.5b", "entries": [{"method": "dtr", "params": {"tau": 0.84}}]}
+    other.write_text(json.dumps(doc))
+    before = other.read_text()
+    with pytest.raises(InputError, match=r"is qwen2\.5-0\.5b's calibration file, not tiny's.*choose another --write"):
+        write_calibration("tiny", {"method": "flare", "params": {"theta": 0.1}}, other)
+    assert other.read_text() == before
+    # refused before the pass: nothing answered, no run directory made
+    assert cli("--method", "dtr", "--write", str(other)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "qwen2.5-0.5b's calibration file, not tiny's" in err and "--write" in err and "\n" not in err, err
+    assert other.read_text() == before and not (tmp_path / "runs").exists()
+    with pytest.raises(InputError, match="is a directory"):
+        write_calibration("tiny", {"method": "flare", "params": {"theta": 0.1}}, tmp_path)
+    # a file of the same model, or naming none, is merged into as before
+    write_calibration("qwen2.5-0.5b", {"method": "flare", "params": {"theta": 0.1}}, other)
+    assert [e["method"] for e in json.loads(other.read_text())["entries"]] == ["dtr", "flare"]
+    # the reader: tiny's file holding qwen's thresholds is refused, naming both, not applied
+    home = tmp_path / "home" / "calibration"
+    home.mkdir(parents=True)
+    (home / "tiny.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=r"holds qwen2\.5-0\.5b's thresholds .*not tiny's"):
+        calibrated_params("tiny", "dtr")
+    with pytest.raises(InputError, match="not tiny's"):
+        calibration_entries("tiny")
+
+
+def test_a_corrupt_calibration_file_says_fix_or_delete_and_blocks_no_method_without_a_threshold(monkeypatch,
+                                                                                                  tmp_path):
+    """The hint advised rerunning `fastgate calibrate`, which stops on the same file; `--method never` (no
+    threshold) was refused on it too."""
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path))
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "m.json").write_text('{"model": "m", "entr')
+    with pytest.raises(InputError) as info:
+        calibrated_params("m", "dtr")
+    assert str(info.value).endswith("): fix or delete it") and "fastgate calibrate" not in str(info.value)
+    for method in ("never", "always"):
+        assert calibrated_params("m", method, {"k": 2}) == {"k": 2}
+
+
+def test_calibrate_checks_batch_size_index_and_n_as_eval_does_before_loading(capsys, monkeypatch, tmp_path):
+    """--batch-size 0 and a missing --index loaded the model, left the run directory behind and then failed on a
+    message naming neither flag; --n 1 answered its question and then could not calibrate."""
+    import fastgate.assets.models
+    from fastgate.entrypoints.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may load before the flags are checked")
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", never)
+    out = tmp_path / "runs"
+    for flags in (["--batch-size", "0"], ["--index", str(tmp_path / "nonexist")]):
+        common = ["--data", "capitals", "--n", "4", *flags, "--out", str(out), "--quiet"]
+        assert main(["calibrate", "--method", "dtr", *common]) == 2
+        mine = capsys.readouterr().err
+        assert main(["eval", "--method", "dtr", *common]) == 2
+        assert mine == capsys.readouterr().err and mine.count("\n") == 1, mine  # eval's very line
+        assert not out.exists() and not (tmp_path / "home" / "calibration").exists()
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--method", "dtr", "--n", "1"])
+    assert "expected a number of questions >= 2" in capsys.readouterr().err
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}) + "\n")
+    assert main(["calibrate", "--method", "dtr", "--data", str(one), "--out", str(out)]) == 2
+    assert "has 1 question(s): calibration needs at least 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_remote_calibration_that_cannot_reach_its_server_leaves_no_run_directory(capsys, monkeypatch, tmp_path,
+                                                                                   small_index):
+    """eval.json and .lock stayed in the run directory (under $FASTGATE_HOME by default); one that existed before,
+    or that holds records, stays."""
+    import socket
+
+    from fastgate.entrypoints.cli import main
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    with socket.socket() as s:  # nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
+    argv = ["calibrate", "--method", "dtr", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1",
+            "--api-model", "m", "--api-retries", "0", "--data", str(data), "--n", "4", "--index", str(small_index),
+            "--quiet"]
+    assert main(argv) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "calibration").exists()  # the run directory and the parents it made
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main([*argv, "--out", str(mine)]) == 2
+    assert mine.is_dir()  # it existed before: kept
+    held = tmp_path / "held"
+    assert main([*argv, "--out", str(held / "sub")]) == 2 and not held.exists()
+    # a directory made for the run with records in it stays, whatever failed (fastgate.eval.runner.hold_out_dir)
+    from fastgate.eval.runner import hold_out_dir
+
+    def fails_in(directory, results: str) -> None:
+        with pytest.raises(RuntimeError, match="boom"), hold_out_dir(directory):
+            (directory / "eval.json").write_text("{}")
+            (directory / "results.jsonl").write_text(results)
+            raise RuntimeError("boom")
+
+    fails_in(held, '{"run": "dtr"}\n')
+    assert sorted(p.name for p in held.iterdir()) == [".lock", "eval.json", "results.jsonl"]
+    fails_in(tmp_path / "again", "")  # only its own empty files: removed
+    assert not (tmp_path / "again").exists()
+
+
+def test_calibrate_help_says_what_dry_run_keeps_and_every_default():
+    """--dry-run said "write nothing" but kept the pass's records and plot; --rule named no default, --quiet had no
+    help."""
+    import argparse
+
+    from fastgate.train.calibrate import add_calibrate_args
+
+    p = argparse.ArgumentParser()
+    add_calibrate_args(p)
+    helps = {a.dest: a.help or "" for a in p._actions}
+    assert "write nothing" not in helps["dry_run"] and "records and plot are still kept" in helps["dry_run"]
+    assert "default: %(default)s" in helps["rule"] and helps["quiet"]

@@ -197,3 +197,23 @@ def test_a_checkpoint_for_another_model_is_refused_without_a_calibration_warning
                                 kind="probing", model=tiny_engine.lm, layers=(2, 3))
     runtime.build(AnswerRequest("probing", "bm25", (("checkpoint", str(own)),)))
     assert [r for r in caplog.records if "no calibration of probing" in r.getMessage()]
+
+
+def test_a_checkpoint_of_another_kind_is_not_replaced(ckpt_dir, tiny):
+    """`train confidence --out` a probing checkpoint replaced the probers (a 15-minute training) unasked; one of the
+    same kind is still replaced (retraining)."""
+    from fastgate.errors import InputError
+    from fastgate.gates.checkpoints import check_checkpoint_out
+
+    path, params = ckpt_dir
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    check_checkpoint_out(path, "probing")
+    check_checkpoint_out(path)  # no kind asked: any prober checkpoint, as before
+    with pytest.raises(InputError, match="holds a probing checkpoint, and this is a confidence checkpoint: not "
+                                         "replacing it"):
+        check_checkpoint_out(path, "confidence")
+    conf = random_probe_params(1, tiny.hidden_size, 8, seed=5)
+    with pytest.raises(InputError, match="holds a probing checkpoint"):
+        save_probe_checkpoint(path, conf, kind="confidence", model=tiny, layers=(2,))
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert load_probe_checkpoint(path, tiny, kind="probing").layers == (2, 3)

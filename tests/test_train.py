@@ -346,3 +346,82 @@ def test_train_takes_every_hidden_state_a_checkpoint_may_tap(monkeypatch, tmp_pa
     capsys.readouterr()
     assert main(["train", "prober", *common, "--layers", str(n + 1), "--out", str(tmp_path / "ck2")]) != 0
     assert f"hidden states 0 to {n}" in capsys.readouterr().err
+
+
+def test_train_confidence_refuses_to_replace_a_probing_checkpoint_before_any_work(monkeypatch, tmp_path, tiny, capsys):
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.checkpoints import random_probe_params
+
+    ck = save_probe_checkpoint(tmp_path / "probers", random_probe_params(2, tiny.hidden_size, 8), kind="probing",
+                               model=tiny, layers=(1, 2))
+    before = (ck / "config.json").read_text()
+    _no_work(monkeypatch, tmp_path)
+    assert main(["train", "confidence", "--model", "tiny", "--out", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a probing checkpoint, and this is a confidence checkpoint" in err, err
+    assert (ck / "config.json").read_text() == before
+
+
+def _read_no_work(monkeypatch, tmp_path, tiny=None):
+    """``fastgate train read`` whose passes fail the test; the model load too, unless ``tiny`` is given."""
+    import fastgate.assets.models
+    from fastgate.train import read as train_read
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the check came after the work")
+
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fastgate.assets.models, "load", boom if tiny is None else (lambda *a, **kw: tiny))
+    monkeypatch.setattr(train_read, "training_pass", boom)
+
+
+def test_train_read_checks_batch_size_index_and_out_before_loading(monkeypatch, tmp_path, tiny, capsys):
+    """--batch-size 0 and a missing --index each left a cache directory (eval.json, .lock) behind, after the model
+    had loaded; --out on a prober checkpoint replaced its config."""
+    from fastgate.entrypoints.cli import main
+    from fastgate.gates.checkpoints import random_probe_params
+
+    ck = save_probe_checkpoint(tmp_path / "probers", random_probe_params(2, tiny.hidden_size, 8), kind="probing",
+                               model=tiny, layers=(1, 2))
+    before = (ck / "config.json").read_text()
+    _read_no_work(monkeypatch, tmp_path)
+    cache = tmp_path / "pass"
+    common = ["train", "read", "--model", "tiny", "--data", "capitals", "--n", "12", "--cache", str(cache)]
+    for flags, message in [(["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+                           (["--index", str(tmp_path / "nonexist")], f"--index {tmp_path / 'nonexist'} does not exist"),
+                           (["--out", str(ck)], "holds a probing checkpoint: `fastgate train read` writes a read "
+                                                "checkpoint"),
+                           (["--decide", "prefill", "--layer", "-1"], "--layer must be >= 0")]:
+        assert main([*common, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (flags, err)
+        assert not cache.exists() and not (tmp_path / "home").exists()
+    assert (ck / "config.json").read_text() == before
+
+
+def test_train_read_checks_layer_right_after_the_model_loads(monkeypatch, tmp_path, tiny, capsys):
+    """--layer 99 ran the whole training pass, then failed on "tap layer 99 out of range"."""
+    from fastgate.entrypoints.cli import main
+
+    _read_no_work(monkeypatch, tmp_path, tiny)
+    n = tiny.n_layers
+    assert main(["train", "read", "--model", "tiny", "--data", "capitals", "--n", "12", "--decide", "prefill",
+                 "--layer", str(n + 1), "--features", "all"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--layer {n + 1}: tiny has hidden states 0 to {n}" in err, err
+
+
+@pytest.mark.parametrize("kind", ["prober", "confidence", "evaluate", "reranker", "read"])
+def test_train_help_states_every_default(kind):
+    """`train prober|confidence|evaluate|reranker --help` named no default for --model, --device, --hidden, --epochs,
+    --lr, --dropout, --k, --data, --seed, --batch-size."""
+    import argparse
+
+    from fastgate.train.cli import add_train_args
+
+    train = argparse.ArgumentParser()
+    add_train_args(train)
+    (kinds,) = [a for a in train._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [a.dest for a in kinds.choices[kind]._actions
+               if a.default not in (None, False, argparse.SUPPRESS) and "default" not in (a.help or "")]
+    assert not missing, missing

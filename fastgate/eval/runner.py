@@ -287,10 +287,10 @@ def hold_out_dir(out_dir: Path, what: str = "fastgate eval") -> Iterator[None]:
 
     Raises:
         InputError: another process holds it ("``DIR`` is in use by another fastgate eval (pid N)")."""
-    created = not out_dir.exists()
+    made = [d for d in (out_dir, *out_dir.parents) if not os.path.lexists(d)]  # what make_out_dir makes
     make_out_dir(out_dir)
     if fcntl is None:
-        with _removed_if_empty_on_error(out_dir, created):
+        with _removed_if_empty_on_error(made):
             yield
         return
     path = out_dir / LOCK_FILE
@@ -311,24 +311,30 @@ def hold_out_dir(out_dir: Path, what: str = "fastgate eval") -> Iterator[None]:
         with contextlib.suppress(OSError):  # the pid is for the message above only
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        with _removed_if_empty_on_error(out_dir, created):  # under the lock: nobody else is writing there
+        with _removed_if_empty_on_error(made):  # under the lock: nobody else is writing there
             yield
     finally:
         os.close(fd)  # releases the lock (so does the process's end, however it ends)
 
 
 @contextlib.contextmanager
-def _removed_if_empty_on_error(out_dir: Path, created: bool) -> Iterator[None]:
-    """Within: where the block raises and ``out_dir`` was ``created`` for it and holds nothing but ``eval.json`` and
-    the lock file, remove them and the directory (the error is raised as it was)."""
+def _removed_if_empty_on_error(made: list[Path]) -> Iterator[None]:
+    """Within: where the block raises, remove the directories ``made`` for it (the run directory, then the parents
+    made for it, innermost first, while empty) if the run directory holds nothing but its settings, its lock and an
+    empty ``results.jsonl``; anything else there, records above all, keeps it (the error is raised as it was)."""
     try:
         yield
     except BaseException:
-        with contextlib.suppress(OSError):
-            if created and {p.name for p in out_dir.iterdir()} <= {"eval.json", LOCK_FILE}:
-                for name in ("eval.json", LOCK_FILE):
-                    (out_dir / name).unlink(missing_ok=True)
-                out_dir.rmdir()
+        if made:
+            with contextlib.suppress(OSError):  # left as it is: the error being raised is the one to report
+                out_dir, own = made[0], {"eval.json", LOCK_FILE, "results.jsonl"}
+                entries = list(out_dir.iterdir())
+                if all(p.name in own and p.is_file() and (p.name != "results.jsonl" or p.stat().st_size == 0)
+                       for p in entries):
+                    for p in entries:
+                        p.unlink()
+                    for d in made:
+                        d.rmdir()  # OSError where not empty (another run's there now): the rest is left too
         raise
 
 

@@ -126,7 +126,7 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     if params.d != model.hidden_size:
         raise ShapeError(f"probers take d={params.d} but model {model.name} has hidden size {model.hidden_size}")
     out = Path(out_dir)
-    check_checkpoint_out(out)
+    check_checkpoint_out(out, kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh = not out.exists()
     # a new directory is built beside its place and moved in whole. An existing checkpoint (anything else the user
@@ -159,13 +159,15 @@ def save_probe_checkpoint(out_dir: str | Path, params: ProbeParams, *, kind: Kin
     return out
 
 
-def check_out_dir(out: Path, marker: str, fmt: str, what: str, kept: str) -> None:
+def check_out_dir(out: Path, marker: str, fmt: str, what: str, kept: str, kind: str | None = None) -> None:
     """``out`` may receive a saved model: absent, an empty directory, or one of ours (its JSON file ``marker`` names
     ``fmt`` as its format), which is replaced; never a directory of the user's other files. ``what`` names the kind in
-    the message, ``kept`` the one to replace.
+    the message, ``kept`` the one to replace. With ``kind``, one of ours must also be of that ``kind`` (its marker's
+    ``kind`` field): a probing checkpoint was replaced by a confidence model (``train confidence --out``) unasked.
 
     Raises:
-        InputError: a file, or a directory holding something other than a fastgate ``what``."""
+        InputError: a file, a directory holding something other than a fastgate ``what``, or one of another
+            ``kind`` (both kinds named)."""
     if not os.path.lexists(out):
         return
     if not out.is_dir():
@@ -173,20 +175,26 @@ def check_out_dir(out: Path, marker: str, fmt: str, what: str, kept: str) -> Non
     if not any(out.iterdir()):
         return
     try:
-        ours = json.loads((out / marker).read_text()).get("format") == fmt
+        doc = json.loads((out / marker).read_text())
+        ours = doc.get("format") == fmt
     except (OSError, ValueError, AttributeError):
-        ours = False
+        doc, ours = None, False
     if not ours:
         raise InputError(f"{out} holds files that are not a fastgate {what}: not overwriting them; "
                          f"choose another --out (a new or empty directory, or a {kept} to replace)")
+    if kind is not None and doc.get("kind") != kind:
+        raise InputError(f"{out} holds a {doc.get('kind')} {kept}, and this is a {kind} {kept}: not replacing it; "
+                         f"choose another --out (a new or empty directory, or a {kind} {kept} to replace)")
 
 
-def check_checkpoint_out(out: Path) -> None:
-    """``out`` may receive a checkpoint: an empty directory or a prober checkpoint (never a user's other files).
+def check_checkpoint_out(out: Path, kind: Kind | None = None) -> None:
+    """``out`` may receive a checkpoint (of ``kind``, where given): an empty directory or a prober checkpoint (of that
+    kind), never a user's other files nor a checkpoint of the other kind.
 
     Raises:
-        InputError: a file, or a directory holding something other than a fastgate prober checkpoint."""
-    check_out_dir(out, CONFIG, FORMAT, "prober checkpoint", "checkpoint")
+        InputError: a file, a directory holding something other than a fastgate prober checkpoint, or a checkpoint of
+            another kind."""
+    check_out_dir(out, CONFIG, FORMAT, "prober checkpoint", "checkpoint", kind)
 
 
 def load_probe_checkpoint(path: str | Path, model: Any | None = None, kind: Kind | None = None) -> ProbeCheckpoint:

@@ -32,6 +32,7 @@ __all__ = [
     "SHIPPED",
     "calibrated_params",
     "calibration_entries",
+    "check_calibration_file",
     "checkpoint_key",
     "user_calibration_file",
     "write_calibration",
@@ -40,7 +41,12 @@ __all__ = [
 SHIPPED = Path(__file__).resolve().parents[1] / "calibrations"
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def _load(path: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """The ``model`` field (None where absent) and the entries of the calibration file ``path`` (none where it does not
+    exist).
+
+    Raises:
+        InputError: a corrupt file."""
     try:
         doc = json.loads(path.read_text())
         entries = doc["entries"]
@@ -48,12 +54,28 @@ def _read(path: Path) -> list[dict[str, Any]]:
                                                     and isinstance(e.get("params"), dict)
                                                     and isinstance(e.get("when") or {}, dict) for e in entries):
             raise ValueError("entries must be a list of {method: str, params: {...}, when: {...} (optional)}")
-        return entries
+        if not isinstance(doc.get("model", ""), str):
+            raise ValueError(f"model must be a model's name, got {doc['model']!r}")
     except FileNotFoundError:
-        return []
+        return None, []
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"calibration file {path} is corrupt ({exc}): fix or delete it, or rerun "
-                         f"`fastgate calibrate`") from None
+        # not "rerun `fastgate calibrate`": it reads the same file first, and stops on it the same way
+        raise InputError(f"calibration file {path} is corrupt ({exc}): fix or delete it") from None
+    return doc.get("model"), entries
+
+
+def _read(path: Path, model: str | None = None) -> list[dict[str, Any]]:
+    """The entries of the calibration file ``path`` (none where it does not exist). With ``model``, a file whose
+    ``model`` field names another model is refused: its thresholds were measured on that model's scores.
+
+    Raises:
+        InputError: a corrupt file, or one of another model."""
+    owner, entries = _load(path)
+    if model is not None and owner is not None and owner != model:
+        raise InputError(f"calibration file {path} holds {owner}'s thresholds (its \"model\"), not {model}'s: "
+                         f"they were measured on {owner}'s scores; move it to {user_calibration_file(owner)}, or "
+                         "delete it")
+    return entries
 
 
 def _shipped() -> dict[str, list[dict[str, Any]]]:
@@ -87,7 +109,7 @@ def user_calibration_file(model_name: str) -> Path:
 
 def calibration_entries(model_name: str) -> list[dict[str, Any]]:
     """The shipped entries of ``model_name``, then the user's (later entries win)."""
-    return list(_SHIPPED_ENTRIES.get(model_name, [])) + _read(user_calibration_file(model_name))
+    return list(_SHIPPED_ENTRIES.get(model_name, [])) + _read(user_calibration_file(model_name), model_name)
 
 
 def checkpoint_key(value: Any) -> str:
@@ -203,6 +225,11 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
     A gated method with no entry for the model (or for the user's own ``checkpoint``) keeps its default threshold
     and says so once per process (``warn``), except the read gate, which refuses (:class:`InputError`)."""
     params = dict(params or {})
+    from fastgate.methods.base import method_class
+
+    cls = method_class(method)
+    if cls is not None and cls.threshold is None:  # never, always: no threshold, so no calibration file is read
+        return params
     defaults = _defaults(method)
     shipped_checkpoint = checkpoint_key(params.get("checkpoint", defaults.get("checkpoint"))) == ""
     merged: dict[str, Any] = {}
@@ -222,7 +249,7 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
                 and _applies(entry, method, params):
             merged.update(entry["params"])
             applied = True
-    for entry in _read(user_calibration_file(model_name)):
+    for entry in _read(user_calibration_file(model_name), model_name):
         if _applies(entry, method, params):
             merged.update(entry["params"])
             applied = True
@@ -234,8 +261,13 @@ def calibrated_params(model_name: str, method: str, params: dict[str, Any] | Non
 
 def write_calibration(model_name: str, entry: dict[str, Any], path: Path | None = None) -> Path:
     """Add ``entry`` to the user's calibration file of ``model_name`` (replacing one with the same method and
-    ``when``), atomically."""
+    ``when``), atomically.
+
+    Raises:
+        InputError: ``path`` is corrupt, or holds another model's calibration (:func:`check_calibration_file`); it is
+            left as it is."""
     path = path or user_calibration_file(model_name)
+    check_calibration_file(model_name, path)
     entries = [e for e in _read(path)
                if not (e["method"] == entry["method"] and (e.get("when") or {}) == (entry.get("when") or {}))]
     doc = {"model": model_name, "entries": entries + [entry]}
@@ -244,6 +276,21 @@ def write_calibration(model_name: str, entry: dict[str, Any], path: Path | None 
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     return path
+
+
+def check_calibration_file(model_name: str, path: Path) -> None:
+    """``path`` may receive ``model_name``'s entries: absent, or a calibration file of that model (or naming none).
+    Another model's file was rewritten as ``model_name``'s, its entries with it (``fastgate calibrate --write``).
+
+    Raises:
+        InputError: a directory, a corrupt file, or another model's (both models named)."""
+    if path.is_dir():  # not "corrupt: fix or delete it"
+        raise InputError(f"{path} is a directory: --write takes a calibration file (a new one, or {model_name}'s)")
+    owner, _ = _load(path)
+    if owner is not None and owner != model_name:
+        raise InputError(f"{path} is {owner}'s calibration file, not {model_name}'s: writing {model_name}'s entry "
+                         f"there would relabel {owner}'s thresholds as {model_name}'s; choose another --write (or "
+                         f"leave it out: {user_calibration_file(model_name)})")
 
 
 # `fastgate eval --budget cpu` (the default without a GPU): the methods whose cost grows with a sample, candidate or

@@ -30,9 +30,21 @@ import numpy as np
 
 from fastgate.assets.pins import DEFAULT_MODEL
 from fastgate.errors import InputError
-from fastgate.settings import positive_count
 
 __all__ = ["CalibrationResult", "add_calibrate_args", "choose_cut", "dev_curve"]
+
+
+def _calibration_count(text: str) -> int:
+    """argparse ``type`` of calibrate's ``--n``: at least 2 questions (a threshold lies between two questions' scores;
+    ``--n 1`` answered its question, then could not calibrate)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of questions, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected a number of questions >= 2 (a threshold lies between two "
+                                         f"questions' scores), got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"--rate must be in (0, 1], got {args.rate}")
     if not 0.0 <= args.max_loss < 1.0:
         raise InputError(f"--max-loss must be in [0, 1), got {args.max_loss}")
+    from fastgate.train.read import check_pass_flags
+
+    check_pass_flags(args.batch_size, args.index)  # eval's checks and messages, before the model and the run directory
     from fastgate.eval.datasets import refuse_test_split
     from fastgate.serving.engine_args import remote_config
 
@@ -149,6 +164,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         reads = method_class(req.method).reads_from(make_config(req.method, dict(req.params)), req.retriever)
         runs.append(RunSpec("always", check_request("always", {}, reads, model, remote=engine).retriever, ()))
     data, examples = _examples(args.data, args.n, args.seed, args.index)
+    if len(examples) < 2:  # a threshold lies between two questions' scores: refused before the model loads
+        raise InputError(f"--data {args.data} has {len(examples)} question(s): calibration needs at least 2")
+    if args.write and not args.dry_run:  # another model's file (or a corrupt one) is refused before the pass too
+        from fastgate.methods.calibration import check_calibration_file
+
+        check_calibration_file(model if remote is not None else Path(args.model).expanduser().name, Path(args.write))
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
         f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
     runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
@@ -157,7 +178,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         # every question is to be answered: the model loads before the run directory is made (a mistyped --model
         # left calibration/runs/<typo>-... behind, --dry-run too)
         runtime.engine  # noqa: B018 - the property loads the model
-    with hold_out_dir(out, "fastgate calibrate"):  # two calibrations into one directory answered twice
+    # two calibrations into one directory answered twice; a run directory made for a pass that fails before it
+    # records anything (a server that cannot be reached) is removed again, in $FASTGATE_HOME by default
+    with hold_out_dir(out, "fastgate calibrate"):
         check_settings(out, EvalSettings(model=model, data=data, seed=args.seed))
         store = ResultsStore(out / "results.jsonl")
         todo = sum(not store.done(r.key, e.id) for r in runs for e in examples)
@@ -273,21 +296,25 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
                    help="other parameters of the method (e.g. base=dtr for read); recorded as the entry's condition")
     p.add_argument("--data", default="nq:dev:balanced", help="dev questions (default: nq:dev:balanced)")
-    p.add_argument("--n", type=positive_count, default=200, help="questions of the seeded order (default: 200)")
+    p.add_argument("--n", type=_calibration_count, default=200,
+                   help="questions of the seeded order, at least 2 (default: 200)")
     p.add_argument("--rule", choices=("rate", "best", "loss"), default="rate",
                    help="rate: retrieve on --rate of the questions; best: the largest gain over the random gate at "
                         "rates up to --rate; loss: the fewest retrievals within --max-loss of the better of never and "
-                        "always (best and loss also run `always` on the questions)")
+                        "always (best and loss also run `always` on the questions; default: %(default)s)")
     p.add_argument("--max-loss", type=float, default=0.005,
                    help="--rule loss: accuracy it may lose to the better of never and always (default: 0.005)")
-    p.add_argument("--rate", type=float, default=0.7, help="target (rate) or largest (best) retrieval rate (0.7)")
+    p.add_argument("--rate", type=float, default=0.7,
+                   help="target (rate) or largest (best) retrieval rate (default: %(default)s)")
     p.add_argument("--retriever", default=None, help="the method's retriever (default: its own)")
     p.add_argument("--budget", choices=("auto", "cpu", "full"), default="auto",
                    help="as in `fastgate eval`: cpu runs the costly methods with fewer samples (auto: cpu without "
                         "a GPU)")
     p.add_argument("--out", default=None, help="records of the pass (default: under $FASTGATE_HOME/calibration/runs)")
     p.add_argument("--write", default=None, help="calibration file (default: $FASTGATE_HOME/calibration/<model>.json)")
-    p.add_argument("--dry-run", action="store_true", help="show the threshold, write nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="show the threshold without writing a calibration entry (the pass's records and plot are "
+                        "still kept under --out, so that a later run resumes)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
     from fastgate.serving.runtime import RuntimeConfig
     from fastgate.settings import add_setting_args
@@ -299,7 +326,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16,
                    help="questions in flight during the pass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     from fastgate.serving.engine_args import add_engine_args
 
     add_engine_args(p)  # a model behind an OpenAI-compatible server gets its own thresholds

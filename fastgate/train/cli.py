@@ -101,8 +101,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     asked = _layers(args.layers, one=args.kind != "prober")  # checked before the model loads
-    if args.out:
-        check_checkpoint_out(Path(args.out))  # before the training's minutes, not after them
+    if args.out:  # before the training's minutes, not after them; a checkpoint of the other kind is not replaced
+        check_checkpoint_out(Path(args.out), "probing" if args.kind == "prober" else "confidence")
     examples = _examples(args)
     lm = load(args.model, device=args.device, weights="float")  # fitted and judged on the float weights' states
     engine = Engine(lm)
@@ -190,36 +190,44 @@ def _cmd_reranker(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = "embedded model or a local HF directory (default: %(default)s)"
+DEVICE_HELP = "auto (CUDA if available), cpu or cuda (default: %(default)s)"
+DATA_HELP = "capitals | fanoutqa | default (both) | a JSONL file (default: %(default)s)"
+INDEX_HELP = "index root holding bm25/ and dense/{} (default: the default corpus's)"
+SEED_HELP = "question order and training seed (default: %(default)s)"
+
+
 def add_train_args(train: argparse.ArgumentParser) -> None:
     """``fastgate train``'s kinds and their arguments on its parser ``train`` (its name and help line are the command
     line's)."""
     kinds = train.add_subparsers(dest="kind", metavar="{prober,confidence,read,evaluate,reranker}", required=True)
     ev = kinds.add_parser("evaluate", help="score a trained checkpoint on the held-out split (AUROC, decision "
                                            "accuracy vs the majority class)")
-    ev.add_argument("--checkpoint", required=True)
-    ev.add_argument("--model", default=DEFAULT_MODEL)
-    ev.add_argument("--device", default="auto")
-    ev.add_argument("--data", default="default")
-    ev.add_argument("--n", type=count, default=0, help="held-out questions to use (0 = all)")
+    ev.add_argument("--checkpoint", required=True, help="a prober or confidence checkpoint directory")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    ev.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ev.add_argument("--data", default="default", help=DATA_HELP)
+    ev.add_argument("--n", type=count, default=0, help="held-out questions to use (0 = all; default: %(default)s)")
     ev.add_argument("--threshold", type=float, default=None, help="θ (probing, default 0) or β (confidence, 0.95)")
-    ev.add_argument("--index", default=None)
+    ev.add_argument("--index", default=None, help=INDEX_HELP.format("; a probing checkpoint reads its BM25 passages"))
     ev.add_argument("--k", type=int, default=None,
                     help="passages for the with-retrieval answers (default: the checkpoint's training k, else 3)")
-    ev.add_argument("--cache", default=None)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--cache", default=None, help="feature cache directory (default: under $FASTGATE_HOME)")
+    ev.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
     ev.set_defaults(func=_cmd_evaluate)
     rr = kinds.add_parser("reranker", help="CBDR's reranker: InfoNCE fine-tune of MiniLM on confidence-shift pairs")
-    rr.add_argument("--model", default=DEFAULT_MODEL)
-    rr.add_argument("--device", default="auto")
-    rr.add_argument("--data", default="default")
-    rr.add_argument("--n", type=count, default=200, help="training questions")
+    rr.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    rr.add_argument("--device", default="auto", help=DEVICE_HELP)
+    rr.add_argument("--data", default="default", help=DATA_HELP)
+    rr.add_argument("--n", type=count, default=200, help="training questions (default: %(default)s)")
     rr.add_argument("--out", required=True, help="output directory (sentence-transformers layout)")
     rr.add_argument("--checkpoint", default=None, help="confidence model (default: the one shipped for --model)")
-    rr.add_argument("--index", default=None)
-    rr.add_argument("--candidates", type=int, default=20, help="BM25 candidates per question (CBDR: 20)")
-    rr.add_argument("--epochs", type=int, default=1)
-    rr.add_argument("--lr", type=float, default=6e-5)
-    rr.add_argument("--seed", type=int, default=0)
+    rr.add_argument("--index", default=None, help=INDEX_HELP.format("; the candidates are its BM25 passages"))
+    rr.add_argument("--candidates", type=int, default=20,
+                    help="BM25 candidates per question (CBDR's; default: %(default)s)")
+    rr.add_argument("--epochs", type=int, default=1, help="default: %(default)s")
+    rr.add_argument("--lr", type=float, default=6e-5, help="default: %(default)s")
+    rr.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     rr.set_defaults(func=_cmd_reranker)
     from fastgate.train.read import add_read_parser
 
@@ -229,20 +237,24 @@ def add_train_args(train: argparse.ArgumentParser) -> None:
         ("confidence", "CBDR's confidence model on pre-answer states of direct answers", 30, 5e-5, 0.5, 32),
     ):
         p = kinds.add_parser(kind, help=help_text)
-        p.add_argument("--model", default=DEFAULT_MODEL)
-        p.add_argument("--device", default="auto")
-        p.add_argument("--data", default="default", help="capitals | fanoutqa | default (both) | a JSONL file")
-        p.add_argument("--n", type=count, default=0, help="training questions to use (0 = all of the training split)")
+        p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+        p.add_argument("--device", default="auto", help=DEVICE_HELP)
+        p.add_argument("--data", default="default", help=DATA_HELP)
+        p.add_argument("--n", type=count, default=0,
+                       help="training questions to use (0 = all of the training split; default: %(default)s)")
         p.add_argument("--out", default=None,
-                       help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-<kind>)")
+                       help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-<kind>); a checkpoint "
+                            "of the same kind there is replaced, one of the other kind refused")
         p.add_argument("--cache", default=None, help="feature cache directory (default: under $FASTGATE_HOME)")
         p.add_argument("--layers", default=None, help="comma-separated layers (default: the paper's choice)")
-        p.add_argument("--index", default=None, help="retrieval index root (prober: BM25 passages)")
-        p.add_argument("--k", type=int, default=3, help="passages for the with-retrieval answers")
-        p.add_argument("--hidden", type=int, default=512)
-        p.add_argument("--epochs", type=int, default=epochs)
-        p.add_argument("--lr", type=float, default=lr)
-        p.add_argument("--dropout", type=float, default=dropout)
-        p.add_argument("--batch-size", type=int, default=batch, help="questions per generation batch")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--index", default=None, help=INDEX_HELP.format("; prober: its BM25 passages"))
+        p.add_argument("--k", type=int, default=3,
+                       help="passages for the with-retrieval answers (default: %(default)s)")
+        p.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width (default: %(default)s)")
+        p.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
+        p.add_argument("--lr", type=float, default=lr, help="default: %(default)s")
+        p.add_argument("--dropout", type=float, default=dropout, help="default: %(default)s")
+        p.add_argument("--batch-size", type=int, default=batch,
+                       help="questions per generation batch (default: %(default)s)")
+        p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
         p.set_defaults(func=_cmd_train)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -35,6 +36,8 @@ __all__ = [
     "collect_rows",
     "answerable_labels",
     "backfill_passage_features",
+    "check_pass_flags",
+    "check_read_out",
     "cross_validated_gains",
     "cross_validated_shift_gains",
     "learning_curve",
@@ -300,6 +303,48 @@ def _print_table(table: list[dict[str, Any]], indent: str = "        ") -> None:
               "better)")
 
 
+def check_pass_flags(batch_size: int, index: str | None) -> None:
+    """The flags of a pass over questions that ``fastgate eval`` checks before anything loads or is written, refused
+    with its messages: ``--batch-size`` below 1, an ``--index`` that does not exist (``calibrate`` and ``train read``
+    loaded the model, made their run directory and only then stopped, on a message naming neither flag).
+
+    Raises:
+        InputError: the first that is wrong."""
+    from fastgate.errors import InputError
+
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+    if index is not None and not Path(index).expanduser().exists():  # as the CLI's _check_index says it
+        raise InputError(f"--index {index} does not exist (build one with `fastgate index --out {index}`, or leave "
+                         "--index out for the default corpus's)")
+
+
+def check_read_out(out: Path) -> None:
+    """``out`` may receive a read-gate checkpoint: absent, a directory without a ``config.json``, or a read-gate
+    checkpoint (replaced). A prober or confidence checkpoint there (or another ``config.json``: a model's) had its
+    config replaced by the read gate's, its weights left orphaned.
+
+    Raises:
+        InputError: a file, or a directory whose ``config.json`` is not a read-gate checkpoint's (its kind named)."""
+    from fastgate.errors import InputError
+
+    if os.path.lexists(out) and not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory: choose another --out")
+    config = out / "config.json"
+    if not os.path.lexists(config):
+        return
+    try:
+        doc = json.loads(config.read_text())
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        kind = None
+    if kind == "read":
+        return
+    what = f"a {kind} checkpoint" if isinstance(kind, str) else "a config.json that is not a read-gate checkpoint's"
+    raise InputError(f"{out} holds {what}: `fastgate train read` writes a read checkpoint and would replace it; "
+                     "not overwriting it: choose another --out (a new directory, or a read checkpoint to replace)")
+
+
 def _split(value: str, what: str) -> list[str]:
     from fastgate.errors import InputError
 
@@ -358,6 +403,11 @@ def _cmd_read(args: argparse.Namespace) -> int:
     for name in names:
         if name not in FEATURE_SETS:
             raise InputError(f"--features: unknown set {name!r} (known: {', '.join(FEATURE_SETS)})")
+    if prefill and args.layer is not None and args.layer < 0:
+        raise InputError(f"--layer must be >= 0 (0: the embeddings), got {args.layer}")
+    check_pass_flags(args.batch_size, args.index)  # before the model loads and a pass's directory is made
+    if args.out:
+        check_read_out(Path(args.out))  # before the passes' minutes, not after them
     runtime = Runtime(args.model, device=args.device, index=args.index, dtype=args.dtype, weights=args.weights)
 
     def store_dir(data: str) -> Path:
@@ -371,6 +421,9 @@ def _cmd_read(args: argparse.Namespace) -> int:
     reads = {name: "dense" if name == "dense" else "bm25" for name in names}
     passes: dict[str, tuple] = {}
     layer = (runtime.lm.n_layers // 2 if args.layer is None else args.layer) if prefill else None
+    if layer is not None and layer > runtime.lm.n_layers:  # the model just loaded: before any pass, not after it
+        raise InputError(f"--layer {layer}: {runtime.model_name} has hidden states 0 to {runtime.lm.n_layers} "
+                         f"({runtime.lm.n_layers} layers)")
     projection = None  # the prefill gate's state projection: fitted on the first pass's questions, shared
     for retriever in dict.fromkeys(reads.values()):
         parts = []
@@ -458,6 +511,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     rows, fixed, broken, cb, rd, groups, answerable = passes[reads[names[0]]]
     kind = "read-prefill" if prefill else f"read-{args.base}" + ("-dense" if names == ["dense"] else "")
     out = Path(args.out) if args.out else home() / "checkpoints" / f"{runtime.model_name}-{kind}"
+    check_read_out(out)
     sets = [{"data": d, "n": int((groups == d).sum()), "fixed": int(fixed[groups == d].sum()),
              "broken": int(broken[groups == d].sum()), "closed_book_acc": round(float(cb[groups == d].mean()), 4),
              "read_acc": round(float(rd[groups == d].mean()), 4)} for d in datas]
@@ -523,8 +577,9 @@ def _write_calibration(model_name: str, out: Path, args, names, prices, meta) ->
 
 def add_read_parser(kinds) -> None:
     p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="embedded model or a local HF directory (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
     from fastgate.serving.runtime import RuntimeConfig
     from fastgate.settings import add_setting_args
 
@@ -532,12 +587,14 @@ def add_read_parser(kinds) -> None:
     add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
     p.add_argument("--decide", choices=("answer", "prefill"), default="answer",
                    help="answer: the gate after the closed-book answer; prefill: the gate on the closed-book prompt's "
-                        "pre-answer state and the search scores, before generating (read[decide=prefill])")
+                        "pre-answer state and the search scores, before generating (read[decide=prefill]; default: "
+                        "%(default)s)")
     p.add_argument("--base", default="dtr",
                    help="the gated method whose first signal the gate sees (default: dtr); with --decide prefill, the "
                         "base of the training pass whose records it reuses")
     p.add_argument("--layer", type=int, default=None,
-                   help="--decide prefill: the layer of the pre-answer state (default: the middle, CBDR's)")
+                   help="--decide prefill: the layer of the pre-answer state, 0 (the embeddings) to the model's layer "
+                        "count (default: the middle, CBDR's)")
     p.add_argument("--rank", type=int, default=16,
                    help="--decide prefill: principal components of the pre-answer state the gate reads (default: 16)")
     p.add_argument("--data", default="nq:dev:balanced",
@@ -560,8 +617,10 @@ def add_read_parser(kinds) -> None:
     p.add_argument("--out", default=None,
                    help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-read-<base>)")
     p.add_argument("--cache", default=None, help="records of the training pass (default: under $FASTGATE_HOME)")
-    p.add_argument("--index", default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--index", default=None,
+                   help="index root holding bm25/ and dense/ (default: the default corpus's)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="questions in flight during the passes (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_read)
