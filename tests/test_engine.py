@@ -94,6 +94,12 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_engine):
                                                                stop_at_eos=False), k=4)
     assert [s.token_ids for s in other.sequences] != [s.token_ids for s in a.sequences]
     assert len({tuple(s.token_ids) for s in a.sequences[:4]}) > 1  # the k samples differ
+    # a seed past torch's 64 bits (accepted by the config) failed inside torch ("Overflow"); taken modulo 2**63
+    big = tiny_engine.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=4, do_sample=True, seed=2**70 + 7,
+                                                             stop_at_eos=False))
+    same = tiny_engine.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=4, do_sample=True,
+                                                              seed=(2**70 + 7) % 2**63, stop_at_eos=False))
+    assert big.sequences[0].token_ids == same.sequences[0].token_ids
 
 
 def test_k_samples_share_prefill_greedy_equal_single(tiny_engine):

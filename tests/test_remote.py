@@ -187,6 +187,32 @@ def test_a_server_answering_429_is_retried_after_its_retry_after():
     assert last["logprobs"] == 1 and last["temperature"] == 0.0 and last["stop"] == ["\n"] and last["max_tokens"] == 4
 
 
+def test_a_server_that_cannot_do_a_request_is_not_retried_and_bad_prompts_never_reach_it():
+    """A 501 was retried as a passing failure (four requests, "answered 501 4 times"); a string as the prompts ran one
+    request per character and a float k raised TypeError (the local engine refuses both with InputError)."""
+    from fastgate.config import GenerationConfig
+
+    seen = []
+
+    async def handler(body):
+        seen.append(body)
+        return 501, {"error": {"message": "completions are not implemented"}}, None
+
+    with _stub(handler) as port:
+        engine = RemoteEngine(RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=3))
+        with pytest.raises(RemoteError, match=r"failed the request \(501\): completions are not implemented"):
+            engine.generate(["Q: x\nA:"], GenerationConfig(max_new_tokens=4))
+        assert len(seen) == 1 and engine.retries == 0
+        for bad, message in [("Q: x\nA:", "a list of prompts, not a string"), ([1], "prompts must be strings")]:
+            with pytest.raises(InputError, match=message):
+                engine.generate(bad)
+        with pytest.raises(InputError, match="k must be an int"):
+            engine.generate(["Q: x\nA:"], k=1.0)
+        with pytest.raises(InputError, match="config must be a GenerationConfig"):
+            engine.generate(["Q: x\nA:"], config="x")
+    assert len(seen) == 1  # none of them was sent
+
+
 def test_a_hanging_server_times_out_and_only_that_question_fails():
     from fastgate.methods import NeverRetrieve
     from fastgate.scheduler import Scheduler

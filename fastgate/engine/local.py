@@ -201,7 +201,8 @@ class Engine:
         # they draw together over the whole batch (their draws then depend on the batch, as they always have).
         generator = None
         if not per_row and cfgs[0].do_sample and cfgs[0].seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(cfgs[0].seed)
+            # within torch's 64-bit seeds (2**70 was torch's "Overflow"; seeds passed per row were taken modulo too)
+            generator = torch.Generator(device=self.device).manual_seed(cfgs[0].seed % 2**63)
         loop = DecodeLoop(self.runner, mid, shared_rng=not per_row and seeds is None, generator=generator)
         specs = [(prompts[i], cfgs[i], row_taps[i], ks[i], seeds[i] if seeds is not None else None) for i in range(b)]
         (ticket,) = loop.add(specs, one_ticket=(layers, want_pre, want_eos), per_row=per_row)

@@ -27,7 +27,7 @@ How a generation maps back:
   refuse prompts longer than their context, and that question fails with their message).
 
 Concurrency: :meth:`RemoteEngine.submit_each` sends the generations of one call as concurrent requests (at most
-``concurrency`` at a time), each with a timeout and retries on 429 / 5xx / a refused connection that wait what
+``concurrency`` at a time), each with a timeout and retries on 429 / 500 / 502-504 / a refused connection that wait what
 ``Retry-After`` says, and hands back one :class:`InFlight` per prompt, which the scheduler keeps across its ticks
 until answered (:meth:`RemoteEngine.generate_each` waits for all): the scheduler fails only the questions whose
 requests failed, and a slow one holds no other. The requests run on a small pool of daemon threads of this module's
@@ -73,10 +73,11 @@ class RemoteConfig:
     timeout_s: float = setting(60.0, "seconds per request (default: %(default)s)", flag="--api-timeout")
     # requests in flight at once: enough to keep a server's batch full without flooding it
     concurrency: int = setting(8, "requests in flight at once (default: %(default)s)", flag="--api-concurrency")
-    # on 429 / 5xx / a refused connection: rides out a server restart or a short overload, then the question fails
-    max_retries: int = setting(3, "retries of a request answered 429 or 5xx or whose connection is refused (a server "
-                                  "restarting), waiting what Retry-After says, else 0.5 s doubling (default: "
-                                  "%(default)s)", flag="--api-retries")
+    # on 429 / 500 / 502-504 / a refused connection: rides out a server restart or a short overload, then the question
+    # fails (a 501 or 505 is not retried: the server cannot do it)
+    max_retries: int = setting(3, "retries of a request answered 429, 500 or 502-504 or whose connection is refused "
+                                  "(a server restarting), waiting what Retry-After says, else 0.5 s doubling "
+                                  "(default: %(default)s)", flag="--api-retries")
     max_retry_wait_s: float = 30.0  # the longest Retry-After honoured; longer ones are waited this long
     logprobs: int = 1  # asked per token; 1, not 0: llama.cpp's server returns no log-probabilities for 0
     context_tokens: int = 4096  # the server's context as the question-length check assumes it (the server checks too)
@@ -209,7 +210,7 @@ class RemoteEngine:
         return self._client
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One completion, retried on 429 / 5xx; raises :class:`RemoteError` with the reason."""
+        """One completion, retried on 429, 500 and 502-504; raises :class:`RemoteError` with the reason."""
         httpx = require("httpx", "pip install httpx (or 'fastgate[remote]')")
         cfg = self.config
         client = self._http()
@@ -246,14 +247,16 @@ class RemoteEngine:
                 with self._lock:
                     self.http_s += time.perf_counter() - t0
             status = resp.status_code
-            if status == 429 or status >= 500:
+            if status in _RETRIED:
                 if attempt < cfg.max_retries:
                     with self._lock:
                         self.retries += 1
                     time.sleep(_retry_wait(resp.headers.get("retry-after"), attempt, cfg.max_retry_wait_s))
                     continue
-                raise RemoteError(f"{self.name}: the server answered {status} {attempt + 1} times: "
-                                  f"{_message(resp)}")
+                raise RemoteError(f"{self.name}: the server answered {status} "
+                                  f"{'once' if attempt == 0 else f'{attempt + 1} times'}: {_message(resp)}")
+            if status >= 500:  # 501, 505...: a server that cannot do this does not learn it by a retry
+                raise RemoteError(f"{self.name}: the server failed the request ({status}): {_message(resp)}")
             if status >= 400:
                 message = _message(resp)
                 if "logprob" in message.lower():
@@ -413,9 +416,19 @@ class RemoteEngine:
                  seeds: Sequence[int | None] | None = None) -> GenerationBatch:
         """As :meth:`Engine.generate <fastgate.engine.local.Engine.generate>` (no taps): the first failed request's
         error is raised."""
+        if isinstance(prompts, str):  # a string is a sequence: it ran as one request per character
+            raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
         if not prompts:
             raise InputError("generate: no prompts")
+        odd = [p for p in prompts if not isinstance(p, str)]
+        if odd:
+            raise InputError(f"generate: prompts must be strings, got {type(odd[0]).__name__} {odd[0]!r:.60}")
         n = len(prompts)
+        if not (config is None or isinstance(config, (GenerationConfig, list, tuple))):
+            raise InputError(f"generate: config must be a GenerationConfig or one per prompt, got "
+                             f"{type(config).__name__}")
+        if not isinstance(k, (int, list, tuple)) or isinstance(k, bool):
+            raise InputError(f"k must be an int >= 1 or one per prompt, got {k!r}")
         configs = [config] * n if config is None or isinstance(config, GenerationConfig) else list(config)
         tap_list = [taps] * n if taps is None or isinstance(taps, TapSpec) else list(taps)
         ks = [k] * n if isinstance(k, int) else list(k)
@@ -559,6 +572,10 @@ def _retry_wait(header: str | None, attempt: int, cap: float) -> float:
             if when is not None and when.tzinfo is not None:
                 return min(cap, max(0.0, when.timestamp() - time.time()))
     return min(cap, 0.5 * 2 ** attempt)
+
+
+# the statuses a request is retried on: overload (429, 503), a proxy's or server's passing failure (500, 502, 504)
+_RETRIED = frozenset({429, 500, 502, 503, 504})
 
 
 def _message(resp) -> str:
