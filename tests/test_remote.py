@@ -345,13 +345,13 @@ def test_the_remote_flags_are_generated_from_the_remote_config():
     for command in ("ask", "eval", "serve", "calibrate"):
         flags = {s for a in subs[command]._actions for s in a.option_strings}
         assert {"--engine", "--base-url", "--api-model", "--api-timeout", "--api-concurrency", "--api-retries",
-                "--api-key-env"} <= flags, command
+                "--api-key-env", "--api-context"} <= flags, command
     args = parser.parse_args(["calibrate", "--method", "dtr", "--engine", "openai", "--base-url", "http://h:1/v1",
-                              "--api-model", "m/x", "--api-retries", "5"])
+                              "--api-model", "m/x", "--api-retries", "5", "--api-context", "8192"])
     from fastgate.serving.engine_args import remote_config
 
     config = remote_config(args)
-    assert config == RemoteConfig("http://h:1/v1", "m/x", max_retries=5)
+    assert config == RemoteConfig("http://h:1/v1", "m/x", max_retries=5, context_tokens=8192)  # 4096 was fixed
     assert (args.api_timeout_s, args.api_concurrency) == (RemoteConfig.timeout_s, RemoteConfig.concurrency)
     assert user_calibration_file("m/x").name == "m--x.json"
 

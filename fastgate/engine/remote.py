@@ -80,7 +80,9 @@ class RemoteConfig:
                                   "(default: %(default)s)", flag="--api-retries")
     max_retry_wait_s: float = 30.0  # the longest Retry-After honoured; longer ones are waited this long
     logprobs: int = 1  # asked per token; 1, not 0: llama.cpp's server returns no log-probabilities for 0
-    context_tokens: int = 4096  # the server's context as the question-length check assumes it (the server checks too)
+    # the server's context as the question-length check assumes it (the server checks too): OpenAI's API does not say
+    context_tokens: int = setting(4096, "the server's context in tokens, for the question-length check (default: "
+                                        "%(default)s)", flag="--api-context")
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

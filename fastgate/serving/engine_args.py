@@ -16,7 +16,7 @@ from fastgate.errors import InputError
 __all__ = ["LOCAL_SETTINGS", "REMOTE_SETTINGS", "add_engine_args", "remote_config"]
 
 # RemoteConfig's fields that are flags, in --help order
-REMOTE_SETTINGS = ("base_url", "model", "timeout_s", "concurrency", "max_retries")
+REMOTE_SETTINGS = ("base_url", "model", "timeout_s", "concurrency", "max_retries", "context_tokens")
 _PREFIX = "api_"
 # RuntimeConfig's fields that say how the local model loads (``--model --device --dtype --step --weights``, their
 # defaults RuntimeConfig's): a remote engine loads none, so a value given for one would be dropped without a word
