@@ -524,6 +524,30 @@ def test_one_out_holds_one_model_engine_dtype_and_weights(runtime, tmp_path):
             check_form(ResultsStore(store.path), runtime)
 
 
+def test_the_form_check_loads_no_model_and_reaches_no_server(monkeypatch, tmp_path):
+    """The model check read runtime.model_name, which loads the model (a resumed, finished evaluation loaded it for
+    nothing) or connects to the remote server (down: the resume failed)."""
+    import fastgate.assets.models as models
+    from fastgate.engine.remote import RemoteConfig
+    from fastgate.eval.runner import check_form
+    from fastgate.serving.runtime import Runtime
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"run": "never", "id": "q1", "model": "smollm2-135m", "dtype": "float32",
+                                "weights": "float", "engine": "local"}) + "\n")
+    local = Runtime("smollm2-135m", "cpu", dtype="float32", weights="float")
+    check_form(ResultsStore(path), local)
+    assert not local.loaded
+    remote = Runtime("x", "cpu", remote=RemoteConfig("http://127.0.0.1:9/v1", "m"))  # nothing listens there
+    path.write_text(json.dumps({"run": "never", "id": "q1", "model": "other", "engine": remote.engine_name}) + "\n")
+    with pytest.raises(InputError, match="made by the model other .*pass --api-model other"):
+        check_form(ResultsStore(path), remote)
+
+
 def test_eval_cli_refuses_a_run_of_another_dtype_beside_the_others(eval_cli, capsys):
     """A finished `never` in bf16, then `always` in float32 into the same --out: refused before always answers, and
     a later summary never tables both."""

@@ -80,8 +80,7 @@ def test_a_build_replaces_another_corpus_s_index_only_when_forced(tmp_path, smal
     from fastgate.assets.corpus import DEFAULT_CORPUS
     from fastgate.assets.paths import index_dir
 
-    other = tmp_path / "elsewhere" / small_corpus_file.name
-    other.parent.mkdir()
+    other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"id": "o1", "title": "Other", "text": "Another corpus entirely."}) + "\n")
     built = build_indexes(small_corpus_file, tmp_path / "idx", kinds=("bm25",), progress=False)
     manifest = (built["bm25"] / "fastgate_index.json").read_text()
@@ -90,6 +89,12 @@ def test_a_build_replaces_another_corpus_s_index_only_when_forced(tmp_path, smal
     assert (built["bm25"] / "fastgate_index.json").read_text() == manifest  # kept
     assert len(build_indexes(other, tmp_path / "idx", kinds=("bm25",), progress=False, force=True)) == 1
     assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 1
+    # a corpus of the same name, edited: the same corpus, its index rebuilt without --force (as before)
+    edited = tmp_path / "edited" / "other.jsonl"
+    edited.parent.mkdir()
+    edited.write_text(other.read_text() + json.dumps({"id": "o2", "title": "More", "text": "A second one."}) + "\n")
+    build_indexes(edited, tmp_path / "idx", kinds=("bm25",), progress=False)
+    assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 2
     # the default corpus's directory: a user's file of that name is refused; the default corpus itself replaces
     # whatever is there (here a user's index left by an older fastgate)
     monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))

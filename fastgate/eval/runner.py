@@ -637,6 +637,20 @@ def _form_of(runtime) -> tuple[str | None, str | None, str | None, str]:
     return dtype, legacy, weights, engine
 
 
+def _model_of(runtime) -> tuple[str | None, str]:
+    """The model name ``runtime``'s records carry, known without loading it (a resumed, finished evaluation loads
+    nothing, and a remote one needs no server), and the flag that names it."""
+    remote = getattr(runtime, "remote", None)
+    if remote is not None:
+        return remote.model, "--api-model"
+    spec = getattr(runtime, "model", None)
+    if isinstance(spec, str):
+        from fastgate.assets.models import loaded_name
+
+        return loaded_name(spec), "--model"
+    return getattr(runtime, "model_name", None), "--model"  # a stand-in runtime
+
+
 def check_form(store: ResultsStore, runtime) -> None:
     """Refuse to add to or summarise ``store`` when any of its records (any run's, any question's) was made by another
     model, on another engine, with the weights in another dtype or held otherwise than ``runtime`` would make them:
@@ -648,10 +662,10 @@ def check_form(store: ResultsStore, runtime) -> None:
     Raises:
         InputError: naming a run and question of the other form, and the flag that gives it."""
     dtype, legacy, weights, engine = _form_of(runtime)
-    model = getattr(runtime, "model_name", None)
+    model, flag = _model_of(runtime)
     # the model first: eval.json names it, but records copied or left without it (eval.json lost) were adopted by
     # another model's evaluation, whose table then showed them under its name
-    checks = [("model", model, model, "by the model {}", ", or pass --model {}")] if model else []
+    checks = [("model", model, model, "by the model {}", f", or pass {flag} {{}}")] if model else []
     checks.append(("engine", engine, "local", "on the engine {}", ""))
     if dtype is not None:
         checks.append(("dtype", dtype, legacy, "with the weights in {}", ", or pass --dtype {}"))

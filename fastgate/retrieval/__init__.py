@@ -80,13 +80,15 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     for kind in kinds:  # all refused before any is built: `--retriever all` built bm25, then refused dense/
         check_replaceable(root / kind)
     fingerprint = corpus_fingerprint(passages)
-    # the default corpus owns its directory (a new version of its package rebuilds it); another corpus's index is
-    # replaced only when asked: a user's corpus file named like the default one (or two user corpora of one name)
-    # silently became every later search's index
-    owner = str(corpus) in (DEFAULT_CORPUS, "default") and root == index_dir(DEFAULT_CORPUS)
-    if not force and not owner:
+    # another corpus's index is replaced only when asked: a user's corpus file named like the default one silently
+    # became every later search's index, and `--out DIR` holding another corpus's index was rebuilt without a word.
+    # The default corpus's directory is its own (a new version of its package rebuilds it); elsewhere a corpus of the
+    # same name is taken for the same corpus, edited (its index is rebuilt, as before)
+    default = str(corpus) in (DEFAULT_CORPUS, "default")
+    if not force and not (default and root == index_dir(DEFAULT_CORPUS)):
         for kind in kinds:
-            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint)
+            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint,
+                                  None if root == index_dir(DEFAULT_CORPUS) else name)
             if other is not None:
                 raise InputError(f"{root / kind} holds the {kind} index of another corpus ({other}); build this "
                                  "one under another directory (--out), or pass --force to replace it")
@@ -107,14 +109,17 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     return built
 
 
-def _other_corpus(manifest: Path, fingerprint: str) -> str | None:
-    """What the index of ``manifest`` was built from ("name, N passages") where that is a corpus other than the one
-    of ``fingerprint``; None where it is this corpus's, or there is no readable manifest (nothing to keep)."""
+def _other_corpus(manifest: Path, fingerprint: str, name: str | None) -> str | None:
+    """What the index of ``manifest`` was built from ("name, N passages") where that is another corpus than the one
+    of ``fingerprint`` and named ``name`` (None: any other content is another corpus); None where it is this corpus
+    (or an edit of it), or there is no readable manifest (nothing to keep)."""
     try:
         current = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(current, dict) or current.get("corpus_fingerprint") in (None, fingerprint):
+        return None
+    if name is not None and current.get("corpus") == name:
         return None
     return f"{current.get('corpus', '?')}, {current.get('n_passages', '?')} passages"
 

@@ -20,6 +20,7 @@ at the next tick and consumes no more work. Example::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -536,6 +537,8 @@ class AnswerService:
     def cancel(self, future: Future) -> None:
         """Give up on a submitted request (timed out, or its client went away): dropped if still queued (its place
         is free at once), else its program stops at the next tick. Thread-safe."""
+        if future.cancelled():  # given up already (a second cancel would be True again, and counted twice)
+            return
         if future.cancel():  # still queued: dropped, counted as a cancellation here (the worker never sees it run)
             self.metrics.finished(0.0, retrieved=False, failed=True, cancelled=True)
             self._unqueue(future)
@@ -574,6 +577,8 @@ class AnswerService:
                     _log.error("fastgate: a scheduler tick failed (%s: %s): its %d running requests fail, a new "
                                "scheduler takes the next ones", type(exc).__name__, exc, len(self._running),
                                exc_info=exc)
+                    with contextlib.suppress(AttributeError):  # the HTTP layer's 500s do not log it again, each
+                        exc.fastgate_logged = True  # type: ignore[attr-defined]
                     if out_of_memory(exc):  # the clients get 503 and a reason, not a 500 "internal error"
                         exc = OutOfMemory(f"the server ran out of memory answering {len(self._running)} request(s) "
                                           f"at once ({type(exc).__name__}); retry, or ask the operator for a lower "

@@ -28,6 +28,7 @@ Imports :mod:`fastgate.entrypoints.http.common` and :mod:`fastgate.entrypoints.h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,10 @@ class ErrorMap:
             return ApiError(504, f"not answered within {self.service_timeout_s:g} s", code="timeout")
         if isinstance(exc, FastgateError) and not queued:  # e.g. the service is stopping
             return ApiError(503, str(exc), code="unavailable", headers={"Retry-After": "5"})
-        _log.error("internal error answering a request", exc_info=exc)  # the operator's traceback; the client's 500
+        if not getattr(exc, "fastgate_logged", False):  # the operator's traceback, once (a failed tick's error
+            _log.error("internal error answering a request", exc_info=exc)  # is every request's of that tick, and
+            with contextlib.suppress(AttributeError):  # the service logged it already)
+                exc.fastgate_logged = True  # type: ignore[attr-defined]
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
     def native(self, exc: BaseException, *, queued: bool = True) -> JSONResponse:
@@ -164,10 +168,14 @@ class ErrorMap:
 
         @app.exception_handler(Exception)
         async def _internal(request: Request, exc: Exception) -> JSONResponse:
-            # an error a route did not map (a response that cannot be built): a 500 in the path's own format,
-            # counted, where Starlette would answer plain text; the error is still logged with its traceback
-            err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
-            return self.openai(err) if request.url.path in OPENAI_PATHS else self.native(err)
+            # an error no route mapped (the routes catch their own: this is a response FastAPI could not render): a
+            # 500 in the path's own format where Starlette would answer plain text. Not counted: Starlette's
+            # ServerErrorMiddleware calls this after a response started too (a client gone mid-stream; the route
+            # counted that request), sending nothing then; it logs the traceback itself
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            if request.url.path in OPENAI_PATHS:
+                return JSONResponse(openai_error(500, message, None, "internal_error"), status_code=500)
+            return JSONResponse({"error": message}, status_code=500)
 
         @app.exception_handler(StarletteHTTPException)
         async def _unparsed(request: Request, exc: StarletteHTTPException):
