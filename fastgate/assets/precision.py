@@ -44,7 +44,7 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "float16": "float16", "fp16":
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Seconds of one linear product at the model's shapes in each dtype (the least of interleaved rounds: :func:`probe_bf16`)."""
+    """Seconds of one linear product at the model's shapes in each dtype (the least of interleaved rounds)."""
 
     float32_s: float  # x [rows, d_in] float32 @ W [d_in, d_out] float32
     bfloat16_s: float  # the same product in bf16
