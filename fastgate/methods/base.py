@@ -229,7 +229,7 @@ def check_questions(engine: LLMEngine, config: MethodConfig, questions: list[str
             raise InputError("the question is empty")
         check_text(q, "question")
         if len(q) > 8 * limit or engine.count_tokens(q) > limit:
-            where = " (a remote engine's as --api-context says)" if getattr(engine, "remote", False) else ""
+            where = " (a remote engine's as --api-context says)" if engine.remote else ""
             raise InputError(
                 f"the question is too long ({len(q)} characters); this model's context is "
                 f"{engine.lm.max_context} tokens{where} and leaves room for about {limit} question tokens"
