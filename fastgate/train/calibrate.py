@@ -321,12 +321,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
     # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
     add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
-    p.add_argument("--index", default=None,
-                   help="index root holding bm25/ and dense/ (default: the default corpus's)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="questions in flight during the pass (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    from fastgate.train.read import add_pass_args
+
+    add_pass_args(p)
     from fastgate.serving.engine_args import add_engine_args
 
     add_engine_args(p)  # a model behind an OpenAI-compatible server gets its own thresholds

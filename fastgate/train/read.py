@@ -30,6 +30,7 @@ import numpy as np
 from fastgate.assets.pins import DEFAULT_MODEL
 
 __all__ = [
+    "add_pass_args",
     "add_read_parser",
     "choose_price",
     "price_meets",
@@ -301,6 +302,17 @@ def _print_table(table: list[dict[str, Any]], indent: str = "        ") -> None:
         print(f"{indent}{row['data']:<24} n {row['n']:>4}  read {row['reads']:6.1%}  ACC {row['acc']:.3f}  "
               f"never {row['never']:.3f}  always {row['always']:.3f}  ({-100 * row['loss']:+.1f} points to the "
               "better)")
+
+
+def add_pass_args(p, passes: str = "pass") -> None:
+    """The flags of an answering pass that ``train read`` and ``calibrate`` share: its index, questions in flight,
+    their order and progress bars (checked by :func:`check_pass_flags`)."""
+    p.add_argument("--index", default=None,
+                   help="index root holding bm25/ and dense/ (default: the default corpus's)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help=f"questions in flight during the {passes} (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def check_pass_flags(batch_size: int, index: str | None) -> None:
@@ -617,10 +629,5 @@ def add_read_parser(kinds) -> None:
     p.add_argument("--out", default=None,
                    help="checkpoint directory (default: $FASTGATE_HOME/checkpoints/<model>-read-<base>)")
     p.add_argument("--cache", default=None, help="records of the training pass (default: under $FASTGATE_HOME)")
-    p.add_argument("--index", default=None,
-                   help="index root holding bm25/ and dense/ (default: the default corpus's)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="questions in flight during the passes (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="question order (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_pass_args(p, "passes")
     p.set_defaults(func=_cmd_read)
