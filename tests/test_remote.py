@@ -427,10 +427,11 @@ def test_an_eval_goes_on_past_a_question_the_server_fails_and_a_rerun_retries_it
     from fastgate.eval.runner import ResultsStore, RunSpec, evaluate
     from fastgate.serving.runtime import Runtime
 
-    fail = {"on": True}
+    fail, seen = {"on": True, "down": False}, []
 
     async def handler(body):
-        if fail["on"] and "Kyrgyzstan" in body["prompt"]:
+        seen.append(body)
+        if fail["down"] or fail["on"] and "Kyrgyzstan" in body["prompt"]:
             return 500, {"error": {"message": "boom"}}, None
         return 200, _answer(), None
 
@@ -440,12 +441,20 @@ def test_an_eval_goes_on_past_a_question_the_server_fails_and_a_rerun_retries_it
         config = RemoteConfig(f"http://127.0.0.1:{port}/v1", "stub", max_retries=0)
         runtime = Runtime("stub", index=str(small_index), remote=config)
         store = ResultsStore(tmp_path / "results.jsonl")
-        with pytest.raises(RemoteError, match="1 of 3 questions of never got no answer .* q1: .*rerun"):
-            evaluate(runtime, [RunSpec("never", None)], examples, store, batch_size=2, progress=False)
-        assert sorted(qid for _, qid in store.records) == ["q0", "q2"]  # the others recorded, the failed one not
+        runs = [RunSpec("never", None), RunSpec("always", "bm25")]
+        with pytest.raises(RemoteError, match=r"2 runs \(never, always\) have questions .* q1: .*rerun"):
+            evaluate(runtime, runs, examples, store, batch_size=2, progress=False)
+        # the others recorded, the failed one not; the later run went on (it never started before; its prompts hold
+        # passages, which may name Kyrgyzstan too)
+        assert sorted(qid for key, qid in store.records if key == "never") == ["q0", "q2"]
+        assert ("always", "q2") in store.records and ("always", "q1") not in store.records
         fail["on"] = False
-        evaluate(runtime, [RunSpec("never", None)], examples, ResultsStore(store.path), batch_size=2, progress=False)
-    assert sorted(qid for _, qid in ResultsStore(store.path).records) == ["q0", "q1", "q2"]
+        evaluate(runtime, runs, examples, ResultsStore(store.path), batch_size=2, progress=False)
+        assert len(ResultsStore(store.path).records) == 6
+        fail["down"], seen[:] = True, []  # the server fails everything: a run none of whose questions got an
+        with pytest.raises(RemoteError, match="3 of 3 questions of never"):  # answer ends the evaluation there
+            evaluate(runtime, runs, examples, ResultsStore(tmp_path / "down.jsonl"), batch_size=2, progress=False)
+        assert seen and not any("passages" in body["prompt"].lower() for body in seen)  # always not tried
 
 
 def test_a_server_on_a_remote_engine_lists_the_methods_it_runs_and_names_its_engine(fastgate_server, small_index):

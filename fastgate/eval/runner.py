@@ -688,7 +688,9 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
 
     Every run is checked against the records of ``store`` (its parameters, engine, dtype, weights, questions and gold
     answers, corpus; a run with questions left, its schedule and batch size too) before any question is answered, a
-    finished run's too.
+    finished run's too. Where a remote engine's server fails some of a run's questions, the later runs go on (unless
+    none of that run's got an answer: the server is down) and one :class:`~fastgate.errors.RemoteError` naming the
+    runs is raised at the end (their other records are stored; a rerun asks for the missing ones).
 
     Args:
         runtime: a :class:`~fastgate.serving.runtime.Runtime` (model loaded once for all runs).
@@ -744,6 +746,7 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
         _check_corpus(store, run, _corpus(runtime, run))  # the index's manifest: a finished run's records too
         prepared.append((run, config, params))
     summaries = []
+    unanswered: list[tuple[RunSpec, RemoteError]] = []  # runs whose server failed some questions
     for run, config, params in prepared:
         todo = [ex for ex in examples if not store.done(run.key, ex.id)]
         if todo:
@@ -777,10 +780,21 @@ def evaluate(runtime, runs: Sequence[RunSpec], examples: Sequence[QAExample], st
                 else:
                     for start in range(0, len(todo), batch_size):
                         emit(_answer_batch(method, run, todo[start:start + batch_size], runtime.model_name))
+            except RemoteError as exc:  # the server failed some of this run's questions (the others are recorded)
+                unanswered.append((run, exc))
+                if stored == len(examples) - len(todo):  # none answered: the server is down, the next runs too
+                    break
+                continue  # the next runs go on (they stopped here): the error is raised once they are done
             finally:
                 if bar is not None:
                     bar.close()
         summaries.append(summarize(run, [store.records[(run.key, ex.id)] for ex in examples]))
+    if unanswered:  # not recorded: a rerun of the same command asks the server again for these only
+        if len(unanswered) == 1:
+            raise unanswered[0][1]
+        runs_named = ", ".join(run.key for run, _ in unanswered)
+        raise RemoteError(f"{len(unanswered)} runs ({runs_named}) have questions the server did not answer (the "
+                          f"first: {unanswered[0][1]})")
     return summaries
 
 
