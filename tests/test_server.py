@@ -95,6 +95,9 @@ def test_submit_rejects_bad_input_without_queueing(service):
         with pytest.raises(InputError, match=message):
             service.submit(**kwargs)
     assert service.queue_depth == depth
+    with pytest.raises(InputError, match=r"unknown parameter\(s\) for probing: bogus; valid per request") as err:
+        service.submit("ok?", "probing", {"bogus": 1})
+    assert "checkpoint" not in str(err.value) and "max_iterations" in str(err.value)  # the operator's are not listed
 
 
 @pytest.fixture(scope="module")
