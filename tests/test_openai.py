@@ -179,6 +179,15 @@ def test_invalid_requests_get_openai_style_errors(client):
         assert message in err.value.message, (kwargs, err.value.message)
     with pytest.raises(openai.BadRequestError, match="one prompt"):
         client.completions.create(model="fastgate-never", prompt=["a?", "b?"])
+    # the service's refusals name the field (param was null): the question's, a method parameter, max_tokens
+    for create, kwargs, param in [
+            (client.chat.completions.create, {"messages": [{"role": "user", "content": "  "}]}, "messages"),
+            (client.completions.create, {"prompt": "x" * 5000}, "prompt"),
+            (client.chat.completions.create, {"messages": user, "extra_body": {"bogus": 1}}, "bogus"),
+            (client.chat.completions.create, {"messages": user, "extra_body": {"k": 2.5}}, "k")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model="fastgate-never", **kwargs)
+        assert err.value.param == param, (kwargs, err.value.message)
     for path in ("chat/completions", "completions"):  # a body that is not UTF-8: OpenAI's error format, not FastAPI's
         r = httpx.post(f"{client.base_url}{path}", content=b'{"model": "fastgate-never", "prompt": "\xc9\xff"}',
                        headers={"content-type": "application/json"}, timeout=30)

@@ -50,6 +50,7 @@ and :mod:`fastgate.entrypoints.http.logprobs`.
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -218,13 +219,18 @@ class OpenAIServing:
         return method, {**params, **extra}
 
     def submit(self, question: str, method: str, params: dict[str, Any], max_tokens: int | None,
-               listener: Callable[[dict], None] | None = None, answer_tokens: bool = False) -> Future:
-        """Queue the question; :class:`ApiError` when the service refuses it."""
+               listener: Callable[[dict], None] | None = None, answer_tokens: bool = False,
+               field: str = "messages") -> Future:
+        """Queue the question (the request's ``field``: ``messages`` or ``prompt``); :class:`ApiError` when the
+        service refuses it, naming the offending field where the error says which."""
         try:
             return self.service.submit(question, method, params, max_tokens, listener=listener,
                                        answer_tokens=answer_tokens)
         except FastgateError as exc:
-            raise self.errors.error(exc, openai=True, queued=False) from None
+            err = self.errors.error(exc, openai=True, queued=False)
+            if err.param is None:
+                err.param = _param_of(str(exc), field)
+            raise err from None
 
     def extension(self, record: dict[str, Any], ignored: list[str]) -> dict[str, Any]:
         """The response's ``fastgate`` object: the record, the replica and the ignored fields."""
@@ -245,7 +251,8 @@ class OpenAIServing:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self.stream(chat, rid, created, body.model, question, method, params, max_tokens, ignored,
                                include_usage, request, t0)
-        future = self.submit(question, method, params, max_tokens, answer_tokens=top is not None)
+        future = self.submit(question, method, params, max_tokens, answer_tokens=top is not None,
+                             field="messages" if chat else "prompt")
         try:
             record = await wait_answer(self.service, future, self.timeout_s, request)
         except Exception as exc:  # noqa: BLE001 - reported, the server keeps serving
@@ -272,7 +279,8 @@ class OpenAIServing:
                request: Request, t0: float) -> StreamingResponse:
         """The answer as server-sent events (see the module docstring); refused before any byte is streamed."""
         events = Events()
-        future = self.submit(question, method, params, max_tokens, events.listener)
+        future = self.submit(question, method, params, max_tokens, events.listener,
+                             field="messages" if chat else "prompt")
         events.follow(future)
         service, timeout_s = self.service, self.timeout_s
 
@@ -335,6 +343,17 @@ class OpenAIServing:
 
         return StreamingResponse(events_then_answer(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _param_of(message: str, field: str) -> str | None:
+    """The request field a service error names (OpenAI's ``param``): the question's (``field``), ``max_tokens`` or a
+    method parameter; None where it names none."""
+    if message.startswith(("the question", "a question", "question ")):
+        return field
+    if message.startswith("max_tokens"):
+        return "max_tokens"
+    named = re.match(r"(?:unknown parameter\(s\) for \S+: |parameter '?)([A-Za-z_]\w*)", message)
+    return named.group(1) if named else None
 
 
 def usage(record: dict[str, Any]) -> dict[str, int]:
