@@ -151,6 +151,14 @@ def test_one_invocation_times_always_twice_and_matches_a_coin_on_time(eval_cli, 
     assert eval_cli(out, "--method", "never,always,dtr") == 0
     assert "answering always again" not in capsys.readouterr().err
     assert len((out / "always-again.jsonl").read_text().splitlines()) == 3
+    # re-rendered by an invocation of one run (`--method never`): the second pass on disk is still read (it was
+    # dropped, and the time-matched coin moved with it)
+    assert eval_cli(out, "--method", "never") == 0
+    capsys.readouterr()
+    again_doc = json.loads((out / "summary.json").read_text())
+    assert again_doc["always_again"]["s_per_q"] == pytest.approx(doc["always_again"]["s_per_q"])
+    assert again_doc["time_matched"][0]["always_passes"] == pytest.approx(tm["always_passes"])
+    assert "| always (again, at the end) |" in (out / "summary.md").read_text()
 
 
 def _full(run, qid, acc, retrieved, *, method=None, retriever="bm25", params=None, latency=1.0, score=None):
