@@ -200,6 +200,12 @@ def test_subsets_balanced_prefix_and_seed(jar, small_index, monkeypatch, tmp_pat
     everything = load_benchmark("nq", **kw)
     assert sorted(e.id for e in everything) == [f"nq-test-{i}" for i in range(1, 7)]
     assert load_benchmark("nq", n=2, **kw) == everything[:2]
+    # subset all, the split cached: labelled from the cache (a report's AUROC answerable was blank), nothing searched
+    assert {e.id: e.meta["answerable"] for e in everything} == {e.id: e.meta["answerable"] for e in mix}
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "cold"))
+    assert all("answerable" not in e.meta for e in load_benchmark("nq", **kw))  # no split cached: none computed
+    assert not (tmp_path / "cold" / "splits").exists()
+    monkeypatch.setenv("FASTGATE_HOME", str(tmp_path / "home"))
     # the split is cached on disk, keyed by corpus and benchmark
     cached = list((tmp_path / "home" / "splits").rglob("*.json"))
     assert [p.name for p in cached] == ["nq-test-bm25top20-v2.json"] and "small-" in cached[0].parent.name

@@ -505,6 +505,31 @@ def _split_cache(retriever, spec: BenchmarkSpec) -> Path | None:
         f"-v{_SPLIT_VERSION}.json"
 
 
+def _labelled_where_cached(examples: list[QAExample], spec: BenchmarkSpec, index, retriever) -> list[QAExample]:
+    """``examples`` of subset ``all`` with their ``answerable`` label where the split's cache holds them all (a
+    report's "AUROC answerable" was blank for natural-distribution runs though the split was cached); as they are
+    where it does not, or the index is not built: nothing is computed or built for them."""
+    from fastgate.errors import FastgateError
+
+    try:
+        if retriever is None:
+            from fastgate.retrieval import open_retriever
+
+            retriever = open_retriever("bm25", index, build_default=False)
+        path = _split_cache(retriever, spec)
+        stored = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (FastgateError, OSError, ValueError):
+        return examples
+    held = stored.get("ranks") if isinstance(stored, dict) and stored.get("version") == _SPLIT_VERSION \
+        and stored.get("depth") == ANSWERABILITY_DEPTH else None
+    if not isinstance(held, dict) or not all(e.id in held for e in examples):  # else it would search them all
+        return examples
+    ranks = corpus_answerability(examples, retriever, cache=path, progress=False)  # read from the cache
+    return [QAExample(e.id, e.question, e.answers, e.evidence_title, e.source,
+                      {**e.meta, "answerable": ranks[e.id].answerable, "rank": ranks[e.id].found,
+                       "shown_rank": ranks[e.id].shown}) for e in examples]
+
+
 def _interleave(a: list[QAExample], b: list[QAExample]) -> list[QAExample]:
     out = []
     for x, y in zip(a, b):
@@ -521,7 +546,8 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
     the top ANSWERABILITY_DEPTH (questions between are in neither); ``balanced``: answerable and unanswerable
     questions alternate (each class shuffled with ``seed``), so every prefix holds equal numbers (±1) and is the same
     questions for any ``n``. Each example's ``meta`` has ``answerable``, ``rank`` (the first passage holding a gold
-    answer) and ``shown_rank`` when a subset other than ``all`` is asked for. The counts go to stderr; ``progress``:
+    answer) and ``shown_rank`` when a subset other than ``all`` is asked for, and for ``all`` where the split is
+    cached already (nothing is searched for it). The counts go to stderr; ``progress``:
     the corpus split's progress bar.
     """
     import random
@@ -533,7 +559,7 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
     order = list(examples)
     random.Random(seed).shuffle(order)
     if spec.subset == "all":
-        return order if n is None else order[:n]
+        return _labelled_where_cached(order if n is None else order[:n], spec, index, retriever)
     if retriever is None:
         from fastgate.retrieval import open_retriever
 
