@@ -161,6 +161,23 @@ def test_one_invocation_times_always_twice_and_matches_a_coin_on_time(eval_cli, 
     assert "| always (again, at the end) |" in (out / "summary.md").read_text()
 
 
+def test_a_baseline_whose_timing_holds_outliers_is_flagged():
+    """gain-nq-balanced400's `never` spent 87% of its wall time in three batches of 27-39 s (against ~1.5 s), and its
+    report led with a coin priced on it without a word. A baseline does the same work for every question: time in
+    questions over 10x its median is the machine's, flagged in the cost section."""
+    from fastgate.eval.report import cost_section
+    from fastgate.eval.runner import RunSpec, summarize
+
+    steady = [_full("never", f"q{i}", 0, False, latency=1.0) for i in range(20)]
+    busy = [_full("never", f"q{i}", 0, False, latency=30.0 if i < 3 else 1.0) for i in range(20)]
+    dtr = [_full("dtr", f"q{i}", 0, i < 3, latency=30.0 if i < 3 else 1.0) for i in range(20)]  # gated: its work
+    quiet, noisy, gated = (summarize(RunSpec(r[0]["method"], None), r) for r in (steady, busy, dtr))
+    assert quiet.slow_share == 0.0 and noisy.slow_share == pytest.approx(90 / 107) and gated.slow_share > 0.2
+    assert "timing is suspect" not in cost_section([quiet, gated], None)  # a gated run's reads are its work
+    text = cost_section([noisy], None)
+    assert "**never's timing is suspect**: 84% of its wall time" in text and "over 10 times its median" in text
+
+
 def _full(run, qid, acc, retrieved, *, method=None, retriever="bm25", params=None, latency=1.0, score=None):
     rec = {"run": run, "id": qid, "method": method or run.split("[")[0], "answer": "x", "acc": float(acc),
            "em": float(acc), "f1": float(acc), "retrieved": retrieved, "retrieval_calls": int(retrieved),

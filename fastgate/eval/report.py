@@ -40,6 +40,7 @@ import numpy as np
 from fastgate.errors import InputError
 from fastgate.eval.gate_quality import BASELINES, GateQuality, coin_section, gate_quality_for_runs, plot_gate_quality
 from fastgate.eval.runner import (
+    SLOW_FACTOR,
     ResultsStore,
     RunSpec,
     RunSummary,
@@ -69,6 +70,7 @@ __all__ = [
     "write_report",
 ]
 
+SLOW_SHARE_FLAGGED = 0.2  # a baseline spending more of its time than this in outlier questions is flagged
 AGAIN_FILE = "always-again.jsonl"  # always's second pass at the end of an invocation: timing only
 DENSE_ALWAYS = "always[retriever=dense]"  # the baseline of a run that reads dense passages, when DIR has it
 
@@ -283,6 +285,11 @@ def cost_section(table: Sequence[RunSummary], again: RunSummary | None) -> str:
         if again.invocations > 1:
             text += (f" Its second pass was answered over {again.invocations} invocations (cut short, then finished "
                      "by a later one): its timing is not from one sitting.")
+    for name, s in rows:  # a baseline does the same work for every question: outliers are the machine's
+        if s.method in BASELINES and s.slow_share > SLOW_SHARE_FLAGGED:
+            text += (f" **{name}'s timing is suspect**: {s.slow_share:.0%} of its wall time went to questions that "
+                     f"took over {SLOW_FACTOR:g} times its median question (the machine busy with other work?); the "
+                     "coins priced with it move with it.")
     return text + "\n\n" + "\n".join(lines) + "\n"
 
 

@@ -117,6 +117,9 @@ class RunSummary:
     s_per_q: float = float("nan")  # wall seconds per question (1 / questions_per_s): what the time-matched coin pays
     prompt_tokens_per_q: float = 0.0  # prompt tokens of every LM call, per question
     invocations: int = 0  # how many `fastgate eval` invocations answered these records (1: timed in one sitting)
+    # the share of the run's wall time in questions that took over SLOW_FACTOR times the run's median question: a
+    # machine busy with something else part of the time (a baseline does the same work for every question)
+    slow_share: float = 0.0
 
 
 class ResultsStore:
@@ -842,6 +845,9 @@ def _percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+SLOW_FACTOR = 10.0  # a question's time this many times its run's median: not the work, the machine (RunSummary)
+
+
 def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
     """Aggregate the records of one run (each batch's time is counted once: records carry their batch size)."""
     n = len(records)
@@ -859,7 +865,10 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
 
     ok = [r for r in records if "error" not in r]
     # a record's share of the run's wall time: its own (windowed runs), else its batch's time over the batch
-    wall = sum(r["wall_s"] if "wall_s" in r else r["latency_s"] / r["batch_size"] for r in ok)
+    walls = [r["wall_s"] if "wall_s" in r else r["latency_s"] / r["batch_size"] for r in ok]
+    wall = sum(walls)
+    typical = _percentile(walls, 0.5)
+    slow = sum(w for w in walls if w > SLOW_FACTOR * typical) if typical > 0 else 0.0
     answer_s = sum(r["timings"].get("total_s", 0.0) / r["batch_size"] for r in ok)
     gate_s = sum(r["timings"].get("gate_s", 0.0) / r["batch_size"] for r in ok)
     latencies = [r["latency_s"] for r in ok]
@@ -876,6 +885,7 @@ def summarize(run: RunSpec, records: Sequence[dict[str, Any]]) -> RunSummary:
         # records from before they named their invocation count as one more (unknown) sitting beside named ones
         invocations=len({r.get("invocation") or "" for r in records}) if any(r.get("invocation") for r in records)
         else 0,
+        slow_share=slow / wall if wall > 0 else 0.0,
     )
 
 
