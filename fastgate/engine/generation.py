@@ -14,9 +14,26 @@ from typing import Literal
 
 import torch
 
-__all__ = ["FinishReason", "Generation", "GenerationBatch", "RowState"]
+from fastgate.errors import InputError
+
+__all__ = ["FinishReason", "Generation", "GenerationBatch", "RowState", "check_prompts"]
 
 FinishReason = Literal["eos", "stop", "length"]
+
+
+def check_prompts(prompts) -> None:
+    """What every engine's ``generate`` takes as its prompts: a non-empty list of strings (the local and the remote
+    engine refuse the same inputs the same way).
+
+    Raises:
+        InputError: a string (a sequence: it ran as one prompt per character), nothing, or a prompt not a string."""
+    if isinstance(prompts, str):
+        raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
+    if not prompts:
+        raise InputError("generate: no prompts")
+    odd = [p for p in prompts if not isinstance(p, str)]
+    if odd:
+        raise InputError(f"generate: prompts must be strings, got {type(odd[0]).__name__} {odd[0]!r:.60}")
 
 
 class RowState(IntEnum):

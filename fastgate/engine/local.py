@@ -20,7 +20,7 @@ import torch
 from fastgate.assets.models import LoadedModel
 from fastgate.config import GenerationConfig, TapSpec, as_integer, check_tap_layers
 from fastgate.engine.decode import DecodeLoop
-from fastgate.engine.generation import FinishReason, Generation, GenerationBatch
+from fastgate.engine.generation import FinishReason, Generation, GenerationBatch, check_prompts
 from fastgate.engine.lm_head import DEFAULT_COLUMNS
 from fastgate.engine.model_runner import ModelRunner
 from fastgate.engine.static_step import StepConfig
@@ -160,13 +160,7 @@ class Engine:
             prompt i-1).
         """
 
-        if isinstance(prompts, str):  # a string is a sequence: it ran as one prompt per character
-            raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
-        if not prompts:
-            raise InputError("generate: no prompts")
-        odd = [p for p in prompts if not isinstance(p, str)]
-        if odd:
-            raise InputError(f"generate: prompts must be strings, got {type(odd[0]).__name__} {odd[0]!r:.60}")
+        check_prompts(prompts)
         b = len(prompts)
         one_k = not isinstance(k, (list, tuple))  # an int (numpy's too), or one per prompt
         per_row = not (config is None or isinstance(config, GenerationConfig)) or not (

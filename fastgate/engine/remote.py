@@ -50,7 +50,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from fastgate.config import GenerationConfig, TapSpec
-from fastgate.engine.generation import Generation, GenerationBatch
+from fastgate.engine.generation import Generation, GenerationBatch, check_prompts
 from fastgate.errors import InputError, RemoteError, require
 from fastgate.settings import setting
 
@@ -418,13 +418,7 @@ class RemoteEngine:
                  seeds: Sequence[int | None] | None = None) -> GenerationBatch:
         """As :meth:`Engine.generate <fastgate.engine.local.Engine.generate>` (no taps): the first failed request's
         error is raised."""
-        if isinstance(prompts, str):  # a string is a sequence: it ran as one request per character
-            raise InputError("generate takes a list of prompts, not a string: generate([prompt])")
-        if not prompts:
-            raise InputError("generate: no prompts")
-        odd = [p for p in prompts if not isinstance(p, str)]
-        if odd:
-            raise InputError(f"generate: prompts must be strings, got {type(odd[0]).__name__} {odd[0]!r:.60}")
+        check_prompts(prompts)  # a string ran as one request per character
         n = len(prompts)
         if not (config is None or isinstance(config, (GenerationConfig, list, tuple))):
             raise InputError(f"generate: config must be a GenerationConfig or one per prompt, got "

@@ -125,11 +125,9 @@ def _flag_param(params: dict[str, Any], name: str, flag: str, value: Any) -> Non
 
 
 def _check_index(index: str | None) -> None:
-    """Refuse an ``--index`` that does not exist before anything loads, whatever the method: one that searches
-    nothing answered as if it were right (the retrievers say what is missing inside one that exists)."""
-    if index is not None and not Path(index).expanduser().exists():
-        raise InputError(f"--index {index} does not exist (build one with `fastgate index --out {index}`, or leave "
-                         "--index out for the default corpus's)")
+    from fastgate.retrieval import check_index_root
+
+    check_index_root(index)
 
 
 def _print_human(r: dict[str, Any]) -> None:

@@ -524,7 +524,14 @@ def _labelled_where_cached(examples: list[QAExample], spec: BenchmarkSpec, index
         and stored.get("depth") == ANSWERABILITY_DEPTH else None
     if not isinstance(held, dict) or not all(e.id in held for e in examples):  # else it would search them all
         return examples
-    ranks = corpus_answerability(examples, retriever, cache=path, progress=False)  # read from the cache
+    try:
+        return _labelled(examples, {e.id: Ranks(*held[e.id]) for e in examples})
+    except TypeError:  # a corrupt entry: unlabelled (a split of its own subset recomputes it)
+        return examples
+
+
+def _labelled(examples: list[QAExample], ranks: dict[str, Ranks]) -> list[QAExample]:
+    """``examples`` with ``answerable``, ``rank`` and ``shown_rank`` in their ``meta`` from ``ranks``."""
     return [QAExample(e.id, e.question, e.answers, e.evidence_title, e.source,
                       {**e.meta, "answerable": ranks[e.id].answerable, "rank": ranks[e.id].found,
                        "shown_rank": ranks[e.id].shown}) for e in examples]
@@ -565,9 +572,7 @@ def load_benchmark(data: str | BenchmarkSpec, *, seed: int = 0, n: int | None = 
 
         retriever = open_retriever("bm25", index)
     ranks = corpus_answerability(examples, retriever, cache=_split_cache(retriever, spec), progress=progress)
-    labelled = [QAExample(e.id, e.question, e.answers, e.evidence_title, e.source,
-                          {**e.meta, "answerable": ranks[e.id].answerable, "rank": ranks[e.id].found,
-                           "shown_rank": ranks[e.id].shown}) for e in order]
+    labelled = _labelled(order, ranks)
     yes = [e for e in labelled if ranks[e.id].answerable]
     no = [e for e in labelled if ranks[e.id].unanswerable]
     # the counts are no progress bar: printed without one too (`fastgate eval --quiet`)

@@ -39,6 +39,7 @@ __all__ = [
     "Seakr",
     "SeakrConfig",
     "build_method",
+    "check_parameter_names",
     "make_config",
 ]
 
@@ -47,18 +48,28 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
+def check_parameter_names(method: str, names, hidden=(), valid: str = "valid") -> None:
+    """Refuse parameter ``names`` that ``method`` (a known one) does not have, listing under ``valid`` the ones it
+    has less ``hidden`` (a server's operator-locked parameters are not a request's to set).
+
+    Raises:
+        InputError: naming the unknown ones."""
+    fields = {f.name for f in dataclasses.fields(METHODS[method].config_class)}
+    unknown = sorted(set(names) - fields)
+    if unknown:
+        raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; {valid}: "
+                         f"{', '.join(sorted(fields - set(hidden)))}")
+
+
 def make_config(method: str, params: dict[str, Any] | None = None) -> MethodConfig:
     """Build a method's typed config from ``name=value`` parameters (strings are converted to the field's type)."""
     if method not in METHODS:
         raise UnknownNameError("method", method, list(METHODS))
     cls = METHODS[method].config_class
-    valid = {f.name for f in dataclasses.fields(cls)}
     params = params or {}
     if not isinstance(params, Mapping):  # a list reached .items() as an AttributeError
         raise InputError(f"parameters are name=value pairs (a mapping), got {type(params).__name__}")
-    unknown = sorted(set(params) - valid)
-    if unknown:
-        raise InputError(f"unknown parameter(s) for {method}: {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    check_parameter_names(method, params)
     return cls(**params)  # MethodConfig.__post_init__ types every field (coerce_param): "0.84" (CLI) is 0.84
 
 

@@ -267,8 +267,7 @@ def write_calibration(model_name: str, entry: dict[str, Any], path: Path | None 
         InputError: ``path`` is corrupt, or holds another model's calibration (:func:`check_calibration_file`); it is
             left as it is."""
     path = path or user_calibration_file(model_name)
-    check_calibration_file(model_name, path)
-    entries = [e for e in _read(path)
+    entries = [e for e in check_calibration_file(model_name, path)
                if not (e["method"] == entry["method"] and (e.get("when") or {}) == (entry.get("when") or {}))]
     doc = {"model": model_name, "entries": entries + [entry]}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,19 +277,21 @@ def write_calibration(model_name: str, entry: dict[str, Any], path: Path | None 
     return path
 
 
-def check_calibration_file(model_name: str, path: Path) -> None:
-    """``path`` may receive ``model_name``'s entries: absent, or a calibration file of that model (or naming none).
-    Another model's file was rewritten as ``model_name``'s, its entries with it (``fastgate calibrate --write``).
+def check_calibration_file(model_name: str, path: Path) -> list[dict[str, Any]]:
+    """``path`` may receive ``model_name``'s entries: absent, or a calibration file of that model (or naming none);
+    its entries. Another model's file was rewritten as ``model_name``'s, its entries with it (``fastgate calibrate
+    --write``).
 
     Raises:
         InputError: a directory, a corrupt file, or another model's (both models named)."""
     if path.is_dir():  # not "corrupt: fix or delete it"
         raise InputError(f"{path} is a directory: --write takes a calibration file (a new one, or {model_name}'s)")
-    owner, _ = _load(path)
+    owner, entries = _load(path)
     if owner is not None and owner != model_name:
         raise InputError(f"{path} is {owner}'s calibration file, not {model_name}'s: writing {model_name}'s entry "
                          f"there would relabel {owner}'s thresholds as {model_name}'s; choose another --write (or "
                          f"leave it out: {user_calibration_file(model_name)})")
+    return entries
 
 
 # `fastgate eval --budget cpu` (the default without a GPU): the methods whose cost grows with a sample, candidate or

@@ -11,7 +11,7 @@ from fastgate.assets.paths import index_dir, one_builder
 from fastgate.errors import IndexError_, InputError, UnknownNameError
 from fastgate.retrieval.base import Hit, Retriever, check_replaceable
 
-__all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes",
+__all__ = ["RETRIEVERS", "BM25Retriever", "DenseRetriever", "Hit", "Retriever", "build_indexes", "check_index_root",
            "corpus_fingerprint_of", "open_retriever"]
 
 RETRIEVERS = ("bm25", "dense")
@@ -27,6 +27,17 @@ def __getattr__(name: str):
 
         return DenseRetriever
     raise AttributeError(name)
+
+
+def check_index_root(index: str | Path | None) -> None:
+    """Refuse an ``--index`` that does not exist, before anything loads, whatever the method: one that searches
+    nothing answered as if it were right (the retrievers say what is missing inside one that exists).
+
+    Raises:
+        InputError: naming the flag and how to build one."""
+    if index is not None and not Path(index).expanduser().exists():
+        raise InputError(f"--index {index} does not exist (build one with `fastgate index --out {index}`, or leave "
+                         "--index out for the default corpus's)")
 
 
 def open_retriever(kind: str = "bm25", index_root: str | Path | None = None, *, build_default: bool = True,
@@ -84,11 +95,10 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     # became every later search's index, and `--out DIR` holding another corpus's index was rebuilt without a word.
     # The default corpus's directory is its own (a new version of its package rebuilds it); elsewhere a corpus of the
     # same name is taken for the same corpus, edited (its index is rebuilt, as before)
-    default = str(corpus) in (DEFAULT_CORPUS, "default")
-    if not force and not (default and root == index_dir(DEFAULT_CORPUS)):
+    default_root = root == index_dir(DEFAULT_CORPUS)
+    if not force and not (default_root and str(corpus) in (DEFAULT_CORPUS, "default")):
         for kind in kinds:
-            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint,
-                                  None if root == index_dir(DEFAULT_CORPUS) else name)
+            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint, None if default_root else name)
             if other is not None:
                 raise InputError(f"{root / kind} holds the {kind} index of another corpus ({other}); build this "
                                  "one under another directory (--out), or pass --force to replace it")

@@ -387,14 +387,10 @@ class AnswerService:
         locked = sorted(set(client) & set(self.config.locked_params))
         if locked:
             raise InputError(f"parameter {locked[0]} cannot be set per request; start the server with it")
-        from fastgate.methods import METHODS
+        from fastgate.methods import METHODS, check_parameter_names
 
-        if name in METHODS:  # said here: the library's message lists the operator's parameters as valid
-            fields = {f.name for f in dataclasses.fields(METHODS[name].config_class)}
-            unknown = sorted(set(client) - fields)
-            if unknown:
-                raise InputError(f"unknown parameter(s) for {name}: {', '.join(unknown)}; valid per request: "
-                                 f"{', '.join(sorted(fields - set(self.config.locked_params)))}")
+        if name in METHODS:  # said here, not by the library: its message lists the operator's parameters as valid
+            check_parameter_names(name, client, self.config.locked_params, "valid per request")
         params = {**(dict(self.config.params) if name == self.config.method else {}), **client}
         for key, value in params.items():
             if not isinstance(key, str) or not isinstance(value, (bool, int, float, str)):

@@ -315,12 +315,12 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="show the threshold without writing a calibration entry (the pass's records and plot are "
                         "still kept under --out, so that a later run resumes)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
     from fastgate.serving.runtime import RuntimeConfig
     from fastgate.settings import add_setting_args
 
-    # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
-    add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
+    # where and in which numeric form the pass answers (a --cache of records made in another refuses to resume in
+    # this one): RuntimeConfig's flags, as ask and eval have them
+    add_setting_args(p, RuntimeConfig, ("device", "dtype", "weights"))
     from fastgate.train.read import add_pass_args
 
     add_pass_args(p)

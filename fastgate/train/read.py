@@ -323,12 +323,11 @@ def check_pass_flags(batch_size: int, index: str | None) -> None:
     Raises:
         InputError: the first that is wrong."""
     from fastgate.errors import InputError
+    from fastgate.retrieval import check_index_root
 
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
-    if index is not None and not Path(index).expanduser().exists():  # as the CLI's _check_index says it
-        raise InputError(f"--index {index} does not exist (build one with `fastgate index --out {index}`, or leave "
-                         "--index out for the default corpus's)")
+    check_index_root(index)
 
 
 def check_read_out(out: Path) -> None:
@@ -591,12 +590,12 @@ def add_read_parser(kinds) -> None:
     p = kinds.add_parser("read", help="the read gate (fastgate's extension): collect on dev questions, fit, save")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="embedded model or a local HF directory (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda (default: %(default)s)")
     from fastgate.serving.runtime import RuntimeConfig
     from fastgate.settings import add_setting_args
 
-    # the numeric form the pass answers in (a --cache of records made in another refuses to resume in this one)
-    add_setting_args(p, RuntimeConfig, ("dtype", "weights"))
+    # where and in which numeric form the pass answers (a --cache of records made in another refuses to resume in
+    # this one): RuntimeConfig's flags, as ask and eval have them
+    add_setting_args(p, RuntimeConfig, ("device", "dtype", "weights"))
     p.add_argument("--decide", choices=("answer", "prefill"), default="answer",
                    help="answer: the gate after the closed-book answer; prefill: the gate on the closed-book prompt's "
                         "pre-answer state and the search scores, before generating (read[decide=prefill]; default: "

@@ -64,7 +64,7 @@ from fastgate.entrypoints.http.common import MODEL_PREFIX, NotAnswered, finite, 
 from fastgate.entrypoints.http.errors import OPENAI_RESPONSES, ApiError, ErrorMap
 from fastgate.entrypoints.http.logprobs import chat_logprobs, completion_logprobs
 from fastgate.entrypoints.http.metrics import HttpMetrics
-from fastgate.entrypoints.http.plain import is_plain_model, plain_completion
+from fastgate.entrypoints.http.plain import check_sampling, is_plain_model, plain_completion
 from fastgate.entrypoints.http.protocol import (
     IGNORED_DECLARED,
     IGNORED_EXTRA,
@@ -204,10 +204,7 @@ class OpenAIServing:
                                "unsupported_parameter")
         # accepted and not applied (greedy answers), but refused out of range as the plain completions refuse them:
         # a client's mistake is said, not silently ignored
-        if body.temperature is not None and not 0 <= body.temperature <= 2:
-            raise ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
-        if body.top_p is not None and not 0 < body.top_p <= 1:
-            raise ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
+        check_sampling(body.temperature, body.top_p)
         ignored += [n for n in IGNORED_DECLARED if getattr(body, n) is not None]
         ignored += [n for n in IGNORED_EXTRA if extra.pop(n, None) is not None]
         extra = {k: v for k, v in extra.items() if v is not None}  # null: the default, as for OpenAI's fields

@@ -27,7 +27,7 @@ from fastgate.entrypoints.http.protocol import IGNORED_EXTRA, REFUSED, Completio
 from fastgate.errors import FastgateError
 from fastgate.serving.completion import MAX_TOP_LOGPROBS
 
-__all__ = ["is_plain_model", "plain_completion"]
+__all__ = ["check_sampling", "is_plain_model", "plain_completion"]
 
 _REFUSED_HERE = ("n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias")
 
@@ -36,6 +36,18 @@ def is_plain_model(service: Any, model: str) -> bool:
     """Whether ``model`` names the LM itself: plain completions (not on a remote engine)."""
     return model == service.model_name and not model.startswith(MODEL_PREFIX) and model != "fastgate" and \
         service.runtime.remote is None
+
+
+def check_sampling(temperature: float | None, top_p: float | None) -> None:
+    """OpenAI's ranges of ``temperature`` (0 to 2) and ``top_p`` (above 0, at most 1), NaN refused; None: not given.
+    Plain completions apply them; the gated methods' routes accept and ignore them, refused out of range all the same.
+
+    Raises:
+        ApiError: 400 naming the field."""
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
 
 
 def _config(body: CompletionRequest) -> tuple[GenerationConfig, int | None]:
@@ -74,10 +86,7 @@ def _config(body: CompletionRequest) -> tuple[GenerationConfig, int | None]:
                        "unsupported_parameter")
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     top_p = 1.0 if body.top_p is None else float(body.top_p)
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, "temperature must be between 0 and 2", "temperature", "invalid_value")
-    if not 0 < top_p <= 1:
-        raise ApiError(400, "top_p must be in (0, 1]", "top_p", "invalid_value")
+    check_sampling(temperature, top_p)
     # a sampled completion without a seed draws afresh each time, as OpenAI's and vLLM's do (the engine seeds an
     # unseeded sampled row with 0, the same text for every request); a seed makes it repeatable
     seed = body.seed if body.seed is not None or temperature == 0 else secrets.randbits(63)
