@@ -151,11 +151,31 @@ def test_float32_weights_rest_before_f_linear_too():
 def test_registry_binds_the_extensions_rest_where_it_is_built():
     from fastgate.ops.registry import ext_available, import_ext
 
-    product = build_ops("auto", "cpu").dense_linear(_weight(8, 16))
-    if ext_available() and hasattr(import_ext(), "pool_rest"):
-        assert product.rest is import_ext().pool_rest
+    ops = build_ops("auto", "cpu")
+    rest = import_ext().pool_rest if ext_available() and hasattr(import_ext(), "pool_rest") else None
+    if ops.backends["dense_linear"] == "onednn":
+        assert ops.dense_linear(_weight(8, 16)).rest is rest
+    elif rest is not None:  # no bf16 oneDNN product here (AVX2 only): F.linear, the pool resting before each
+        assert ops.dense_linear.keywords["rest"] is rest
     else:
-        assert product.rest is None
+        assert ops.dense_linear is torch_dense_linear
+
+
+def test_a_cpu_without_onednns_bf16_product_keeps_f_linear(monkeypatch):
+    def no_bf16(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(dense, "_probed", {})
+    monkeypatch.setattr(dense, "_pending", weakref.WeakSet())
+    monkeypatch.setattr(dense, "_reorder", no_bf16)
+    weight = _weight(16, 32)
+    product = ReorderedLinear(weight)
+    for rows in (1, 5, 600):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        assert torch.equal(product(x), F.linear(x, weight))
+    assert product.reordered is None and dense.probe_pending() == 0
+    with pytest.raises(ValueError, match="no reordered weight"):
+        product.release(lambda: weight)
 
 
 def test_pooled_calls_while_resting_give_the_same_bits():

@@ -45,7 +45,8 @@ def test_ops_hold_every_op_and_record_each_choice():
     assert all(callable(getattr(o, name)) for name in OP_NAMES)
     # the extension is built by `make install`: on CPU it runs the eigenscore and the CPU ops
     assert o.backend == "ext" and o.device == torch.device("cpu")
-    # the C++ prefill attention needs AVX512-BF16; the quantized products that (bf16 rows) or AVX2 and FMA (float32)
+    # the C++ prefill attention needs AVX512-BF16 (bf16 keys) or AVX2 and FMA (float32); the quantized products
+    # that (bf16 rows) or AVX2 and FMA (float32)
     ext = registry.import_ext()
     kernel = ext.prefill_attention_bf16_supported()
     quant = kernel or ext.quant_f32_kernels_supported()
@@ -55,7 +56,8 @@ def test_ops_hold_every_op_and_record_each_choice():
         "decode_attention": "ext", "decode_attention_step": "ext", "rms_norm": "ext", "rope": "ext",
         # the bf16 SwiGLU: AVX512-BF16 kernels built, torch's exp, a probe that finds torch's bits
         "swiglu": "ext" if kernel and layers else "torch",
-        "prefill_attention": "ext" if kernel else "blocked", "int4_matmul": "ext" if quant else "torch",
+        "prefill_attention": "ext" if kernel or ext.prefill_attention_f32_supported() else "blocked",
+        "int4_matmul": "ext" if quant else "torch",
         "int8_matmul": "ext" if quant else "torch",
         # the dense products' weights reordered once where oneDNN multiplies bf16 with F.linear's bits
         "dense_linear": "onednn" if onednn_agrees() else "torch",

@@ -153,7 +153,8 @@ class ReorderedLinear:
     def _probe(self, m: int) -> torch.Tensor | None:
         """Under ``_probing``: the reordered weight (made now if not yet) where this shape's row classes up to ``m``'s
         were probed (once a shape, class and process) and every one gave ``F.linear``'s bits; else None, and the shape
-        keeps ``F.linear`` for every count (the plain weight made again and kept where it was released)."""
+        keeps ``F.linear`` for every count (the plain weight made again and kept where it was released); so does a
+        CPU where oneDNN cannot reorder a bf16 weight."""
         if not self._ok:
             return None
         key = (self.out_features, self.in_features, self.bias is not None)
@@ -163,8 +164,12 @@ class ReorderedLinear:
             if done < need or self.reordered is None:
                 weight = self._plain_weight().detach().contiguous()  # [N, K]
             if self.reordered is None:
-                self.reordered = _reorder(weight)
-            if done >= need or _agrees(weight, self.bias, self.reordered, _PROBE_ROWS[done:need]):
+                try:
+                    self.reordered = _reorder(weight)
+                except RuntimeError:  # oneDNN has no bf16 product on this CPU (no AVX512-BW or AVX-NE-CONVERT)
+                    self.reordered = None
+            if self.reordered is not None and (
+                    done >= need or _agrees(weight, self.bias, self.reordered, _PROBE_ROWS[done:need])):
                 _probed[key] = max(need, done)
                 self._rows_ok = _rows_covered(_probed[key])
                 return self.reordered
