@@ -147,12 +147,13 @@ def _fmt(v: Any) -> str:
 def start_server(tree: Path, port: int, args: list[str], what: str = "the fastgate server") -> subprocess.Popen:
     """``fastgate serve --port PORT ... ARGS`` of checkout ``tree`` in a subprocess (loopback, quiet logs, a deep
     queue and long timeouts for load tests; ``tree`` prepended to the caller's ``PYTHONPATH``), once its ``/healthz``
-    answers (at most 5 minutes: the model loads)."""
+    answers (at most 15 minutes: the model loads, and a first start builds the corpus's indexes: the dense one took
+    ~5 minutes on a 2-core AVX2-only EPYC, where a 5-minute limit killed the server mid-build)."""
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)  # the tree first
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "fastgate", "serve", "--port", str(port), "--max-queue", "1024", "--timeout", "600",
            "--log-level", "warning", *args]  # the caller's flags last: they override these
-    return wait_healthy(subprocess.Popen(cmd, env=env, cwd=tree), f"http://127.0.0.1:{port}/healthz", 300, what)
+    return wait_healthy(subprocess.Popen(cmd, env=env, cwd=tree), f"http://127.0.0.1:{port}/healthz", 900, what)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, seconds: float, what: str) -> subprocess.Popen:
