@@ -2543,7 +2543,7 @@ FASTGATE_AVX2_TARGET inline float hsum8_pairs(__m256 v) {
 template <int R, int MB>
 FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* qt, const float* st,
                                                const float* ot, int64_t K, int64_t n, int64_t valid, int64_t N,
-                                               float* y, const float* res) {
+                                               float* y, const float* res, const float* offs = nullptr) {
   const int64_t G = K / 32, r0 = n % kTileRows;
   const int64_t tile = (n / kTileRows) * G * kTileRows;  // the tile's first scale (and offset)
   const uint8_t* qb = qt + tile * 16 + 16 * r0;  // group g of row r: qb + 128 g + 16 r
@@ -2596,14 +2596,38 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
   } else {
     for (int r = 0; r < R && r < valid; ++r)
       for (int m = 0; m < MB; ++m) {
-        __m128 o = _mm_setzero_ps();  // the offsets' chain, one multiply-add a group as the lanes above take it
-        for (int64_t g = 0; g < G; ++g)
-          o = _mm_fmadd_ss(_mm_set_ss(ob[kTileRows * g + r]), _mm_set_ss(S[m * G + g]), o);
-        const float sum = hsum8_pairs(acc[r][m]) + _mm_cvtss_f32(o);
+        float o;  // the offsets' chain, one multiply-add a group as the lanes above take it
+        if (offs) {
+          o = offs[m * kTileRows];  // the same chain, run for the tile's eight rows at once (int4_offsets_f32)
+        } else {
+          __m128 c = _mm_setzero_ps();
+          for (int64_t g = 0; g < G; ++g)
+            c = _mm_fmadd_ss(_mm_set_ss(ob[kTileRows * g + r]), _mm_set_ss(S[m * G + g]), c);
+          o = _mm_cvtss_f32(c);
+        }
+        const float sum = hsum8_pairs(acc[r][m]) + o;
         const int64_t i = m * N + n + r;
         y[i] = res ? res[i] + sum : sum;
       }
   }
+}
+
+// The offsets' sums sum_g o_g S_g of one tile's eight rows (lane r: row r) for MB input rows -> off [MB][kTileRows]:
+// lane by lane the scalar chain of int4_tile_f32 (one multiply-add a group, in g's order), so the same bits. Why:
+// run per row and input row, that chain of dependent scalar multiply-adds (~4 cycles each) held a multi-row product
+// for a latency a group: SmolLM2's batch-16 step spent ~40 of its ~95 ms of layers there (an AVX2-only EPYC).
+template <int MB>
+FASTGATE_AVX2_TARGET inline void int4_offsets_f32(const float* S, const float* ot, int64_t K, int64_t tile_row,
+                                                  float* off) {
+  const int64_t G = K / 32;
+  const float* ob = ot + (tile_row / kTileRows) * G * kTileRows;  // group g's eight offsets: ob + 8 g
+  __m256 o[MB];
+  for (int m = 0; m < MB; ++m) o[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 v = _mm256_loadu_ps(ob + kTileRows * g);
+    for (int m = 0; m < MB; ++m) o[m] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(S + m * G + g), o[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(off + m * kTileRows, o[m]);
 }
 
 template <int MB>
@@ -2620,7 +2644,15 @@ FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const u
     for (int64_t n = n0; n < n1; n += kTileRows)
       int4_tile_f32<kTileRows, 1>(xp, S, qt, st, ot, K, n, std::min(kTileRows, n1 - n), N, y, res);
   } else {
-    for (int64_t n = n0; n < n1; ++n) int4_tile_f32<1, MB>(xp, S, qt, st, ot, K, n, 1, N, y, res);
+    alignas(32) float off[MB * kTileRows];  // the current tile's rows' offset sums, input row by input row
+    int64_t tile = -1;
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n / kTileRows != tile) {
+        tile = n / kTileRows;
+        int4_offsets_f32<MB>(S, ot, K, n, off);
+      }
+      int4_tile_f32<1, MB>(xp, S, qt, st, ot, K, n, 1, N, y, res, off + n % kTileRows);  // this row's lane
+    }
   }
 }
 
