@@ -2540,10 +2540,11 @@ FASTGATE_AVX2_TARGET inline float hsum8_pairs(__m256 v) {
 //     y = sum_g scale_g sum_k c_k x_k + sum_g o_g S_g,
 // the first sum in 8 lanes a row, then its lanes in hsum8x8's order, the second in one chain of multiply-adds over g;
 // a row's arithmetic is the same in either tile shape (a row's output does not depend on the rows batched with it).
+// offs (R = 1 tiles): this row's lane of the tile's offset sums (int4_offsets_f32); the R = 8 tile sums its own.
 template <int R, int MB>
 FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, const uint8_t* qt, const float* st,
                                                const float* ot, int64_t K, int64_t n, int64_t valid, int64_t N,
-                                               float* y, const float* res, const float* offs = nullptr) {
+                                               float* y, const float* res, const float* offs) {
   const int64_t G = K / 32, r0 = n % kTileRows;
   const int64_t tile = (n / kTileRows) * G * kTileRows;  // the tile's first scale (and offset)
   const uint8_t* qb = qt + tile * 16 + 16 * r0;  // group g of row r: qb + 128 g + 16 r
@@ -2596,16 +2597,9 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
   } else {
     for (int r = 0; r < R && r < valid; ++r)
       for (int m = 0; m < MB; ++m) {
-        float o;  // the offsets' chain, one multiply-add a group as the lanes above take it
-        if (offs) {
-          o = offs[m * kTileRows];  // the same chain, run for the tile's eight rows at once (int4_offsets_f32)
-        } else {
-          __m128 c = _mm_setzero_ps();
-          for (int64_t g = 0; g < G; ++g)
-            c = _mm_fmadd_ss(_mm_set_ss(ob[kTileRows * g + r]), _mm_set_ss(S[m * G + g]), c);
-          o = _mm_cvtss_f32(c);
-        }
-        const float sum = hsum8_pairs(acc[r][m]) + o;
+        // plus the row's offsets' sum, its lane of the tile's (offs [MB][kTileRows] from this row's lane on:
+        // int4_offsets_f32, one multiply-add a group as the lanes above take it)
+        const float sum = hsum8_pairs(acc[r][m]) + offs[m * kTileRows + r];
         const int64_t i = m * N + n + r;
         y[i] = res ? res[i] + sum : sum;
       }
@@ -2613,9 +2607,9 @@ FASTGATE_AVX2_TARGET inline void int4_tile_f32(const float* xp, const float* S, 
 }
 
 // The offsets' sums sum_g o_g S_g of one tile's eight rows (lane r: row r) for MB input rows -> off [MB][kTileRows]:
-// lane by lane the scalar chain of int4_tile_f32 (one multiply-add a group, in g's order), so the same bits. Why:
-// run per row and input row, that chain of dependent scalar multiply-adds (~4 cycles each) held a multi-row product
-// for a latency a group: SmolLM2's batch-16 step spent ~40 of its ~95 ms of layers there (an AVX2-only EPYC).
+// lane by lane the chain a row's scalar sum ran before (one multiply-add a group, in g's order), so the same bits.
+// Why: run per row and input row, that chain of dependent scalar multiply-adds (~4 cycles each) held a multi-row
+// product for a latency a group: SmolLM2's batch-16 step spent ~40 of its ~95 ms of layers there (an AVX2-only EPYC).
 template <int MB>
 FASTGATE_AVX2_TARGET inline void int4_offsets_f32(const float* S, const float* ot, int64_t K, int64_t tile_row,
                                                   float* off) {
@@ -2642,7 +2636,7 @@ FASTGATE_AVX2_TARGET void int4_rows_f32(const float* xp, const float* S, const u
   // faster at batch 1). n0 is a tile's first row.
   if constexpr (MB == 1) {
     for (int64_t n = n0; n < n1; n += kTileRows)
-      int4_tile_f32<kTileRows, 1>(xp, S, qt, st, ot, K, n, std::min(kTileRows, n1 - n), N, y, res);
+      int4_tile_f32<kTileRows, 1>(xp, S, qt, st, ot, K, n, std::min(kTileRows, n1 - n), N, y, res, nullptr);
   } else {
     alignas(32) float off[MB * kTileRows];  // the current tile's rows' offset sums, input row by input row
     int64_t tile = -1;
