@@ -143,12 +143,13 @@ def test_int8_f32_kernel_is_the_definition(n, k, m):
 
 
 def test_f32_kernels_two_threads_give_one_thread_s_bits():
+    """Also where the threads' runs of 8-row units split a 64-row block (200 rows: 25 units, 12 : 13, row 96)."""
     ext = _ext()
-    layer = _int4(2048, 576, seed=1)
-    head = Int8Linear(*quantize_int8(torch.randn(4099, 576)))
+    layers = [_int4(2048, 576, seed=1), _int4(200, 576, seed=2)]
+    heads = [Int8Linear(*quantize_int8(torch.randn(n, 576))) for n in (4099, 203)]
     x = torch.randn((3, 576))
-    for name, lay, args in (("int4_matmul_f32", layer, f32_tiles(layer)),
-                            ("int8_matmul_f32", head, (*f32_tiles(head), head.scale))):
+    for name, lay, args in ([("int4_matmul_f32", lay, f32_tiles(lay)) for lay in layers]
+                            + [("int8_matmul_f32", head, (*f32_tiles(head), head.scale)) for head in heads]):
         outs = []
         for threads in (1, 2):
             out = torch.empty((3, lay.out_features))
