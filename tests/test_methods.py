@@ -47,6 +47,27 @@ def test_never_and_always(tiny_engine, bm25):
     assert set(d["passages"][0]) == {"id", "title", "score"}
 
 
+def test_a_reading_prompt_too_long_for_the_context_keeps_its_best_ranked_passages(tiny_engine, bm25):
+    """The engine cuts a prompt on the left, where the instruction and the best passages stand: the method keeps the
+    leading passages that fit instead (the most that do), and its record lists those, not every one searched."""
+    from fastgate.prompts import rag_prompt
+
+    q = "What is the capital of France?"
+    every = build_method("always", tiny_engine, bm25, {"k": 7}).answer(q).passages  # 512-token context: all fit
+    assert len(every) >= 4
+    tight = build_method("always", tiny_engine, bm25, {"k": 7, "max_answer_tokens": 250})
+    r = tight.answer(q)
+    room = tiny_engine.lm.max_context - 250 - 1
+
+    def tokens(n):
+        return tiny_engine.count_tokens(rag_prompt(q, [h.passage for h in every[:n]], 120))
+
+    n = len(r.passages)
+    assert 1 <= n < len(every) and [h.id for h in r.passages] == [h.id for h in every[:n]]
+    assert tokens(n) <= room < tokens(n + 1) and not r.truncated
+    assert r.prompt_tokens == tokens(n)
+
+
 @pytest.mark.parametrize("tau,expect", [(0.0, True), (float("inf"), False)])
 def test_dtr_threshold_extremes(tiny_engine, bm25, tau, expect):
     results = build_method("dtr", tiny_engine, bm25, {"tau": tau}).answer_batch(QUESTIONS)

@@ -314,8 +314,39 @@ class Method:
         :class:`~fastgate.programs.Generate`)."""
         return Generate(closed_book_prompt(question), self.answer_config(), answer=answer)
 
+    def fit_passages(self, question: str, hits: Sequence[Hit], build=None, max_new_tokens: int | None = None
+                     ) -> list[Hit]:
+        """The leading ``hits`` whose prompt ``build(question, passages)`` (default: the reading prompt) fits the
+        model's context with ``max_new_tokens`` (default: the answer's) to generate; at least the first.
+
+        Why: the engine cuts a prompt too long for its context on the left, where the instruction and the
+        best-ranked passages stand (a large ``k`` or ``passage_words``): the answer then came from the lowest-ranked
+        passages while the record listed them all. Ranked best first, the passages that do not fit are the last
+        ones, and the record lists the ones read. A prompt of at most ``room - 8`` UTF-8 bytes is not tokenised (a
+        token of the byte-level and byte-fallback tokenizers here holds at least one byte; 8 for special tokens)."""
+        hits = list(hits)
+        if len(hits) <= 1:
+            return hits
+        budget = self.config.max_answer_tokens if max_new_tokens is None else max_new_tokens
+        room = self.engine.lm.max_context - budget - 1  # the engine's room for a prompt (KVCacheManager.prompt_room)
+        if build is None:
+            def build(q: str, ps: Sequence[Hit]) -> str:
+                return rag_prompt(q, [h.passage for h in ps], self.config.passage_words)
+
+        def fits(n: int) -> bool:
+            prompt = build(question, hits[:n])
+            return len(prompt.encode("utf-8", "surrogatepass")) + 8 <= room or self.engine.count_tokens(prompt) <= room
+
+        if fits(len(hits)):
+            return hits
+        lo, hi = 1, len(hits) - 1  # the most that fit lies in [1, hi] (a prompt grows with each passage)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return hits[:lo]
+
     def with_passages(self, question: str, hits: Sequence[Hit], answer: bool = False) -> Generate:
-        """The request for a greedy answer from ``hits``."""
+        """The request for a greedy answer from ``hits`` (the caller's :meth:`fit_passages`: the ones that fit)."""
         return Generate(rag_prompt(question, [h.passage for h in hits], self.config.passage_words),
                         self.answer_config(), answer=answer)
 

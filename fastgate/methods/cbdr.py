@@ -71,7 +71,7 @@ class Cbdr(Method):
             answer = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(answer.text.strip())
         (cands,) = yield Search(self.retriever, (question,), c.n_candidates)
-        hits = yield from self.rerank(question, step.score, cands)
+        hits = self.fit_passages(question, (yield from self.rerank(question, step.score, cands)))
         answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
 

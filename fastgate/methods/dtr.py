@@ -81,7 +81,7 @@ class Dtr(Method):
         pseudo_cfg = GenerationConfig(max_new_tokens=self.config.pseudo_tokens, stop=("\n",))
         pseudo = (yield Generate(pseudo_context_prompt(question), pseudo_cfg)).sequences[0]
         passage = pseudo.text.strip() or question  # an empty pseudo-context: fall back to the question
-        hits = yield from self.select(question, passage)
+        hits = self.fit_passages(question, (yield from self.select(question, passage)))
         answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
 

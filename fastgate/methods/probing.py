@@ -62,6 +62,9 @@ class Probing(Method):
         self.checkpoint = ckpt
         self.gate = ProberGate(ckpt.params.to(engine.device), ckpt.layers, self.config.theta, engine.ops)
 
+    def _prompt(self, question: str, passages: list[Hit]) -> str:
+        return cot_prompt(question, [h.passage for h in passages], self.config.passage_words)
+
     def _query(self, question: str, rationale: str, passages: list[Hit]) -> str:
         # R(q, r, â) first; later rounds R(q, {d}, r, â) (eq. 6)
         return " ".join([question, *(h.text for h in passages), rationale.strip()])
@@ -72,7 +75,7 @@ class Probing(Method):
         docs: list[Hit] = []
         for round_ in range(c.max_iterations + 1):
             probe = round_ < c.max_iterations  # the answer after the last allowed retrieval is final
-            prompt = cot_prompt(question, [h.passage for h in docs], c.passage_words)
+            prompt = self._prompt(question, docs)
             out = yield Generate(prompt, gen_cfg, self.gate.taps if probe else TapSpec())
             text = out.sequences[0].text
             if not probe:
@@ -81,4 +84,5 @@ class Probing(Method):
             if not step.retrieve:
                 break
             (docs,) = yield Search(self.retriever, (self._query(question, text, docs),), c.k)
+            docs = self.fit_passages(question, docs, self._prompt, c.max_rationale_tokens)
         return Answer(extract_answer(text), docs)  # the passages of the final answer's prompt

@@ -249,6 +249,7 @@ class Read(Method):
             closed = (yield self.closed_book(question, answer=True)).sequences[0]
             return Answer(closed.text.strip(), details={**details, "closed_book_answer": closed.text.strip()})
         reading = hits[self.reads_from(c, getattr(self.retriever, "name", "bm25"))] or hits[self._searches[0]]
+        reading = self.fit_passages(question, reading)
         answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
         return Answer(answer.text.strip(), reading, details={**details, "read": True})
 
@@ -270,6 +271,7 @@ class Read(Method):
             if not step.retrieve:
                 return Answer(closed.text.strip(), details=details, generation=closed)
         reading = hits[self.reads_from(c, getattr(self.retriever, "name", "bm25"))] or hits[self._searches[0]]
+        reading = self.fit_passages(question, reading)
         answer = (yield self.with_passages(question, reading, answer=True)).sequences[0]
         return Answer(answer.text.strip(), reading, details={**details, "read": True})
 

@@ -30,5 +30,6 @@ class AlwaysRetrieve(Method):
 
     def program(self, question: str) -> Program:
         (hits,) = yield Search(self.retriever, (question,), self.config.k)
+        hits = self.fit_passages(question, hits)
         answer = (yield self.with_passages(question, hits, answer=True)).sequences[0]
         return Answer(answer.text.strip(), hits)
