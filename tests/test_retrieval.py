@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -89,11 +90,16 @@ def test_a_build_replaces_another_corpus_s_index_only_when_forced(tmp_path, smal
     assert (built["bm25"] / "fastgate_index.json").read_text() == manifest  # kept
     assert len(build_indexes(other, tmp_path / "idx", kinds=("bm25",), progress=False, force=True)) == 1
     assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 1
-    # a corpus of the same name, edited: the same corpus, its index rebuilt without --force (as before)
-    edited = tmp_path / "edited" / "other.jsonl"
-    edited.parent.mkdir()
-    edited.write_text(other.read_text() + json.dumps({"id": "o2", "title": "More", "text": "A second one."}) + "\n")
-    build_indexes(edited, tmp_path / "idx", kinds=("bm25",), progress=False)
+    # the same corpus file, edited: its index rebuilt without --force (as before)
+    other.write_text(other.read_text() + json.dumps({"id": "o2", "title": "More", "text": "A second one."}) + "\n")
+    build_indexes(other, tmp_path / "idx", kinds=("bm25",), progress=False)
+    assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 2
+    # a file of the same name elsewhere (another user's other.jsonl): another corpus, refused, the index kept
+    twin = tmp_path / "elsewhere" / "other.jsonl"
+    twin.parent.mkdir()
+    twin.write_text(json.dumps({"id": "t1", "title": "Twin", "text": "Same name, other content."}) + "\n")
+    with pytest.raises(InputError, match=rf"another corpus \(other from {re.escape(str(other.resolve()))}, 2 passages"):
+        build_indexes(twin, tmp_path / "idx", kinds=("bm25",), progress=False)
     assert json.loads((built["bm25"] / "fastgate_index.json").read_text())["n_passages"] == 2
     # the default corpus's directory: a user's file of that name is refused; the default corpus itself replaces
     # whatever is there (here a user's index left by an older fastgate)

@@ -91,14 +91,17 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
     for kind in kinds:  # all refused before any is built: `--retriever all` built bm25, then refused dense/
         check_replaceable(root / kind)
     fingerprint = corpus_fingerprint(passages)
+    source = None if str(corpus) in (DEFAULT_CORPUS, "default") else str(Path(corpus).resolve())
     # another corpus's index is replaced only when asked: a user's corpus file named like the default one silently
     # became every later search's index, and `--out DIR` holding another corpus's index was rebuilt without a word.
     # The default corpus's directory is its own (a new version of its package rebuilds it); elsewhere a corpus of the
-    # same name is taken for the same corpus, edited (its index is rebuilt, as before)
+    # same name and file is taken for the same corpus, edited (its index is rebuilt, as before); of the same name from
+    # another file (two users' `docs.jsonl`), for another corpus: each build of one replaced the other's index
     default_root = root == index_dir(DEFAULT_CORPUS)
-    if not force and not (default_root and str(corpus) in (DEFAULT_CORPUS, "default")):
+    if not force and not (default_root and source is None):
         for kind in kinds:
-            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint, None if default_root else name)
+            other = _other_corpus(root / kind / "fastgate_index.json", fingerprint, None if default_root else name,
+                                  source)
             if other is not None:
                 raise InputError(f"{root / kind} holds the {kind} index of another corpus ({other}); build this "
                                  "one under another directory (--out), or pass --force to replace it")
@@ -112,26 +115,29 @@ def build_indexes(corpus: str | Path = DEFAULT_CORPUS, out_root: str | Path | No
             # finds the index the first one built (up to date, or, forced, newer than it was) and keeps it
             with one_builder(target, f"fastgate: waiting for another process building {target}" if progress else ""):
                 if not _up_to_date(manifest, kind, fingerprint, hnsw) or (force and _stamp(manifest) == seen):
-                    _build_index(kind, name, passages, target, hnsw=hnsw, progress=progress)
+                    _build_index(kind, name, passages, target, hnsw=hnsw, progress=progress, source=source)
         elif progress:
             print(f"fastgate: {kind} index of {name} is up to date ({target})", file=sys.stderr)
         built[kind] = target
     return built
 
 
-def _other_corpus(manifest: Path, fingerprint: str, name: str | None) -> str | None:
+def _other_corpus(manifest: Path, fingerprint: str, name: str | None, source: str | None = None) -> str | None:
     """What the index of ``manifest`` was built from ("name, N passages") where that is another corpus than the one
-    of ``fingerprint`` and named ``name`` (None: any other content is another corpus); None where it is this corpus
-    (or an edit of it), or there is no readable manifest (nothing to keep)."""
+    of ``fingerprint`` and named ``name`` from the file ``source`` (``name`` None: any other content is another
+    corpus); None where it is this corpus (or an edit of it: the same name, and the same file where the manifest
+    names one; indexes built before 2026-11-30 name none), or there is no readable manifest (nothing to keep)."""
     try:
         current = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(current, dict) or current.get("corpus_fingerprint") in (None, fingerprint):
         return None
-    if name is not None and current.get("corpus") == name:
+    built_from = current.get("corpus_path")
+    if name is not None and current.get("corpus") == name and built_from in (None, source):
         return None
-    return f"{current.get('corpus', '?')}, {current.get('n_passages', '?')} passages"
+    where = f" from {built_from}" if built_from else ""
+    return f"{current.get('corpus', '?')}{where}, {current.get('n_passages', '?')} passages"
 
 
 def _stamp(manifest: Path) -> tuple[int, int] | None:
@@ -173,16 +179,17 @@ def _opens(path: Path, kind: str, say: bool) -> bool:
     return True
 
 
-def _build_index(kind: str, name: str, passages, target: Path, *, hnsw: bool, progress: bool) -> None:
-    """One index of :func:`build_indexes`, its lock held."""
+def _build_index(kind: str, name: str, passages, target: Path, *, hnsw: bool, progress: bool,
+                 source: str | None = None) -> None:
+    """One index of :func:`build_indexes`, its lock held (``source``: the corpus file, None for the default)."""
     if progress:
         print(f"fastgate: building the {kind} index of {name} ({len(passages)} passages) in {target}",
               file=sys.stderr)
     if kind == "bm25":
         from fastgate.retrieval.bm25 import build_bm25_index
 
-        build_bm25_index(passages, target, corpus_name=name, progress=progress)
+        build_bm25_index(passages, target, corpus_name=name, progress=progress, corpus_path=source)
     else:
         from fastgate.retrieval.dense import build_dense_index
 
-        build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress)
+        build_dense_index(passages, target, corpus_name=name, hnsw=hnsw, progress=progress, corpus_path=source)

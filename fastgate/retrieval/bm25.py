@@ -41,11 +41,14 @@ def _schema(tantivy):
 
 
 def build_bm25_index(passages: Iterable[Passage], out_dir: str | Path, corpus_name: str = "",
-                     progress: bool = False, heap_mb: int = 256) -> Path:
-    """Build (atomically) a tantivy index of ``passages`` at ``out_dir``."""
+                     progress: bool = False, heap_mb: int = 256, corpus_path: str | None = None) -> Path:
+    """Build (atomically) a tantivy index of ``passages`` at ``out_dir`` (``corpus_path``: the corpus file, recorded
+    in its manifest)."""
     tantivy = require("tantivy", _HINT)
     passages = list(passages)
     meta = {"corpus": corpus_name, "n_passages": len(passages), "corpus_fingerprint": corpus_fingerprint(passages)}
+    if corpus_path:
+        meta["corpus_path"] = corpus_path
     with atomic_index_dir(Path(out_dir), "bm25", meta) as tmp:
         index = tantivy.Index(_schema(tantivy), path=str(tmp))
         writer = index.writer(heap_size=heap_mb * 1_000_000, num_threads=1)

@@ -24,8 +24,10 @@ _HINT = "pip install faiss-cpu (or faiss-gpu-cu12 on a CUDA machine: pip install
 
 
 def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder: Embedder | None = None,
-                      corpus_name: str = "", hnsw: bool = False, hnsw_m: int = 32, progress: bool = False) -> Path:
-    """Embed ``passages`` (title + text) and build (atomically) a FAISS index with its ids and passages.
+                      corpus_name: str = "", hnsw: bool = False, hnsw_m: int = 32, progress: bool = False,
+                      corpus_path: str | None = None) -> Path:
+    """Embed ``passages`` (title + text) and build (atomically) a FAISS index with its ids and passages
+    (``corpus_path``: the corpus file, recorded in its manifest).
 
     Raises:
         WriteError: ``out_dir`` cannot be written (disk full, permission denied, read-only); the build directory is
@@ -44,6 +46,8 @@ def build_dense_index(passages: Iterable[Passage], out_dir: str | Path, embedder
     index.add(vectors)
     meta = {"corpus": corpus_name, "n_passages": len(passages), "corpus_fingerprint": corpus_fingerprint(passages),
             "embedder": embedder.name, "dim": dim, "index_type": "hnsw" if hnsw else "flat_ip"}
+    if corpus_path:
+        meta["corpus_path"] = corpus_path
     try:
         with atomic_index_dir(Path(out_dir), "dense", meta) as tmp:  # a temporary sibling, renamed when complete
             faiss.write_index(index, str(tmp / "index.faiss"))  # faiss reports a failed write as a RuntimeError
