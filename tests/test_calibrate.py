@@ -464,3 +464,18 @@ def test_calibrate_help_says_what_dry_run_keeps_and_every_default():
     helps = {a.dest: a.help or "" for a in p._actions}
     assert "write nothing" not in helps["dry_run"] and "records and plot are still kept" in helps["dry_run"]
     assert "default: %(default)s" in helps["rule"] and helps["quiet"]
+
+
+def test_a_data_file_names_its_default_run_directory_by_stem_and_path_hash(tmp_path):
+    """`calibrate --data /abs/qa.jsonl` without --out nested the file's whole path under calibration/runs/; two files
+    of one stem now get a directory each, one level deep."""
+    from fastgate.train.calibrate import _data_label
+
+    a, b = tmp_path / "a" / "qa.jsonl", tmp_path / "b" / "qa.jsonl"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_text('{"question": "q", "answers": ["a"]}\n')
+    la, lb = _data_label(str(a)), _data_label(str(b))
+    assert la.startswith("qa-") and lb.startswith("qa-") and la != lb and "/" not in la + lb
+    assert _data_label(str(a)) == la  # stable
+    assert _data_label("nq:dev:balanced") == "nq-dev-balanced"

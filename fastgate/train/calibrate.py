@@ -20,6 +20,7 @@ read on top of the shipped values (:mod:`fastgate.methods.calibration`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -94,6 +95,18 @@ def dev_curve(scores: np.ndarray, retrieve_above: bool, skip_acc: np.ndarray | N
             row["random"] = float((1 - k / n) * skip_acc.mean() + k / n * read_acc.mean())
         rows.append(row)
     return rows
+
+
+def _data_label(data: str) -> str:
+    """``data`` in a run directory's name: a benchmark's ``nq:dev:balanced`` as ``nq-dev-balanced``; a file by its
+    stem and a hash of its absolute path (its whole path nested directories under runs/; two files of one stem share
+    no directory)."""
+    from fastgate.eval.datasets import is_benchmark
+
+    if is_benchmark(data) or not Path(data).is_file():  # a benchmark or a built-in set
+        return data.replace(":", "-")
+    path = str(Path(data).expanduser().resolve())
+    return f"{Path(data).stem}-{hashlib.sha256(path.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
 def _examples(data: str, n: int | None, seed: int, index: str | None):
@@ -171,7 +184,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
         check_calibration_file(model if remote is not None else Path(args.model).expanduser().name, Path(args.write))
     out = Path(args.out) if args.out else home() / "calibration" / "runs" / (
-        f"{Path(model).name}-{data.replace(':', '-')}-seed{args.seed}")
+        f"{Path(model).name}-{_data_label(data)}-seed{args.seed}")
     runtime = Runtime(args.model, device=args.device, index=args.index, remote=remote, dtype=args.dtype,
                       weights=args.weights)
     if remote is None and not has_results(out):
