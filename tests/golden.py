@@ -2,9 +2,9 @@
 the step-program scheduler) and replayed by ``tests/test_golden.py``.
 
 Record (only when a change is meant to alter results): ``python tests/golden.py --record``.
-Probing's entry was recorded again on 2026-11-30 (only it: the others' scores carry the first machine's last bits):
-its reading prompts overflowed the tiny model's 512-token context, which cut them on the left; they now keep the
-best-ranked passages that fit (``Method.fit_passages``).
+The probing, flare and scaar entries were recorded again on 2026-11-30 (only they: the others' scores carry the first
+machine's last bits): their reading prompts overflowed the tiny model's 512-token context, which cut them on the
+left; they now keep the best-ranked passages that fit (``Method.fit_passages``).
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class Flare(Method):
             sentence = yield from next_sentence(question, text, gen_cfg)  # the look-ahead (temporary) sentence
             step = yield Decide(self.gate, (question, sentence))  # any word with P'(w) < θ?
             if step.retrieve:  # search with the masked sentence, regenerate the sentence from the passages
-                sentence, hits = yield from regenerate(self.retriever, step.query, question, text, c, gen_cfg)
+                sentence, hits = yield from regenerate(self.retriever, step.query, question, text, c, gen_cfg,
+                                                         self.fit_passages)
                 used += hits
             text, finished = append_sentence(text, sentence)
             if finished:

@@ -71,7 +71,8 @@ class Scaar(Method):
             sentence = yield from next_sentence(question, text, gen_cfg)
             step = yield Decide(self.gate, (question, sentence))  # any word with P'(w) < θ·e^{r(w)}?
             if step.retrieve:  # search with the Percentile-Filtered Query, regenerate the sentence from the passages
-                sentence, hits = yield from regenerate(self.retriever, step.query, question, text, c, gen_cfg)
+                sentence, hits = yield from regenerate(self.retriever, step.query, question, text, c, gen_cfg,
+                                                         self.fit_passages)
                 used += hits
             text, finished = append_sentence(text, sentence)
             if finished:

@@ -114,6 +114,8 @@ class Seakr(Method):
             rationale, finished = append_sentence(rationale, chosen)
             if finished:
                 break
+        # the knowledge path's prompt holds the passages that fit the context (the record lists those)
+        knowledge = self.fit_passages(question, knowledge, self._knowledge_prompt, c.answer_tokens)
         answer = yield from self._reason(question, rationale, knowledge)
         return Answer(answer, knowledge)
 
@@ -131,6 +133,9 @@ class Seakr(Method):
         best = min(range(len(cands)), key=lambda j: scores[j])  # the first of equal scores
         return Hit(cands[best].passage, float(scores[best]))
 
+    def _knowledge_prompt(self, question: str, knowledge: list[Hit]) -> str:
+        return cot_prompt(question, [h.passage for h in knowledge], self.config.passage_words)
+
     def _reason(self, question: str, rationale: str, knowledge: list[Hit]) -> Program:
         """Self-aware reasoning: the rationale path's answer, or, where passages were retrieved, whichever of the
         rationale path and the knowledge path has the lower eigenscore."""
@@ -141,7 +146,7 @@ class Seakr(Method):
         r_answer = (yield self._greedy(r_prompt, c.max_answer_tokens, SENTENCE_STOP, answer=not knowledge)).sequences[0]
         if not knowledge:
             return r_answer.text.strip()
-        k_prompt = cot_prompt(question, [h.passage for h in knowledge], c.passage_words)
+        k_prompt = self._knowledge_prompt(question, knowledge)
         seed = self._seed(question, 2000)
         k_answer, r_samples, k_samples = yield All(
             self._greedy(k_prompt, c.answer_tokens, ("\n",)),
