@@ -453,6 +453,10 @@ def main() -> None:
                         help="stop starting new measurements after this long (0: no limit); rows so far are written")
     parser.add_argument("--no-save", action="store_true", help="print the rows only (a smoke run)")
     args = parser.parse_args()
+    shape = args.prefill.lower().split("x") if args.prefill else None
+    if shape is not None and (len(shape) != 2 or not all(x.isdigit() and int(x) > 0 for x in shape)):
+        # "0x0" crashed the prefill after every decode row was measured (an empty batch)
+        parser.error(f"--prefill is ROWSxTOKENS, both > 0 (e.g. 16x700), or '' to skip it; got {args.prefill!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.designs is not None:

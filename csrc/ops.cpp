@@ -286,8 +286,8 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
 // The threads split_rows hands work to: started once (one per core but the caller's), kept, and woken per call. A
 // thread started per call cost ~30 us (start and join), so a product of a batch-1 decode step (10-150 us of work)
 // stayed on one thread, though two threads read ~1.7x one's bandwidth on the EPYCs here. A waiting worker spins for
-// kSpinMicros before it sleeps on a condition variable: the products of a decode step come ~10-30 us apart, the
-// steps ~1 ms. Why not torch's pool (at::parallel_for): the extension does not link against torch. One caller at a
+// kSpinMicros, then polls yielding its core for kYieldMicros, before it sleeps on a condition variable: the products
+// of a decode step come ~10-30 us apart, a step's Python part between them takes ~1 ms. Why not torch's pool (at::parallel_for): the extension does not link against torch. One caller at a
 // time: a second (another Python thread, the GIL released) starts threads of its own as before. A fork's child gets
 // a pool of its own (a forked process has only the forking thread).
 class WorkerPool {
@@ -344,6 +344,11 @@ class WorkerPool {
   // a decode step's C++ calls come ~10-30 us apart (50 us was no better at batch 1 on an AVX2-only EPYC, within its
   // noise; the spin takes a core from torch's own threads meanwhile: MKL's products right after a pooled call)
   static constexpr int64_t kSpinMicros = 200;
+  // then it polls for kYieldMicros more, yielding its core between polls (sched_yield: another runnable thread, a
+  // torch op's second thread, takes the core at once): a decode step's Python part between its C++ calls, ~0.7-1 ms
+  // for SmolLM2 at batch 1, outlasted the spin, and the worker asleep woke 0.1-0.5 ms late each step (a futex on a
+  // 2-core VM): 9.4 -> 7.8 ms a step with a 2 ms spin (an AVX2-only EPYC; rdtsc-instrumented worker pool)
+  static constexpr int64_t kYieldMicros = 3000;
 
   explicit WorkerPool(int64_t workers) : workers_(workers), pid_(getpid()), slots_(new Slot[workers + 1]) {
     for (int64_t i = 1; i <= workers; ++i) std::thread([this, i] { loop(i); }).detach();
@@ -359,12 +364,20 @@ class WorkerPool {
     std::atomic<uint64_t>& ticket = slots_[index].ticket;
     uint64_t seen = 0;  // the tickets' start: a first call may come before this thread runs
     for (;;) {
-      // spin a while, then sleep until the next ticket
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+      // spin a while, then poll yielding the core a while longer, then sleep until the next ticket
+      const auto start = std::chrono::steady_clock::now();
+      const auto spun = start + std::chrono::microseconds(kSpinMicros);
+      const auto until = start + std::chrono::microseconds(kYieldMicros);
+      bool yielding = false;
       for (int i = 0; ticket.load(std::memory_order_acquire) == seen; ++i) {
-        pause();
         if (resting_.load(std::memory_order_relaxed)) break;  // rest(): sleep now
-        if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
+        if (!yielding) {
+          pause();
+          if ((i & 255) == 255 && std::chrono::steady_clock::now() > spun) yielding = true;
+        } else {
+          if (std::chrono::steady_clock::now() > until) break;
+          std::this_thread::yield();
+        }
       }
       if (ticket.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
