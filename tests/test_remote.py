@@ -23,9 +23,11 @@ from fastgate.engine.remote import RemoteConfig, RemoteEngine, token_bytes  # no
 from fastgate.errors import InputError, RemoteError  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "capital of Kyrgyzstan"]
-# small settings: every question runs in a fraction of a second on the tiny model
+# small settings: every question runs in a fraction of a second on the tiny model. SCAAR with one passage: its
+# three-passage prompts overflow the tiny model's 512-token context, where a local engine keeps the passages that fit
+# (Method.fit_passages) and a remote one sends them all for its server to cut (no tokenizer here)
 PARAMS = {
-    "scaar": {"max_sentences": 2, "sentence_tokens": 10},
+    "scaar": {"max_sentences": 2, "sentence_tokens": 10, "k": 1},
     "flare": {"max_sentences": 2, "sentence_tokens": 10, "theta": 0.3},
     "dtr": {"tau": 0.5, "pseudo_tokens": 12, "max_answer_tokens": 8},
 }

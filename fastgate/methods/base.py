@@ -323,9 +323,11 @@ class Method:
         best-ranked passages stand (a large ``k`` or ``passage_words``): the answer then came from the lowest-ranked
         passages while the record listed them all. Ranked best first, the passages that do not fit are the last
         ones, and the record lists the ones read. A prompt of at most ``room - 8`` UTF-8 bytes is not tokenised (a
-        token of the byte-level and byte-fallback tokenizers here holds at least one byte; 8 for special tokens)."""
+        token of the byte-level and byte-fallback tokenizers here holds at least one byte; 8 for special tokens). On a
+        remote engine every hit is kept: its server's tokenizer is not here (``count_tokens`` is an estimate), and the
+        server fits the prompt to its own context as before."""
         hits = list(hits)
-        if len(hits) <= 1:
+        if len(hits) <= 1 or getattr(self.engine, "remote", False):
             return hits
         budget = self.config.max_answer_tokens if max_new_tokens is None else max_new_tokens
         room = self.engine.lm.max_context - budget - 1  # the engine's room for a prompt (KVCacheManager.prompt_room)
