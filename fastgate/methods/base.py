@@ -327,7 +327,7 @@ class Method:
         remote engine every hit is kept: its server's tokenizer is not here (``count_tokens`` is an estimate), and the
         server fits the prompt to its own context as before."""
         hits = list(hits)
-        if len(hits) <= 1 or getattr(self.engine, "remote", False):
+        if len(hits) <= 1 or self.engine.remote:
             return hits
         budget = self.config.max_answer_tokens if max_new_tokens is None else max_new_tokens
         room = self.engine.lm.max_context - budget - 1  # the engine's room for a prompt (KVCacheManager.prompt_room)
