@@ -287,9 +287,10 @@ py::array_t<float> word_logprobs(py::array_t<double, py::array::c_style | py::ar
 // thread started per call cost ~30 us (start and join), so a product of a batch-1 decode step (10-150 us of work)
 // stayed on one thread, though two threads read ~1.7x one's bandwidth on the EPYCs here. A waiting worker spins for
 // kSpinMicros, then polls yielding its core for kYieldMicros, before it sleeps on a condition variable: the products
-// of a decode step come ~10-30 us apart, a step's Python part between them takes ~1 ms. Why not torch's pool (at::parallel_for): the extension does not link against torch. One caller at a
-// time: a second (another Python thread, the GIL released) starts threads of its own as before. A fork's child gets
-// a pool of its own (a forked process has only the forking thread).
+// of a decode step come ~10-30 us apart, a step's Python part between them takes ~1 ms. Why not torch's pool
+// (at::parallel_for): the extension does not link against torch. One caller at a time: a second (another Python
+// thread, the GIL released) starts threads of its own as before. A fork's child gets a pool of its own (a forked
+// process has only the forking thread).
 class WorkerPool {
  public:
   typedef void (*Task)(void* ctx, int64_t t);

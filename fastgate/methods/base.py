@@ -331,9 +331,7 @@ class Method:
             return hits
         budget = self.config.max_answer_tokens if max_new_tokens is None else max_new_tokens
         room = self.engine.lm.max_context - budget - 1  # the engine's room for a prompt (KVCacheManager.prompt_room)
-        if build is None:
-            def build(q: str, ps: Sequence[Hit]) -> str:
-                return rag_prompt(q, [h.passage for h in ps], self.config.passage_words)
+        build = build or self._reading_prompt
 
         def fits(n: int) -> bool:
             prompt = build(question, hits[:n])
@@ -347,10 +345,12 @@ class Method:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return hits[:lo]
 
+    def _reading_prompt(self, question: str, hits: Sequence[Hit]) -> str:
+        return rag_prompt(question, [h.passage for h in hits], self.config.passage_words)
+
     def with_passages(self, question: str, hits: Sequence[Hit], answer: bool = False) -> Generate:
         """The request for a greedy answer from ``hits`` (the caller's :meth:`fit_passages`: the ones that fit)."""
-        return Generate(rag_prompt(question, [h.passage for h in hits], self.config.passage_words),
-                        self.answer_config(), answer=answer)
+        return Generate(self._reading_prompt(question, hits), self.answer_config(), answer=answer)
 
     # ------------------------------------------------------------------ running
     def program(self, question: str) -> Program:  # pragma: no cover - abstract

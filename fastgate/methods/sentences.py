@@ -45,7 +45,7 @@ def next_sentence(question: str, text: str, gen_cfg: GenerationConfig) -> Progra
 
 
 def regenerate(retriever, query: str, question: str, text: str, config: SentenceConfig,
-               gen_cfg: GenerationConfig, fit=None) -> Program:
+               gen_cfg: GenerationConfig, fit) -> Program:
     """Search ``query`` (top ``config.k``), then generate the sentence again after ``text`` with those passages in
     the prompt; returns ``(sentence, hits)``. ``fit``: the method's ``fit_passages`` (the leading hits whose prompt
     fits the context)."""
@@ -54,8 +54,7 @@ def regenerate(retriever, query: str, question: str, text: str, config: Sentence
     def build(q: str, ps) -> str:
         return cot_prompt(q, [h.passage for h in ps], config.passage_words, text)
 
-    if fit is not None:
-        hits = fit(question, hits, build, gen_cfg.max_new_tokens)
+    hits = fit(question, hits, build, gen_cfg.max_new_tokens)
     prompt = build(question, hits)
     sentence: Generation = (yield Generate(prompt, gen_cfg)).sequences[0]
     return sentence, hits
